@@ -1,0 +1,101 @@
+"""Zero-copy views between torch tensors and NumPy arrays, and dtype names shared by both.
+
+Backends receive arrays of one kind (NumPy for the CPU backends, torch for Triton); these
+views let a write through the backend's array land in the caller's storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+try:
+    import torch
+except ImportError:  # torch is optional for NumPy-only users
+    torch = None  # type: ignore[assignment]
+
+# Canonical dtype names used across kvzoo (errors, problems, registry checks).
+_NUMPY_DTYPES: dict[str, Any] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "float64": np.dtype(np.float64),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+}
+# Same-width unsigned/signed ints used to move dtypes NumPy and torch do not share.
+_CARRIER = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def is_torch(x: Any) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or is_torch(x)
+
+
+def dtype_name(x: Any) -> str:
+    """Canonical name of an array's dtype ("bfloat16", "float8_e4m3fn", ...)."""
+    if is_torch(x):
+        return str(x.dtype).removeprefix("torch.")
+    return np.dtype(x.dtype).name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return _NUMPY_DTYPES[name]
+
+
+def torch_dtype(name: str) -> Any:
+    return getattr(torch, name)
+
+
+def device_type(x: Any) -> str:
+    """'cpu', 'cuda' (also ROCm tensors, which torch calls cuda) for a torch tensor or array."""
+    return x.device.type if is_torch(x) else "cpu"
+
+
+def as_numpy(x: Any) -> np.ndarray:
+    """A NumPy view of a CPU tensor or array (no copy; strides kept)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if not is_torch(x):
+        return np.asarray(x)
+    if x.device.type != "cpu":
+        raise ValueError(f"expected a CPU tensor for a NumPy backend, got device {x.device}")
+    name = dtype_name(x)
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"):
+        carrier = _CARRIER[x.element_size()]
+        return x.view(torch_dtype(carrier)).numpy().view(numpy_dtype(name))
+    return x.numpy()
+
+
+def as_torch(x: Any) -> Any:
+    """A torch view of a NumPy array or tensor (no copy; strides kept)."""
+    if is_torch(x):
+        return x
+    x = np.asarray(x)
+    name = x.dtype.name
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"):
+        carrier = _CARRIER[x.dtype.itemsize]
+        return torch.from_numpy(x.view(numpy_dtype(carrier))).view(torch_dtype(name))
+    return torch.from_numpy(x)
+
+
+def same_kind_empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """An uninitialised array of the same kind (and device) as `like`."""
+    if is_torch(like):
+        return torch.empty(shape, dtype=torch_dtype(dtype), device=like.device)
+    return np.empty(shape, dtype=numpy_dtype(dtype))
+
+
+def raw_bytes(x: Any) -> bytes:
+    """The bytes of an array's elements in logical (C) order, for exact comparisons."""
+    a = as_numpy(x.detach().cpu() if is_torch(x) else x)
+    return np.ascontiguousarray(a).tobytes()

@@ -1,0 +1,1 @@
+"""Backends. Each module listed in kvzoo.registry.BACKEND_MODULES exposes register(registry)."""

@@ -1,0 +1,45 @@
+"""Where the Triton kernels can run on this machine."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# (platform, fp8 code dtype of its per-token-head mode)
+PLATFORMS = ("cuda", "rocm")
+
+PRIORITY_GPU = 100
+# Under the interpreter the kernels are checked, not used: any CPU backend is preferred.
+PRIORITY_INTERPRETED = 1
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reasons(platform: str) -> tuple[str, ...]:
+    try:
+        import triton  # noqa: F401
+        import torch
+    except ImportError as exc:
+        return (f"triton-{platform}: {exc.name} is not installed (pip install triton torch)",)
+    if interpreted():
+        return ()
+    gpu = torch.cuda.is_available()
+    on_rocm = torch.version.hip is not None
+    if gpu and (platform == "rocm") == on_rocm:
+        return ()
+    what = "ROCm" if platform == "rocm" else "CUDA"
+    return (
+        f"triton-{platform}: no {what} GPU here (set TRITON_INTERPRET=1 to run the kernels on "
+        "CPU tensors under the Triton interpreter)",
+    )
+
+
+def devices() -> frozenset[str]:
+    return frozenset({"cpu"}) if interpreted() else frozenset({"cuda"})
+
+
+def priority() -> int:
+    return PRIORITY_INTERPRETED if interpreted() else PRIORITY_GPU

@@ -1,0 +1,166 @@
+"""The inputs of each operation, as one record per call.
+
+The public API validates the user's arguments and builds one of these; the registry asks each
+implementation whether it takes the problem; the chosen implementation receives it with its
+arrays converted to the kind it works on (NumPy or torch; see Implementation.array_kind).
+All array fields are views of the caller's storage: writes land in the caller's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .modes import QuantMode
+
+Array = Any  # torch.Tensor or numpy.ndarray
+
+OPS: tuple[str, ...] = ("reshape_and_cache", "dequantize", "paged_attention")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    mode: QuantMode
+
+    @property
+    def device(self) -> str:
+        from .arrays import device_type
+
+        return device_type(self._device_array())
+
+    def _device_array(self) -> Array:
+        raise NotImplementedError
+
+    def map_arrays(self, convert: Callable[[Array], Array]) -> "_Problem":
+        """The same problem with every array field passed through `convert`."""
+        from .arrays import is_array
+
+        changes = {
+            f.name: convert(v)
+            for f in dataclasses.fields(self)
+            if is_array(v := getattr(self, f.name))
+        }
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CacheWrite(_Problem):
+    """reshape_and_cache: quantize key/value rows [T, Hkv, D] into slots of the paged cache.
+
+    key_cache / value_cache: [num_blocks, block_size, Hkv, D] (codes, or model dtype for
+    mode none), any strides. k_scale_cache / v_scale_cache: [num_blocks, block_size, Hkv]
+    float32 for per-token-head modes, else None. k_scale / v_scale: float32 [1] arrays for
+    fp8_per_tensor, else None. slot_mapping: [T] int32/int64; negative means skip.
+    """
+
+    key: Array
+    value: Array
+    key_cache: Array
+    value_cache: Array
+    slot_mapping: Array
+    k_scale_cache: Array | None = None
+    v_scale_cache: Array | None = None
+    k_scale: Array | None = None
+    v_scale: Array | None = None
+    rounding: str = "nearest"
+
+    def _device_array(self) -> Array:
+        return self.key_cache
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.key.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key_cache.shape[1])
+
+
+@dataclass(frozen=True)
+class Dequantize(_Problem):
+    """dequantize: gather the tokens of sequences and decode them to float32.
+
+    cache: [num_blocks, block_size, H, D]; scale_cache: [num_blocks, block_size, H] float32
+    (per-token-head) or None; scale: float32 [1] (per-tensor) or None.
+    block_tables: [S, max_blocks] int32; seq_lens: [S] int32; cu_seq_lens: [S+1] int32/64,
+    the prefix sums of seq_lens (token offsets of each sequence in `out`).
+    out: [total_tokens, H, D] float32, written by the implementation.
+    """
+
+    cache: Array
+    block_tables: Array
+    seq_lens: Array
+    cu_seq_lens: Array
+    out: Array
+    scale_cache: Array | None = None
+    scale: Array | None = None
+
+    def _device_array(self) -> Array:
+        return self.cache
+
+
+@dataclass(frozen=True)
+class Attention(_Problem):
+    """paged_attention over a varlen batch mixing prefill and decode.
+
+    query: [T, Hq, D]; key_cache / value_cache: [num_blocks, block_size, Hkv, D];
+    k_scale_cache / v_scale_cache: [num_blocks, block_size, Hkv] float32 (per-token-head);
+    k_scale / v_scale: float32 [1] (per-tensor); block_tables: [S, max_blocks] int32;
+    seq_lens: [S] int32 (context length including this step's query tokens);
+    query_start_loc: [S+1] int32; sinks: [Hq] float32 or None; out: [T, Hq, D].
+    max_query_len / max_seq_len: host-side bounds (kernels size their grids from them).
+    Query token j of sequence s sits at position seq_lens[s] - q_len + j and attends to
+    keys at positions p <= that (and > that - sliding_window when a window is set).
+    """
+
+    query: Array
+    key_cache: Array
+    value_cache: Array
+    block_tables: Array
+    seq_lens: Array
+    query_start_loc: Array
+    out: Array
+    max_query_len: int
+    max_seq_len: int
+    softmax_scale: float
+    k_scale_cache: Array | None = None
+    v_scale_cache: Array | None = None
+    k_scale: Array | None = None
+    v_scale: Array | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: Array | None = None
+    # Bits of one sequence's output must not depend on the rest of the batch.
+    batch_invariant: bool = False
+
+    def _device_array(self) -> Array:
+        return self.query
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_q_heads(self) -> int:
+        return int(self.query.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key_cache.shape[2])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key_cache.shape[1])
