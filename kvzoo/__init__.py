@@ -1,0 +1,30 @@
+"""kvzoo: per-token-head INT8/FP8 quantization of the paged KV cache.
+
+Operations (kvzoo.api): reshape_and_cache, dequantize, paged_attention. Implementations are
+chosen by kvzoo.registry; semantics are defined in reference/SPEC.md.
+"""
+
+from . import registry
+from .api import dequantize, paged_attention, reshape_and_cache
+from .cache import PagedKVCache
+from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
+from .modes import MODES, QuantMode, get_kv_quant_mode
+from .validate import KVZooInputError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCacheTensors",
+    "KVZooInputError",
+    "MODES",
+    "PagedKVCache",
+    "QuantMode",
+    "allocate_inline",
+    "allocate_separate",
+    "dequantize",
+    "get_kv_quant_mode",
+    "inline_views",
+    "paged_attention",
+    "registry",
+    "reshape_and_cache",
+]

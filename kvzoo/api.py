@@ -1,0 +1,323 @@
+"""The public operations: validate, build the problem record, let the registry pick, run.
+
+Inputs may be torch tensors (CPU or GPU) or NumPy arrays (CPU); strided views (K and V
+sliced out of a fused QKV projection, caches viewed out of an inline-layout buffer) are taken
+as they are, never copied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import registry as _registry
+from .arrays import as_numpy, as_torch, dtype_name, is_torch, same_kind_empty
+from .modes import ROUNDINGS, QuantMode, get_kv_quant_mode
+from .problem import Attention, CacheWrite, Dequantize
+from .validate import (
+    FLOAT_INPUTS,
+    INDEX_DTYPES,
+    code_dtypes,
+    fail,
+    forbid,
+    host_ints,
+    require_dtype,
+    require_finite,
+    require_ndim,
+    require_no_negative_strides,
+    require_same_device,
+    require_shape,
+    static_scale,
+)
+
+Array = Any
+
+
+def _run(op: str, problem: Any, impl: str | None) -> None:
+    chosen = _registry.default().select(problem, op, impl)
+    convert = as_numpy if chosen.array_kind == "numpy" else as_torch
+    chosen.run(problem.map_arrays(convert))
+
+
+def _cache_dtypes(mode: QuantMode, model_dtype: str) -> tuple[str, ...]:
+    return (model_dtype,) if mode.code_dtype is None else code_dtypes(mode)
+
+
+def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, validate):
+    """Checks scale caches / static scales against the mode; returns static scales as arrays."""
+    for name, sc in named_caches.items():
+        if mode.per_token_head:
+            if sc is None:
+                fail(f"{name}: required for per-token-head mode {mode.name!r} (float32 {cache_shape3})")
+            require_ndim(name, sc, 3, "[num_blocks, block_size, num_kv_heads]")
+            require_dtype(name, sc, ("float32",))
+            require_shape(name, sc, cache_shape3, "[num_blocks, block_size, num_kv_heads]")
+            require_no_negative_strides(name, sc)
+        else:
+            forbid(name, sc, mode, "only per-token-head modes keep a scale per row")
+    statics = {}
+    for name, s in named_static.items():
+        if mode.per_tensor:
+            statics[name] = static_scale(name, s, like, validate=validate)
+        else:
+            forbid(name, s, mode, "only fp8_per_tensor takes a static scale")
+            statics[name] = None
+    return statics
+
+
+def reshape_and_cache(
+    key: Array,
+    value: Array,
+    key_cache: Array,
+    value_cache: Array,
+    slot_mapping: Array,
+    *,
+    mode: str | QuantMode,
+    k_scale_cache: Array | None = None,
+    v_scale_cache: Array | None = None,
+    k_scale: Array | float | None = None,
+    v_scale: Array | float | None = None,
+    rounding: str = "nearest",
+    impl: str | None = None,
+    validate: bool = True,
+    check_finite: bool = False,
+) -> None:
+    """Quantize key/value rows [num_tokens, num_kv_heads, head_size] into their cache slots.
+
+    slot_mapping[t] = block * block_size + offset; a negative slot skips token t. With
+    validate=False no device value is read on the host (CUDA-graph safe); a negative slot is
+    still skipped. check_finite=True raises instead of storing NaN/Inf rows.
+    """
+    mode = get_kv_quant_mode(mode)
+    require_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    require_ndim("value", value, 3, "[num_tokens, num_kv_heads, head_size]")
+    require_dtype("key", key, FLOAT_INPUTS)
+    require_shape("value", value, tuple(key.shape), "(same as key)")
+    require_dtype("value", value, (dtype_name(key),))
+    num_tokens, num_kv_heads, head_size = (int(s) for s in key.shape)
+    require_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    num_blocks, block_size = int(key_cache.shape[0]), int(key_cache.shape[1])
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size]")
+        require_dtype(name, cache, _cache_dtypes(mode, dtype_name(key)))
+        require_no_negative_strides(name, cache)
+    require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    require_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
+    if rounding not in ROUNDINGS:
+        fail(f"rounding: expected one of {list(ROUNDINGS)}, got {rounding!r}")
+    if rounding == "trunc" and not mode.is_int8:
+        fail(f"rounding: 'trunc' applies to int8 modes only, not {mode.name!r}")
+    require_same_device(
+        {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+         "slot_mapping": slot_mapping, "k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache}
+    )
+    statics = _check_scale_inputs(
+        mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
+        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
+    )
+    if validate and num_tokens:
+        slots = host_ints(slot_mapping).astype(np.int64)
+        capacity = num_blocks * block_size
+        if slots.max() >= capacity:
+            fail(f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
+                 f"({num_blocks} blocks x {block_size})")
+        used = slots[slots >= 0]
+        if len(np.unique(used)) != len(used):
+            fail("slot_mapping: a non-negative slot appears more than once; each slot takes one token")
+    if check_finite:
+        require_finite("key", key)
+        require_finite("value", value)
+    problem = CacheWrite(
+        mode=mode, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=slot_mapping, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+        k_scale=statics["k_scale"], v_scale=statics["v_scale"], rounding=rounding,
+    )
+    _run("reshape_and_cache", problem, impl)
+
+
+def _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> None:
+    require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    require_dtype("block_tables", block_tables, INDEX_DTYPES)
+    require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    require_dtype("seq_lens", seq_lens, INDEX_DTYPES)
+    num_seqs, max_blocks = int(block_tables.shape[0]), int(block_tables.shape[1])
+    require_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs] (one per block_tables row)")
+    if not validate or num_seqs == 0:
+        return
+    lens = host_ints(seq_lens).astype(np.int64)
+    if lens.min() < 0:
+        fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
+    if lens.max() > max_blocks * block_size:
+        fail(f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
+             f"block_tables x block_size {block_size}")
+    table = host_ints(block_tables).astype(np.int64)
+    used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)
+    ids = table[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        fail(f"block_tables: block id {bad} is out of range [0, {num_blocks}) for the blocks a sequence uses")
+
+
+def dequantize(
+    cache: Array,
+    scale_cache: Array | None = None,
+    *,
+    mode: str | QuantMode,
+    scale: Array | float | None = None,
+    block_tables: Array | None = None,
+    seq_lens: Array | None = None,
+    impl: str | None = None,
+    validate: bool = True,
+) -> Array:
+    """Decode cache codes to float32.
+
+    Without block_tables: the whole cache, shape [num_blocks, block_size, H, D].
+    With block_tables and seq_lens: the tokens of each sequence, packed in order,
+    shape [sum(seq_lens), H, D].
+    """
+    mode = get_kv_quant_mode(mode)
+    require_ndim("cache", cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    require_dtype("cache", cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
+    require_no_negative_strides("cache", cache)
+    num_blocks, block_size, num_heads, head_size = (int(s) for s in cache.shape)
+    statics = _check_scale_inputs(
+        mode, cache, {"scale_cache": scale_cache}, (num_blocks, block_size, num_heads),
+        {"scale": scale}, validate,
+    )
+    whole_cache = block_tables is None
+    if whole_cache:
+        if seq_lens is not None:
+            fail("seq_lens: given without block_tables; pass both or neither")
+        block_tables = _index_like(cache, np.arange(num_blocks, dtype=np.int32)[None, :])
+        seq_lens = _index_like(cache, np.array([num_blocks * block_size], dtype=np.int32))
+    elif seq_lens is None:
+        fail("seq_lens: required with block_tables")
+    require_same_device({"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables,
+                         "seq_lens": seq_lens})
+    _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    lens = host_ints(seq_lens).astype(np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    total = int(cu[-1])
+    out = same_kind_empty(cache, (total, num_heads, head_size), "float32")
+    problem = Dequantize(
+        mode=mode, cache=cache, block_tables=block_tables, seq_lens=seq_lens,
+        cu_seq_lens=_index_like(cache, cu.astype(np.int64)), out=out,
+        scale_cache=scale_cache, scale=statics["scale"],
+    )
+    _run("dequantize", problem, impl)
+    return out.reshape(cache.shape) if whole_cache else out
+
+
+def _index_like(like: Any, values: np.ndarray) -> Any:
+    if is_torch(like):
+        return as_torch(values).to(like.device)
+    return values
+
+
+def paged_attention(
+    query: Array,
+    key_cache: Array,
+    value_cache: Array,
+    *,
+    mode: str | QuantMode,
+    block_tables: Array,
+    seq_lens: Array,
+    query_start_loc: Array,
+    k_scale_cache: Array | None = None,
+    v_scale_cache: Array | None = None,
+    k_scale: Array | float | None = None,
+    v_scale: Array | float | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Array | None = None,
+    out: Array | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    batch_invariant: bool = False,
+    impl: str | None = None,
+    validate: bool = True,
+) -> Array:
+    """Causal attention of a varlen batch (prefill chunks and decodes) over the paged cache.
+
+    Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; its context is
+    seq_lens[s] tokens (this step's included), found through block_tables[s]. Returns `out`
+    ([num_tokens, num_q_heads, head_size], query dtype). Pass max_query_len and max_seq_len
+    (host ints) together with validate=False to avoid every host synchronisation.
+    """
+    mode = get_kv_quant_mode(mode)
+    require_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
+    require_dtype("query", query, FLOAT_INPUTS)
+    num_tokens, num_q_heads, head_size = (int(s) for s in query.shape)
+    require_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+    num_blocks, block_size, num_kv_heads = (int(s) for s in key_cache.shape[:3])
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
+        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size(query)]")
+        require_dtype(name, cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
+        require_no_negative_strides(name, cache)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        fail(f"query: num_q_heads {num_q_heads} must be a multiple of the cache's num_kv_heads {num_kv_heads}")
+    require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    require_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    require_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
+    num_seqs = int(seq_lens.shape[0])
+    require_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        fail(f"sliding_window: expected an int >= 1 or None, got {sliding_window!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        fail(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_size)
+    if sinks is not None:
+        require_ndim("sinks", sinks, 1, "[num_q_heads]")
+        require_dtype("sinks", sinks, ("float32",))
+        require_shape("sinks", sinks, (num_q_heads,), "[num_q_heads]")
+    if out is None:
+        out = same_kind_empty(query, tuple(query.shape), dtype_name(query))
+    else:
+        require_ndim("out", out, 3, "[num_tokens, num_q_heads, head_size]")
+        require_shape("out", out, tuple(query.shape), "(same as query)")
+        require_dtype("out", out, (dtype_name(query),))
+    require_same_device({"query": query, "key_cache": key_cache, "value_cache": value_cache,
+                         "block_tables": block_tables, "seq_lens": seq_lens,
+                         "query_start_loc": query_start_loc, "k_scale_cache": k_scale_cache,
+                         "v_scale_cache": v_scale_cache, "sinks": sinks, "out": out})
+    statics = _check_scale_inputs(
+        mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
+        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
+    )
+    _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    if validate or max_query_len is None or max_seq_len is None:
+        qsl = host_ints(query_start_loc).astype(np.int64)
+        lens = host_ints(seq_lens).astype(np.int64)
+        q_lens = np.diff(qsl)
+        if validate:
+            if qsl[0] != 0 or qsl[-1] != num_tokens or (q_lens < 0).any():
+                fail(f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={num_tokens}, "
+                     f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}")
+            if (q_lens > lens).any():
+                s = int(np.argmax(q_lens > lens))
+                fail(f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
+                     f"{int(lens[s])}; the context includes this step's tokens")
+        max_query_len = int(q_lens.max()) if num_seqs else 0
+        max_seq_len = int(lens.max()) if num_seqs else 0
+    problem = Attention(
+        mode=mode, query=query, key_cache=key_cache, value_cache=value_cache,
+        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, out=out,
+        max_query_len=int(max_query_len), max_seq_len=int(max_seq_len),
+        softmax_scale=float(softmax_scale), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+        k_scale=statics["k_scale"], v_scale=statics["v_scale"],
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        softcap=None if softcap is None else float(softcap), sinks=sinks,
+        batch_invariant=batch_invariant,
+    )
+    if num_tokens:
+        _run("paged_attention", problem, impl)
+    return out

@@ -1,0 +1,62 @@
+"""Registers reference/vectorized.py, the NumPy implementation, for every mode (platform "any")."""
+
+from __future__ import annotations
+
+from reference import vectorized
+
+from ..modes import MODES, SCALE_FLOOR, QuantMode
+from ..problem import Attention, CacheWrite, Dequantize
+from ..registry import Implementation, Registry
+
+NAME = "numpy"
+PRIORITY = 10
+
+
+def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
+    return vectorized.Codec(
+        granularity=mode.granularity,
+        code_dtype=mode.code_dtype,
+        qmax=mode.qmax,
+        qmin=mode.qmin,
+        nan_code=mode.nan_code,
+        scale_floor=float(SCALE_FLOOR),
+        rounding=rounding,
+    )
+
+
+def _reshape_and_cache(p: CacheWrite) -> None:
+    vectorized.reshape_and_cache(
+        p.key, p.value, p.key_cache, p.value_cache, p.slot_mapping, codec(p.mode, p.rounding),
+        k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
+    )
+
+
+def _dequantize(p: Dequantize) -> None:
+    vectorized.dequantize(
+        p.cache, p.block_tables, p.seq_lens, p.cu_seq_lens, p.out, codec(p.mode),
+        scale_cache=p.scale_cache, scale=p.scale,
+    )
+
+
+def _paged_attention(p: Attention) -> None:
+    vectorized.paged_attention(
+        p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.query_start_loc, p.out,
+        codec(p.mode), p.softmax_scale,
+        k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
+        sliding_window=p.sliding_window, softcap=p.softcap, sinks=p.sinks,
+    )
+
+
+def register(registry: Registry) -> None:
+    for op, run in (
+        ("reshape_and_cache", _reshape_and_cache),
+        ("dequantize", _dequantize),
+        ("paged_attention", _paged_attention),
+    ):
+        registry.add(
+            Implementation(
+                name=NAME, op=op, platform="any", modes=frozenset(MODES), run=run,
+                array_kind="numpy", devices=frozenset({"cpu"}), priority=PRIORITY,
+                attention_rtol=1e-5,
+            )
+        )

@@ -1,0 +1,162 @@
+"""Exact quantization helpers for Triton kernels (@triton.jit, inlined by the caller).
+
+Every helper gives the same bits on an NVIDIA/AMD GPU and under TRITON_INTERPRET=1, because
+each step is an operation both agree on: integer arithmetic on float bit patterns, plain fp32
+add/multiply/min/max (IEEE on both), and `tl.math.div_rn`, the correctly rounded division.
+Things deliberately avoided, each measured to differ from the spec somewhere:
+- `a / b` on fp32 (div.full.f32 on CUDA: up to 2 ulp off);
+- float -> int8 conversion for rounding (cvt.rzi truncates on CUDA) and libdevice rint (not
+  available to the interpreter);
+- float -> fp8 conversion (the interpreter mis-rounds ties and subnormals; sm_89 rounds twice);
+- `tl.max` for NaN detection (max.f32 drops NaN).
+
+Contraction: the only multiply whose result later meets an add is `x * inv`, and the clamp
+(min/max) sits between them, so no FMA can form whatever the kernel's fp-fusion setting.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding then subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
+# half to even (the addition's own RNE does the work).
+RNE_MAGIC = 12582912.0
+CANONICAL_NAN_BITS = 0x7FC00000
+# Code formats, passed as the constexpr CODE of the kernels.
+CODE_COPY = 0
+CODE_INT8 = 1
+CODE_E4M3FN = 2
+CODE_E4M3FNUZ = 3
+
+
+@triton.jit
+def float_bits(x):
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def bits_float(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def widen_bf16_bits(raw16):
+    """bf16 bit patterns (int16) -> the exact fp32 values; bf16 is the top half of an fp32."""
+    return bits_float(raw16.to(tl.int32) << 16)
+
+
+@triton.jit
+def is_finite(y):
+    return (float_bits(y) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def row_absmax_bits(xf, AXIS: tl.constexpr):
+    """Bits of max |x| along AXIS, NaN-propagating.
+
+    Non-negative floats order like their bit patterns as integers, and every NaN pattern
+    (sign cleared) is above +Inf's 0x7F800000, so an integer max propagates NaN exactly.
+    """
+    return tl.max(float_bits(xf) & 0x7FFFFFFF, axis=AXIS)
+
+
+@triton.jit
+def row_scale(absmax_bits, QMAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """scale = max(absmax / QMAX, SCALE_FLOOR), correctly rounded; canonical NaN for a NaN row.
+
+    Returns (scale, scale_bits): the float to quantize with and the int32 bits to store.
+    """
+    absmax = bits_float(absmax_bits)
+    q = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    q = tl.maximum(q, SCALE_FLOOR)
+    # max.f32 returns the non-NaN operand, so the NaN is put back from the integer test.
+    scale_bits = tl.where(absmax_bits > 0x7F800000, CANONICAL_NAN_BITS, float_bits(q))
+    return bits_float(scale_bits), scale_bits
+
+
+@triton.jit
+def reciprocal(scale):
+    """1 / scale, correctly rounded (+Inf -> 0, NaN -> NaN)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def round_half_even(y):
+    """Nearest integer (ties to even) of fp32 y with |y| < 2**22, as fp32."""
+    return (y + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def e4m3_magnitude_code(a, BIAS: tl.constexpr):
+    """RNE of a non-negative finite fp32 (bits `a`, within the format's range) to an e4m3
+    magnitude code (7 bits) for exponent bias BIAS (7: e4m3fn, 8: e4m3fnuz)."""
+    # Normal range: keep 3 of the 23 mantissa bits (RNE on the dropped 20), rebias exponent.
+    lsb = (a >> 20) & 1
+    normal = ((a + 0x7FFFF + lsb) >> 20) - ((127 - BIAS) << 3)
+    # Below the smallest normal: count units of the smallest subnormal 2**(-2-BIAS), RNE.
+    # Codes 0..8; 8 is the smallest normal, reached by rounding up, with the right bits.
+    exp = a >> 23
+    mant = (a & 0x7FFFFF) | 0x800000
+    # Shifts past 25 give 0 like 25 does (mant < 2**24 is below half), and keep the shift
+    # amount defined; the lower clamp only matters for lanes the select below discards.
+    shift = tl.minimum(tl.maximum((148 - BIAS) - exp, 1), 25)
+    q = mant >> shift
+    rem = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    return tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+
+
+@triton.jit
+def encode_codes(y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                 NAN_CODE: tl.constexpr, TRUNC: tl.constexpr):
+    """y = x / scale (fp32) -> code bytes as int32 (int8 codes as -128..127, fp8 as 0..255).
+
+    Non-finite y -> NAN_CODE; otherwise clamp to [QMIN, QMAX] and round (int8: half to even, or
+    toward zero when TRUNC; fp8: one RNE from fp32, e4m3fnuz has no -0).
+    """
+    finite = is_finite(y)
+    yc = tl.minimum(tl.maximum(y, QMIN), QMAX)
+    if CODE == 1:
+        if TRUNC:
+            code = yc.to(tl.int32)  # exact conversion: cvt.rzi / astype both truncate
+        else:
+            code = round_half_even(yc).to(tl.int32)  # already integral: the cvt is exact
+    else:
+        bits = float_bits(yc)
+        sign = (bits >> 24) & 0x80
+        if CODE == 2:
+            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 7)
+            code = sign | mag
+        else:
+            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 8)
+            code = tl.where(mag == 0, 0, sign | mag)  # 0x80 is e4m3fnuz's NaN, not -0
+    return tl.where(finite, code, NAN_CODE)
+
+
+@triton.jit
+def e4m3_value(b, BIAS: tl.constexpr):
+    """Exact fp32 value of e4m3 code bytes b (int32 0..255), NaN codes not yet handled."""
+    exp = (b >> 3) & 0xF
+    mant = b & 0x7
+    normal = bits_float(((exp + (127 - BIAS)) << 23) | (mant << 20))
+    # Subnormals are mant * 2**(-2-BIAS): the product with that power of two is exact.
+    unit = bits_float(tl.full(b.shape, (125 - BIAS) << 23, tl.int32))
+    mag = tl.where(exp == 0, mant.to(tl.float32) * unit, normal)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def decode_codes(raw, CODE: tl.constexpr):
+    """Code bytes (int8 values, or fp8 bits loaded as uint8) -> their fp32 values, exactly."""
+    if CODE == 1:
+        value = raw.to(tl.float32)
+    else:
+        b = raw.to(tl.int32) & 0xFF
+        if CODE == 2:
+            value = tl.where((b & 0x7F) == 0x7F, float("nan"), e4m3_value(b, 7))
+        else:
+            value = tl.where(b == 0x80, float("nan"), e4m3_value(b, 8))
+    return value

@@ -1,0 +1,84 @@
+"""Cache layouts, all plain strided views so kernels only ever see strides.
+
+separate: vLLM's tensors, key_cache/value_cache [num_blocks, block_size, H, D] and float32
+    k_scale_cache/v_scale_cache [num_blocks, block_size, H].
+inline: one byte buffer [num_blocks, 2, block_size, H, D + 4]; each (slot, head) row holds its
+    D codes then its float32 scale (little-endian), so a page decodes with no side tensor.
+    Byte-compatible with vLLM's later Triton backend (K at index 0, V at index 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .arrays import is_torch, numpy_dtype, torch_dtype
+from .modes import QuantMode, get_kv_quant_mode
+
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVCacheTensors:
+    key_cache: Any
+    value_cache: Any
+    k_scale_cache: Any | None = None
+    v_scale_cache: Any | None = None
+    # The single buffer behind an inline layout (None for separate tensors).
+    buffer: Any | None = None
+
+
+def _empty(shape, dtype: str, device: str | None):
+    if device is None:
+        return np.empty(shape, numpy_dtype(dtype))
+    import torch
+
+    return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+
+
+def allocate_separate(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+    mode: str | QuantMode, *, model_dtype: str = "bfloat16", device: str | None = "cpu",
+) -> KVCacheTensors:
+    """Uninitialised separate-layout tensors (device=None gives NumPy arrays)."""
+    mode = get_kv_quant_mode(mode)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    dtype = mode.code_dtype or model_dtype
+    scales = (
+        (_empty(shape[:3], "float32", device), _empty(shape[:3], "float32", device))
+        if mode.per_token_head else (None, None)
+    )
+    return KVCacheTensors(_empty(shape, dtype, device), _empty(shape, dtype, device), *scales)
+
+
+def allocate_inline(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+    mode: str | QuantMode, *, device: str | None = "cpu",
+) -> KVCacheTensors:
+    mode = get_kv_quant_mode(mode)
+    buffer = _empty((num_blocks, 2, block_size, num_kv_heads, head_size + SCALE_BYTES), "uint8", device)
+    return inline_views(buffer, head_size, mode)
+
+
+def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheTensors:
+    """Code and scale views of an inline-layout byte buffer."""
+    mode = get_kv_quant_mode(mode)
+    if not mode.per_token_head:
+        raise ValueError(f"mode: the inline layout stores per-row scales; {mode.name!r} has none")
+    if head_size % SCALE_BYTES:
+        raise ValueError(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
+    if tuple(buffer.shape[1:2]) != (2,) or buffer.shape[-1] != head_size + SCALE_BYTES or len(buffer.shape) != 5:
+        raise ValueError(f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}")
+    code_dtype = mode.code_dtype
+    if is_torch(buffer):
+        codes = buffer[..., :head_size].view(torch_dtype(code_dtype))
+        words = buffer.view(torch_dtype("float32"))[..., head_size // SCALE_BYTES]
+    else:
+        codes = buffer[..., :head_size].view(numpy_dtype(code_dtype))
+        words = buffer.view(np.float32)[..., head_size // SCALE_BYTES]
+    return KVCacheTensors(codes[:, 0], codes[:, 1], words[:, 0], words[:, 1], buffer=buffer)
+
+
+__all__ = ["KVCacheTensors", "allocate_separate", "allocate_inline", "inline_views"]

@@ -1,0 +1,221 @@
+"""Vectorized NumPy implementation of every kvzoo operation (registered as impl "numpy").
+
+Runs anywhere NumPy does; the conformance suite holds it against reference/oracle.py, which
+is written independently. Encoding constants arrive as arguments (`Codec`), so this module
+imports nothing from kvzoo. Arrays are NumPy views of the caller's storage: writes land there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+_FP8 = {
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+}
+_CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
+# Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
+_QUERY_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How rows are encoded: granularity "none" | "per_tensor" | "per_token_head"."""
+
+    granularity: str
+    code_dtype: str | None = None
+    qmax: float = 0.0
+    qmin: float = 0.0
+    nan_code: int = 0
+    scale_floor: float = 1e-6
+    rounding: str = "nearest"
+
+
+def _widen(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32)
+
+
+def encode(y: np.ndarray, codec: Codec) -> np.ndarray:
+    """fp32 values (already divided by the scale) -> code bytes (uint8), clamping semantics."""
+    finite = np.isfinite(y)
+    with np.errstate(invalid="ignore"):
+        clamped = np.clip(np.where(finite, y, 0), np.float32(codec.qmin), np.float32(codec.qmax))
+    if codec.code_dtype == "int8":
+        integral = np.rint(clamped) if codec.rounding == "nearest" else np.trunc(clamped)
+        codes = integral.astype(np.int8).view(np.uint8)
+    else:
+        codes = clamped.astype(_FP8[codec.code_dtype]).view(np.uint8)
+    return np.where(finite, codes, np.uint8(codec.nan_code))
+
+
+def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
+    with np.errstate(all="ignore"):
+        absmax = np.max(np.abs(xf), axis=-1)  # NaN propagates, as the spec requires
+        scale = np.maximum(absmax / np.float32(codec.qmax), np.float32(codec.scale_floor))
+        inv = np.float32(1.0) / scale
+        y = xf * inv[..., None]
+    scale = np.where(np.isnan(scale), _CANONICAL_NAN, scale)
+    return encode(y, codec), scale
+
+
+def quantize_static(xf: np.ndarray, scale: np.float32, codec: Codec) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return encode(xf / np.float32(scale), codec)
+
+
+def reshape_and_cache(
+    key: np.ndarray,
+    value: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+    codec: Codec,
+    k_scale_cache: np.ndarray | None = None,
+    v_scale_cache: np.ndarray | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
+) -> None:
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.astype(np.int64)
+    keep = slots >= 0
+    block, offset = np.divmod(slots[keep], block_size)
+    for rows, cache, scale_cache, static in (
+        (key, key_cache, k_scale_cache, k_scale),
+        (value, value_cache, v_scale_cache, v_scale),
+    ):
+        rows = rows[keep]
+        if codec.granularity == "none":
+            cache[block, offset] = rows
+            continue
+        xf = _widen(rows)
+        if codec.granularity == "per_tensor":
+            codes = quantize_static(xf, np.float32(static.reshape(-1)[0]), codec)
+        else:
+            codes, scales = quantize_rows(xf, codec)
+            scale_cache[block, offset] = scales
+        cache.view(np.uint8)[block, offset] = codes
+
+
+def _decode_table(code_dtype: str) -> np.ndarray:
+    """float32 value of each of the 256 code bytes."""
+    codes = np.arange(256, dtype=np.uint8)
+    if code_dtype == "int8":
+        return codes.view(np.int8).astype(np.float32)
+    return codes.view(_FP8[code_dtype]).astype(np.float32)
+
+
+def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> np.ndarray:
+    """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32."""
+    if codec.granularity == "none":
+        return _widen(codes)
+    values = _decode_table(codec.code_dtype)[codes.view(np.uint8)]
+    with np.errstate(invalid="ignore"):
+        if np.ndim(scales) == 0:
+            return values * np.float32(scales)
+        return values * scales[..., None]
+
+
+def _token_locations(block_tables, seq_lens, block_size):
+    """(block, offset, sequence) of every token of every sequence, in sequence order."""
+    seq_lens = seq_lens.astype(np.int64)
+    seq_of = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]]).astype(np.int64)
+    pos = np.arange(int(seq_lens.sum()), dtype=np.int64) - starts[seq_of]
+    block = block_tables[seq_of, pos // block_size].astype(np.int64)
+    return block, pos % block_size, seq_of
+
+
+def _gather_decoded(cache, scale_cache, static, block_tables, seq_lens, codec):
+    block, offset, _ = _token_locations(block_tables, seq_lens, cache.shape[1])
+    codes = cache[block, offset]
+    if codec.granularity == "per_token_head":
+        return decode(codes, scale_cache[block, offset], codec)
+    if codec.granularity == "per_tensor":
+        return decode(codes, np.float32(static.reshape(-1)[0]), codec)
+    return decode(codes, None, codec)
+
+
+def dequantize(cache, block_tables, seq_lens, cu_seq_lens, out, codec, scale_cache=None, scale=None) -> None:
+    out[...] = _gather_decoded(cache, scale_cache, scale, block_tables, seq_lens, codec)
+
+
+def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
+    """Codes [L, H, D] as float32 and per-key scales [L, H] (ones when not per-token-head)."""
+    block_size = cache.shape[1]
+    pos = np.arange(seq_len)
+    block = block_row[pos // block_size].astype(np.int64)
+    offset = pos % block_size
+    raw = cache[block, offset]
+    if codec.granularity == "none":
+        return _widen(raw), np.ones(raw.shape[:2], np.float32)
+    values = _decode_table(codec.code_dtype)[raw.view(np.uint8)]
+    if codec.granularity == "per_tensor":
+        return values, np.full(raw.shape[:2], np.float32(static.reshape(-1)[0]))
+    return values, scale_cache[block, offset].astype(np.float32)
+
+
+def paged_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    out,
+    codec: Codec,
+    softmax_scale: float,
+    k_scale_cache=None,
+    v_scale_cache=None,
+    k_scale=None,
+    v_scale=None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks=None,
+) -> None:
+    """fp32 attention with dot products on the codes and scales applied per key."""
+    num_q_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    sm_scale = np.float32(softmax_scale)
+    sink = None if sinks is None else sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
+    for s in range(len(seq_lens)):
+        q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len = int(seq_lens[s])
+        if q_end == q_start:
+            continue
+        k_codes, k_scales = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
+        v_codes, v_scales = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
+        # [Hkv, L, D] and [Hkv, 1, L] so each KV head serves its whole query group at once.
+        k_codes = k_codes.transpose(1, 2, 0)
+        v_codes = v_codes.transpose(1, 0, 2)
+        k_scales = k_scales.T[:, None, :]
+        v_scales = v_scales.T[:, None, :]
+        key_pos = np.arange(seq_len)
+        for c0 in range(q_start, q_end, _QUERY_CHUNK):
+            c1 = min(c0 + _QUERY_CHUNK, q_end)
+            q = _widen(query[c0:c1]).reshape(c1 - c0, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
+            q = q.reshape(num_kv_heads, (c1 - c0) * group, -1)
+            q_pos = np.repeat(seq_len - (q_end - q_start) + np.arange(c0 - q_start, c1 - q_start), group)
+            visible = key_pos[None, :] <= q_pos[:, None]
+            if sliding_window is not None:
+                visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+            with np.errstate(all="ignore"):
+                logits = np.matmul(q, k_codes) * k_scales * sm_scale
+                if softcap is not None:
+                    logits = np.float32(softcap) * np.tanh(logits / np.float32(softcap))
+                logits = np.where(visible[None], logits, -np.inf)
+                row_max = logits.max(axis=-1, keepdims=True)
+                if sink is not None:
+                    row_sink = np.tile(sink, (1, c1 - c0, 1))
+                    row_max = np.maximum(row_max, row_sink)
+                probs = np.exp(logits - row_max)
+                denom = probs.sum(axis=-1, keepdims=True)
+                if sink is not None:
+                    denom = denom + np.exp(row_sink - row_max)
+                acc = np.matmul(probs * v_scales, v_codes) / denom
+            acc = acc.reshape(num_kv_heads, c1 - c0, group, -1).transpose(1, 0, 2, 3)
+            out[c0:c1] = acc.reshape(c1 - c0, num_q_heads, -1).astype(out.dtype)
