@@ -1,0 +1,457 @@
+"""The oracle: a deliberately plain statement of reference/SPEC.md in code.
+
+It imports nothing from kvzoo and shares no code with reference/vectorized.py, so a bug in
+either cannot hide behind the other. Every rounding is done by rules written out here:
+quantization uses numpy.float32 scalar / elementwise arithmetic (IEEE binary32, round to
+nearest even), int8 rounding uses Python's round() (half to even), and the fp8 encoders pick
+the nearest code of a table built from the formats' definitions. ml_dtypes is never used to
+round; bfloat16 inputs are widened by moving their bits.
+
+Speed is not a goal: loops run per row (and per element where a rule is applied), which is
+fast enough for the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+SCALE_FLOOR = np.float32(1e-6)
+CANONICAL_NAN_BITS = 0x7FC00000
+_F32_NAN = np.array([CANONICAL_NAN_BITS], dtype=np.uint32).view(np.float32)[0]
+_ONE = np.float32(1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 formats, from their definitions
+
+
+@dataclass(frozen=True)
+class _Fp8Format:
+    name: str
+    bias: int
+    # e4m3fn: only S.1111.111 is NaN (no infinities). e4m3fnuz: only 0x80 is NaN (no -0).
+    fnuz: bool
+
+    def is_nan_code(self, code: int) -> bool:
+        if self.fnuz:
+            return code == 0x80
+        return (code & 0x7F) == 0x7F
+
+    def value(self, code: int) -> float:
+        """Exact value of one code byte (a Python float, i.e. float64, exact for 8-bit formats)."""
+        if self.is_nan_code(code):
+            return math.nan
+        negative = bool(code & 0x80)
+        exponent = (code >> 3) & 0xF
+        mantissa = code & 0x7
+        if exponent == 0:  # subnormal: 0.mmm * 2^(1 - bias)
+            magnitude = math.ldexp(mantissa, 1 - self.bias - 3)
+        else:
+            magnitude = math.ldexp(8 + mantissa, exponent - self.bias - 3)
+        return -magnitude if negative else magnitude
+
+
+E4M3FN = _Fp8Format("float8_e4m3fn", bias=7, fnuz=False)
+E4M3FNUZ = _Fp8Format("float8_e4m3fnuz", bias=8, fnuz=True)
+
+
+class _Fp8Encoder:
+    """Round-to-nearest-even from a float to an fp8 code by table look-up.
+
+    Positive codes 0x00..max_code have strictly increasing values, so the code index is the
+    value order and "even code" is "even mantissa". Midpoints between neighbours need one bit
+    more than the format, so they are exact floats and comparing |y| against them is exact:
+    below a midpoint rounds down, above rounds up, on it goes to the even code.
+    """
+
+    def __init__(self, fmt: _Fp8Format):
+        self.fmt = fmt
+        max_code = 0x7E if not fmt.fnuz else 0x7F
+        self.magnitudes = np.array([fmt.value(c) for c in range(max_code + 1)], dtype=np.float64)
+        assert np.all(np.diff(self.magnitudes) > 0)
+        self.midpoints = (self.magnitudes[:-1] + self.magnitudes[1:]) / 2
+        self.max_value = float(self.magnitudes[-1])
+
+    def encode(self, y: np.ndarray) -> np.ndarray:
+        """Codes of finite float32 values with |y| <= the format's max (the caller clamps)."""
+        y64 = np.asarray(y, dtype=np.float64)  # exact widening
+        a = np.abs(y64)
+        assert np.all(a <= self.max_value), "encode() takes clamped finite values"
+        # i = number of midpoints strictly below a: the nearest code unless a is a midpoint.
+        i = np.searchsorted(self.midpoints, a, side="left")
+        on_midpoint = (i < len(self.midpoints)) & (self.midpoints[np.minimum(i, len(self.midpoints) - 1)] == a)
+        i = np.where(on_midpoint & (i % 2 == 1), i + 1, i)
+        negative = np.signbit(y64)
+        if self.fmt.fnuz:
+            # fnuz has one zero (0x00); 0x80 is its NaN, so a negative zero result is 0x00.
+            negative = negative & (i != 0)
+        return (i | np.where(negative, 0x80, 0)).astype(np.uint8)
+
+    def decode_table(self) -> np.ndarray:
+        """float32 value of every code byte, indexable by the code."""
+        return np.array([self.fmt.value(c) for c in range(256)], dtype=np.float32)
+
+
+_ENCODERS = {f.name: _Fp8Encoder(f) for f in (E4M3FN, E4M3FNUZ)}
+
+
+# --------------------------------------------------------------------------------------------
+# modes
+
+
+@dataclass(frozen=True)
+class OracleMode:
+    name: str
+    granularity: str  # "none" | "per_tensor" | "per_token_head"
+    code: str | None  # "int8", an fp8 format name, or None (model dtype)
+    qmax: np.float32 = np.float32(0)
+    qmin: np.float32 = np.float32(0)
+    nan_code: int = 0
+
+
+ORACLE_MODES = {
+    m.name: m
+    for m in (
+        OracleMode("none", "none", None),
+        OracleMode("fp8_per_tensor", "per_tensor", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
+        OracleMode("int8_per_token_head", "per_token_head", "int8", np.float32(127), np.float32(-128), 0x00),
+        OracleMode("fp8_per_token_head", "per_token_head", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
+        OracleMode(
+            "fp8_e4m3fnuz_per_token_head", "per_token_head", "float8_e4m3fnuz", np.float32(224), np.float32(-224), 0x80
+        ),
+    )
+}
+
+
+def _mode(mode_name: str) -> OracleMode:
+    if mode_name not in ORACLE_MODES:
+        raise ValueError(f"unknown mode {mode_name!r}; oracle modes: {sorted(ORACLE_MODES)}")
+    return ORACLE_MODES[mode_name]
+
+
+def _check_rounding(mode: OracleMode, rounding: str) -> None:
+    if rounding not in ("nearest", "trunc"):
+        raise ValueError(f"rounding must be 'nearest' or 'trunc', got {rounding!r}")
+    if rounding == "trunc" and mode.code != "int8":
+        raise ValueError(f"rounding='trunc' exists for int8 modes only, not {mode.name}")
+
+
+# --------------------------------------------------------------------------------------------
+# widening of inputs
+
+
+def widen_to_float32(x: np.ndarray) -> np.ndarray:
+    """Exact widening of a bfloat16 / float16 / float32 array to float32."""
+    x = np.asarray(x)
+    if x.dtype == np.float32:
+        return x.astype(np.float32, copy=True)
+    if x.dtype == np.float16:
+        return x.astype(np.float32)  # IEEE half -> single is exact, NaN/Inf preserved
+    if x.dtype.name == "bfloat16":
+        # bfloat16 is the top half of a float32: shifting its bits up is the exact widening.
+        bits = np.ascontiguousarray(x).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    raise TypeError(f"input dtype must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+# --------------------------------------------------------------------------------------------
+# one row
+
+
+def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
+    """Codes of one row of y = x * inv (or x / s): the non-finite rule, the clamp, the rounding."""
+    codes = np.empty(y.shape, dtype=np.uint8)
+    finite = np.isfinite(y)
+    codes[~finite] = mode.nan_code
+    clamped = np.minimum(np.maximum(y[finite], mode.qmin), mode.qmax)
+    if mode.code == "int8":
+        if rounding == "nearest":
+            ints = [round(float(v)) for v in clamped]  # Python's round() is half to even
+        else:
+            ints = [math.trunc(float(v)) for v in clamped]
+        codes[finite] = np.array(ints, dtype=np.int64).astype(np.int8).view(np.uint8)
+    else:
+        codes[finite] = _ENCODERS[mode.code].encode(clamped)
+    return codes
+
+
+def quantize_row(xf: np.ndarray, mode: OracleMode, rounding: str) -> tuple[np.ndarray, np.float32]:
+    """Per-token-head quantization of one float32 row: (codes uint8 [D], scale float32)."""
+    assert xf.dtype == np.float32 and xf.ndim == 1
+    with np.errstate(all="ignore"):
+        if np.any(np.isnan(xf)):
+            absmax = _F32_NAN
+        else:
+            absmax = np.float32(0)
+            for v in np.abs(xf):
+                if v > absmax:
+                    absmax = v
+        q = np.float32(absmax / mode.qmax)
+        scale = _F32_NAN if np.isnan(q) else (q if q > SCALE_FLOOR else SCALE_FLOOR)
+        inv = np.float32(_ONE / scale)
+        y = xf * inv
+    return _encode_y(y, mode, rounding), np.float32(scale)
+
+
+def quantize_row_static(xf: np.ndarray, mode: OracleMode, scale: np.float32) -> np.ndarray:
+    """Per-tensor quantization of one float32 row with the caller's scale: codes uint8 [D]."""
+    with np.errstate(all="ignore"):
+        y = xf / scale  # correctly rounded division, elementwise
+    return _encode_y(y, mode, "nearest")
+
+
+def _static_scale(static_scale) -> np.float32:
+    s = np.float32(np.asarray(static_scale, dtype=np.float32).reshape(-1)[0])
+    if not (np.isfinite(s) and s > 0):
+        raise ValueError(f"static scale must be finite and > 0, got {s}")
+    return s
+
+
+def quantize_rows(x: np.ndarray, mode_name: str, *, rounding: str = "nearest", static_scale=None):
+    """Quantize rows x [N, D] (float32) -> (codes uint8 [N, D], scales float32 [N]).
+
+    For fp8_per_tensor the scales are the static scale repeated (nothing per row is stored).
+    """
+    mode = _mode(mode_name)
+    _check_rounding(mode, rounding)
+    if mode.granularity == "none":
+        raise ValueError("mode none stores the input unchanged; there is nothing to quantize")
+    x = widen_to_float32(x)
+    assert x.ndim == 2
+    codes = np.empty(x.shape, dtype=np.uint8)
+    scales = np.empty(x.shape[0], dtype=np.float32)
+    if mode.granularity == "per_tensor":
+        s = _static_scale(static_scale)
+        for n in range(x.shape[0]):
+            codes[n] = quantize_row_static(x[n], mode, s)
+            scales[n] = s
+    else:
+        for n in range(x.shape[0]):
+            codes[n], scales[n] = quantize_row(x[n], mode, rounding)
+    return codes, scales
+
+
+def _code_values(codes: np.ndarray, mode: OracleMode) -> np.ndarray:
+    if mode.code == "int8":
+        return codes.view(np.int8).astype(np.float32)
+    return _ENCODERS[mode.code].decode_table()[codes]
+
+
+def decode_rows(codes: np.ndarray, scales: np.ndarray, mode_name: str) -> np.ndarray:
+    """x̂ = float32(code) * scale, one float32 multiply per element: float32 [N, D]."""
+    mode = _mode(mode_name)
+    codes = np.asarray(codes, dtype=np.uint8)
+    scales = np.asarray(scales, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        return _code_values(codes, mode) * scales[..., None]
+
+
+# --------------------------------------------------------------------------------------------
+# the paged cache
+
+
+def _copy_or_new(cache, shape, dtype):
+    if cache is None:
+        return np.zeros(shape, dtype=dtype)
+    cache = np.array(cache, copy=True)
+    assert cache.shape == tuple(shape) and cache.dtype == np.dtype(dtype), (cache.shape, cache.dtype, shape, dtype)
+    return cache
+
+
+def reshape_and_cache(
+    key,
+    value,
+    slot_mapping,
+    *,
+    mode_name,
+    num_blocks,
+    block_size,
+    rounding="nearest",
+    k_scale=None,
+    v_scale=None,
+    key_cache=None,
+    value_cache=None,
+    k_scale_cache=None,
+    v_scale_cache=None,
+):
+    """Write key/value [T, H, D] into copies of the caches; return the new caches.
+
+    Returns (key_cache, value_cache, k_scale_cache, v_scale_cache). Code caches are uint8
+    [NB, BS, H, D] (raw code bytes; for mode none they have the input's dtype), scale caches
+    float32 [NB, BS, H] (None unless the mode is per-token-head). Caches not given start as
+    zero bytes. A negative slot skips its token; non-negative slots must not repeat.
+    """
+    mode = _mode(mode_name)
+    _check_rounding(mode, rounding)
+    key, value = np.asarray(key), np.asarray(value)
+    assert key.ndim == 3 and key.shape == value.shape and key.dtype == value.dtype
+    T, H, D = key.shape
+    slots = np.asarray(slot_mapping).astype(np.int64)
+    assert slots.shape == (T,)
+    written = slots[slots >= 0]
+    assert len(np.unique(written)) == len(written), "non-negative slots must not repeat"
+    assert np.all(written < num_blocks * block_size), "slot out of range"
+
+    shape = (num_blocks, block_size, H, D)
+    per_token_head = mode.granularity == "per_token_head"
+    code_dtype = key.dtype if mode.granularity == "none" else np.uint8
+    caches = [_copy_or_new(key_cache, shape, code_dtype), _copy_or_new(value_cache, shape, code_dtype)]
+    scale_caches = [None, None]
+    if per_token_head:
+        scale_caches = [
+            _copy_or_new(k_scale_cache, shape[:3], np.float32),
+            _copy_or_new(v_scale_cache, shape[:3], np.float32),
+        ]
+    static = [None, None]
+    if mode.granularity == "per_tensor":
+        static = [_static_scale(k_scale), _static_scale(v_scale)]
+
+    for src, cache, scale_cache, s in zip((key, value), caches, scale_caches, static):
+        for t in range(T):
+            slot = int(slots[t])
+            if slot < 0:
+                continue
+            block, offset = divmod(slot, block_size)
+            if mode.granularity == "none":
+                cache[block, offset] = src[t]  # a plain copy keeps every bit (NaN payloads too)
+                continue
+            xf = widen_to_float32(src[t])
+            for h in range(H):
+                if per_token_head:
+                    cache[block, offset, h], scale_cache[block, offset, h] = quantize_row(xf[h], mode, rounding)
+                else:
+                    cache[block, offset, h] = quantize_row_static(xf[h], mode, s)
+    return caches[0], caches[1], scale_caches[0], scale_caches[1]
+
+
+def decode_cache(codes_cache, scale_cache, mode_name, static_scale=None) -> np.ndarray:
+    """Decode a whole cache [NB, BS, H, D] to float32 of the same shape."""
+    mode = _mode(mode_name)
+    codes_cache = np.asarray(codes_cache)
+    if mode.granularity == "none":
+        return widen_to_float32(codes_cache)
+    NB, BS, H, D = codes_cache.shape
+    if mode.granularity == "per_tensor":
+        scales = np.full(NB * BS * H, _static_scale(static_scale), dtype=np.float32)
+    else:
+        scales = np.asarray(scale_cache, dtype=np.float32).reshape(-1)
+    rows = decode_rows(codes_cache.reshape(-1, D), scales, mode_name)
+    return rows.reshape(NB, BS, H, D)
+
+
+def gather_dequantize(codes_cache, scale_cache, block_tables, seq_lens, mode_name, static_scale=None) -> np.ndarray:
+    """Tokens of each sequence, in order, decoded: float32 [sum(seq_lens), H, D].
+
+    Token i of sequence s lives in block block_tables[s, i // BS] at offset i % BS, and lands
+    in output row sum(seq_lens[:s]) + i.
+    """
+    codes_cache = np.asarray(codes_cache)
+    NB, BS, H, D = codes_cache.shape
+    block_tables = np.asarray(block_tables)
+    rows = []
+    for s, n in enumerate(np.asarray(seq_lens).tolist()):
+        for i in range(n):
+            block = int(block_tables[s, i // BS])
+            assert 0 <= block < NB, "block id out of range"
+            codes = codes_cache[block, i % BS][None]  # [1, H, D]
+            scales = None if scale_cache is None else np.asarray(scale_cache)[block, i % BS][None]
+            rows.append(decode_cache(codes, scales, mode_name, static_scale)[0])
+    if not rows:
+        return np.zeros((0, H, D), dtype=np.float32)
+    return np.stack(rows).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# inline page layout
+
+
+def pack_inline(key_codes, value_codes, k_scales, v_scales) -> np.ndarray:
+    """The inline page buffer uint8 [NB, 2, BS, H, D + 4] from separate caches.
+
+    Row (block, kv, offset, head): D code bytes, then the row's float32 scale little-endian.
+    """
+    key_codes, value_codes = np.asarray(key_codes, np.uint8), np.asarray(value_codes, np.uint8)
+    NB, BS, H, D = key_codes.shape
+    buf = np.empty((NB, 2, BS, H, D + 4), dtype=np.uint8)
+    for kv, (codes, scales) in enumerate(((key_codes, k_scales), (value_codes, v_scales))):
+        buf[:, kv, :, :, :D] = codes
+        scale_bytes = np.asarray(scales, dtype="<f4").reshape(NB, BS, H, 1).view(np.uint8)
+        buf[:, kv, :, :, D:] = scale_bytes
+    return buf
+
+
+def unpack_inline(buf) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of pack_inline: (key_codes, value_codes, k_scales, v_scales), copies."""
+    buf = np.asarray(buf, dtype=np.uint8)
+    D = buf.shape[-1] - 4
+    out = []
+    for kv in range(2):
+        out.append(buf[:, kv, :, :, :D].copy())
+    for kv in range(2):
+        out.append(np.ascontiguousarray(buf[:, kv, :, :, D:]).view("<f4")[..., 0].astype(np.float32))
+    return out[0], out[1], out[2], out[3]
+
+
+# --------------------------------------------------------------------------------------------
+# attention in float64
+
+
+def attention_f64(
+    query,
+    k_deq,
+    v_deq,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+) -> np.ndarray:
+    """Paged causal attention over decoded caches, in float64: [T, Hq, D].
+
+    query [T, Hq, D] (any float dtype, bfloat16 included); k_deq / v_deq [NB, BS, Hkv, D]
+    decoded caches (e.g. decode_cache's output).
+    """
+    q = widen_to_float32(query).astype(np.float64)
+    k_deq = np.asarray(k_deq, dtype=np.float64)
+    v_deq = np.asarray(v_deq, dtype=np.float64)
+    T, Hq, D = q.shape
+    BS, Hkv = k_deq.shape[1], k_deq.shape[2]
+    assert Hq % Hkv == 0, "query heads must be a multiple of kv heads"
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    seq_lens = np.asarray(seq_lens).tolist()
+    qsl = np.asarray(query_start_loc).tolist()
+    block_tables = np.asarray(block_tables)
+    out = np.zeros((T, Hq, D), dtype=np.float64)
+
+    for s, seq_len in enumerate(seq_lens):
+        q_len = qsl[s + 1] - qsl[s]
+        assert 0 <= q_len <= seq_len
+        # The sequence's keys and values in position order.
+        blocks = [int(block_tables[s, i // BS]) for i in range(seq_len)]
+        keys = np.array([k_deq[blocks[i], i % BS] for i in range(seq_len)]).reshape(seq_len, Hkv, D)
+        vals = np.array([v_deq[blocks[i], i % BS] for i in range(seq_len)]).reshape(seq_len, Hkv, D)
+        for j in range(q_len):
+            t = qsl[s] + j
+            p = seq_len - q_len + j
+            lo = 0 if sliding_window is None else max(0, p - int(sliding_window) + 1)
+            for h in range(Hq):
+                kvh = h // group
+                logits = scale * (keys[lo : p + 1, kvh] @ q[t, h])
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
+                m = logits.max()
+                if sinks is not None:
+                    m = max(m, float(sinks[h]))
+                weights = np.exp(logits - m)
+                denominator = weights.sum()
+                if sinks is not None:
+                    denominator += math.exp(float(sinks[h]) - m)
+                out[t, h] = (weights @ vals[lo : p + 1, kvh]) / denominator
+    return out
