@@ -155,8 +155,9 @@ def decode_codes(raw, CODE: tl.constexpr):
         value = raw.to(tl.float32)
     else:
         b = raw.to(tl.int32) & 0xFF
+        nan = bits_float(tl.full(b.shape, CANONICAL_NAN_BITS, tl.int32))
         if CODE == 2:
-            value = tl.where((b & 0x7F) == 0x7F, float("nan"), e4m3_value(b, 7))
+            value = tl.where((b & 0x7F) == 0x7F, nan, e4m3_value(b, 7))
         else:
-            value = tl.where(b == 0x80, float("nan"), e4m3_value(b, 8))
+            value = tl.where(b == 0x80, nan, e4m3_value(b, 8))
     return value
