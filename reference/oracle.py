@@ -356,9 +356,9 @@ def gather_dequantize(codes_cache, scale_cache, block_tables, seq_lens, mode_nam
         for i in range(n):
             block = int(block_tables[s, i // BS])
             assert 0 <= block < NB, "block id out of range"
-            codes = codes_cache[block, i % BS][None]  # [1, H, D]
-            scales = None if scale_cache is None else np.asarray(scale_cache)[block, i % BS][None]
-            rows.append(decode_cache(codes, scales, mode_name, static_scale)[0])
+            codes = codes_cache[block, i % BS][None, None]  # a [1, 1, H, D] cache
+            scales = None if scale_cache is None else np.asarray(scale_cache)[block, i % BS][None, None]
+            rows.append(decode_cache(codes, scales, mode_name, static_scale)[0, 0])
     if not rows:
         return np.zeros((0, H, D), dtype=np.float32)
     return np.stack(rows).astype(np.float32)

@@ -1,0 +1,351 @@
+"""Generate (or, with --check, verify) the golden vectors in this folder from the oracle.
+
+    python reference/golden/make_golden.py           # rewrite every file
+    python reference/golden/make_golden.py --check   # fail unless regenerating gives the same bytes
+
+The file format is described in reference/SPEC.md §9. Each file draws from its own generator,
+seeded from its name, so adding a file never changes another. The .npz files are written
+uncompressed with fixed zip metadata, so the same arrays always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import zipfile
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from reference import oracle  # noqa: E402
+
+D_ROWS = 16
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+QUANT_MODES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head")
+PER_TOKEN_HEAD = QUANT_MODES[1:]
+# A few significant bits, not a power of two: x / s and x * (1/s) differ for many x, and
+# x = midpoint * s is exact in every input dtype.
+STATIC_SCALE = np.float32(0.375)
+STATIC_V_SCALE = np.float32(0.0123)
+
+
+def roundings(mode: str) -> tuple[str, ...]:
+    return ("nearest", "trunc") if mode.startswith("int8") else ("nearest",)
+
+
+# --------------------------------------------------------------------------------------------
+# bits and files
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """Raw bits of a float array (uint16 for 2-byte dtypes, uint32 for float32)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32).copy()
+
+
+def decoded_bits(a: np.ndarray) -> np.ndarray:
+    """float32 bits with every NaN made canonical: decode may produce any NaN."""
+    b = bits(a.astype(np.float32))
+    b[np.isnan(a)] = oracle.CANONICAL_NAN_BITS
+    return b
+
+
+def from_bits(b: np.ndarray, dtype_name: str) -> np.ndarray:
+    return np.ascontiguousarray(b).view(DTYPES[dtype_name])
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """An uncompressed .npz with fixed timestamps: identical arrays give identical bytes."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name in sorted(arrays):
+            payload = io.BytesIO()
+            np.lib.format.write_array(payload, np.asarray(arrays[name]), allow_pickle=False)
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, payload.getvalue())
+    return out.getvalue()
+
+
+def meta(**fields) -> np.ndarray:
+    return np.array(json.dumps(fields, sort_keys=True))
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+# --------------------------------------------------------------------------------------------
+# input rows
+
+
+def neighbours(v: np.ndarray) -> np.ndarray:
+    """The adjacent representable values (toward and away from zero) of nonzero finite v."""
+    b = bits(v)
+    one = b.dtype.type(1)
+    return np.concatenate([(b - one).view(v.dtype), (b + one).view(v.dtype)])
+
+
+def pack_rows(values: np.ndarray, anchor, dtype) -> list[np.ndarray]:
+    """Rows of D values each led by `anchor`, the row's largest magnitude (fixes its scale)."""
+    per_row = D_ROWS - 1
+    rows = []
+    for start in range(0, len(values), per_row):
+        chunk = values[start : start + per_row]
+        chunk = np.concatenate([chunk, np.resize(chunk, per_row - len(chunk))])
+        rows.append(np.concatenate([np.array([anchor], dtype=dtype), chunk.astype(dtype)]))
+    return rows
+
+
+def midpoints_of(mode_name: str) -> np.ndarray:
+    """Positive rounding midpoints of the mode's code values that lie inside its clamp range."""
+    mode = oracle.ORACLE_MODES[mode_name]
+    if mode.code == "int8":
+        return np.arange(0, 127, dtype=np.float64) + 0.5
+    enc = oracle._Fp8Encoder(oracle.E4M3FN if mode.code == "float8_e4m3fn" else oracle.E4M3FNUZ)
+    mids = enc.midpoints
+    return mids[mids < float(mode.qmax)]
+
+
+def midpoint_rows(mode_name: str, dtype) -> list[np.ndarray]:
+    """Rows whose y values land exactly on every midpoint, and on their neighbours.
+
+    Per-token-head: the anchor QMAX * 2^-4 makes the scale exactly 2^-4, so y = x * 2^4 is
+    exact. Per-tensor: x = midpoint * STATIC_SCALE is exact and x / s gives the midpoint back.
+    """
+    mode = oracle.ORACLE_MODES[mode_name]
+    mids = midpoints_of(mode_name)
+    mids = np.concatenate([mids, -mids])
+    factor = float(STATIC_SCALE) if mode.granularity == "per_tensor" else 2.0**-4
+    x = (mids * factor).astype(dtype)
+    assert np.array_equal(x.astype(np.float64), mids * factor), "midpoints must be exact"
+    x = np.concatenate([x, neighbours(x)])
+    return pack_rows(x, float(mode.qmax) * factor, dtype)
+
+
+def special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[np.ndarray]:
+    mode = oracle.ORACLE_MODES[mode_name]
+    info = ml_dtypes.finfo(dtype) if dtype is ml_dtypes.bfloat16 else np.finfo(dtype)
+    big, tiny, sub = float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)
+    D = D_ROWS
+
+    def normal(scale=1.0):
+        return rng.standard_normal(D) * scale
+
+    rows = [normal() for _ in range(6)]
+    rows += [rng.standard_t(2, D) * 3 for _ in range(3)]
+    outlier = normal()
+    outlier[[1, 7]] *= 100
+    rows.append(outlier)
+    rows += [normal(1e-3), normal(1e-30) if big > 1e30 else normal(1e-6)]
+    # Around the floor: absmax / QMAX just below, at, and just above SCALE_FLOOR.
+    at_floor = float(mode.qmax) * 1e-6
+    for f in (0.5, 0.999, 1.0, 1.001, 2.0):
+        r = rng.uniform(-1, 1, D) * at_floor * f
+        r[3] = -at_floor * f
+        rows.append(r)
+    rows += [np.zeros(D), -np.zeros(D), np.where(rng.random(D) < 0.5, 0.0, -0.0)]
+    r = normal()
+    r[5] = np.nan
+    rows += [r, np.full(D, np.nan)]
+    for infs in ([np.inf], [-np.inf], [np.inf, -np.inf], [np.inf, np.nan]):
+        r = normal()
+        r[: len(infs)] = infs
+        rng.shuffle(r)
+        rows.append(r)
+    r = normal()
+    r[0] = -0.0
+    rows.append(r)
+    # Subnormals of the input dtype, alone and inside a normal row.
+    rows.append(np.array([sub, -sub, tiny - sub, -(tiny - sub)] + list(rng.integers(-40, 40, D - 4) * sub)))
+    r = normal()
+    r[2:6] = [sub, -sub, 3 * sub, -(tiny - sub)]
+    rows.append(r)
+    # The largest finite values of the dtype.
+    rows.append(np.array([big, -big] + list(rng.uniform(-big, big, D - 2))))
+    rows.append(np.array([big] * 4 + [-big] * 4 + list(rng.uniform(-big, big, D - 8))))
+    # Beyond the clamp (per-tensor: |x / s| > 448, and x / s overflowing float32).
+    if mode.granularity == "per_tensor":
+        s = float(STATIC_SCALE)
+        over = [449 * s, -449 * s, 464 * s, 1000 * s, -1e4 * s, 448 * s, 447 * s]
+        rows.append(np.array(over + list(normal())[: D - len(over)]))
+    out = [np.asarray(r, dtype=np.float64).astype(dtype) for r in rows]
+    return out + midpoint_rows(mode_name, dtype)
+
+
+def build_rows_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[str, dict]:
+    name = f"rows-{mode_name}-{rounding}-{dtype_name}.npz"
+    dtype = DTYPES[dtype_name]
+    x = np.stack(special_rows(mode_name, dtype, rng_for(name)))
+    per_tensor = oracle.ORACLE_MODES[mode_name].granularity == "per_tensor"
+    static = STATIC_SCALE if per_tensor else None
+    codes, scales = oracle.quantize_rows(x, mode_name, rounding=rounding, static_scale=static)
+    decoded = oracle.decode_rows(codes, scales, mode_name)
+    arrays = {
+        "meta": meta(
+            kind="rows",
+            mode=mode_name,
+            rounding=rounding,
+            dtype=dtype_name,
+            static_scale_bits=int(bits(np.array([static]))[0]) if per_tensor else None,
+        ),
+        "x": bits(x),
+        "codes": codes,
+        "scales": bits(scales),
+        "decoded": decoded_bits(decoded),
+    }
+    return name, arrays
+
+
+# --------------------------------------------------------------------------------------------
+# cache writes, gathers, inline pages
+
+
+def cache_inputs(rng, dtype, T, H, D):
+    key = rng.standard_normal((T, H, D))
+    value = rng.standard_normal((T, H, D)) * 0.1
+    key[1, 0, 3] = np.nan
+    key[2, H - 1, :] = 0.0
+    value[3, 0, 0] = -np.inf
+    value[4, 0, 1:4] = 1e-7
+    return key.astype(dtype), value.astype(dtype)
+
+
+def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[str, dict]:
+    name = f"cache-{mode_name}-{rounding}-{dtype_name}.npz"
+    rng = rng_for(name)
+    dtype = DTYPES[dtype_name]
+    NB, BS, H, D, T = 4, 4, 2, 16, 12
+    mode = oracle.ORACLE_MODES[mode_name]
+    key, value = cache_inputs(rng, dtype, T, H, D)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int64)
+    slots[[0, 7]] = -1
+    shape = (NB, BS, H, D)
+    if mode.granularity == "none":
+        code_dtype = np.dtype(dtype)
+        before = [rng.integers(0, 2 ** (8 * code_dtype.itemsize), shape).astype(bits(key).dtype).view(dtype) for _ in range(2)]
+    else:
+        before = [rng.integers(0, 256, shape).astype(np.uint8) for _ in range(2)]
+    scale_before = [None, None]
+    if mode.granularity == "per_token_head":
+        scale_before = [rng.integers(0, 2**32, shape[:3]).astype(np.uint32).view(np.float32) for _ in range(2)]
+    statics = (STATIC_SCALE, STATIC_V_SCALE) if mode.granularity == "per_tensor" else (None, None)
+    after = oracle.reshape_and_cache(
+        key, value, slots, mode_name=mode_name, num_blocks=NB, block_size=BS, rounding=rounding,
+        k_scale=statics[0], v_scale=statics[1], key_cache=before[0], value_cache=before[1],
+        k_scale_cache=scale_before[0], v_scale_cache=scale_before[1],
+    )
+    seq_lens = np.array([5, 1, 9, 0], dtype=np.int32)
+    block_tables = np.full((4, 3), -1, dtype=np.int32)
+    for s, n in enumerate(seq_lens):
+        used = -(-int(n) // BS)
+        block_tables[s, :used] = rng.choice(NB, used, replace=False)
+    gathered = [
+        oracle.gather_dequantize(after[i], after[i + 2], block_tables, seq_lens, mode_name, statics[i])
+        for i in range(2)
+    ]
+    arrays = {
+        "meta": meta(
+            kind="cache", mode=mode_name, rounding=rounding, dtype=dtype_name, num_blocks=NB, block_size=BS,
+            k_scale_bits=None if statics[0] is None else int(bits(np.array([statics[0]]))[0]),
+            v_scale_bits=None if statics[1] is None else int(bits(np.array([statics[1]]))[0]),
+        ),
+        "key": bits(key),
+        "value": bits(value),
+        "slot_mapping": slots,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "key_gathered": decoded_bits(gathered[0]),
+        "value_gathered": decoded_bits(gathered[1]),
+    }
+    for i, which in enumerate(("key_cache", "value_cache")):
+        arrays[which + "_before"] = before[i] if mode.granularity != "none" else bits(before[i])
+        arrays[which] = after[i] if mode.granularity != "none" else bits(after[i])
+    if mode.granularity == "per_token_head":
+        for i, which in enumerate(("k_scale_cache", "v_scale_cache")):
+            arrays[which + "_before"] = bits(scale_before[i])
+            arrays[which] = bits(after[i + 2])
+    return name, arrays
+
+
+def build_inline_file(mode_name: str) -> tuple[str, dict]:
+    name = f"inline-{mode_name}.npz"
+    rng = rng_for(name)
+    NB, BS, H, D, T = 3, 2, 2, 8, 5
+    key, value = cache_inputs(rng, ml_dtypes.bfloat16, T, H, D)
+    slots = np.array([4, 0, -1, 3, 5], dtype=np.int64)
+    buf_before = rng.integers(0, 256, (NB, 2, BS, H, D + 4)).astype(np.uint8)
+    kc, vc, ks, vs = oracle.unpack_inline(buf_before)
+    after = oracle.reshape_and_cache(
+        key, value, slots, mode_name=mode_name, num_blocks=NB, block_size=BS,
+        key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
+    )
+    arrays = {
+        "meta": meta(kind="inline", mode=mode_name, rounding="nearest", dtype="bfloat16", num_blocks=NB,
+                     block_size=BS, num_kv_heads=H, head_size=D),
+        "key": bits(key),
+        "value": bits(value),
+        "slot_mapping": slots,
+        "buf_before": buf_before,
+        "buf": oracle.pack_inline(*after),
+    }
+    return name, arrays
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_all() -> dict[str, bytes]:
+    files = []
+    for mode_name in QUANT_MODES:
+        for rounding in roundings(mode_name):
+            for dtype_name in DTYPES:
+                files.append(build_rows_file(mode_name, rounding, dtype_name))
+    for mode_name in ("none",) + QUANT_MODES:
+        for rounding in roundings(mode_name):
+            for dtype_name in DTYPES:
+                files.append(build_cache_file(mode_name, rounding, dtype_name))
+    for mode_name in PER_TOKEN_HEAD:
+        files.append(build_inline_file(mode_name))
+    return {name: npz_bytes(arrays) for name, arrays in files}
+
+
+def check(folder: Path = HERE) -> list[str]:
+    """Differences between the files on disk and a fresh generation (empty list: identical)."""
+    fresh = build_all()
+    on_disk = {p.name for p in folder.glob("*.npz")}
+    problems = [f"missing: {n}" for n in sorted(set(fresh) - on_disk)]
+    problems += [f"not generated by this script: {n}" for n in sorted(on_disk - set(fresh))]
+    problems += [f"differs: {n}" for n in sorted(set(fresh) & on_disk) if (folder / n).read_bytes() != fresh[n]]
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        problems = check()
+        for p in problems:
+            print(p)
+        print("golden vectors: " + ("MISMATCH" if problems else "identical"))
+        return 1 if problems else 0
+    if argv:
+        print(__doc__)
+        return 2
+    for old in HERE.glob("*.npz"):
+        old.unlink()
+    files = build_all()
+    for name, data in files.items():
+        (HERE / name).write_bytes(data)
+    print(f"wrote {len(files)} files, {sum(map(len, files.values()))} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
