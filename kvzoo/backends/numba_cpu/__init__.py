@@ -1,0 +1,279 @@
+"""Numba CPU backend: reshape_and_cache, dequantize and paged attention, every mode.
+
+Registered as "numba" (platform "cpu"). Kernels (kernels.py) compile on first use and are
+cached on disk (numba cache=True), so later processes load them instead of compiling.
+
+Setting the environment variable KVZOO_DISABLE_NUMBA=1 makes the backend report itself
+unavailable (as if numba were not installed), so the registry falls back to NumPy; tests use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import numpy as np
+
+from ...modes import MODES
+from ...registry import Implementation
+from .bits import E4M3FN, E4M3FNUZ, I8
+from .strided import KINDS, flat, stride_problem
+
+NAME = "numba"
+PRIORITY = 50
+DISABLE_ENV = "KVZOO_DISABLE_NUMBA"
+# Query tokens per attention work item in prefill: rows = tokens x group, about 64 rows keeps
+# each decoded K/V tile reused across many dot products while leaving enough items to share.
+_PREFILL_ROWS = 64
+# fp32 dot products and online softmax over up to ~100K keys: measured ~1e-6; bound loosely.
+ATTENTION_RTOL = 2e-5
+
+_CODE_FORMATS = {"int8": I8, "float8_e4m3fn": E4M3FN, "float8_e4m3fnuz": E4M3FNUZ}
+
+
+def unavailable() -> list[str]:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return [f"numba: disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"]
+    if importlib.util.find_spec("numba") is None:
+        return ["numba: not installed (pip install numba)"]
+    return []
+
+
+def _kernels() -> Any:
+    from . import kernels
+
+    return kernels
+
+
+def _f32(x: Any) -> np.float32:
+    return np.float32(np.asarray(x).reshape(-1)[0])
+
+
+def _strided_reasons(problem: Any, names: tuple[str, ...]) -> list[str]:
+    reasons = []
+    for name in names:
+        a = getattr(problem, name)
+        if isinstance(a, np.ndarray):
+            why = stride_problem(name, a)
+            if why:
+                reasons.append(why)
+            elif np.dtype(a.dtype).name not in KINDS and a.dtype.itemsize not in (1, 2, 4):
+                reasons.append(f"numba: {name} dtype {a.dtype} is not supported")
+    return reasons
+
+
+# ----------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ----------------------------------------------------------------------------------------------
+
+_WRITE_ARRAYS = ("key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+
+
+def run_reshape_and_cache(p: Any) -> None:
+    k = _kernels()
+    if p.num_tokens == 0:
+        return
+    kind, carrier = KINDS[np.dtype(p.key.dtype).name]
+    key, kst = flat(p.key, carrier)
+    value, vst = flat(p.value, carrier)
+    slots = np.ascontiguousarray(p.slot_mapping, dtype=np.int64)
+    bs = np.int64(p.block_size)
+    heads, hsize = np.int64(p.num_kv_heads), np.int64(p.head_size)
+    mode = p.mode
+    if mode.code_dtype is None:
+        kc, kcs = flat(p.key_cache, carrier)
+        vc, vcs = flat(p.value_cache, carrier)
+        k.write_plain(key, kst, value, vst, slots, kc, kcs, vc, vcs, bs, heads, hsize)
+        return
+    kc, kcs = flat(p.key_cache, np.uint8)
+    vc, vcs = flat(p.value_cache, np.uint8)
+    if mode.per_token_head:
+        ksc, kscs = flat(p.k_scale_cache, np.uint32)
+        vsc, vscs = flat(p.v_scale_cache, np.uint32)
+        kts = vts = np.float32(1.0)
+    else:
+        ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
+        kts, vts = _f32(p.k_scale), _f32(p.v_scale)
+    k.write_quantized(
+        key, kst, value, vst, np.int64(kind), slots,
+        kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
+        bs, heads, hsize,
+        np.int64(_CODE_FORMATS[mode.code_dtype]), p.rounding == "trunc",
+        np.float32(mode.qmax), np.float32(mode.qmin), mode.per_tensor, kts, vts,
+    )  # fmt: skip
+
+
+def write_reasons(p: Any) -> list[str]:
+    reasons = _strided_reasons(p, _WRITE_ARRAYS)
+    if p.mode.code_dtype is None and p.key.dtype.itemsize != p.key_cache.dtype.itemsize:
+        reasons.append(
+            f"numba: mode none copies bits, so key dtype {p.key.dtype} and cache dtype "
+            f"{p.key_cache.dtype} must have the same width"
+        )
+    return reasons
+
+
+# ----------------------------------------------------------------------------------------------
+# dequantize
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_kind(mode: Any, cache: np.ndarray) -> tuple[int, type]:
+    if mode.code_dtype is None:
+        return KINDS[np.dtype(cache.dtype).name]
+    return _CODE_FORMATS[mode.code_dtype], np.uint8
+
+
+def run_dequantize(p: Any) -> None:
+    k = _kernels()
+    if p.out.size == 0:
+        return
+    kind, carrier = _cache_kind(p.mode, p.cache)
+    cache, cst = flat(p.cache, carrier)
+    out, ost = flat(p.out, np.float32)
+    if p.mode.per_token_head:
+        scales, sst = flat(p.scale_cache, np.uint32)
+        tscale = np.float32(1.0)
+    else:
+        scales, sst = np.empty(1, np.uint32), (0, 0, 0, 0)
+        tscale = _f32(p.scale) if p.mode.per_tensor else np.float32(1.0)
+    k.dequantize(
+        cache, cst, np.int64(kind), scales, sst, p.mode.per_token_head, tscale,
+        p.mode.code_dtype is not None,
+        np.ascontiguousarray(p.block_tables, dtype=np.int64),
+        np.ascontiguousarray(p.cu_seq_lens, dtype=np.int64),
+        out, ost, np.int64(p.cache.shape[2]), np.int64(p.cache.shape[3]),
+        np.int64(p.cache.shape[1]),
+    )  # fmt: skip
+
+
+def dequantize_reasons(p: Any) -> list[str]:
+    reasons = _strided_reasons(p, ("cache", "scale_cache", "out"))
+    if np.dtype(p.out.dtype) != np.float32:
+        reasons.append(f"numba: dequantize writes float32, out is {p.out.dtype}")
+    return reasons
+
+
+# ----------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------
+
+
+def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.ndarray):
+    """Query blocks (seq, first token, count), heaviest first, so no thread is left with the
+    last long causal block while the other idles."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    qlens = qsl[1:] - qsl[:-1]
+    nblk = -(-qlens // block_tokens)
+    seq = np.repeat(np.arange(qlens.shape[0], dtype=np.int64), nblk)
+    first = np.concatenate([[0], np.cumsum(nblk)[:-1]]).astype(np.int64) if len(nblk) else nblk
+    within = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(first, nblk)
+    t0 = qsl[seq] + within * block_tokens
+    nq = np.minimum(block_tokens, qsl[seq + 1] - t0)
+    # Keys a block reads ~ its last query position; rows ~ nq.
+    ctx = np.asarray(costs_from, dtype=np.int64)[seq] - (qsl[seq + 1] - t0 - nq)
+    order = np.argsort(-(ctx * nq), kind="stable")
+    return seq[order], t0[order], nq[order]
+
+
+def run_paged_attention(p: Any) -> None:
+    k = _kernels()
+    if p.query.shape[0] == 0:
+        return
+    q_kind, q_carrier = KINDS[np.dtype(p.query.dtype).name]
+    kv_kind, kv_carrier = _cache_kind(p.mode, p.key_cache)
+    query, qst = flat(p.query, q_carrier)
+    kc, kcs = flat(p.key_cache, kv_carrier)
+    vc, vcs = flat(p.value_cache, kv_carrier)
+    if p.mode.per_token_head:
+        ksc, kscs = flat(p.k_scale_cache, np.uint32)
+        vsc, vscs = flat(p.v_scale_cache, np.uint32)
+        kts = vts = np.float32(1.0)
+    else:
+        ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
+        if p.mode.per_tensor:
+            kts, vts = _f32(p.k_scale), _f32(p.v_scale)
+        else:
+            kts = vts = np.float32(1.0)
+    group = p.num_q_heads // p.num_kv_heads
+    block_tokens = 1 if p.max_query_len <= 1 else max(1, _PREFILL_ROWS // group)
+    seq_lens = np.ascontiguousarray(p.seq_lens, dtype=np.int64)
+    qsl = np.ascontiguousarray(p.query_start_loc, dtype=np.int64)
+    items = work_items(qsl, block_tokens, seq_lens)
+    direct = np.dtype(p.out.dtype) == np.float32
+    out32 = p.out if direct else np.empty(p.out.shape, np.float32)
+    out, ost = flat(out32, np.float32)
+    sinks = (
+        np.ascontiguousarray(p.sinks, dtype=np.float32)
+        if p.sinks is not None
+        else np.zeros(1, np.float32)
+    )
+    k.attention(
+        query, qst, np.int64(q_kind),
+        kc, kcs, vc, vcs, np.int64(kv_kind),
+        ksc, kscs, vsc, vscs, p.mode.per_token_head, kts, vts,
+        np.ascontiguousarray(p.block_tables, dtype=np.int64), seq_lens, qsl,
+        *items,
+        out, ost,
+        np.int64(p.num_q_heads), np.int64(p.num_kv_heads), np.int64(p.head_size),
+        np.int64(p.block_size),
+        np.float32(p.softmax_scale),
+        np.int64(p.sliding_window or 0),
+        np.float32(p.softcap or 0.0),
+        sinks, p.sinks is not None,
+    )  # fmt: skip
+    if not direct:
+        p.out[...] = out32
+
+
+def attention_reasons(p: Any) -> list[str]:
+    return _strided_reasons(
+        p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out")
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def register(registry: Any) -> None:
+    modes = frozenset(MODES)
+    common = dict(
+        platform="cpu",
+        modes=modes,
+        array_kind="numpy",
+        devices=frozenset({"cpu"}),
+        priority=PRIORITY,
+        unavailable=unavailable,
+    )
+    registry.add(
+        Implementation(
+            name=NAME,
+            op="reshape_and_cache",
+            run=run_reshape_and_cache,
+            problem_reasons=write_reasons,
+            notes="rounding=trunc, inline_layout, any strides; parallel over tokens x heads",
+            **common,
+        )
+    )
+    registry.add(
+        Implementation(
+            name=NAME,
+            op="dequantize",
+            run=run_dequantize,
+            problem_reasons=dequantize_reasons,
+            notes="inline_layout, any strides",
+            **common,
+        )
+    )
+    registry.add(
+        Implementation(
+            name=NAME,
+            op="paged_attention",
+            run=run_paged_attention,
+            problem_reasons=attention_reasons,
+            attention_rtol=ATTENTION_RTOL,
+            notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",
+            **common,
+        )
+    )

@@ -1,0 +1,55 @@
+"""Flat views: any strided array as (1-D contiguous view of its memory, offset, strides).
+
+Kernels index flat[offset + i0*s0 + i1*s1 + ...] with strides in elements. Passing memory this
+way keeps the number of compiled specializations small (one array type per element width,
+whatever the layout) and writes land in the caller's storage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .bits import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
+
+# dtype name -> (element kind, unsigned carrier dtype the kernels receive)
+KINDS: dict[str, tuple[int, type]] = {
+    "float32": (F32, np.uint32),
+    "bfloat16": (BF16, np.uint16),
+    "float16": (F16, np.uint16),
+    "int8": (I8, np.uint8),
+    "uint8": (I8, np.uint8),
+    "float8_e4m3fn": (E4M3FN, np.uint8),
+    "float8_e4m3fnuz": (E4M3FNUZ, np.uint8),
+}
+
+
+def stride_problem(name: str, a: np.ndarray) -> str | None:
+    """Why `a` cannot be passed as a flat view, or None."""
+    if any(s % a.itemsize for s in a.strides):
+        return f"numba: {name} has strides {a.strides} that are not multiples of its itemsize {a.itemsize}"
+    return None
+
+
+def flat(a: np.ndarray, carrier: type | None = None) -> tuple[np.ndarray, tuple[int, ...]]:
+    """(flat view, (offset, *strides)) with offset/strides counted in elements.
+
+    carrier reinterprets the elements (same width), e.g. bfloat16 -> uint16.
+    """
+    itemsize = a.itemsize
+    strides = tuple(s // itemsize for s in a.strides)
+    if a.size == 0:
+        empty = np.empty(1, dtype=carrier or a.dtype)
+        return empty, (0, *strides)
+    # Start the flat view at the lowest-addressed element so negative strides work too.
+    low = a[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(a.shape, strides))]
+    offset = sum((n - 1) * -s for n, s in zip(a.shape, strides) if s < 0)
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(a.shape, strides))
+    base = as_strided(low, shape=(extent,), strides=(itemsize,))
+    if carrier is not None and base.dtype != np.dtype(carrier):
+        base = base.view(carrier)
+    return base, (offset, *strides)
+
+
+def kind_of(a: np.ndarray) -> tuple[int, type]:
+    return KINDS[np.dtype(a.dtype).name]
