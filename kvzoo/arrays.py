@@ -23,6 +23,7 @@ _NUMPY_DTYPES: dict[str, Any] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "int8": np.dtype(np.int8),
     "uint8": np.dtype(np.uint8),
+    "int16": np.dtype(np.int16),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "float64": np.dtype(np.float64),

@@ -1,0 +1,141 @@
+"""The conformance samples, described once (OpInfo style) and run on every implementation.
+
+Each operation has a list of cases; test_conformance.py crosses them with every registered
+implementation of that operation, so a new backend is covered by registering it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvzoo.modes import MODES
+
+HEAD_SIZES = (64, 80, 96, 128, 256, 67)
+MODE_NAMES = tuple(MODES)
+
+
+@dataclass(frozen=True)
+class WriteCase:
+    mode: str
+    dtype: str = "bfloat16"
+    dist: str = "normal"
+    num_tokens: int = 9
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    rounding: str = "nearest"
+    layout: str = "separate"
+    negative_slots: bool = True
+    strided: bool = False
+    kind: str = "torch"  # "numpy": pass NumPy arrays instead of torch tensors
+
+    @property
+    def id(self) -> str:
+        parts = [self.mode, self.dtype, self.dist, f"T{self.num_tokens}", f"H{self.num_kv_heads}",
+                 f"D{self.head_size}", f"B{self.block_size}"]
+        parts += [p for p, on in (("trunc", self.rounding == "trunc"), ("inline", self.layout == "inline"),
+                                  ("strided", self.strided), ("numpy", self.kind == "numpy")) if on]
+        return "-".join(parts)
+
+
+def _roundings(mode: str) -> tuple[str, ...]:
+    return ("nearest", "trunc") if MODES[mode].is_int8 else ("nearest",)
+
+
+def write_cases() -> list[WriteCase]:
+    cases = []
+    # Every mode x rounding x input dtype x distribution, at a small shape that varies.
+    shapes = itertools.cycle([(64, 16, 2), (80, 1, 3), (96, 32, 1), (128, 16, 4), (256, 16, 2), (67, 32, 2)])
+    for mode in MODE_NAMES:
+        for rounding in _roundings(mode):
+            for dtype in ("bfloat16", "float16", "float32"):
+                for dist in ("normal", "outliers", "tiny", "midpoints", "specials"):
+                    d, bs, h = next(shapes)
+                    per_token_head = MODES[mode].per_token_head
+                    cases.append(WriteCase(
+                        mode, dtype, dist, num_tokens=7, num_kv_heads=h, head_size=d, block_size=bs,
+                        rounding=rounding,
+                        layout="inline" if per_token_head and d % 4 == 0 and dist == "normal" else "separate",
+                        strided=dist in ("outliers", "specials"),
+                        kind="numpy" if dist == "tiny" else "torch",
+                    ))
+    # Edge sizes.
+    for mode in MODE_NAMES:
+        cases.append(WriteCase(mode, num_tokens=0))
+        cases.append(WriteCase(mode, num_tokens=1, negative_slots=False))
+        cases.append(WriteCase(mode, num_tokens=64, num_kv_heads=16, head_size=128, block_size=16))
+        cases.append(WriteCase(mode, num_tokens=40, num_kv_heads=1, head_size=67, block_size=1, strided=True))
+    return cases
+
+
+@dataclass(frozen=True)
+class DequantCase:
+    mode: str
+    head_size: int = 64
+    num_kv_heads: int = 2
+    block_size: int = 16
+    whole_cache: bool = False
+    layout: str = "separate"
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
+                        + (["whole"] if self.whole_cache else []) + (["inline"] if self.layout == "inline" else []))
+
+
+def dequant_cases() -> list[DequantCase]:
+    cases = []
+    for mode in MODE_NAMES:
+        cases.append(DequantCase(mode))
+        cases.append(DequantCase(mode, head_size=67, num_kv_heads=3, block_size=32, whole_cache=True))
+        if MODES[mode].per_token_head:
+            cases.append(DequantCase(mode, head_size=128, block_size=1, layout="inline"))
+    return cases
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    mode: str
+    batch: str = "mixed"  # "decode" | "prefill" | "mixed"
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    query_dtype: str = "bfloat16"
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    layout: str = "separate"
+
+    @property
+    def id(self) -> str:
+        parts = [self.mode, self.batch, f"Hq{self.num_q_heads}", f"Hkv{self.num_kv_heads}",
+                 f"D{self.head_size}", f"B{self.block_size}", self.query_dtype]
+        if self.sliding_window:
+            parts.append(f"win{self.sliding_window}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.layout == "inline":
+            parts.append("inline")
+        return "-".join(parts)
+
+
+def attention_cases() -> list[AttentionCase]:
+    cases = []
+    for mode in MODE_NAMES:
+        for batch in ("decode", "prefill", "mixed"):
+            cases.append(AttentionCase(mode, batch))
+        cases.append(AttentionCase(mode, "decode", num_q_heads=8, num_kv_heads=1, head_size=128))  # MQA
+        cases.append(AttentionCase(mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, block_size=32,
+                                   query_dtype="float16"))
+        cases.append(AttentionCase(mode, "mixed", num_q_heads=16, num_kv_heads=2, head_size=96,
+                                   sliding_window=19, softcap=30.0, sinks=True))
+        if MODES[mode].per_token_head:
+            cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
+    cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
+    cases.append(AttentionCase("fp8_per_token_head", "prefill", head_size=67, block_size=1))
+    cases.append(AttentionCase("none", "decode", head_size=67, sinks=True, query_dtype="float16"))
+    return cases

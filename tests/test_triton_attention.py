@@ -1,0 +1,323 @@
+"""Triton paged attention: what the generic conformance suite does not cover.
+
+Split-KV against the single-pass kernel, run-to-run determinism, batch invariance, CUDA graph
+capture of a decode step and a cache over 4 GiB. On CPU the kernels run under the Triton
+interpreter (TRITON_INTERPRET=1) at tiny sizes; GPU-only tests skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kvzoo.backends.triton import platform  # noqa: E402
+from kvzoo.modes import get_kv_quant_mode  # noqa: E402
+from kvzoo.problem import Attention  # noqa: E402
+
+CUDA = torch.cuda.is_available() and not platform.interpreted()
+RUNNABLE = CUDA or platform.interpreted()
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+CODE_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _kernels():
+    from kvzoo.backends.triton import attention_kernels
+
+    return attention_kernels
+
+
+def make_problem(
+    q_lens, seq_lens, *, mode="int8_per_token_head", num_q_heads=4, num_kv_heads=2, head_size=32,
+    block_size=16, dtype=torch.bfloat16, sliding_window=None, softcap=None, sinks=False,
+    batch_invariant=False, extra_blocks=3, seed=0, num_blocks=None, device=DEVICE,
+):
+    """A random Attention problem: random codes and scales, shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    m = get_kv_quant_mode(mode)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq + [1])
+    needed = sum(blocks_per_seq) + extra_blocks
+    num_blocks = num_blocks or needed
+    perm = torch.randperm(num_blocks, generator=gen)[: sum(blocks_per_seq)]
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        tables[s, :nb] = perm[used : used + nb]
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+
+    def cache():
+        x = torch.randn(shape, generator=gen)
+        if m.code_dtype is None:
+            return x.to(dtype)
+        if m.is_int8:
+            return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+        return (x * 64).clamp(-m.qmax, m.qmax).to(CODE_DTYPES[m.code_dtype])
+
+    key_cache, value_cache = cache(), cache()
+    ks = vs = k_scale = v_scale = None
+    if m.per_token_head:
+        ks = torch.rand(shape[:3], generator=gen) * 0.02 + 0.001
+        vs = torch.rand(shape[:3], generator=gen) * 0.02 + 0.001
+    if m.per_tensor:
+        k_scale = torch.tensor([0.013]), 
+        k_scale, v_scale = torch.tensor([0.013]), torch.tensor([0.021])
+    qsl = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32)
+    total = int(qsl[-1])
+    query = torch.randn(total, num_q_heads, head_size, generator=gen).to(dtype)
+    sink_t = torch.randn(num_q_heads, generator=gen) if sinks else None
+    out = torch.full((total, num_q_heads, head_size), float("nan"), dtype=dtype)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return Attention(
+        mode=m, query=to(query), key_cache=to(key_cache), value_cache=to(value_cache),
+        block_tables=to(tables), seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
+        query_start_loc=to(qsl), out=to(out), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        softmax_scale=1.0 / math.sqrt(head_size), k_scale_cache=to(ks), v_scale_cache=to(vs),
+        k_scale=to(k_scale), v_scale=to(v_scale), sliding_window=sliding_window, softcap=softcap,
+        sinks=to(sink_t), batch_invariant=batch_invariant,
+    )
+
+
+def _f64(t):
+    return t.detach().cpu().to(torch.float64)
+
+
+def reference(p: Attention) -> torch.Tensor:
+    """float64 attention on the decoded cache, straight from the definition."""
+    q_all = _f64(p.query)
+    out = torch.zeros_like(q_all)
+    group = p.num_q_heads // p.num_kv_heads
+    qsl, lens, tables = p.query_start_loc.cpu(), p.seq_lens.cpu(), p.block_tables.cpu().long()
+
+    def decoded(cache, scale_cache, scale):
+        x = _f64(cache)
+        if scale_cache is not None:
+            x = x * _f64(scale_cache)[..., None]
+        if scale is not None:
+            x = x * float(scale.reshape(-1)[0])
+        return x
+
+    k_all = decoded(p.key_cache, p.k_scale_cache, p.k_scale)
+    v_all = decoded(p.value_cache, p.v_scale_cache, p.v_scale)
+    bs = p.block_size
+    for s in range(p.num_seqs):
+        q0, q1, n = int(qsl[s]), int(qsl[s + 1]), int(lens[s])
+        if q1 == q0:
+            continue
+        pos_k = torch.arange(n)
+        blk, off = tables[s, pos_k // bs], pos_k % bs
+        k, v = k_all[blk, off], v_all[blk, off]  # [n, Hkv, D]
+        pos_q = n - (q1 - q0) + torch.arange(q1 - q0)
+        vis = pos_k[None, :] <= pos_q[:, None]
+        if p.sliding_window is not None:
+            vis &= pos_k[None, :] > pos_q[:, None] - p.sliding_window
+        for h in range(p.num_q_heads):
+            logits = q_all[q0:q1, h] @ k[:, h // group].T * p.softmax_scale
+            if p.softcap is not None:
+                logits = p.softcap * torch.tanh(logits / p.softcap)
+            logits = logits.masked_fill(~vis, -math.inf)
+            mx = logits.max(dim=1, keepdim=True).values
+            if p.sinks is not None:
+                mx = torch.maximum(mx, torch.tensor(float(p.sinks[h])))
+            e = torch.exp(logits - mx)
+            den = e.sum(dim=1, keepdim=True)
+            if p.sinks is not None:
+                den = den + torch.exp(float(p.sinks[h]) - mx)
+            out[q0:q1, h] = (e @ v[:, h // group]) / den
+    return out
+
+
+def run(p: Attention, **override):
+    _kernels().run(p, "cuda", **override)
+    return p.out
+
+
+def rel_err(out, ref):
+    return float(torch.linalg.norm(_f64(out) - ref) / torch.linalg.norm(ref))
+
+
+def check(p: Attention, **override):
+    out = run(p, **override)
+    assert not torch.isnan(out).any(), "some output elements were not written"
+    err = rel_err(out, reference(p))
+    assert err <= 1e-2, err
+    return err
+
+
+CASES = {
+    "decode": dict(q_lens=[1, 1, 1], seq_lens=[5, 40, 17]),
+    "mixed": dict(q_lens=[1, 7, 20, 1], seq_lens=[33, 7, 50, 1]),
+}
+
+
+@pytest.mark.parametrize("mode", ["none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_modes_against_float64(mode, case):
+    check(make_problem(**CASES[case], mode=mode))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(head_size=80, num_q_heads=6, num_kv_heads=2),  # D not a power of two, G=3
+        dict(block_size=32, num_q_heads=4, num_kv_heads=1),  # MQA
+        dict(sliding_window=9, softcap=5.0, sinks=True),
+        dict(dtype=torch.float16, head_size=48),
+        dict(dtype=torch.float32),
+    ],
+    ids=["d80-g3", "mqa-b32", "window-softcap-sinks", "fp16-d48", "fp32"],
+)
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head", "fp8_per_token_head"])
+def test_options_against_float64(mode, options):
+    check(make_problem(**CASES["mixed"], mode=mode, **options))
+
+
+def test_rocm_fnuz_under_the_interpreter():
+    if CUDA:
+        pytest.skip("fp8 e4m3fnuz runs on ROCm GPUs or under the interpreter")
+    p = make_problem(**CASES["mixed"], mode="fp8_e4m3fnuz_per_token_head")
+    codes = p.key_cache.view(torch.uint8)
+    codes[codes == 0x80] = 0  # 0x80 is fnuz's NaN; keep the random cache finite
+    codes = p.value_cache.view(torch.uint8)
+    codes[codes == 0x80] = 0
+    _kernels().run(p, "rocm")
+    assert rel_err(p.out, reference(p)) <= 1e-2
+
+
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])
+@pytest.mark.parametrize("extra", [dict(), dict(sliding_window=40, sinks=True)], ids=["plain", "window-sinks"])
+def test_split_kv_matches_single_pass(mode, extra):
+    k = _kernels()
+    lens = [300, 129, 64, 1]
+    p = make_problem([1, 1, 1, 1], lens, mode=mode, **extra)
+    single = k.AttentionConfig(1, 32, 4, 2, 0)
+    split = k.AttentionConfig(1, 32, 4, 2, 64)
+    a = run(p, decode=single).clone()
+    p.out.fill_(float("nan"))
+    b = run(p, decode=split).clone()
+    ref = reference(p)
+    assert rel_err(a, ref) <= 1e-2 and rel_err(b, ref) <= 1e-2
+    # Different summation orders: close, not bitwise.
+    assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_prefill_tiles_span_pages():
+    # 16-key pages, 64-key tiles: each tile gathers four pages.
+    k = _kernels()
+    p = make_problem([24, 3], [70, 90], block_size=16)
+    check(p, prefill=k.AttentionConfig(8, 64, 4, 2))
+
+
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])
+def test_deterministic(mode):
+    p = make_problem(**CASES["mixed"], mode=mode, sinks=True)
+    a = run(p).clone()
+    p.out.fill_(float("nan"))
+    assert torch.equal(run(p).view(torch.int16), a.view(torch.int16))
+
+
+def _sub_batch(p: Attention, keep: list[int], invariant=True) -> Attention:
+    """The same sequences (same caches) as a smaller batch."""
+    import dataclasses
+
+    qsl = p.query_start_loc.cpu()
+    rows = torch.cat([torch.arange(int(qsl[s]), int(qsl[s + 1])) for s in keep])
+    q_lens = [int(qsl[s + 1] - qsl[s]) for s in keep]
+    lens = p.seq_lens.cpu()[keep]
+    dev = p.query.device
+    return dataclasses.replace(
+        p, query=p.query[rows.to(dev)].clone(), out=torch.full_like(p.query[rows.to(dev)], float("nan")),
+        block_tables=p.block_tables[torch.tensor(keep, device=dev)].clone(), seq_lens=lens.to(dev),
+        query_start_loc=torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32, device=dev),
+        max_query_len=max(q_lens), max_seq_len=int(lens.max()), batch_invariant=invariant,
+    )
+
+
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])
+def test_batch_invariant(mode):
+    # Sequence 1 (a decode over a long context) and 2 (a prefill chunk) alone and in a batch
+    # whose other members change the grid, the max lengths and the split count.
+    long = 9000 if CUDA else 700
+    p = make_problem([5, 1, 9, 1], [long, long - 300, 40, 20], mode=mode, batch_invariant=True,
+                     head_size=64 if CUDA else 32)
+    k = _kernels()
+    if not CUDA:  # small split points so the interpreter crosses several of them
+        import dataclasses
+
+        cfg = dataclasses.replace(k.decode_config(p, True), block_n=32, split_keys=128)
+        override = dict(decode=cfg)
+    else:
+        override = {}
+    full = run(p, **override)
+    qsl = p.query_start_loc.cpu()
+    for keep in ([1], [2], [1, 2], [3, 1]):
+        sub = _sub_batch(p, keep)
+        got = run(sub, **override)
+        sub_qsl = sub.query_start_loc.cpu()
+        for i, s in enumerate(keep):
+            a = full[int(qsl[s]) : int(qsl[s + 1])]
+            b = got[int(sub_qsl[i]) : int(sub_qsl[i + 1])]
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (keep, s)
+
+
+@gpu_only
+def test_cuda_graph_decode_step():
+    p = make_problem([1] * 8, [700 + 37 * i for i in range(8)], head_size=128, num_q_heads=8,
+                     num_kv_heads=2)
+    eager = run(p).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(p)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    p.out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        run(p)
+    p.out.fill_(float("nan"))
+    # New query values in place, then replay: the graph reads the live tensors.
+    p.query.copy_(torch.randn_like(p.query, dtype=torch.float32).to(p.query.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(p.out, reference(p)) <= 1e-2
+    assert not torch.equal(p.out, eager)
+
+
+@gpu_only
+def test_cache_over_4gib_far_block():
+    # int8 cache of 2^18 + 64 blocks x 16 KiB = 4.3 GB per K and V; the sequence's blocks sit
+    # past the 2^31-byte mark, so block id * block stride needs 64-bit offsets.
+    block_size, heads, d = 16, 8, 128
+    num_blocks = (1 << 18) + 64
+    p = make_problem([1, 4], [40, 40], num_q_heads=32, num_kv_heads=heads, head_size=d,
+                     block_size=block_size, num_blocks=64, device="cpu")
+    far = num_blocks - 64
+    big = []
+    for small in (p.key_cache, p.value_cache):
+        cache = torch.empty((num_blocks,) + tuple(small.shape[1:]), dtype=small.dtype, device="cuda")
+        cache[far:] = small.cuda()
+        big.append(cache)
+    scales = []
+    for small in (p.k_scale_cache, p.v_scale_cache):
+        sc = torch.empty((num_blocks,) + tuple(small.shape[1:]), dtype=small.dtype, device="cuda")
+        sc[far:] = small.cuda()
+        scales.append(sc)
+    import dataclasses
+
+    assert big[0].numel() * big[0].element_size() > 4 * 2**30 or big[0].stride(0) * far > 2**31
+    gp = dataclasses.replace(
+        p, query=p.query.cuda(), out=p.out.cuda(), key_cache=big[0], value_cache=big[1],
+        k_scale_cache=scales[0], v_scale_cache=scales[1], block_tables=(p.block_tables + far).cuda(),
+        seq_lens=p.seq_lens.cuda(), query_start_loc=p.query_start_loc.cuda(),
+    )
+    run(gp)
+    assert not torch.isnan(gp.out).any()
+    assert rel_err(gp.out, reference(p)) <= 1e-2

@@ -1,0 +1,236 @@
+"""Tests specific to the Triton write/dequantize kernels and their exact encode helpers.
+
+The conformance suite already holds "triton-cuda"/"triton-rocm" against the reference for
+every mode and layout; these tests cover what it cannot see from outside: the encode helpers
+over whole value ranges (ties, subnormals, saturation), that no multiply-add was contracted,
+and the 64-bit offsets of caches over 4 GiB (GPU only). On a machine without a GPU they run
+under TRITON_INTERPRET=1 at small sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    # Must be set before the kernels are decorated (first import of the kernel modules).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+import kvzoo  # noqa: E402
+from kvzoo.backends.triton import encode  # noqa: E402
+from kvzoo.modes import MODES, SCALE_FLOOR  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+DEVICE = "cuda" if ON_GPU else "cpu"
+IMPL = "triton-rocm" if ON_GPU and torch.version.hip else "triton-cuda"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (not the interpreter)")
+
+_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN,
+         "float8_e4m3fnuz": encode.CODE_E4M3FNUZ}
+_BLOCK = 1024
+
+
+@triton.jit
+def _encode_kernel(y_ptr, out_ptr, n, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                   NAN_CODE: tl.constexpr, TRUNC: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    code = encode.encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, TRUNC)
+    tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(code_ptr, out_ptr, CODE: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, encode.decode_codes(tl.load(code_ptr + offs), CODE))
+
+
+def _run_encode(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarray:
+    mode = MODES[mode_name]
+    y_t = torch.from_numpy(np.ascontiguousarray(y, np.float32)).to(DEVICE)
+    out = torch.full(y_t.shape, 0x55, dtype=torch.uint8, device=DEVICE)
+    _encode_kernel[(triton.cdiv(y.size, _BLOCK),)](
+        y_t, out, y.size, CODE=_CODE[mode.code_dtype], QMIN=mode.qmin, QMAX=mode.qmax,
+        NAN_CODE=mode.nan_code, TRUNC=trunc, BLOCK=_BLOCK, enable_fp_fusion=False,
+    )
+    return out.cpu().numpy()
+
+
+def _expected_codes(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarray:
+    """The spec's encode, written with NumPy / ml_dtypes (RNE casts)."""
+    mode = MODES[mode_name]
+    finite = np.isfinite(y)
+    yc = np.clip(np.where(finite, y, 0), np.float32(mode.qmin), np.float32(mode.qmax)).astype(np.float32)
+    if mode.code_dtype == "int8":
+        codes = (np.trunc(yc) if trunc else np.rint(yc)).astype(np.int8).view(np.uint8)
+    else:
+        codes = yc.astype(_FP8[mode.code_dtype]).view(np.uint8)
+    return np.where(finite, codes, np.uint8(mode.nan_code))
+
+
+def _fp8_probe_values(dtype) -> np.ndarray:
+    """Every finite code's value, the midpoints between neighbours (ties) and one fp32 ulp on
+    either side of each, both signs, plus values far below the smallest subnormal."""
+    vals = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    vals = np.unique(vals[np.isfinite(vals)])
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
+    probes = np.concatenate([vals, mids, np.nextafter(mids, np.float32(np.inf)),
+                             np.nextafter(mids, np.float32(-np.inf)),
+                             np.float32([1e-30, 1e-40, 2.0 ** -12, 1e30])])
+    return np.concatenate([probes, -probes]).astype(np.float32)
+
+
+def _random_bit_patterns(n: int, seed: int) -> np.ndarray:
+    """fp32 values from uniformly random bit patterns (every exponent, NaN/Inf included),
+    plus a uniform sample in the format's interesting range."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = rng.uniform(-600, 600, size=n).astype(np.float32)
+    return np.concatenate([bits, near, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
+
+
+@pytest.mark.parametrize("mode_name", ["fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
+def test_fp8_encode_matches_single_rne(mode_name):
+    dtype = _FP8[MODES[mode_name].code_dtype]
+    y = np.concatenate([_fp8_probe_values(dtype), _random_bit_patterns(20000, 1)])
+    got, want = _run_encode(y, mode_name), _expected_codes(y, mode_name)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
+
+
+@pytest.mark.parametrize("trunc", [False, True], ids=["nearest", "trunc"])
+def test_int8_encode_ties_and_range(trunc):
+    halves = np.arange(-130, 130, 0.5, dtype=np.float32)
+    y = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)),
+                        np.nextafter(halves, np.float32(-np.inf)), _random_bit_patterns(20000, 2)])
+    got = _run_encode(y, "int8_per_token_head", trunc)
+    want = _expected_codes(y, "int8_per_token_head", trunc)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, [(float(y[i]), int(got[i]), int(want[i])) for i in bad[:10]]
+
+
+@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head",
+                                       "fp8_e4m3fnuz_per_token_head"])
+def test_decode_every_code(mode_name):
+    mode = MODES[mode_name]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if mode.code_dtype == "int8":
+        codes = codes.view(torch.int8)
+        want = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
+    else:
+        want = np.arange(256, dtype=np.uint8).view(_FP8[mode.code_dtype]).astype(np.float32)
+    out = torch.full((256,), float("nan"), device=DEVICE)
+    _decode_kernel[(1,)](codes.to(DEVICE), out, CODE=_CODE[mode.code_dtype])
+    got = out.cpu().numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    # Compared as bits so -0.0 (e4m3fn 0x80) must come back as -0.0.
+    assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+def _contraction_rows(num_rows: int, head_size: int, seed: int) -> np.ndarray:
+    """int8 rows in which at least one element rounds differently when x * inv is fused into
+    the round-half-even addition: fl(x * inv) sits exactly on a half while the exact product
+    does not (fp32 x fp32 products are exact in float64)."""
+    rng = np.random.default_rng(seed)
+    found = []
+    while len(found) < num_rows:
+        x = rng.standard_normal((4096, head_size)).astype(np.float32)
+        # Values on a 1/2 grid of the scale make half-way products common.
+        x = (np.round(x * 64) / 64).astype(np.float32)
+        absmax = np.abs(x).max(axis=1)
+        scale = np.maximum(absmax / np.float32(127), SCALE_FLOOR).astype(np.float32)
+        inv = (np.float32(1) / scale).astype(np.float32)
+        y32 = x * inv[:, None]
+        exact = x.astype(np.float64) * inv[:, None].astype(np.float64)
+        differs = (np.rint(np.clip(y32, -128, 127)) != np.rint(np.clip(exact, -128, 127))).any(axis=1)
+        found.extend(x[differs])
+    return np.stack(found[:num_rows])
+
+
+def _write_both(key, value, mode, rounding="nearest", layout="separate"):
+    """Write the same rows with the Triton impl (on DEVICE) and the NumPy reference (CPU);
+    returns the cache bytes of each, poisoned beforehand so unwritten bytes show."""
+    num_tokens, heads, head_size = key.shape
+    num_blocks, block_size = 4, 4
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    results = []
+    for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
+        if layout == "inline":
+            c = kvzoo.allocate_inline(num_blocks, block_size, heads, head_size, mode, device=device)
+            c.buffer.fill_(0x55)
+            tensors = [c.buffer]
+        else:
+            c = kvzoo.allocate_separate(num_blocks, block_size, heads, head_size, mode,
+                                        model_dtype="float32", device=device)
+            tensors = [t for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)
+                       if t is not None]
+            for t in tensors:
+                t.view(torch.uint8).fill_(0x55)
+        kvzoo.reshape_and_cache(key.to(device), value.to(device), c.key_cache, c.value_cache,
+                                slots.to(device), mode=mode, k_scale_cache=c.k_scale_cache,
+                                v_scale_cache=c.v_scale_cache, rounding=rounding, impl=impl)
+        results.append([t.cpu().contiguous().view(torch.uint8).numpy().copy() for t in tensors])
+    return results
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "trunc"])
+def test_no_fma_contraction(rounding):
+    rows = _contraction_rows(8, 32, seed=3)
+    key = torch.from_numpy(rows.reshape(4, 2, 32))
+    value = torch.from_numpy(rows[::-1].copy().reshape(4, 2, 32))
+    got, want = _write_both(key, value, "int8_per_token_head", rounding)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+
+
+def test_fused_qkv_views_into_inline_pages():
+    """K and V as strided views of one QKV projection, written into the inline layout."""
+    tokens, q_heads, kv_heads, head_size = 5, 4, 2, 24
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size) * 4
+    split = qkv.view(tokens, q_heads + 2 * kv_heads, head_size)
+    key, value = split[:, q_heads:q_heads + kv_heads], split[:, q_heads + kv_heads:]
+    for mode in ("int8_per_token_head", "fp8_per_token_head"):
+        got, want = _write_both(key, value, mode, layout="inline")
+        assert np.array_equal(got[0], want[0]), mode
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])
+def test_cache_over_4gib(mode):
+    """A slot whose byte offset is past 2**32 (element offset past 2**31 for bf16) is written
+    where it belongs and reads back the same as a small cache holding the same token."""
+    heads, head_size, block_size = 8, 128, 16
+    per_block = block_size * heads * head_size * (2 if mode == "none" else 1)
+    num_blocks = (2**32 + per_block - 1) // per_block + 2
+    m = kvzoo.get_kv_quant_mode(mode)
+    dtype = torch.bfloat16 if mode == "none" else torch.int8
+    key = (torch.randn(1, heads, head_size, device="cuda") * 3).to(torch.bfloat16)
+    value = (torch.randn(1, heads, head_size, device="cuda") * 3).to(torch.bfloat16)
+    outs = []
+    for nb in (num_blocks, 1):
+        kc = torch.empty(nb, block_size, heads, head_size, dtype=dtype, device="cuda")
+        vc = torch.empty_like(kc)
+        sc = [torch.empty(nb, block_size, heads, device="cuda") for _ in range(2)] if m.per_token_head else [None, None]
+        slot = torch.tensor([nb * block_size - 1], device="cuda")
+        kvzoo.reshape_and_cache(key, value, kc, vc, slot, mode=mode, k_scale_cache=sc[0],
+                                v_scale_cache=sc[1], impl=IMPL)
+        table = torch.tensor([[nb - 1]], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([block_size], dtype=torch.int32, device="cuda")
+        rows = [kvzoo.dequantize(c, s, mode=mode, block_tables=table, seq_lens=lens, impl=IMPL)[-1]
+                for c, s in ((kc, sc[0]), (vc, sc[1]))]
+        outs.append((kc[-1, -1].cpu(), vc[-1, -1].cpu(), *[r.cpu() for r in rows]))
+        del kc, vc, sc
+        torch.cuda.empty_cache()
+    for big, small in zip(*outs):
+        assert torch.equal(big.view(torch.uint8), small.view(torch.uint8))
+    if mode == "none":
+        assert torch.equal(outs[0][0], key[0].cpu())
