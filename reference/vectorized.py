@@ -113,7 +113,7 @@ def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> 
     if codec.granularity == "none":
         return _widen(codes)
     values = _decode_table(codec.code_dtype)[codes.view(np.uint8)]
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         if np.ndim(scales) == 0:
             return values * np.float32(scales)
         return values * scales[..., None]
