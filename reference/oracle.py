@@ -417,7 +417,8 @@ def attention_f64(
     query [T, Hq, D] (any float dtype, bfloat16 included); k_deq / v_deq [NB, BS, Hkv, D]
     decoded caches (e.g. decode_cache's output).
     """
-    q = widen_to_float32(query).astype(np.float64)
+    query = np.asarray(query)
+    q = query.astype(np.float64) if query.dtype == np.float64 else widen_to_float32(query).astype(np.float64)
     k_deq = np.asarray(k_deq, dtype=np.float64)
     v_deq = np.asarray(v_deq, dtype=np.float64)
     T, Hq, D = q.shape

@@ -418,10 +418,17 @@ def test_attention_poison_reaches_the_output():
     rng = rng_for("attention_nan")
     k = rng.standard_normal((2, 2, 1, 4))
     v = rng.standard_normal((2, 2, 1, 4))
-    v[0, 1, 0, 0] = np.nan  # position 1 of the sequence
     q = rng.standard_normal((4, 1, 4))
+    # A NaN value element poisons that output element of every query that sees it.
+    v[0, 1, 0, 2] = np.nan  # position 1 of the sequence
     out = oracle.attention_f64(q, k, v, [[0, 1]], [4], [0, 4])
-    assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:]))
+    assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:, :, 2]))
+    assert np.all(np.isfinite(out[1:, :, [0, 1, 3]]))
+    # A NaN in a key poisons the whole output row of every query that sees it.
+    v[0, 1, 0, 2] = 1.0
+    k[1, 0, 0, 3] = np.nan  # position 2
+    out = oracle.attention_f64(q, k, v, [[0, 1]], [4], [0, 4])
+    assert np.all(np.isfinite(out[:2])) and np.all(np.isnan(out[2:]))
 
 
 # ---------------------------------------------------------------------------------------------
