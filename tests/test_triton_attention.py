@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs a CUDA GPU or TRITON
 DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
-CODE_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+CODE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}
 
 
 def _kernels():
@@ -68,7 +68,7 @@ def make_problem(
         ks = torch.rand(shape[:3], generator=gen) * 0.02 + 0.001
         vs = torch.rand(shape[:3], generator=gen) * 0.02 + 0.001
     if m.per_tensor:
-        k_scale = torch.tensor([0.013]), 
+
         k_scale, v_scale = torch.tensor([0.013]), torch.tensor([0.021])
     qsl = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32)
     total = int(qsl[-1])

@@ -1,0 +1,530 @@
+"""Unified paged attention in Triton: varlen prefill + decode over the (quantized) paged cache.
+
+One kernel computes causal attention for a tile of query rows against the paged K/V of one KV
+head. A tile's rows are BLOCK_Q consecutive query tokens of one sequence times the G query
+heads that share the KV head (padded to a power of two), so each K/V tile is loaded once per
+group and prefill runs tensor-core-sized [BLOCK_M, BLOCK_N] dots. Keys are gathered through
+block_tables one key at a time, so a key tile may span several pages of any block size.
+
+Per-token-head modes keep the dots on the codes: q . codes is scaled by the key's scale after
+the dot, and the probabilities are scaled by the value's scale before P . V. Codes are exact in
+fp16 (int8 and e4m3 both), so quantized modes dot in fp16 on any query dtype; the query rows
+are rescaled by a power of two into fp16's range first (exact), which keeps bf16 and fp32
+queries safe. Mode "none" dots in the cache dtype (fp32 for fp32 caches).
+
+Long contexts with few sequences use split-KV: each program covers `split_keys` keys of one
+decode token and writes its partial (max, sum, acc); a second kernel merges the splits in a
+fixed order. Nothing here synchronises with the host (grids come from the problem's host-side
+max_query_len / max_seq_len), so a decode step can be captured in a CUDA graph, and nothing
+uses atomics, so results are identical run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...problem import Attention
+from . import platform as _platform
+
+_LOG2E = 1.4426950408889634
+
+# How codes become dot operands (CODE_CONVERT).
+_CONVERT_CAST = 0  # .to(dot dtype)
+_CONVERT_I8_ASM = 1  # int8 -> fp16 with byte permutes (CUDA): the cast is an I2F per code
+_CONVERT_TABLE = 2  # fp8 byte -> float32 through a 256-entry table (the interpreter has no fp8 math)
+
+# Scale kinds (SCALE_MODE).
+_SCALE_NONE = 0
+_SCALE_TENSOR = 1
+_SCALE_TOKEN_HEAD = 2
+
+
+@triton.jit
+def _int8x4_to_fp16(x):
+    # 0x6400 | (c ^ 0x80) is the fp16 1024 + (c + 128); subtracting 1152 leaves c exactly.
+    # Four codes per 32-bit word: one xor, two byte permutes and two packed fp16 subtractions,
+    # against four int->float conversions, the slow unit on this path.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, hi, bias;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 hi, 0x64646464;
+        mov.b32 bias, 0x64806480;
+        prmt.b32 $0, t, hi, 0x5140;
+        prmt.b32 $1, t, hi, 0x7362;
+        sub.f16x2 $0, $0, bias;
+        sub.f16x2 $1, $1, bias;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr):
+    if CODE_CONVERT == 1:
+        return _int8x4_to_fp16(x)
+    elif CODE_CONVERT == 2:
+        return tl.load(table_ptr + x.to(tl.uint8, bitcast=True).to(tl.int32)).to(DOT_DTYPE)
+    else:
+        return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q: tl.constexpr):
+    # Sequence s owns virtual q-blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1):
+    # at least ceil(q_len / BLOCK_Q) of them, with no host-side prefix sum.
+    # Tensors from the start: num_seqs may arrive as a constexpr (Triton specialises 1).
+    lo = tl.program_id(0) * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= vblock:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """One key tile of the online softmax: returns the updated (m, l, acc)."""
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_D
+    keys = start + n
+    key_ok = keys < kv_end
+    page = tl.load(bt_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+    in_page = keys % PAGE
+    k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
+    kc = tl.load(
+        k_ptr + k_row[:, None] + d[None, :] * stride_kd,
+        mask=key_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    s = tl.dot(q, tl.trans(_codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT)),
+               input_precision=DOT_PRECISION)
+    if SCALE_MODE == 2:
+        ks = tl.load(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
+                     mask=key_ok, other=0.0)
+        s = s * ks[None, :]
+    s = s * row_scale[:, None]
+    if HAS_SOFTCAP:
+        # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
+        e2 = tl.exp(2.0 * (s / softcap))
+        s = (softcap * (1.0 - 2.0 / (e2 + 1.0))) * 1.4426950408889634
+    visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (keys[None, :] > pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 there so no inf - inf.
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_i = m_new
+
+    v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    vc = tl.load(
+        v_ptr + v_row[:, None] + d[None, :] * stride_vd,
+        mask=key_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT)
+    if SCALE_MODE == 2:
+        vs = tl.load(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
+                     mask=key_ok, other=0.0)
+        # Masked keys may hold a NaN scale (a poisoned row): zero them after the product.
+        pv = tl.where(visible, p * vs[None, :], 0.0)
+        # Normalise each row by its largest weight so the fp16 operand cannot overflow.
+        w = tl.max(pv, axis=1)
+        inv_w = tl.where(w > 0.0, 1.0 / w, 0.0)
+        pv = (pv * inv_w[:, None]).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION) * w[:, None]
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr,
+    num_seqs, softmax_scale, softcap, window, split_keys, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PER_SEQ:
+        # Decode launch: one program per (sequence, KV head, split); only 1-token sequences.
+        seq = tl.program_id(0)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = 0
+        if q_len != 1:
+            return
+    else:
+        vblock = tl.program_id(0)
+        seq = _find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = vblock - (q_start // BLOCK_Q + seq)
+        if q_block * BLOCK_Q >= q_len:
+            return
+        if SKIP_DECODE:
+            if q_len == 1:
+                return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # position of the sequence's first query token
+
+    # Row r of the tile: query token r // G_PAD of this block, query head r % G_PAD of the group.
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = rows // G_PAD
+    row_head = rows % G_PAD
+    q_idx = q_block * BLOCK_Q + row_tok
+    row_ok = (row_tok < BLOCK_Q) & (q_idx < q_len) & (row_head < GROUP)
+    head = kv_head * GROUP + row_head
+    pos = context + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_D
+    token = (q_start + q_idx).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(tl.float32)
+    # Logit scale per row in log2 units (exp2 below); softcap needs natural units first.
+    if HAS_SOFTCAP:
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * softmax_scale
+    else:
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (softmax_scale * 1.4426950408889634)
+    if SCALE_MODE == 1:
+        row_scale = row_scale * tl.load(ks_ptr)
+    if Q_RESCALE:
+        # Power-of-two factor putting each row's absmax in [2^14, 2^15): the fp16 cast keeps
+        # every bf16 bit and cannot overflow. Undone exactly in row_scale.
+        amax = tl.max(tl.abs(q), axis=1)
+        expo = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        k = tl.minimum(tl.maximum(141 - expo, -100), 100)
+        factor = ((127 + k) << 23).to(tl.float32, bitcast=True)
+        q = q * factor[:, None]
+        row_scale = row_scale * ((127 - k) << 23).to(tl.float32, bitcast=True)
+    q = q.to(DOT_DTYPE)
+
+    # Keys this tile needs: up to its last row's position; from the window of its first row.
+    tile_first = context + q_block * BLOCK_Q
+    tile_last = context + tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
+    kv_end = tl.minimum(tile_last + 1, seq_len)
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(tile_first - window + 1, 0)
+    if SPLIT:
+        kv_begin = tl.maximum(kv_begin, split * split_keys)
+        kv_end = tl.minimum(kv_end, (split + 1) * split_keys)
+    # Tiles start on multiples of BLOCK_N whatever the window, so a row's tiling is fixed.
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+
+    if HAS_SINKS and not SPLIT:
+        # The sink joins the denominator as exp(sink - m) and adds no value.
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if INTERPRETED:
+        # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
+        # into the ints range() needs; a while loop compares them instead. Compiled code keeps
+        # the for loop, which Triton software-pipelines.
+        start = kv_begin
+        while start < kv_end:
+            m_i, l_i, acc = _attend_tile(
+                start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW,
+            )
+            start += BLOCK_N
+    else:
+        for start in range(kv_begin, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW,
+            )
+
+    if SCALE_MODE == 1:
+        acc = acc * tl.load(vs_ptr)
+    if SPLIT:
+        # Decode: one token per sequence, partials indexed [seq, q head, split].
+        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr,
+    split_keys, num_splits, stride_ot, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+        return
+    # Only this sequence's own splits, in order: its bits do not depend on the batch.
+    own = tl.cdiv(tl.load(seq_lens_ptr + seq), split_keys)
+    base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
+    m = tl.full([], float("-inf"), tl.float32)
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+    # while, not range(): see the interpreter note in _attention_kernel.
+    i = own * 0
+    while i < own:
+        m = tl.maximum(m, tl.load(part_m_ptr + base + i))
+        i += 1
+    m_use = tl.where(m > float("-inf"), m, 0.0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
+    if HAS_SINKS:
+        total = tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_use)
+    i = own * 0
+    while i < own:
+        w = tl.exp2(tl.load(part_m_ptr + base + i) - m_use)
+        total = total + w * tl.load(part_l_ptr + base + i)
+        acc = acc + w * tl.load(part_acc_ptr + (base + i) * BLOCK_D + d)
+        i += 1
+    out = acc / total
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+
+
+# ----------------------------------------------------------------------------------------
+# Configuration: a fixed table keyed by the problem's shape class, never tuned per call.
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # query tokens per tile (rows = block_q * padded group)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    # Keys per split-KV program (a multiple of block_n); 0 = no split. Decode only.
+    split_keys: int = 0
+
+
+# (phase, padded head size) -> (block_n, num_warps, num_stages); rows come from _rows_target.
+_DECODE_TABLE = {64: (128, 4, 3), 128: (128, 4, 3), 256: (64, 4, 2)}
+_PREFILL_TABLE = {64: (64, 8, 3), 128: (64, 8, 3), 256: (32, 8, 2)}
+# Rows of a prefill tile (query tokens x group heads).
+_PREFILL_ROWS = {64: 128, 128: 128, 256: 64}
+# Batch-invariant decode always splits at this many keys: a sequence's split points depend
+# on its own length only.
+INVARIANT_SPLIT_KEYS = 4096
+# Split-KV heuristic: split when the decode grid covers fewer programs than this many per SM.
+_MIN_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_KEYS = 512
+_MAX_SPLITS = 64
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _size_class(head_size: int) -> int:
+    return max(64, _pow2(head_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if _platform.interpreted():
+        return 4
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
+    block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size)]
+    if invariant:
+        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS)
+    programs = p.num_seqs * p.num_kv_heads
+    dev = p.query.device.index if p.query.device.type == "cuda" else None
+    want = _MIN_PROGRAMS_PER_SM * _num_sms(dev)
+    split_keys = 0
+    if programs < want and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
+        splits = min(_MAX_SPLITS, -(-want // max(programs, 1)), p.max_seq_len // _MIN_SPLIT_KEYS)
+        if splits > 1:
+            split_keys = -(-p.max_seq_len // splits)
+            split_keys = -(-split_keys // block_n) * block_n
+    return AttentionConfig(1, block_n, warps, stages, split_keys)
+
+
+def prefill_config(p: Attention) -> AttentionConfig:
+    size = _size_class(p.head_size)
+    block_n, warps, stages = _PREFILL_TABLE[size]
+    g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
+    block_q = max(1, _PREFILL_ROWS[size] // g_pad)
+    return AttentionConfig(block_q, block_n, warps, stages)
+
+
+# ----------------------------------------------------------------------------------------
+# Launch.
+
+_TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_table(dtype_name: str) -> torch.Tensor:
+    import ml_dtypes
+    import numpy as np
+
+    values = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, dtype_name)).astype(np.float32)
+    return torch.from_numpy(values)
+
+
+def _operands(p: Attention, platform: str):
+    """(k, v, table, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, Q_RESCALE) for this problem."""
+    interpreted = _platform.interpreted()
+    k, v = p.key_cache, p.value_cache
+    table = None
+    if p.mode.code_dtype is None:
+        same = k.dtype == p.query.dtype and k.dtype != torch.float32
+        # The interpreter carries bf16 as raw integers in dots: widen to fp32 there.
+        if same and not (interpreted and k.dtype == torch.bfloat16):
+            return k, v, table, _TORCH_TO_TL[k.dtype], "tf32", _CONVERT_CAST, False
+        return k, v, table, tl.float32, "ieee", _CONVERT_CAST, False
+    convert = _CONVERT_CAST
+    if p.mode.is_int8:
+        if platform == "cuda" and not interpreted:
+            convert = _CONVERT_I8_ASM
+    elif interpreted:
+        table = _fp8_table(p.mode.code_dtype)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+        convert = _CONVERT_TABLE
+    return k, v, table, tl.float16, "tf32", convert, True
+
+
+def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> None:
+    k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform)
+    group = p.num_q_heads // p.num_kv_heads
+    g_pad = _pow2(group)
+    block_m = max(16, cfg.block_q * g_pad)
+    block_d = max(16, _pow2(p.head_size))
+    num_seqs = p.num_seqs
+    split = per_seq and cfg.split_keys > 0
+    num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
+    if per_seq:
+        grid0 = num_seqs
+    else:
+        grid0 = p.query.shape[0] // cfg.block_q + num_seqs
+    scale_mode = _SCALE_TOKEN_HEAD if p.mode.per_token_head else _SCALE_TENSOR if p.mode.per_tensor else _SCALE_NONE
+    dummy = p.seq_lens
+    ks = p.k_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.k_scale if scale_mode == _SCALE_TENSOR else dummy
+    vs = p.v_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if scale_mode == _SCALE_TENSOR else dummy
+    kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
+    vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
+    if split:
+        shape = (num_seqs, p.num_q_heads, num_splits)
+        part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
+        part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
+        part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
+    else:
+        part_m = part_l = part_acc = p.out
+    sinks = p.sinks if p.sinks is not None else dummy
+    grid = (grid0, p.num_kv_heads, num_splits)
+    _attention_kernel[grid](
+        p.query, k, v, ks, vs, p.out,
+        part_m, part_l, part_acc,
+        p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
+        num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
+        max(cfg.split_keys, 1), num_splits,
+        *p.query.stride(), *p.out.stride(), *k.stride(), *v.stride(), *kss, *vss,
+        p.block_tables.stride(0),
+        NUM_Q_HEADS=p.num_q_heads, GROUP=group, G_PAD=g_pad,
+        BLOCK_Q=cfg.block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
+        SCALE_MODE=scale_mode, CODE_CONVERT=convert, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
+        HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
+        PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, INTERPRETED=_platform.interpreted(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_seqs, p.num_q_heads)](
+            part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks,
+            cfg.split_keys, num_splits, *p.out.stride(),
+            NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
+            HAS_SINKS=p.sinks is not None, num_warps=1,
+        )
+
+
+def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None = None,
+        prefill: AttentionConfig | None = None) -> None:
+    """Attention for problem `p`. decode / prefill override the table (tests, tuning)."""
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return
+    invariant = p.batch_invariant
+    if invariant:
+        # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed
+        # prefill tiles. Which launch a sequence takes depends on its own q_len only.
+        _launch(p, platform, decode or decode_config(p, True), per_seq=True, skip_decode=False)
+        if p.max_query_len > 1:
+            _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=True)
+    elif p.max_query_len <= 1:
+        _launch(p, platform, decode or decode_config(p, False), per_seq=True, skip_decode=False)
+    else:
+        _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=False)

@@ -1,0 +1,66 @@
+"""Registers the Triton unified paged attention ("triton-cuda", "triton-rocm").
+
+Kernels live in attention_kernels.py and are imported on the first run, so this module loads
+(and lists the implementations as unavailable, with the reason) on machines without triton.
+"""
+
+from __future__ import annotations
+
+from ...problem import Attention
+from ...registry import Implementation, Registry
+from . import platform
+
+MODES = {
+    "cuda": frozenset({"none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"}),
+    "rocm": frozenset({"none", "int8_per_token_head", "fp8_e4m3fnuz_per_token_head"}),
+}
+# Largest head size the kernel tiles: a [rows, 256] fp32 accumulator already fills the registers.
+MAX_HEAD_SIZE = 256
+
+# Dots take bf16/fp16 operands with fp32 accumulation. The cache's codes and bf16 queries are
+# exact in them; what rounds is P (bf16 in mode "none" with bf16 caches: 2^-9 relative per
+# probability, fp16 elsewhere: 2^-11), fp32 queries cast to fp16 (2^-12) and the output's own
+# rounding (bf16 2^-9). Their sum stays under 5e-3 in the worst case; 1e-2 leaves 2x margin.
+ATTENTION_RTOL = 1e-2
+
+
+def _problem_reasons(platform_name: str):
+    def reasons(p: Attention) -> list[str]:
+        why = []
+        name = f"triton-{platform_name}"
+        if p.head_size > MAX_HEAD_SIZE:
+            why.append(f"{name}: head_size {p.head_size} is over the largest tiled size {MAX_HEAD_SIZE}")
+        if p.head_size < 1:
+            why.append(f"{name}: head_size must be >= 1")
+        return why
+
+    return reasons
+
+
+def _runner(platform_name: str):
+    def run(p: Attention) -> None:
+        from . import attention_kernels
+
+        attention_kernels.run(p, platform_name)
+
+    return run
+
+
+def register(registry: Registry) -> None:
+    for name in platform.PLATFORMS:
+        registry.add(
+            Implementation(
+                name=f"triton-{name}",
+                op="paged_attention",
+                platform=name,
+                modes=MODES[name],
+                run=_runner(name),
+                array_kind="torch",
+                devices=platform.devices(),
+                priority=platform.priority(),
+                unavailable=lambda name=name: list(platform.unavailable_reasons(name)),
+                problem_reasons=_problem_reasons(name),
+                attention_rtol=ATTENTION_RTOL,
+                notes="split-KV decode, batch_invariant, fp16 dots on codes",
+            )
+        )
