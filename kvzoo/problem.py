@@ -9,8 +9,9 @@ All array fields are views of the caller's storage: writes land in the caller's 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .modes import QuantMode
 
@@ -32,7 +33,7 @@ class _Problem:
     def _device_array(self) -> Array:
         raise NotImplementedError
 
-    def map_arrays(self, convert: Callable[[Array], Array]) -> "_Problem":
+    def map_arrays(self, convert: Callable[[Array], Array]) -> _Problem:
         """The same problem with every array field passed through `convert`."""
         from .arrays import is_array
 

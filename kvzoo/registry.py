@@ -13,8 +13,9 @@ one whose module fails to import is recorded under `import_errors`, never raised
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import OPS
@@ -100,7 +101,7 @@ class Registry:
             raise ValueError(f"implementation {impl.name!r} of {impl.op!r} is already registered")
         self._impls.append(impl)
 
-    def load(self, modules: Iterable[str]) -> "Registry":
+    def load(self, modules: Iterable[str]) -> Registry:
         for module_name in modules:
             try:
                 importlib.import_module(module_name).register(self)

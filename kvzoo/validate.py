@@ -8,7 +8,8 @@ host synchronisation and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

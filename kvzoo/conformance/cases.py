@@ -1,7 +1,7 @@
 """The conformance samples, described once (OpInfo style) and run on every implementation.
 
-Each operation has a list of cases; test_conformance.py crosses them with every registered
-implementation of that operation, so a new backend is covered by registering it.
+Each operation has a list of cases; kvzoo.conformance.checks crosses them with every
+registered implementation of that operation, so a new backend is covered by registering it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from kvzoo.modes import MODES
+from ..modes import MODES
 
 HEAD_SIZES = (64, 80, 96, 128, 256, 67)
 MODE_NAMES = tuple(MODES)

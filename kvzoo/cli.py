@@ -1,0 +1,97 @@
+"""`kvzoo list` (the registry) and `kvzoo check` (the conformance matrix on this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+
+def _list(args: argparse.Namespace) -> int:
+    from . import registry
+
+    reg = registry.default()
+    rows = [("implementation", "operation", "platform", "modes", "status")]
+    for impl in reg.implementations():
+        why = impl.unavailable()
+        rows.append((impl.name, impl.op, impl.platform, ",".join(sorted(impl.modes)),
+                     "available" if not why else "unavailable: " + "; ".join(why)))
+    _print_table(rows)
+    for module, error in reg.import_errors.items():
+        print(f"backend {module} failed to import: {error}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from . import registry
+    from .conformance import SEED, NotApplicable, matrix
+
+    checks = [c for c in matrix(registry.default()) if c.impl.available]
+    if args.impl:
+        checks = [c for c in checks if c.impl.name in args.impl]
+    if args.op:
+        checks = [c for c in checks if c.op in args.op]
+    print(f"kvzoo check: {len(checks)} checks, seed {SEED} (replay with KVZOO_SEED={SEED})")
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    failures = []
+    start = time.perf_counter()
+    for check in tqdm(checks, unit="check", file=sys.stderr, disable=args.quiet):
+        key = (check.impl.name, check.op)
+        try:
+            check.run()
+            counts[key][0] += 1
+        except NotApplicable:
+            counts[key][2] += 1
+        except Exception as exc:  # a failing check is reported, the matrix goes on
+            counts[key][1] += 1
+            failures.append((check, exc))
+            if args.exitfirst:
+                break
+    rows = [("implementation", "operation", "passed", "failed", "skipped")]
+    rows += [(impl, op, str(p), str(f), str(s)) for (impl, op), (p, f, s) in sorted(counts.items())]
+    _print_table(rows)
+    for check, exc in failures[:20]:
+        print(f"\nFAILED {check.op} {check.id}: {type(exc).__name__}: {exc}"[:2000])
+        if args.verbose:
+            traceback.print_exception(exc)
+    total_failed = sum(f for _, f, _ in counts.values())
+    print(f"\n{sum(p for p, _, _ in counts.values())} passed, {total_failed} failed, "
+          f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s")
+    return 1 if total_failed else 0
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvzoo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
+    check = sub.add_parser("check", help="run the conformance matrix on every available implementation")
+    check.add_argument("--impl", action="append", help="only this implementation (repeatable)")
+    check.add_argument("--op", action="append",
+                       choices=["reshape_and_cache", "dequantize", "paged_attention", "golden"])
+    check.add_argument("--interpret", action="store_true",
+                       help="also check the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (slow)")
+    check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    check.add_argument("-v", "--verbose", action="store_true", help="tracebacks for failures")
+    args = parser.parse_args(argv)
+    if getattr(args, "interpret", False):
+        # Must be set before triton decorates the kernels, i.e. before the registry loads.
+        os.environ["TRITON_INTERPRET"] = "1"
+    return _list(args) if args.command == "list" else _check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

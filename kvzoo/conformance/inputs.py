@@ -1,0 +1,172 @@
+"""Conformance inputs: seeded fresh inputs, value distributions, poisoning, byte comparisons.
+
+Every run draws new inputs: the session seed is random unless KVZOO_SEED is set; it is printed
+(pytest header, `kvzoo check`) so a failure can be replayed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import zlib
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..arrays import as_numpy, as_torch, numpy_dtype, torch_dtype
+from ..modes import QuantMode
+
+SEED = int(os.environ.get("KVZOO_SEED", secrets.randbits(32)))
+
+DISTRIBUTIONS = ("normal", "outliers", "tiny", "midpoints", "specials")
+INPUT_DTYPES = ("bfloat16", "float16", "float32")
+
+_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+_DTYPE_LIMITS = {  # (largest finite, smallest subnormal)
+    "float32": (float(np.finfo(np.float32).max), float(np.finfo(np.float32).smallest_subnormal)),
+    "float16": (65504.0, 2.0**-24),
+    "bfloat16": (float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), 2.0**-133),
+}
+
+
+def rng_for(*key: Any) -> np.random.Generator:
+    """A generator seeded by the session seed and a stable hash of the test's key."""
+    return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
+
+
+def _format_values(code_dtype: str, qmax: float) -> np.ndarray:
+    """Sorted non-negative finite values of an fp8 format up to qmax."""
+    values = np.arange(256, dtype=np.uint8).view(_FP8[code_dtype]).astype(np.float64)
+    values = values[np.isfinite(values) & (values >= 0) & (values <= qmax)]
+    return np.unique(values)
+
+
+def midpoint_targets(mode: QuantMode, rng: np.random.Generator, n: int) -> np.ndarray:
+    """Values of y = x / scale lying exactly halfway between two codes (and beside them)."""
+    if mode.code_dtype == "int8":
+        mids = rng.integers(-128, 127, n) + 0.5
+    else:
+        values = _format_values(mode.code_dtype, mode.qmax)
+        i = rng.integers(0, len(values) - 1, n)
+        mids = (values[i] + values[i + 1]) / 2 * rng.choice([-1.0, 1.0], n)
+    nudge = rng.choice([0.0, 0.0, 1.0, -1.0], n)
+    mids32 = mids.astype(np.float32)
+    return np.where(nudge == 0, mids32, np.nextafter(mids32, np.float32(np.inf) * nudge.astype(np.float32)))
+
+
+def make_rows(mode: QuantMode, dist: str, dtype: str, shape: tuple[int, ...], rng: np.random.Generator,
+              static_scale: float | None = None) -> np.ndarray:
+    """float32 values (exactly representable in dtype after a cast) with a given character."""
+    *lead, d = shape
+    rows = int(np.prod(lead)) if lead else 1
+    if dist == "normal":
+        x = rng.standard_normal((rows, d)) * rng.choice([0.05, 1.0, 30.0])
+    elif dist == "outliers":
+        x = rng.standard_t(2.0, (rows, d))
+        channels = rng.choice(d, size=max(1, d // 16), replace=False)
+        x[:, channels] *= rng.uniform(20, 200)
+    elif dist == "tiny":
+        # absmax / QMAX below the scale floor, down to the input dtype's subnormals.
+        x = rng.standard_normal((rows, d)) * rng.choice([1e-5, 1e-7, 1e-4])
+    elif dist == "midpoints":
+        x = _midpoint_rows(mode, rng, rows, d, static_scale)
+    elif dist == "specials":
+        x = _special_rows(dtype, rng, rows, d)
+    else:
+        raise ValueError(dist)
+    x = x.astype(np.float32).reshape(shape)
+    return to_dtype_exact(x, dtype)
+
+
+def _midpoint_rows(mode, rng, rows, d, static_scale):
+    if mode.code_dtype is None:
+        return rng.standard_normal((rows, d))
+    y = midpoint_targets(mode, rng, rows * d).reshape(rows, d).astype(np.float64)
+    if mode.per_tensor:
+        return y * static_scale
+    # A row whose absmax is QMAX * 2^k has scale exactly 2^k, so x / scale lands on y.
+    power = 2.0 ** rng.integers(-3, 3, (rows, 1))
+    y[:, 0] = mode.qmax * rng.choice([-1, 1], rows)
+    return y * power
+
+
+def _special_rows(dtype, rng, rows, d):
+    big, sub = _DTYPE_LIMITS[dtype]
+    x = rng.standard_normal((rows, d))
+    for r in range(rows):
+        kind = rng.integers(0, 8)
+        pos = rng.integers(0, d, size=max(1, d // 8))
+        if kind == 0:
+            x[r, pos] = np.nan
+        elif kind == 1:
+            x[r, pos] = np.inf
+        elif kind == 2:
+            x[r, pos] = -np.inf
+        elif kind == 3:
+            x[r] = rng.choice([0.0, -0.0], d)
+        elif kind == 4:
+            x[r] = rng.integers(-3, 4, d) * sub  # subnormals and signed zeros
+        elif kind == 5:
+            x[r, pos] = big * rng.choice([-1, 1], len(pos))
+        elif kind == 6:
+            x[r] = rng.choice([0.0, -0.0], d)
+            x[r, pos] = rng.integers(-3, 4, len(pos)) * sub
+        # kind 7: an ordinary row between the special ones
+    return x
+
+
+def to_dtype_exact(x32: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float32 values to dtype and widen back, so rows are exact in the input dtype."""
+    with np.errstate(over="ignore"):
+        return x32.astype(numpy_dtype(dtype)).astype(np.float32)
+
+
+def tensor(values32: np.ndarray, dtype: str, device: str, kind: str = "torch") -> Any:
+    """values (float32, exactly representable) as a tensor/array of dtype on device."""
+    t = torch.from_numpy(np.ascontiguousarray(values32)).to(torch_dtype(dtype))
+    if kind == "numpy":
+        return as_numpy(t)
+    return t.to(device)
+
+
+def random_bytes(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, device: str, kind: str) -> Any:
+    """Poison: an array of dtype filled with random bytes (never zeros)."""
+    itemsize = numpy_dtype(dtype).itemsize
+    raw = rng.integers(1, 256, size=(*shape, itemsize), dtype=np.uint8)
+    arr = raw.view(numpy_dtype(dtype)).reshape(shape)
+    if kind == "numpy":
+        return arr
+    return as_torch(arr).to(device)
+
+
+def host_bytes(x: Any) -> np.ndarray:
+    """Element bytes of an array in logical order, as uint8 [..., itemsize]."""
+    a = as_numpy(x.detach().cpu()) if isinstance(x, torch.Tensor) else np.asarray(x)
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(*a.shape, a.dtype.itemsize) if a.ndim else a.view(np.uint8)
+
+
+def host_float32(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x).astype(np.float32)
+
+
+def assert_same_bytes(actual: Any, expected: Any, what: str) -> None:
+    """Raw-byte equality with a report of the first differing elements."""
+    a, e = host_bytes(actual), host_bytes(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    diff = np.any(a != e, axis=-1) if a.ndim > 1 else a != e
+    if diff.any():
+        where = np.argwhere(diff)[:5]
+        shown = "; ".join(
+            f"{tuple(int(i) for i in w)}: got {a[tuple(w)].tobytes().hex()} want {e[tuple(w)].tobytes().hex()}"
+            for w in where
+        )
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.size} elements differ (seed {SEED}); {shown}")
+
+
+def device_for(impl: Any) -> str:
+    return "cuda" if "cuda" in impl.devices else "cpu"
