@@ -1,0 +1,102 @@
+"""Registry mechanics on registries built fresh for each test."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvzoo
+from kvzoo.registry import Implementation, NoImplementationError, Registry
+
+
+def _impl(name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), missing=(), limit=None, op="reshape_and_cache"):
+    calls = []
+    impl = Implementation(
+        name=name, op=op, platform="cpu", modes=frozenset(modes), run=calls.append,
+        devices=frozenset(devices), priority=priority, unavailable=lambda: list(missing),
+        problem_reasons=(lambda p: [] if limit is None else limit(p)),
+    )
+    return impl, calls
+
+
+class _Problem:
+    mode = kvzoo.get_kv_quant_mode("int8_per_token_head")
+    device = "cpu"
+    head_size = 256
+
+
+def test_best_prefers_priority_and_skips_unavailable():
+    reg = Registry()
+    fast, _ = _impl("fast", 50, missing=["fast: not installed"])
+    slow, _ = _impl("slow", 10)
+    reg.add(fast)
+    reg.add(slow)
+    assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "slow"
+    with pytest.raises(NoImplementationError, match="fast: not installed"):
+        reg.best("reshape_and_cache", "int8_per_token_head", "cuda")
+
+
+def test_select_explains_every_refusal():
+    reg = Registry()
+    small, _ = _impl("small", 50, limit=lambda p: [f"small: head_size {p.head_size} > 128"])
+    other, _ = _impl("other", 10, modes=("fp8_per_token_head",))
+    reg.add(small)
+    reg.add(other)
+    with pytest.raises(NoImplementationError) as info:
+        reg.select(_Problem(), "reshape_and_cache")
+    assert "head_size 256 > 128" in str(info.value)
+    assert "mode 'int8_per_token_head' is not one of ['fp8_per_token_head']" in str(info.value)
+    with pytest.raises(NoImplementationError, match="impl='small' cannot run"):
+        reg.select(_Problem(), "reshape_and_cache", impl="small")
+
+
+def test_duplicate_and_unknown_names_rejected():
+    reg = Registry()
+    a, _ = _impl("a", 1)
+    reg.add(a)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.add(a)
+    with pytest.raises(ValueError, match="registered: \\['a'\\]"):
+        reg.get("reshape_and_cache", "b")
+
+
+def test_broken_backend_is_recorded_not_raised():
+    reg = Registry().load(["kvzoo.backends.numpy_backend", "kvzoo.backends.does_not_exist"])
+    assert [i.name for i in reg.implementations("paged_attention")] == ["numpy"]
+    assert "does_not_exist" in next(iter(reg.import_errors))
+
+
+def test_default_registry_has_every_op_for_the_numpy_reference():
+    for op in ("reshape_and_cache", "dequantize", "paged_attention"):
+        impl = kvzoo.registry.get(op, "numpy")
+        assert impl.platform == "any" and impl.modes == frozenset(kvzoo.MODES)
+
+
+def test_triton_listed_with_reason_without_a_gpu():
+    """Without a GPU and without the interpreter, triton is listed as unavailable, with why."""
+    code = (
+        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import kvzoo\n"
+        "impls = [i for i in kvzoo.registry.implementations() if i.name.startswith('triton')]\n"
+        "assert impls, 'triton backends not registered'\n"
+        "print(';'.join(r for i in impls for r in i.unavailable()))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    if torch.cuda.is_available():
+        assert "triton-cuda" not in result.stdout
+    else:
+        assert "no CUDA GPU here" in result.stdout
+
+
+def test_impl_argument_forces_an_implementation():
+    key = torch.randn(3, 1, 16)
+    cache = kvzoo.PagedKVCache(1, 4, 1, 16, "int8_per_token_head")
+    cache.write(key, key, torch.arange(3), impl="numpy")
+    with pytest.raises(NoImplementationError, match="mode 'fp8_per_tensor'"):
+        kvzoo.reshape_and_cache(key, key, torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
+                                torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn), torch.arange(3),
+                                mode="fp8_per_tensor", k_scale=1.0, v_scale=1.0, impl="triton-rocm")
