@@ -118,7 +118,8 @@ def encode_codes(y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
     toward zero when TRUNC; fp8: one RNE from fp32, e4m3fnuz has no -0).
     """
     finite = is_finite(y)
-    yc = tl.minimum(tl.maximum(y, QMIN), QMAX)
+    # Non-finite lanes are zeroed first so no conversion below ever sees a NaN or Inf.
+    yc = tl.minimum(tl.maximum(tl.where(finite, y, 0.0), QMIN), QMAX)
     if CODE == 1:
         if TRUNC:
             code = yc.to(tl.int32)  # exact conversion: cvt.rzi / astype both truncate
@@ -145,7 +146,8 @@ def e4m3_value(b, BIAS: tl.constexpr):
     # Subnormals are mant * 2**(-2-BIAS): the product with that power of two is exact.
     unit = bits_float(tl.full(b.shape, (125 - BIAS) << 23, tl.int32))
     mag = tl.where(exp == 0, mant.to(tl.float32) * unit, normal)
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    # The sign goes in as a bit: Triton negates as 0 - x, which turns -0 (0x80) into +0.
+    return bits_float(float_bits(mag) | ((b & 0x80) << 24))
 
 
 @triton.jit
