@@ -22,7 +22,6 @@ uses atomics, so results are identical run to run.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -390,7 +389,7 @@ def _size_class(head_size: int) -> int:
     return max(64, _pow2(head_size))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int | None) -> int:
     if _platform.interpreted():
         return 4
@@ -427,7 +426,7 @@ def prefill_config(p: Attention) -> AttentionConfig:
 _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp8_table(dtype_name: str) -> torch.Tensor:
     import ml_dtypes
     import numpy as np

@@ -1,0 +1,280 @@
+"""Tuning probe for the Triton paged attention on one GPU (issue 5's attention shapes).
+
+Checks every variant's output against a float64 reference on a few sequences, then times it
+with CUDA events (triton.testing.do_bench, median) and prints one table. Bytes counted for
+decode: K/V codes + scales + query + output; FLOPs for prefill: 4 * D per visible (q, k) pair
+per query head. Ceilings measured in the same run: device-to-device copy (read + write) and
+an 8192^3 bf16 matmul.
+
+    python bench/attention_probe.py [--sections decode,split,prefill] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.modes import get_kv_quant_mode  # noqa: E402
+from kvzoo.problem import Attention  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+DEV = "cuda"
+ROWS: list[str] = []
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def ceilings() -> tuple[float, float]:
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    x.random_()
+    ms = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x.numel() / ms / 1e6  # GB/s
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b)
+    return copy_bw, 2 * 8192**3 / ms / 1e9
+
+
+def make(num_seqs, q_len, seq_len, mode, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    m = get_kv_quant_mode(mode)
+    nb_seq = seq_len // BS
+    num_blocks = num_seqs * nb_seq
+    tables = torch.randperm(num_blocks, device=DEV, generator=g).to(torch.int32).view(num_seqs, nb_seq)
+    shape = (num_blocks, BS, HKV, D)
+    if m.code_dtype is None:
+        kc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
+        vc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
+    elif m.is_int8:
+        kc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
+        vc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
+    else:
+        kc = (torch.randn(shape, device=DEV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        vc = (torch.randn(shape, device=DEV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ks = vs = None
+    if m.per_token_head:
+        ks = torch.rand(shape[:3], device=DEV, generator=g) * 0.01 + 0.002
+        vs = torch.rand(shape[:3], device=DEV, generator=g) * 0.01 + 0.002
+    total = num_seqs * q_len
+    q = torch.randn(total, HQ, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    qsl = torch.arange(0, total + 1, q_len, device=DEV, dtype=torch.int32)
+    return Attention(
+        mode=m, query=q, key_cache=kc, value_cache=vc, block_tables=tables,
+        seq_lens=torch.full((num_seqs,), seq_len, device=DEV, dtype=torch.int32),
+        query_start_loc=qsl, out=torch.full_like(q, float("nan")), max_query_len=q_len,
+        max_seq_len=seq_len, softmax_scale=1 / math.sqrt(D), k_scale_cache=ks, v_scale_cache=vs,
+    )
+
+
+def ref_seq(p: Attention, s: int) -> torch.Tensor:
+    """float64 attention of sequence s (causal), on the GPU."""
+    q0, q1 = int(p.query_start_loc[s]), int(p.query_start_loc[s + 1])
+    n = int(p.seq_lens[s])
+    pos = torch.arange(n, device=DEV)
+    blk = p.block_tables[s, pos // BS].long()
+    off = pos % BS
+
+    def dec(cache, sc):
+        x = cache[blk, off].to(torch.float64)
+        return x * sc[blk, off].to(torch.float64)[..., None] if sc is not None else x
+
+    k = dec(p.key_cache, p.k_scale_cache).repeat_interleave(HQ // HKV, dim=1)  # [n, HQ, D]
+    v = dec(p.value_cache, p.v_scale_cache).repeat_interleave(HQ // HKV, dim=1)
+    q = p.query[q0:q1].to(torch.float64)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * p.softmax_scale
+    qpos = n - (q1 - q0) + torch.arange(q1 - q0, device=DEV)
+    logits = logits.masked_fill(pos[None, None, :] > qpos[None, :, None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
+
+
+def err(p: Attention, seqs) -> float:
+    worst = 0.0
+    for s in seqs:
+        q0, q1 = int(p.query_start_loc[s]), int(p.query_start_loc[s + 1])
+        r = ref_seq(p, s)
+        o = p.out[q0:q1].to(torch.float64)
+        worst = max(worst, float(torch.linalg.norm(o - r) / torch.linalg.norm(r)))
+    return worst
+
+
+def cast_int8(fn):
+    """Run fn with the plain int8 -> fp16 cast instead of the byte-permute conversion."""
+    orig = K._operands
+
+    def ops(p, platform):
+        r = list(orig(p, platform))
+        if r[5] == K._CONVERT_I8_ASM:
+            r[5] = K._CONVERT_CAST
+        return tuple(r)
+
+    def wrapped():
+        K._operands = ops
+        try:
+            fn()
+        finally:
+            K._operands = orig
+
+    return wrapped
+
+
+def row(name, ms, gbs=None, copy_bw=None, tflops=None, mm=None, e=None, note=""):
+    parts = [f"{name:44s}", f"{ms * 1e3:9.1f} us"]
+    parts.append(f"{gbs:7.0f} GB/s {100 * gbs / copy_bw:5.1f}%" if gbs else " " * 19)
+    parts.append(f"{tflops:6.1f} TF/s {100 * tflops / mm:5.1f}%" if tflops else " " * 18)
+    parts.append(f"err {e:.1e}" if e is not None else "")
+    parts.append(note)
+    line = " | ".join(parts)
+    ROWS.append(line)
+    print(line, flush=True)
+
+
+def decode_bytes(p: Attention) -> int:
+    tokens = int(p.seq_lens.sum())
+    code = p.key_cache.element_size()
+    b = 2 * tokens * HKV * D * code
+    if p.mode.per_token_head:
+        b += 2 * tokens * HKV * 4
+    return b + 2 * p.query.numel() * p.query.element_size()
+
+
+def run_variant(name, p, launch, copy_bw, seqs, flops=None, mm=None):
+    p.out.fill_(float("nan"))
+    try:
+        launch()
+        torch.cuda.synchronize()
+    except Exception as exc:  # keep going: one bad config must not cost the whole call
+        row(name, 0.0, note=f"FAILED {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+    nan = bool(torch.isnan(p.out).any())
+    e = err(p, seqs)
+    ms = bench(launch)
+    if flops:
+        row(name, ms, tflops=flops / ms / 1e9, mm=mm, e=e, note="UNWRITTEN" if nan else "")
+    else:
+        row(name, ms, gbs=decode_bytes(p) / ms / 1e6, copy_bw=copy_bw, e=e, note="UNWRITTEN" if nan else "")
+    return ms
+
+
+def sdpa_decode(num_seqs, seq_len, copy_bw):
+    q = torch.randn(num_seqs, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(num_seqs, HKV, seq_len, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    ms = bench(fn)
+    b = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    row(f"sdpa decode {num_seqs}x{seq_len} bf16 contiguous", ms, gbs=b / ms / 1e6, copy_bw=copy_bw)
+    return ms
+
+
+def sdpa_prefill(num_seqs, seq_len, mm):
+    q = torch.randn(num_seqs, HQ, seq_len, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(num_seqs, HKV, seq_len, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    flops = prefill_flops(num_seqs, seq_len)
+    best = None
+    for tag, fn in (
+        ("gqa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+        ("expanded", lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), is_causal=True)),
+    ):
+        ms = bench(fn)
+        row(f"sdpa prefill {num_seqs}x{seq_len} causal {tag}", ms, tflops=flops / ms / 1e9, mm=mm)
+        best = ms if best is None else min(best, ms)
+    return best
+
+
+def prefill_flops(num_seqs, seq_len):
+    return num_seqs * HQ * 4 * D * seq_len * (seq_len + 1) / 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="decode,split,prefill")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    torch.manual_seed(0)
+    copy_bw, mm = ceilings()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    row("ceiling: d2d copy 2 GiB (read+write)", 0.0, gbs=copy_bw, copy_bw=copy_bw)
+    row("ceiling: bf16 matmul 8192^3", 0.0, tflops=mm, mm=mm)
+    C = K.AttentionConfig
+
+    if "decode" in sections:
+        S, L = 64, 16384
+        sdpa_decode(S, L, copy_bw)
+        for mode, variants in (
+            ("none", [C(1, 128, 4, 3), C(1, 64, 4, 3), C(1, 128, 8, 3), C(1, 64, 4, 4)]),
+            ("int8_per_token_head", [C(1, 128, 4, 3), C(1, 64, 4, 4), C(1, 256, 4, 2), C(1, 128, 8, 3),
+                                     C(1, 128, 4, 3, 8192)]),
+            ("fp8_per_token_head", [C(1, 128, 4, 3), C(1, 64, 4, 4), C(1, 256, 4, 2)]),
+        ):
+            p = make(S, 1, L, mode)
+            table = K.decode_config(p, False)
+            row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
+            for cfg in variants:
+                launch = (lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg))
+                run_variant(f"{mode[:4]} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sk{cfg.split_keys}",
+                            p, launch, copy_bw, [0, S - 1])
+            if mode.startswith("int8"):
+                launch = cast_int8(lambda p=p: K.run(p, "cuda", decode=C(1, 128, 4, 3)))
+                run_variant("int8 bn128 w4 s3 (plain cast)", p, launch, copy_bw, [0])
+            inv = dataclasses.replace(p, batch_invariant=True)
+            run_variant(f"{mode[:4]} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"),
+                        copy_bw, [1])
+            del p, inv
+            torch.cuda.empty_cache()
+
+    if "split" in sections:
+        S, L = 8, 65536
+        sdpa_decode(S, L, copy_bw)
+        for mode in ("none", "int8_per_token_head", "fp8_per_token_head"):
+            p = make(S, 1, L, mode)
+            table = K.decode_config(p, False)
+            row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
+            run_variant(f"{mode[:4]} table", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
+            for sk in ([0, 2048, 4096, 8192] if mode.startswith("int8") else [4096]):
+                cfg = dataclasses.replace(table, split_keys=sk)
+                run_variant(f"{mode[:4]} split_keys {sk}", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+                            copy_bw, [0])
+            del p
+            torch.cuda.empty_cache()
+
+    if "prefill" in sections:
+        S, L = 4, 4096
+        flops = prefill_flops(S, L)
+        sdpa_prefill(S, L, mm)
+        for mode in ("none", "int8_per_token_head", "fp8_per_token_head"):
+            p = make(S, L, L, mode)
+            table = K.prefill_config(p)
+            row(f"-- prefill {S}x{L} {mode}: table {table}", 0.0)
+            for cfg in (C(32, 64, 8, 3), C(16, 64, 4, 3), C(32, 128, 8, 2), C(32, 32, 4, 3)):
+                run_variant(f"{mode[:4]} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", p,
+                            lambda cfg=cfg, p=p: K.run(p, "cuda", prefill=cfg), copy_bw, [1],
+                            flops=flops, mm=mm)
+            del p
+            torch.cuda.empty_cache()
+
+    print("\n# summary")
+    for line in ROWS:
+        print(line)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"# wall {time.time() - t0:.0f} s")
