@@ -35,7 +35,7 @@ from .validate import (
 Array = Any
 
 
-def _run(op: str, problem: Any, impl: str | None) -> None:
+def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> None:
     chosen = _registry.default().select(problem, op, impl)
     convert = as_numpy if chosen.array_kind == "numpy" else as_torch
     chosen.run(problem.map_arrays(convert))
@@ -80,7 +80,7 @@ def reshape_and_cache(
     k_scale: Array | float | None = None,
     v_scale: Array | float | None = None,
     rounding: str = "nearest",
-    impl: str | None = None,
+    impl: str | _registry.Implementation | None = None,
     validate: bool = True,
     check_finite: bool = False,
 ) -> None:
@@ -171,7 +171,7 @@ def dequantize(
     scale: Array | float | None = None,
     block_tables: Array | None = None,
     seq_lens: Array | None = None,
-    impl: str | None = None,
+    impl: str | _registry.Implementation | None = None,
     validate: bool = True,
 ) -> Array:
     """Decode cache codes to float32.
@@ -240,7 +240,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     batch_invariant: bool = False,
-    impl: str | None = None,
+    impl: str | _registry.Implementation | None = None,
     validate: bool = True,
 ) -> Array:
     """Causal attention of a varlen batch (prefill chunks and decodes) over the paged cache.

@@ -140,14 +140,16 @@ class Registry:
             raise NoImplementationError(self._explain(op, mode, device))
         return found[0]
 
-    def select(self, problem: Any, op: str, impl: str | None = None) -> Implementation:
-        """The implementation to run `problem`: the named one, or the fastest that takes it."""
+    def select(self, problem: Any, op: str, impl: str | Implementation | None = None) -> Implementation:
+        """The implementation to run `problem`: the one named (or given), or the fastest that takes it."""
         if impl is not None:
-            chosen = self.get(op, impl)
+            chosen = impl if isinstance(impl, Implementation) else self.get(op, impl)
+            if chosen.op != op:
+                raise ValueError(f"impl: {chosen.name!r} implements {chosen.op}, not {op}")
             reasons = chosen.supports(problem)
             if reasons:
                 raise NoImplementationError(
-                    f"impl={impl!r} cannot run this {op} call: " + "; ".join(reasons)
+                    f"impl={chosen.name!r} cannot run this {op} call: " + "; ".join(reasons)
                 )
             return chosen
         all_reasons: list[str] = []

@@ -126,7 +126,7 @@ def check_reshape_and_cache(impl, case: WriteCase):
         key, value, caches.key_cache, caches.value_cache, slot_mapping, mode=case.mode,
         k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache,
         k_scale=None if static is None else float(static), v_scale=None if static is None else float(static),
-        rounding=case.rounding, impl=impl.name,
+        rounding=case.rounding, impl=impl,
     )
 
     if mode.code_dtype is None:
@@ -197,7 +197,7 @@ def check_dequantize(impl, case: DequantCase):
             torch.from_numpy(codes.astype(np.float32))
         cache = cache.to(device)
         scale_cache = None if scales is None else torch.from_numpy(scales).to(device)
-    kw = dict(mode=case.mode, scale=None if static is None else float(static), impl=impl.name)
+    kw = dict(mode=case.mode, scale=None if static is None else float(static), impl=impl)
     raw = codes if mode.code_dtype else codes.astype(np.float32)
     if case.whole_cache:
         got = api.dequantize(cache, scale_cache, **kw)
@@ -297,7 +297,7 @@ def check_paged_attention(impl, case: AttentionCase):
         v_scale=None if static[1] is None else float(static[1]),
         sliding_window=case.sliding_window, softcap=case.softcap,
         sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
-        out=out, impl=impl.name,
+        out=out, impl=impl,
     )
 
     raw_k = kc if mode.code_dtype else kc.astype(np.float32)
@@ -343,14 +343,14 @@ def _decoded_matches(got, want_bits, what):
     assert_same_bytes(np.where(nan, 0, g).astype(np.float32), np.where(nan, 0, want).astype(np.float32), what)
 
 
-def check_golden(impl, path: Path) -> None:
+def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None:
     """Write the golden inputs with impl, then decode with the same backend's dequantize."""
     z, meta = _load(path)
     mode_name = meta["mode"]
     _usable(impl, mode_name)
     mode = MODES[mode_name]
     device = device_for(impl)
-    dequant = registry.get("dequantize", impl.name)
+    dequant = (reg or registry.default()).get("dequantize", impl.name)
     if meta["kind"] == "rows":
         x = z["x"]
         n, d = x.shape
@@ -361,12 +361,12 @@ def check_golden(impl, path: Path) -> None:
         static = _static(meta, "static_scale_bits")
         api.reshape_and_cache(key, key.clone(), kc, vc, torch.arange(n, device=device), mode=mode_name,
                                 k_scale_cache=sc, v_scale_cache=None if sc is None else sc.clone(),
-                                k_scale=static, v_scale=static, rounding=meta["rounding"], impl=impl.name)
+                                k_scale=static, v_scale=static, rounding=meta["rounding"], impl=impl)
         assert_same_bytes(kc.reshape(n, d), z["codes"], f"{impl.name} codes")
         assert_same_bytes(vc.reshape(n, d), z["codes"], f"{impl.name} value codes")
         if mode.per_token_head:
             assert_same_bytes(sc.reshape(n), z["scales"].view(np.float32), f"{impl.name} scales")
-        decoded = api.dequantize(kc, sc, mode=mode_name, scale=static, impl=dequant.name)
+        decoded = api.dequantize(kc, sc, mode=mode_name, scale=static, impl=dequant)
         _decoded_matches(decoded.reshape(n, d), z["decoded"], f"{impl.name} decoded")
     elif meta["kind"] == "cache":
         dtype = meta["dtype"]
@@ -379,7 +379,7 @@ def check_golden(impl, path: Path) -> None:
         api.reshape_and_cache(
             _as(z["key"], dtype, device), _as(z["value"], dtype, device), kc, vc,
             torch.from_numpy(z["slot_mapping"]).to(device), mode=mode_name, k_scale_cache=ks, v_scale_cache=vs,
-            k_scale=k_static, v_scale=v_static, rounding=meta["rounding"], impl=impl.name)
+            k_scale=k_static, v_scale=v_static, rounding=meta["rounding"], impl=impl)
         for got, name in ((kc, "key_cache"), (vc, "value_cache"), (ks, "k_scale_cache"), (vs, "v_scale_cache")):
             if got is not None:
                 want = z[name] if name.endswith("_cache") and "scale" not in name else z[name].view(np.float32)
@@ -389,7 +389,7 @@ def check_golden(impl, path: Path) -> None:
         lens = torch.from_numpy(z["seq_lens"]).to(device)
         for cache, sc, static, name in ((kc, ks, k_static, "key_gathered"), (vc, vs, v_static, "value_gathered")):
             got = api.dequantize(cache, sc, mode=mode_name, scale=static, block_tables=tables, seq_lens=lens,
-                                   impl=dequant.name)
+                                   impl=dequant)
             _decoded_matches(got, z[name], f"{impl.name} {name}")
     else:  # inline page
         buf = torch.from_numpy(z["buf_before"].copy()).to(device)
@@ -399,7 +399,7 @@ def check_golden(impl, path: Path) -> None:
         api.reshape_and_cache(
             _as(z["key"], x_dtype, device), _as(z["value"], x_dtype, device), views.key_cache, views.value_cache,
             torch.from_numpy(z["slot_mapping"]).to(device), mode=mode_name,
-            k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, impl=impl.name)
+            k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, impl=impl)
         assert_same_bytes(buf, z["buf"], f"{impl.name} inline page")
 
 
@@ -430,7 +430,7 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
                 checks.append(Check(op, impl, case.id, lambda fn=fn, impl=impl, case=case: fn(impl, case)))
     for impl in reg.implementations("reshape_and_cache"):
         for path in GOLDEN_FILES:
-            checks.append(Check("golden", impl, path.stem, lambda impl=impl, path=path: check_golden(impl, path)))
+            checks.append(Check("golden", impl, path.stem, lambda impl=impl, path=path: check_golden(impl, path, reg)))
     if ops is not None:
         checks = [c for c in checks if c.op in ops]
     return checks

@@ -1,0 +1,74 @@
+"""The conformance suite must fail an implementation that changes a single byte.
+
+Mutants wrap the NumPy implementation and corrupt one code, one scale bit, or the attention
+output slightly; each registered in a fresh registry must fail the same checks the real
+backends pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvzoo.backends import numpy_backend
+from kvzoo.conformance import NotApplicable, matrix
+from kvzoo.registry import Registry
+
+
+def _reference(op: str):
+    reg = Registry()
+    numpy_backend.register(reg)
+    return reg.get(op, "numpy")
+
+
+def _flip_one_code(problem):
+    _reference("reshape_and_cache").run(problem)
+    slots = np.asarray(problem.slot_mapping).astype(np.int64)
+    kept = slots[slots >= 0]
+    if kept.size:
+        block, offset = divmod(int(kept[-1]), problem.key_cache.shape[1])
+        cache = problem.value_cache.view(np.uint8)
+        cache[block, offset, 0, 0] ^= 0x01
+
+
+def _nudge_one_scale(problem):
+    _reference("reshape_and_cache").run(problem)
+    slots = np.asarray(problem.slot_mapping).astype(np.int64)
+    kept = slots[slots >= 0]
+    if kept.size and problem.k_scale_cache is not None:
+        block, offset = divmod(int(kept[0]), problem.key_cache.shape[1])
+        problem.k_scale_cache.view(np.uint32)[block, offset, 0] ^= 0x1
+
+
+def _perturb_attention(problem):
+    _reference("paged_attention").run(problem)
+    problem.out[..., 0] = (problem.out[..., 0].astype(np.float32) * 1.05).astype(problem.out.dtype)
+
+
+MUTANTS = {
+    "flipped code": ("reshape_and_cache", _flip_one_code, lambda c: "-T0-" not in c.case_id),
+    "scale off by one ulp": ("reshape_and_cache", _nudge_one_scale,
+                             lambda c: "per_token_head" in c.case_id and "-T0-" not in c.case_id),
+    "attention 5% off in one channel": ("paged_attention", _perturb_attention, lambda c: True),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_mutant_fails_conformance(name):
+    op, run, applies = MUTANTS[name]
+    reg = Registry()
+    reg.add(dataclasses.replace(_reference(op), name="mutant", run=run))
+    checks = [c for c in matrix(reg, ops=(op,)) if applies(c)]
+    assert checks
+    escaped = []
+    for check in checks[::7]:  # a spread sample keeps this fast
+        try:
+            check.run()
+        except AssertionError:
+            continue
+        except NotApplicable:
+            continue
+        escaped.append(check.id)
+    assert not escaped, f"{name} passed checks it must fail: {escaped}"
