@@ -1,0 +1,564 @@
+"""kvzoo GPU benchmark (issue 5): the Triton kernels on one GPU against the machine's ceilings.
+
+1. Measures the ceilings here: device-to-device copy bandwidth (bytes read + written) and
+   bf16 matmul TFLOP/s on random data.
+2. For every case, first checks kvzoo's output (cache bytes against the NumPy reference;
+   attention against a float32 torch reference on the same cache), then times it.
+3. Times with CUDA events, median over repetitions. Each timed unit runs the op once on each of
+   several input sets (different tensors, together larger than L2) so caches do not flatter;
+   the unit is captured in a CUDA graph when possible (kernel time without Python overhead;
+   "eager" in the table when capture failed). Reported time is per call.
+4. Prints one table: case, time, GB/s or TFLOP/s, % of the measured ceiling, and the ratio of
+   each alternative's time to kvzoo's (> 1: kvzoo is faster).
+
+    python3 bench/gpu_bench.py [--quick] [--cases write,decode,prefill]
+
+Writes every row to $OUT/bench.json when OUT is set. A case whose implementation is missing or
+fails prints an error row; the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# --dry-run: the same script on CPU tensors under the Triton interpreter at toy sizes, to check
+# the script itself without a GPU. Must be decided before triton decorates any kernel.
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cpu" if DRY else "cuda"
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvzoo  # noqa: E402
+
+IMPL = "triton-cuda"
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+MODES = ("none", "int8_per_token_head", "fp8_per_token_head")
+SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
+# Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
+ROTATE_BYTES = 256 << 20
+MAX_SETS = 8
+ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    time_us: float | None = None
+    metric: float | None = None  # GB/s or TFLOP/s
+    unit: str = ""
+    pct: float | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+    check: str = ""
+    how: str = ""
+    error: str = ""
+
+
+ROWS: list[Row] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def sync() -> None:
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def free() -> None:
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
+def measure(run_set, n_sets: int, reps: int, graph: bool = True) -> tuple[float, str]:
+    """Median seconds per call of run_set(i), i cycling over n_sets input sets."""
+    for i in range(n_sets):  # compile, autotune, allocator warm-up
+        run_set(i)
+    sync()
+    if DRY:
+        times = []
+        for r in range(reps):
+            t = time.perf_counter()
+            run_set(r % n_sets)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times), "cpu-dry"
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(n_sets):
+                    run_set(i)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(g):
+                for i in range(n_sets):
+                    run_set(i)
+            g.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                a, b = _events()
+                a.record()
+                g.replay()
+                b.record()
+                times.append((a, b))
+            torch.cuda.synchronize()
+            return statistics.median(a.elapsed_time(b) for a, b in times) / 1e3 / n_sets, "graph"
+        except Exception:  # not capturable (host sync inside): fall back to eager launches
+            torch.cuda.synchronize()
+            free()
+    times = []
+    for r in range(reps * n_sets):
+        a, b = _events()
+        a.record()
+        run_set(r % n_sets)
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times) / 1e3, "eager"
+
+
+def n_sets_for(bytes_per_call: int) -> int:
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / max(1, bytes_per_call))))
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    n = (1 << 20) if DRY else (512 << 20) if quick else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    t, _ = measure(lambda i: dst.copy_(src), 1, 10 if quick else 30, graph=False)
+    copy_gbs = 2 * n / t / 1e9
+    del src, dst
+    m = 256 if DRY else 8192
+    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    t, _ = measure(lambda i: a @ b, 1, 10 if quick else 30, graph=False)
+    tflops = 2 * m**3 / t / 1e12
+    print(f"ceilings: copy {copy_gbs:,.0f} GB/s (read+write), bf16 matmul {tflops:,.0f} TFLOP/s")
+    return {"copy_GBps": copy_gbs, "matmul_TFLOPs": tflops}
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table() -> None:
+    head = f"{'case':<34} {'impl':<18} {'time us':>10} {'achieved':>14} {'%ceil':>6}  {'ratios (alt time / kvzoo time)':<40} {'check':<14} how"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in ROWS:
+        if r.error:
+            print(f"{r.case:<34} {r.impl:<18} ERROR: {r.error}")
+            continue
+        ratios = " ".join(f"{k}={v:.2f}x" for k, v in r.ratios.items())
+        ach = f"{_fmt(r.metric, ',.1f')} {r.unit}"
+        print(f"{r.case:<34} {r.impl:<18} {_fmt(r.time_us, '10.2f'):>10} {ach:>14} {_fmt(r.pct, '5.1f'):>6}  "
+              f"{ratios:<40} {r.check:<14} {r.how}")
+
+
+def guarded(case: str, impl: str):
+    """Decorator that runs the function at once; a failure becomes an error row, not an exit."""
+
+    def wrap(fn):
+        try:
+            return fn()
+        except Exception as exc:  # a missing or broken implementation must not stop the run
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+            ROWS.append(Row(case, impl, error=msg))
+            print(f"[error] {case} {impl}: {msg}")
+            if os.environ.get("KVZOO_BENCH_TRACE"):
+                traceback.print_exc()
+            return None
+
+    return wrap
+
+
+# ---------------------------------------------------------------------------------------------
+# reshape_and_cache
+
+
+def _write_set(tokens: int, mode: str, gen: torch.Generator):
+    m = kvzoo.get_kv_quant_mode(mode)
+    blocks_needed = -(-tokens // BLOCK)
+    num_blocks = 2 * blocks_needed
+    # vLLM-like slots: each sequence's tokens fill its blocks in order, blocks placed at random.
+    blocks = torch.randperm(num_blocks, generator=gen)[:blocks_needed]
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)[None, :]).reshape(-1)[:tokens]
+    key = (torch.randn(tokens, HKV, D, generator=gen) * 2).to(torch.bfloat16)
+    value = (torch.randn(tokens, HKV, D, generator=gen) * 2).to(torch.bfloat16)
+    c = kvzoo.allocate_separate(num_blocks, BLOCK, HKV, D, m, model_dtype="bfloat16", device=DEVICE)
+    return dict(key=key.to(DEVICE), value=value.to(DEVICE), slots=slots.to(DEVICE), cache=c, mode=mode)
+
+
+def _write_call(s, impl=IMPL):
+    c = s["cache"]
+    kvzoo.reshape_and_cache(s["key"], s["value"], c.key_cache, c.value_cache, s["slots"], mode=s["mode"],
+                            k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl,
+                            validate=False)
+
+
+def _check_write(s) -> str:
+    """Rows written at the first slots equal the NumPy reference's bytes."""
+    c = s["cache"]
+    for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache):
+        if t is not None:
+            t.view(torch.uint8).fill_(0x55)  # poison: an unwritten byte cannot pass
+    _write_call(s)
+    n = min(int(s["key"].shape[0]), 1024)
+    m = kvzoo.get_kv_quant_mode(s["mode"])
+    ref = kvzoo.allocate_separate(-(-n // BLOCK), BLOCK, HKV, D, m, model_dtype="bfloat16", device="cpu")
+    kvzoo.reshape_and_cache(s["key"][:n].cpu(), s["value"][:n].cpu(), ref.key_cache, ref.value_cache,
+                            torch.arange(n), mode=s["mode"], k_scale_cache=ref.k_scale_cache,
+                            v_scale_cache=ref.v_scale_cache, impl="numpy")
+    slots = s["slots"][:n]
+    pairs = [(c.key_cache, ref.key_cache), (c.value_cache, ref.value_cache)]
+    if m.per_token_head:
+        pairs += [(c.k_scale_cache, ref.k_scale_cache), (c.v_scale_cache, ref.v_scale_cache)]
+    for got, want in pairs:
+        g = got.flatten(0, 1)[slots].cpu().view(torch.uint8) if got.element_size() == 1 else \
+            got.flatten(0, 1)[slots].cpu().contiguous().view(torch.uint8)
+        w = want.flatten(0, 1)[:n].contiguous().view(torch.uint8)
+        if not torch.equal(g, w):
+            bad = int((g != w).sum())
+            raise AssertionError(f"cache bytes differ from the NumPy reference ({bad} bytes)")
+    return "bytes ok"
+
+
+def bench_write(ceil, quick: bool) -> None:
+    sizes = (1, 16, 40) if DRY else (1, 16, 256, 4096, 32768)
+    reps = 2 if DRY else 10 if quick else 50
+    for tokens in sizes:
+        times: dict[str, float] = {}
+        rows: dict[str, Row] = {}
+        for mode in MODES:
+            case = f"write T={tokens} {SHORT[mode]}"
+            m = kvzoo.get_kv_quant_mode(mode)
+            code_bytes = 2 if m.code_dtype is None else 1
+            nbytes = tokens * HKV * D * 2 * (2 + code_bytes) + tokens * 8
+            if m.per_token_head:
+                nbytes += tokens * HKV * 4 * 2
+
+            @guarded(case, IMPL)
+            def _():
+                gen = torch.Generator().manual_seed(tokens * 10 + len(mode))
+                sets = [_write_set(tokens, mode, gen) for _ in range(n_sets_for(nbytes))]
+                check = _check_write(sets[0])
+                t, how = measure(lambda i: _write_call(sets[i]), len(sets), reps)
+                times[mode] = t
+                gbs = nbytes / t / 1e9
+                row = Row(case, IMPL, t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"], check=check, how=how)
+                rows[mode] = row
+                ROWS.append(row)
+                if mode == "none":
+                    # Plain torch alternative: bf16 rows into the paged cache by index_copy_.
+                    def copy_call(i):
+                        s = sets[i]
+                        c = s["cache"]
+                        c.key_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["key"])
+                        c.value_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["value"])
+
+                    t_alt, how_alt = measure(copy_call, len(sets), reps)
+                    times["index_copy"] = t_alt
+                    alt_gbs = nbytes / t_alt / 1e9
+                    ROWS.append(Row(f"write T={tokens} bf16", "torch index_copy_", t_alt * 1e6, alt_gbs, "GB/s",
+                                    100 * alt_gbs / ceil["copy_GBps"], how=how_alt))
+
+                del sets
+                free()
+
+        for mode, row in rows.items():
+            if mode != "none" and "none" in times:
+                row.ratios["vs none"] = times["none"] / times[mode]
+            if "index_copy" in times:
+                row.ratios["vs index_copy"] = times["index_copy"] / times[mode]
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: shared cache construction and reference
+
+
+def _paged_cache(mode: str, seq_lens: list[int], gen: torch.Generator):
+    """A randomly filled paged cache holding the sequences, with random block tables."""
+    m = kvzoo.get_kv_quant_mode(mode)
+    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    start = 0
+    for s, nb in enumerate(blocks_per_seq):
+        table[s, :nb] = perm[start:start + nb]
+        start += nb
+    c = kvzoo.allocate_separate(num_blocks, BLOCK, HKV, D, m, model_dtype="bfloat16", device=DEVICE)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    cuda_gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    for cache in (c.key_cache, c.value_cache):
+        flat = cache.view(-1, D)
+        for i in range(0, flat.shape[0], 1 << 22):  # chunks bound the fp32 temporaries
+            part = flat[i:i + (1 << 22)]
+            x = torch.randn(part.shape, device=DEVICE, generator=cuda_gen)
+            if m.code_dtype is None:
+                part.copy_(x.to(torch.bfloat16))
+            elif m.is_int8:
+                part.copy_((x * 40).round().clamp(-127, 127).to(torch.int8))
+            else:
+                part.view(torch.uint8).copy_((x * m.qmax / 3).clamp(m.qmin, m.qmax)
+                                             .to(getattr(torch, m.code_dtype)).view(torch.uint8))
+    if m.per_token_head:
+        for sc in (c.k_scale_cache, c.v_scale_cache):
+            sc.uniform_(0.002, 0.05, generator=cuda_gen)
+    return c, table.to(DEVICE)
+
+
+def _decoded(cache, scales, mode, table_row, n):
+    """float32 [n, Hkv, D] of one sequence's first n tokens, decoded with torch."""
+    pos = torch.arange(n, device=DEVICE)
+    blk = table_row[pos // BLOCK].long()
+    off = pos % BLOCK
+    raw = cache[blk, off]
+    m = kvzoo.get_kv_quant_mode(mode)
+    x = raw.float()
+    if m.per_token_head:
+        x = x * scales[blk, off][..., None]
+    return x
+
+
+def _ref_attention(q, k, v, q_pos, scale):
+    """q [n, Hq, D] float32 at positions q_pos; k/v [L, Hkv, D] float32; causal."""
+    group = HQ // HKV
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    logits = torch.einsum("nhd,hld->hnl", q, kk) * scale
+    mask = torch.arange(k.shape[0], device=DEVICE)[None, :] <= q_pos[:, None]
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    return torch.einsum("hnl,hld->nhd", p, vv)
+
+
+@dataclass
+class AttnSet:
+    query: torch.Tensor
+    cache: object
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    qsl: torch.Tensor
+    out: torch.Tensor
+    max_q: int
+    max_s: int
+
+
+def _attn_set(mode, q_lens, seq_lens, gen) -> AttnSet:
+    c, table = _paged_cache(mode, seq_lens, gen)
+    total_q = sum(q_lens)
+    query = torch.randn(total_q, HQ, D, generator=gen).to(torch.bfloat16).to(DEVICE)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
+    return AttnSet(query, c, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl,
+                   torch.empty_like(query), max(q_lens), max(seq_lens))
+
+
+def _attn_call(s: AttnSet, mode: str, impl: str = IMPL):
+    c = s.cache
+    kvzoo.paged_attention(s.query, c.key_cache, c.value_cache, mode=mode, block_tables=s.table,
+                          seq_lens=s.seq_lens, query_start_loc=s.qsl, k_scale_cache=c.k_scale_cache,
+                          v_scale_cache=c.v_scale_cache, softmax_scale=1 / math.sqrt(D), out=s.out,
+                          max_query_len=s.max_q, max_seq_len=s.max_s, impl=impl, validate=False)
+
+
+def _check_attention(s: AttnSet, mode: str, q_lens, seq_lens, max_rows: int = 32) -> str:
+    """Relative error of the last query rows of the first and last sequences vs float32 torch."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _attn_call(s, mode)
+    sync()
+    worst = 0.0
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    for seq in sorted({0, len(seq_lens) - 1}):
+        n, ql = seq_lens[seq], q_lens[seq]
+        k = _decoded(s.cache.key_cache, s.cache.k_scale_cache, mode, s.table[seq], n)
+        v = _decoded(s.cache.value_cache, s.cache.v_scale_cache, mode, s.table[seq], n)
+        rows = min(ql, max_rows)
+        q0 = int(starts[seq]) + ql - rows
+        q = s.query[q0:q0 + rows].float()
+        q_pos = torch.arange(n - rows, n, device=DEVICE)
+        ref = _ref_attention(q, k, v, q_pos, 1 / math.sqrt(D))
+        got = s.out[q0:q0 + rows].float()
+        err = float((got - ref).norm() / ref.norm())
+        worst = max(worst, err)
+    if not worst <= ATTN_RTOL:
+        raise AssertionError(f"attention rel. error {worst:.2e} > {ATTN_RTOL}")
+    return f"err {worst:.1e}"
+
+
+def _attn_bytes(mode, q_lens, seq_lens) -> int:
+    m = kvzoo.get_kv_quant_mode(mode)
+    code = 2 if m.code_dtype is None else 1
+    keys = sum(seq_lens)
+    b = keys * HKV * D * 2 * code + sum(q_lens) * HQ * D * 2 * 2  # K+V, query + out
+    if m.per_token_head:
+        b += keys * HKV * 4 * 2
+    return b + sum(-(-n // BLOCK) for n in seq_lens) * 4
+
+
+def _attn_flops(q_lens, seq_lens) -> int:
+    """QK^T and PV multiply-adds over the causal (visible) keys, 2 flops each."""
+    total = 0
+    for ql, n in zip(q_lens, seq_lens):
+        first = n - ql  # query j sees first + j + 1 keys
+        visible = ql * first + ql * (ql + 1) // 2
+        total += 4 * HQ * D * visible
+    return total
+
+
+def _sdpa_decode(batch, ctx, reps):
+    """torch SDPA on contiguous bf16 K/V: the query group of a KV head as 4 query rows."""
+    group = HQ // HKV
+    k = torch.randn(batch, HKV, ctx, D, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HKV, group, D, device=DEVICE, dtype=torch.bfloat16)
+    sets = n_sets_for(2 * k.numel() * 2)
+    ks = [k] + [torch.randn_like(k) for _ in range(sets - 1)]
+    vs = [v] + [torch.randn_like(v) for _ in range(sets - 1)]
+    f = torch.nn.functional.scaled_dot_product_attention
+    t, how = measure(lambda i: f(q, ks[i], vs[i]), sets, reps)
+    return t, how
+
+
+def _sdpa_prefill(batch, length, reps):
+    q = torch.randn(batch, HQ, length, D, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, length, D, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        f(q, k, v, is_causal=True, enable_gqa=True)
+        call = lambda i: f(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    except Exception:  # older torch: expand the KV heads
+        group = HQ // HKV
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        call = lambda i: f(q, ke, ve, is_causal=True)  # noqa: E731
+    return measure(call, 1, reps)
+
+
+def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, quick, kind, sdpa):
+    """Times every mode on one shape; kind 'bw' reports GB/s, 'flops' TFLOP/s."""
+    times: dict[str, float] = {}
+    rows: dict[str, Row] = {}
+    for mode in MODES:
+        case = f"{case_prefix} {SHORT[mode]}"
+        nbytes = _attn_bytes(mode, q_lens, seq_lens)
+
+        @guarded(case, IMPL)
+        def _():
+            gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(q_lens) + len(mode))
+            n = n_sets_for(nbytes)
+            sets = [_attn_set(mode, q_lens, seq_lens, gen) for _ in range(n)]
+            check = _check_attention(sets[0], mode, q_lens, seq_lens)
+            t, how = measure(lambda i: _attn_call(sets[i], mode), n, reps)
+            times[mode] = t
+            if kind == "bw":
+                val, unit = nbytes / t / 1e9, "GB/s"
+                pct = 100 * val / ceil["copy_GBps"]
+            else:
+                val, unit = _attn_flops(q_lens, seq_lens) / t / 1e12, "TFLOP/s"
+                pct = 100 * val / ceil["matmul_TFLOPs"]
+            rows[mode] = Row(case, IMPL, t * 1e6, val, unit, pct, check=check, how=how)
+            ROWS.append(rows[mode])
+            del sets
+            free()
+
+    if sdpa is not None:
+        case = f"{case_prefix} sdpa-bf16"
+
+        @guarded(case, "torch sdpa")
+        def _():
+            t, how = sdpa()
+            times["sdpa"] = t
+            if kind == "bw":
+                val = _attn_bytes("none", q_lens, seq_lens) / t / 1e9
+                ROWS.append(Row(case, "torch sdpa", t * 1e6, val, "GB/s", 100 * val / ceil["copy_GBps"], how=how))
+            else:
+                val = _attn_flops(q_lens, seq_lens) / t / 1e12
+                ROWS.append(Row(case, "torch sdpa", t * 1e6, val, "TFLOP/s",
+                                100 * val / ceil["matmul_TFLOPs"], how=how))
+            free()
+
+    for mode, row in rows.items():
+        if mode != "none" and "none" in times:
+            row.ratios["vs none"] = times["none"] / times[mode]
+        if "sdpa" in times:
+            row.ratios["vs sdpa"] = times["sdpa"] / times[mode]
+
+
+def bench_decode(ceil, quick: bool) -> None:
+    reps = 2 if DRY else 5 if quick else 20
+    shapes = ((2, 40),) if DRY else ((64, 4096), (64, 16384), (8, 65536))
+    for batch, ctx in shapes:
+        q_lens, seq_lens = [1] * batch, [ctx] * batch
+        _attention_cases(f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, quick, "bw",
+                         lambda b=batch, c=ctx: _sdpa_decode(b, c, reps))
+
+
+def bench_prefill(ceil, quick: bool) -> None:
+    reps = 2 if DRY else 5 if quick else 15
+    batch, length = (2, 24) if DRY else (4, 4096)
+    _attention_cases(f"prefill {batch}x{length} causal", [length] * batch, [length] * batch, ceil, reps,
+                     quick, "flops", lambda: _sdpa_prefill(batch, length, reps))
+    # Mixed batch: 4 prefill chunks of 1024 on 3072 tokens of context, plus 60 decodes at 4096.
+    q_lens, seq_lens = ([8] * 2 + [1] * 2, [30] * 4) if DRY else ([1024] * 4 + [1] * 60, [4096] * 64)
+    chunks = sum(q > 1 for q in q_lens)
+    label = f"mixed {chunks}x{q_lens[0]}chunk+{len(q_lens) - chunks}dec"
+    _attention_cases(label, q_lens, seq_lens, ceil, reps, quick, "flops", None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller copy ceiling probe")
+    ap.add_argument("--cases", default="write,decode,prefill", help="comma list of write,decode,prefill")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU under the Triton interpreter")
+    args = ap.parse_args()
+    if not DRY and not torch.cuda.is_available():
+        print("no CUDA GPU: this benchmark runs on the GPU only (--dry-run checks the script on CPU)",
+              file=sys.stderr)
+        return 2
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    t0 = time.time()
+    info = {
+        "gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "quick": args.quick, "cases": wanted,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    ceil = ceilings(args.quick)
+    benches = {"write": bench_write, "decode": bench_decode, "prefill": bench_prefill}
+    for name in wanted:
+        if name not in benches:
+            print(f"unknown case group {name!r}; known: {sorted(benches)}", file=sys.stderr)
+            continue
+        guarded(name, "-")(lambda: benches[name](ceil, args.quick))
+    print_table()
+    print(f"\n(total {time.time() - t0:.0f} s; ratios are alternative time / kvzoo time, > 1 means kvzoo is faster)")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(out_dir) / "bench.json", "w") as f:
+            json.dump({"info": info, "ceilings": ceil, "rows": [r.__dict__ for r in ROWS]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
