@@ -70,6 +70,14 @@ class Row:
 ROWS: list[Row] = []
 
 
+def add_row(row: Row) -> Row:
+    """Records a row and prints it at once, so a run cut short still shows what it measured."""
+    ROWS.append(row)
+    shown = row.error or f"{_fmt(row.time_us, '.2f')} us  {_fmt(row.metric, ',.1f')} {row.unit}  {row.check}  {row.how}"
+    print(f"  [{row.case} | {row.impl}] {shown}", flush=True)
+    return row
+
+
 # ---------------------------------------------------------------------------------------------
 # timing
 
@@ -182,8 +190,7 @@ def guarded(case: str, impl: str):
             return fn()
         except Exception as exc:  # a missing or broken implementation must not stop the run
             msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-            ROWS.append(Row(case, impl, error=msg))
-            print(f"[error] {case} {impl}: {msg}")
+            add_row(Row(case, impl, error=msg))
             if os.environ.get("KVZOO_BENCH_TRACE"):
                 traceback.print_exc()
             return None
@@ -266,7 +273,12 @@ def bench_write(ceil, quick: bool) -> None:
                 gbs = nbytes / t / 1e9
                 row = Row(case, IMPL, t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"], check=check, how=how)
                 rows[mode] = row
-                ROWS.append(row)
+                add_row(row)
+                if tokens <= 16 and not DRY:
+                    # What a caller sees per eager call, Python API overhead included.
+                    t_e, _ = measure(lambda i: _write_call(sets[i]), len(sets), reps, graph=False)
+                    add_row(Row(case, IMPL + " (eager)", t_e * 1e6, nbytes / t_e / 1e9, "GB/s",
+                                100 * nbytes / t_e / 1e9 / ceil["copy_GBps"], how="eager API call"))
                 if mode == "none":
                     # Plain torch alternative: bf16 rows into the paged cache by index_copy_.
                     def copy_call(i):
@@ -278,7 +290,7 @@ def bench_write(ceil, quick: bool) -> None:
                     t_alt, how_alt = measure(copy_call, len(sets), reps)
                     times["index_copy"] = t_alt
                     alt_gbs = nbytes / t_alt / 1e9
-                    ROWS.append(Row(f"write T={tokens} bf16", "torch index_copy_", t_alt * 1e6, alt_gbs, "GB/s",
+                    add_row(Row(f"write T={tokens} bf16", "torch index_copy_", t_alt * 1e6, alt_gbs, "GB/s",
                                     100 * alt_gbs / ceil["copy_GBps"], how=how_alt))
 
                 del sets
@@ -477,7 +489,7 @@ def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, quick, kind, sdp
                 val, unit = _attn_flops(q_lens, seq_lens) / t / 1e12, "TFLOP/s"
                 pct = 100 * val / ceil["matmul_TFLOPs"]
             rows[mode] = Row(case, IMPL, t * 1e6, val, unit, pct, check=check, how=how)
-            ROWS.append(rows[mode])
+            add_row(rows[mode])
             del sets
             free()
 
@@ -490,10 +502,10 @@ def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, quick, kind, sdp
             times["sdpa"] = t
             if kind == "bw":
                 val = _attn_bytes("none", q_lens, seq_lens) / t / 1e9
-                ROWS.append(Row(case, "torch sdpa", t * 1e6, val, "GB/s", 100 * val / ceil["copy_GBps"], how=how))
+                add_row(Row(case, "torch sdpa", t * 1e6, val, "GB/s", 100 * val / ceil["copy_GBps"], how=how))
             else:
                 val = _attn_flops(q_lens, seq_lens) / t / 1e12
-                ROWS.append(Row(case, "torch sdpa", t * 1e6, val, "TFLOP/s",
+                add_row(Row(case, "torch sdpa", t * 1e6, val, "TFLOP/s",
                                 100 * val / ceil["matmul_TFLOPs"], how=how))
             free()
 

@@ -94,18 +94,12 @@ def e4m3_magnitude_code(a, BIAS: tl.constexpr):
     # Normal range: keep 3 of the 23 mantissa bits (RNE on the dropped 20), rebias exponent.
     lsb = (a >> 20) & 1
     normal = ((a + 0x7FFFF + lsb) >> 20) - ((127 - BIAS) << 3)
-    # Below the smallest normal: count units of the smallest subnormal 2**(-2-BIAS), RNE.
-    # Codes 0..8; 8 is the smallest normal, reached by rounding up, with the right bits.
-    exp = a >> 23
-    mant = (a & 0x7FFFFF) | 0x800000
-    # Shifts past 25 give 0 like 25 does (mant < 2**24 is below half), and keep the shift
-    # amount defined; the lower clamp only matters for lanes the select below discards.
-    shift = tl.minimum(tl.maximum((148 - BIAS) - exp, 1), 25)
-    q = mant >> shift
-    rem = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    sub = q + up.to(tl.int32)
+    # Below the smallest normal: count units of the smallest subnormal 2**(-2-BIAS) with RNE,
+    # done by the fp32 adder: 2**(21-BIAS) has exactly that unit as its ulp, so the sum rounds
+    # |y| to it and the bit difference is the count (0..8; 8 is the smallest normal's code).
+    # Exact: fp32 subnormal inputs are far below half a unit, so a flush cannot matter.
+    big = tl.full(a.shape, (148 - BIAS) << 23, tl.int32)
+    sub = float_bits(bits_float(a) + bits_float(big)) - big
     return tl.where(a >= ((128 - BIAS) << 23), normal, sub)
 
 

@@ -28,6 +28,7 @@ from .encode import (
     decode_codes,
     encode_codes,
     float_bits,
+    reciprocal,
     row_absmax_bits,
     row_scale,
     widen_bf16_bits,
@@ -58,40 +59,45 @@ def _load_rows_f32(ptrs, mask, IN_KIND: tl.constexpr):
 
 
 @triton.jit
-def _write_one(
-    src_ptr, stride_st, stride_sh, stride_sd,
-    cache_ptr, stride_cb, stride_cs, stride_ch, stride_cd,
-    scale_cache_ptr, stride_xb, stride_xs, stride_xh,
-    static_scale_ptr,
-    token, block, offset, keep, offs_h, offs_d, num_heads, head_size,
-    CODE: tl.constexpr, PER_TENSOR: tl.constexpr, IN_KIND: tl.constexpr,
+def _load_rows(src_ptr, token, stride_st, stride_sh, stride_sd, offs_h, offs_d, load_mask,
+               CODE: tl.constexpr, IN_KIND: tl.constexpr):
+    """One token's rows [heads of this program, D]: raw bits for mode none, else fp32."""
+    src = (src_ptr + token * stride_st + offs_h.to(tl.int64)[:, None] * stride_sh
+           + offs_d[None, :] * stride_sd)
+    if CODE == 0:
+        x = tl.load(src, mask=load_mask)
+    else:
+        x = _load_rows_f32(src, load_mask, IN_KIND)
+    return x
+
+
+@triton.jit
+def _store_rows(
+    x, cache_ptr, stride_cb, stride_cs, stride_ch, stride_cd,
+    scale_cache_ptr, stride_xb, stride_xs, stride_xh, static_scale_ptr,
+    block, offset, h_ok, store_mask, offs_h, offs_d,
+    CODE: tl.constexpr, PER_TENSOR: tl.constexpr,
     QMAX: tl.constexpr, QMIN: tl.constexpr, NAN_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr,
     TRUNC: tl.constexpr,
 ):
-    """Quantize the rows [heads of this program, D] of one token of K or V and store them."""
-    h_ok = (offs_h < num_heads) & keep
-    mask = h_ok[:, None] & (offs_d < head_size)[None, :]
-    src = (src_ptr + token * stride_st + offs_h.to(tl.int64)[:, None] * stride_sh
-           + offs_d[None, :] * stride_sd)
+    """Quantize rows x (fp32; raw bits for mode none) and store codes and scales at the slot."""
     dst = (cache_ptr + block * stride_cb + offset * stride_cs
            + offs_h.to(tl.int64)[:, None] * stride_ch + offs_d.to(tl.int64)[None, :] * stride_cd)
     if CODE == 0:
-        # Mode none: a bit copy in the model dtype (both pointers are integer views).
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        tl.store(dst, x, mask=store_mask)  # mode none: a bit copy in the model dtype
     else:
-        xf = _load_rows_f32(src, mask, IN_KIND)
         if PER_TENSOR:
             s = tl.load(static_scale_ptr)
-            y = tl.math.div_rn(xf, tl.broadcast_to(s, xf.shape))
+            y = tl.math.div_rn(x, tl.broadcast_to(s, x.shape))
         else:
-            scale, scale_bits = row_scale(row_absmax_bits(xf, 1), QMAX, SCALE_FLOOR)
-            inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-            y = xf * inv[:, None]
+            scale, scale_bits = row_scale(row_absmax_bits(x, 1), QMAX, SCALE_FLOOR)
+            inv = reciprocal(scale)
+            y = x * inv[:, None]
             sdst = (scale_cache_ptr + block * stride_xb + offset * stride_xs
                     + offs_h.to(tl.int64) * stride_xh)
             tl.store(sdst, scale_bits, mask=h_ok)
         code = encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, TRUNC)
-        tl.store(dst, code.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, code.to(cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -109,20 +115,25 @@ def _reshape_and_cache_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    in_rows = offs_h < num_heads
+    load_mask = in_rows[:, None] & (offs_d < head_size)[None, :]
+    # The input rows exist whatever the slot says, so K and V loads do not wait for it.
+    xk = _load_rows(key_ptr, token, s_kt, s_kh, s_kd, offs_h, offs_d, load_mask, CODE, IN_KIND)
+    xv = _load_rows(value_ptr, token, s_vt, s_vh, s_vd, offs_h, offs_d, load_mask, CODE, IN_KIND)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     keep = slot >= 0
-    # For a skipped token every access is masked off; keep the address arithmetic in range.
+    h_ok = in_rows & keep
+    store_mask = load_mask & keep
+    # A skipped token's stores are all masked off; keep its address arithmetic in range anyway.
     slot = tl.maximum(slot, 0)
     block = slot // block_size
     offset = slot % block_size
-    _write_one(key_ptr, s_kt, s_kh, s_kd, key_cache_ptr, s_kcb, s_kcs, s_kch, s_kcd,
-               k_scale_cache_ptr, s_ksb, s_kss, s_ksh, k_scale_ptr,
-               token, block, offset, keep, offs_h, offs_d, num_heads, head_size,
-               CODE, PER_TENSOR, IN_KIND, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
-    _write_one(value_ptr, s_vt, s_vh, s_vd, value_cache_ptr, s_vcb, s_vcs, s_vch, s_vcd,
-               v_scale_cache_ptr, s_vsb, s_vss, s_vsh, v_scale_ptr,
-               token, block, offset, keep, offs_h, offs_d, num_heads, head_size,
-               CODE, PER_TENSOR, IN_KIND, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
+    _store_rows(xk, key_cache_ptr, s_kcb, s_kcs, s_kch, s_kcd, k_scale_cache_ptr, s_ksb, s_kss, s_ksh,
+                k_scale_ptr, block, offset, h_ok, store_mask, offs_h, offs_d,
+                CODE, PER_TENSOR, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
+    _store_rows(xv, value_cache_ptr, s_vcb, s_vcs, s_vch, s_vcd, v_scale_cache_ptr, s_vsb, s_vss, s_vsh,
+                v_scale_ptr, block, offset, h_ok, store_mask, offs_h, offs_d,
+                CODE, PER_TENSOR, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
 
 
 @triton.jit
