@@ -57,7 +57,8 @@ class Implementation:
     priority: int = 0
     # Why it cannot run on this machine at all (missing package, no GPU); [] when it can.
     unavailable: Callable[[], list[str]] = _nothing_missing
-    # Why it cannot take this problem (beyond mode and device); [] when it can.
+    # Why it cannot take this problem (beyond mode and device); [] when it can. It sees the
+    # caller's arrays (torch tensors or NumPy arrays): read dtypes with kvzoo.arrays.dtype_name.
     problem_reasons: Callable[[Any], list[str]] = _takes_any_problem
     # Largest ||out - ref|| / ||ref|| against a float64 reference on the same quantized cache
     # (attention only): reflects the precision of its dot products.
