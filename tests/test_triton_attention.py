@@ -209,11 +209,14 @@ def test_split_kv_matches_single_pass(mode, extra):
     assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3)
 
 
-def test_prefill_tiles_span_pages():
-    # 16-key pages, 64-key tiles: each tile gathers four pages.
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_prefill_tiles_span_pages(mode, window):
+    # 16-key pages, 32-key tiles: each tile gathers two pages; long contexts give whole tiles
+    # (unmasked), a window gives masked tiles before them too.
     k = _kernels()
-    p = make_problem([24, 3], [70, 90], block_size=16)
-    check(p, prefill=k.AttentionConfig(8, 64, 4, 2))
+    p = make_problem([24, 3, 1], [230, 90, 160], block_size=16, mode=mode, sliding_window=window)
+    check(p, prefill=k.AttentionConfig(8, 32, 4, 2, 0, True))
 
 
 @pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])

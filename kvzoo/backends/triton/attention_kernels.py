@@ -37,6 +37,11 @@ _LOG2E = 1.4426950408889634
 _CONVERT_CAST = 0  # .to(dot dtype)
 _CONVERT_I8_ASM = 1  # int8 -> fp16 with byte permutes (CUDA): the cast is an I2F per code
 _CONVERT_TABLE = 2  # fp8 byte -> float32 through a 256-entry table (the interpreter has no fp8 math)
+_CONVERT_E4M3_ASM = 3  # e4m3 -> fp16 (CUDA), as inline asm so it stays in the load layout
+_CONVERT_I8_OFFSET = 4  # int8 -> fp16 1152 + c (CUDA); dots corrected per row (decode)
+_CONVERT_I8_OFFSET_CAST = 5  # the same values through a cast and an add (interpreter)
+# fp16 value of an int8 code c under the offset conversions.
+I8_OFFSET = tl.constexpr(1152.0)
 
 # Scale kinds (SCALE_MODE).
 _SCALE_NONE = 0
@@ -45,7 +50,7 @@ _SCALE_TOKEN_HEAD = 2
 
 
 @triton.jit
-def _int8x4_to_fp16(x):
+def _int8x4_to_fp16(x, PURE: tl.constexpr):
     # 0x6400 | (c ^ 0x80) is the fp16 1024 + (c + 128); subtracting 1152 leaves c exactly.
     # Four codes per 32-bit word: one xor, two byte permutes and two packed fp16 subtractions,
     # against four int->float conversions, the slow unit on this path.
@@ -65,15 +70,67 @@ def _int8x4_to_fp16(x):
         constraints="=r,=r,r",
         args=[x],
         dtype=tl.float16,
-        is_pure=True,
+        is_pure=PURE,
         pack=4,
     )
 
 
 @triton.jit
-def _codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr):
+def _int8x4_to_fp16_offset(x, PURE: tl.constexpr):
+    # As above without the subtraction: the fp16 value 1152 + c (exact, spacing 1 in
+    # [1024, 2048)). The caller removes 1152 * sum(other operand) after the dot, one
+    # correction per row instead of a subtraction per code.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, hi;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 hi, 0x64646464;
+        prmt.b32 $0, t, hi, 0x5140;
+        prmt.b32 $1, t, hi, 0x7362;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e4m3x4_to_fp16(x, PURE: tl.constexpr):
+    # The same instruction Triton's cast emits; written out so that it can be marked impure.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def _codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr, PURE: tl.constexpr):
+    # PURE=False keeps the conversion where the codes were loaded (rows contiguous along D):
+    # a pure one is moved by Triton into the MMA operand layout, which for V (reduced over
+    # keys, strided in memory) turns every code into a 1-byte shared-memory load.
     if CODE_CONVERT == 1:
-        return _int8x4_to_fp16(x)
+        return _int8x4_to_fp16(x, PURE)
+    elif CODE_CONVERT == 4:
+        return _int8x4_to_fp16_offset(x, PURE)
+    elif CODE_CONVERT == 5:
+        return x.to(tl.float16) + 1152.0
+    elif CODE_CONVERT == 3:
+        return _e4m3x4_to_fp16(x, PURE)
     elif CODE_CONVERT == 2:
         return tl.load(table_ptr + x.to(tl.uint8, bitcast=True).to(tl.int32)).to(DOT_DTYPE)
     else:
@@ -98,8 +155,26 @@ def _find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(ptrs, key_ok, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=key_ok, other=0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=key_ok[:, None] & (d < HEAD_D)[None, :], other=0.0)
+    elif HEAD_D < BLOCK_D:
+        return tl.load(ptrs, mask=(d < HEAD_D)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _attend_tile(
-    start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+    start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
     k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -108,35 +183,53 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
 ):
-    """One key tile of the online softmax: returns the updated (m, l, acc)."""
-    n = tl.arange(0, BLOCK_N)
+    """One key tile of the online softmax: returns the updated (m, l, acc).
+
+    MASKED=False is for tiles every row sees whole (no bounds, causal or window tests).
+    SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (normalised by the
+    tile's largest scale, so they cannot overflow) instead of scaling the [rows, keys] logits
+    and probabilities: cheaper when the tile has many rows (prefill).
+    """
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_D
-    keys = start + n
+    keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
-    page = tl.load(bt_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+    page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
     k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
-    kc = tl.load(
-        k_ptr + k_row[:, None] + d[None, :] * stride_kd,
-        mask=key_ok[:, None] & d_ok[None, :], other=0.0,
-    )
-    s = tl.dot(q, tl.trans(_codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT)),
-               input_precision=DOT_PRECISION)
+    kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    if SCALE_IN_CODES:
+        k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
+    else:
+        k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
     if SCALE_MODE == 2:
-        ks = tl.load(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
-                     mask=key_ok, other=0.0)
-        s = s * ks[None, :]
-    s = s * row_scale[:, None]
+        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
+                        key_ok, MASKED)
+        if SCALE_IN_CODES:
+            k_max = tl.max(ks, axis=0)
+            k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
+            k = k * k_ratio.to(DOT_DTYPE)[:, None]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if CODE_CONVERT >= 4:
+                s = s - q_offset[:, None]
+            s = s * ks[None, :] * row_scale[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CODE_CONVERT >= 4:
+            s = s - q_offset[:, None]
+        s = s * row_scale[:, None]
     if HAS_SOFTCAP:
         # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
         e2 = tl.exp(2.0 * (s / softcap))
         s = (softcap * (1.0 - 2.0 / (e2 + 1.0))) * 1.4426950408889634
-    visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
-    if HAS_WINDOW:
-        visible = visible & (keys[None, :] > pos[:, None] - window)
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Rows with nothing visible yet keep m = -inf; subtract 0 there so no inf - inf.
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -146,23 +239,81 @@ def _attend_tile(
     m_i = m_new
 
     v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
-    vc = tl.load(
-        v_ptr + v_row[:, None] + d[None, :] * stride_vd,
-        mask=key_ok[:, None] & d_ok[None, :], other=0.0,
-    )
-    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT)
+    vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if SCALE_MODE == 2:
-        vs = tl.load(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
-                     mask=key_ok, other=0.0)
-        # Masked keys may hold a NaN scale (a poisoned row): zero them after the product.
-        pv = tl.where(visible, p * vs[None, :], 0.0)
-        # Normalise each row by its largest weight so the fp16 operand cannot overflow.
-        w = tl.max(pv, axis=1)
-        inv_w = tl.where(w > 0.0, 1.0 / w, 0.0)
-        pv = (pv * inv_w[:, None]).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION) * w[:, None]
+        vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
+                        key_ok, MASKED)
+        if SCALE_IN_CODES:
+            v_max = tl.max(vs, axis=0)
+            v_ratio = vs * tl.where(v_max > 0.0, 1.0 / v_max, 0.0)
+            v = v * v_ratio.to(DOT_DTYPE)[:, None]
+            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv * v_max
+        else:
+            pv = p * vs[None, :]
+            if MASKED:
+                # Hidden keys may hold a NaN scale (a poisoned row): zero them after the product.
+                pv = tl.where(visible, pv, 0.0)
+            # Normalise each row by its largest weight so the fp16 operand cannot overflow.
+            w = tl.max(pv, axis=1)
+            pv = (pv * tl.where(w > 0.0, 1.0 / w, 0.0)[:, None]).to(DOT_DTYPE)
+            pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
+            if CODE_CONVERT >= 4:
+                pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
+            acc = acc * alpha[:, None] + pv_v * w[:, None]
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        p16 = p.to(DOT_DTYPE)
+        pv_v = tl.dot(p16, v, input_precision=DOT_PRECISION)
+        if CODE_CONVERT >= 4:
+            pv_v = pv_v - I8_OFFSET * tl.sum(p16.to(tl.float32), axis=1)[:, None]
+        acc = acc * alpha[:, None] + pv_v
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_range(
+    lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
+    if INTERPRETED:
+        # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
+        # into the ints range() needs; a while loop compares them instead. Compiled code keeps
+        # the for loop, which Triton software-pipelines.
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES,
+            )
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES,
+            )
     return m_i, l_i, acc
 
 
@@ -185,7 +336,8 @@ def _attention_kernel(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, INTERPRETED: tl.constexpr,
+    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,6 +396,8 @@ def _attention_kernel(
         q = q * factor[:, None]
         row_scale = row_scale * ((127 - k) << 23).to(tl.float32, bitcast=True)
     q = q.to(DOT_DTYPE)
+    # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
+    q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
 
     # Keys this tile needs: up to its last row's position; from the window of its first row.
     tile_first = context + q_block * BLOCK_Q
@@ -268,35 +422,37 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if INTERPRETED:
-        # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
-        # into the ints range() needs; a while loop compares them instead. Compiled code keeps
-        # the for loop, which Triton software-pipelines.
-        start = kv_begin
-        while start < kv_end:
-            m_i, l_i, acc = _attend_tile(
-                start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                stride_kb, stride_kt, stride_kh, stride_kd,
-                stride_vb, stride_vt, stride_vh, stride_vd,
-                stride_ksb, stride_kst, stride_ksh,
-                stride_vsb, stride_vst, stride_vsh,
-                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW,
-            )
-            start += BLOCK_N
-    else:
-        for start in range(kv_begin, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                start, q, row_scale, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                stride_kb, stride_kt, stride_kh, stride_kd,
-                stride_vb, stride_vt, stride_vh, stride_vd,
-                stride_ksb, stride_kst, stride_ksh,
-                stride_vsb, stride_vst, stride_vsh,
-                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW,
-            )
+    # Tiles every row sees whole skip the masks: [full_begin, full_end) holds keys at or
+    # before the first row's position (causal) and inside the last row's window.
+    full_end = tl.maximum((tl.minimum(tile_first + 1, kv_end) // BLOCK_N) * BLOCK_N, kv_begin)
+    full_begin = kv_begin
+    if HAS_WINDOW:
+        full_begin = tl.minimum(tl.cdiv(tl.maximum(tile_last - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        full_begin = tl.maximum(full_begin, kv_begin)
+        m_i, l_i, acc = _attend_range(
+            kv_begin, full_begin, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+            BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+            HAS_SOFTCAP, HAS_WINDOW, True, SCALE_IN_CODES, INTERPRETED,
+        )
+    m_i, l_i, acc = _attend_range(
+        full_begin, full_end, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+        k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+        BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+        HAS_SOFTCAP, HAS_WINDOW, False, SCALE_IN_CODES, INTERPRETED,
+    )
+    m_i, l_i, acc = _attend_range(
+        full_end, kv_end, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+        k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+        BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+        HAS_SOFTCAP, HAS_WINDOW, True, SCALE_IN_CODES, INTERPRETED,
+    )
 
     if SCALE_MODE == 1:
         acc = acc * tl.load(vs_ptr)
@@ -365,6 +521,9 @@ class AttentionConfig:
     num_stages: int
     # Keys per split-KV program (a multiple of block_n); 0 = no split. Decode only.
     split_keys: int = 0
+    # Fold per-key scales into the fp16 K/V tiles (prefill) instead of scaling logits and
+    # probabilities (decode, where a tile has few rows).
+    scale_in_codes: bool = False
 
 
 # (phase, padded head size) -> (block_n, num_warps, num_stages); rows come from _rows_target.
@@ -375,9 +534,12 @@ _PREFILL_ROWS = {64: 128, 128: 128, 256: 64}
 # Batch-invariant decode always splits at this many keys: a sequence's split points depend
 # on its own length only.
 INVARIANT_SPLIT_KEYS = 4096
-# Split-KV heuristic: split when the decode grid covers fewer programs than this many per SM.
-_MIN_PROGRAMS_PER_SM = 2
-_MIN_SPLIT_KEYS = 512
+# Split-KV heuristic: a decode grid under _SPLIT_BELOW_PER_SM programs per SM leaves SMs idle
+# or one wave ragged; split each sequence so the grid reaches about _SPLIT_TARGET_PER_SM
+# (measured on the H200, 8 x 65536: 16 splits of 4096 keys beat 5 splits by 1.4x).
+_SPLIT_BELOW_PER_SM = 2
+_SPLIT_TARGET_PER_SM = 8
+_MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
 
@@ -402,9 +564,10 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
         return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS)
     programs = p.num_seqs * p.num_kv_heads
     dev = p.query.device.index if p.query.device.type == "cuda" else None
-    want = _MIN_PROGRAMS_PER_SM * _num_sms(dev)
+    sms = _num_sms(dev)
     split_keys = 0
-    if programs < want and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
+    if programs < _SPLIT_BELOW_PER_SM * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
+        want = _SPLIT_TARGET_PER_SM * sms
         splits = min(_MAX_SPLITS, -(-want // max(programs, 1)), p.max_seq_len // _MIN_SPLIT_KEYS)
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
@@ -417,7 +580,7 @@ def prefill_config(p: Attention) -> AttentionConfig:
     block_n, warps, stages = _PREFILL_TABLE[size]
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
     block_q = max(1, _PREFILL_ROWS[size] // g_pad)
-    return AttentionConfig(block_q, block_n, warps, stages)
+    return AttentionConfig(block_q, block_n, warps, stages, 0, True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -435,7 +598,7 @@ def _fp8_table(dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def _operands(p: Attention, platform: str):
+def _operands(p: Attention, platform: str, scale_in_codes: bool):
     """(k, v, table, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, Q_RESCALE) for this problem."""
     interpreted = _platform.interpreted()
     k, v = p.key_cache, p.value_cache
@@ -448,8 +611,14 @@ def _operands(p: Attention, platform: str):
         return k, v, table, tl.float32, "ieee", _CONVERT_CAST, False
     convert = _CONVERT_CAST
     if p.mode.is_int8:
+        # Offset codes for decode tiles (few rows: conversion dominates); exact codes where
+        # per-key scales are folded into the tiles (the offset would not factor out).
         if platform == "cuda" and not interpreted:
-            convert = _CONVERT_I8_ASM
+            convert = _CONVERT_I8_ASM if scale_in_codes else _CONVERT_I8_OFFSET
+        elif not scale_in_codes:
+            convert = _CONVERT_I8_OFFSET_CAST
+    elif platform == "cuda" and not interpreted and p.mode.code_dtype == "float8_e4m3fn":
+        convert = _CONVERT_E4M3_ASM
     elif interpreted:
         table = _fp8_table(p.mode.code_dtype)
         k, v = k.view(torch.uint8), v.view(torch.uint8)
@@ -458,7 +627,7 @@ def _operands(p: Attention, platform: str):
 
 
 def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> None:
-    k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform)
+    k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
     block_m = max(16, cfg.block_q * g_pad)
@@ -499,7 +668,8 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         SCALE_MODE=scale_mode, CODE_CONVERT=convert, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
-        PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, INTERPRETED=_platform.interpreted(),
+        PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
+        INTERPRETED=_platform.interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
