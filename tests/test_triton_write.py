@@ -234,3 +234,54 @@ def test_cache_over_4gib(mode):
         assert torch.equal(big.view(torch.uint8), small.view(torch.uint8))
     if mode == "none":
         assert torch.equal(outs[0][0], key[0].cpu())
+
+
+_PTX_PROBE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvzoo.backends.triton import write_kernels as wk
+
+k = wk._reshape_and_cache_kernel
+out = {}
+for code, qmax, qmin, nan, cache in ((1, 127.0, -128.0, 0, "*i8"), (2, 448.0, -448.0, 0x7F, "*u8"),
+                                     (3, 224.0, -224.0, 0x80, "*u8")):
+    types = dict(key_ptr="*i16", value_ptr="*i16", key_cache_ptr=cache, value_cache_ptr=cache,
+                 k_scale_cache_ptr="*i32", v_scale_cache_ptr="*i32", k_scale_ptr="*fp32",
+                 v_scale_ptr="*fp32", slot_ptr="*i64")
+    consts = dict(CODE=code, PER_TENSOR=False, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
+                  SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    # Fusion on: the helpers must be contraction-proof without the launch flag.
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(enable_fp_fusion=True)).asm["ptx"]
+    out[code] = {name: len(re.findall(pat, ptx)) for name, pat in (
+        ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
+        ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
+print(json.dumps(out))
+"""
+
+
+def test_ptx_exact_arithmetic():
+    """Compiles the write kernel for sm_90 (no GPU needed) and reads its PTX: correctly rounded
+    divisions, no fp32 fused multiply-add even with fp fusion enabled, no flush-to-zero. Also
+    catches kernels that run under the interpreter but fail Triton's compiler."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas to compile with")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for code, counts in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert counts["fma_f32"] == 0 and counts["div_inexact"] == 0 and counts["ftz"] == 0, (code, counts)
+        assert counts["div_rn"] > 0, (code, counts)

@@ -21,9 +21,9 @@ import triton.language as tl
 
 # 1.5 * 2**23: adding then subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # half to even (the addition's own RNE does the work).
-RNE_MAGIC = 12582912.0
-CANONICAL_NAN_BITS = 0x7FC00000
-# Code formats, passed as the constexpr CODE of the kernels.
+RNE_MAGIC = tl.constexpr(12582912.0)
+CANONICAL_NAN_BITS = tl.constexpr(0x7FC00000)
+# Code formats, passed as the constexpr CODE of the kernels (host-side ints).
 CODE_COPY = 0
 CODE_INT8 = 1
 CODE_E4M3FN = 2
