@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ...arrays import dtype_name
 from ...modes import MODES
 from ...registry import Implementation
 from .bits import E4M3FN, E4M3FNUZ, I8
@@ -54,12 +55,14 @@ def _strided_reasons(problem: Any, names: tuple[str, ...]) -> list[str]:
     reasons = []
     for name in names:
         a = getattr(problem, name)
-        if isinstance(a, np.ndarray):
-            why = stride_problem(name, a)
-            if why:
-                reasons.append(why)
-            elif np.dtype(a.dtype).name not in KINDS and a.dtype.itemsize not in (1, 2, 4):
-                reasons.append(f"numba: {name} dtype {a.dtype} is not supported")
+        if a is None:
+            continue
+        # torch strides count elements, so only NumPy views can be misaligned.
+        why = stride_problem(name, a) if isinstance(a, np.ndarray) else None
+        if why:
+            reasons.append(why)
+        elif dtype_name(a) not in KINDS:
+            reasons.append(f"numba: {name} dtype {dtype_name(a)} is not supported")
     return reasons
 
 
@@ -106,10 +109,10 @@ def run_reshape_and_cache(p: Any) -> None:
 
 def write_reasons(p: Any) -> list[str]:
     reasons = _strided_reasons(p, _WRITE_ARRAYS)
-    if p.mode.code_dtype is None and p.key.dtype.itemsize != p.key_cache.dtype.itemsize:
+    if p.mode.code_dtype is None and dtype_name(p.key) != dtype_name(p.key_cache):
         reasons.append(
-            f"numba: mode none copies bits, so key dtype {p.key.dtype} and cache dtype "
-            f"{p.key_cache.dtype} must have the same width"
+            f"numba: mode none copies bits, so key dtype {dtype_name(p.key)} and cache dtype "
+            f"{dtype_name(p.key_cache)} must be the same"
         )
     return reasons
 
@@ -150,8 +153,8 @@ def run_dequantize(p: Any) -> None:
 
 def dequantize_reasons(p: Any) -> list[str]:
     reasons = _strided_reasons(p, ("cache", "scale_cache", "out"))
-    if np.dtype(p.out.dtype) != np.float32:
-        reasons.append(f"numba: dequantize writes float32, out is {p.out.dtype}")
+    if dtype_name(p.out) != "float32":
+        reasons.append(f"numba: dequantize writes float32, out is {dtype_name(p.out)}")
     return reasons
 
 
