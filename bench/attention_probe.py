@@ -217,23 +217,22 @@ def main():
         S, L = 64, 16384
         sdpa_decode(S, L, copy_bw)
         for mode, variants in (
-            ("none", [C(1, 64, 4, 3), C(1, 64, 4, 2), C(1, 128, 4, 2)]),
-            ("int8_per_token_head", [C(1, 128, 4, 3), C(1, 128, 4, 2), C(1, 64, 4, 3), C(1, 64, 4, 2),
-                                     C(1, 256, 4, 2), C(1, 256, 8, 2), C(1, 128, 4, 2, 8192),
-                                     C(1, 128, 4, 2, 4096)]),
-            ("fp8_per_token_head", [C(1, 128, 4, 3), C(1, 128, 4, 2), C(1, 64, 4, 2), C(1, 256, 4, 2)]),
+            ("none", [(64, 4, 2), (128, 4, 2)]),
+            ("int8_per_token_head", [(128, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2), (64, 1, 3)]),
+            ("fp8_per_token_head", [(128, 4, 2), (64, 2, 2), (64, 1, 2)]),
         ):
             p = make(S, 1, L, mode)
             table = K.decode_config(p, False)
             row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
-            for cfg in variants:
-                launch = (lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg))
-                run_variant(f"{mode[:4]} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sk{cfg.split_keys}",
-                            p, launch, copy_bw, [0, S - 1])
-            if mode.startswith("int8"):
-                for conv, tag in ((K._CONVERT_I8_ASM, "exact asm"), (K._CONVERT_CAST, "plain cast")):
-                    launch = force_convert(lambda p=p: K.run(p, "cuda", decode=C(1, 128, 4, 2)), conv)
-                    run_variant(f"int8 bn128 w4 s2 ({tag})", p, launch, copy_bw, [0])
+            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
+            unsplit = dataclasses.replace(table, split_keys=0)
+            run_variant(f"{mode[:4]} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c),
+                        copy_bw, [0])
+            for bn, w, st in variants:
+                sk = -(-table.split_keys // bn) * bn
+                cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
+                run_variant(f"{mode[:4]} bn{bn} w{w} s{st} sk{sk}", p,
+                            lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [S - 1])
             inv = dataclasses.replace(p, batch_invariant=True)
             run_variant(f"{mode[:4]} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"),
                         copy_bw, [1])
@@ -247,10 +246,10 @@ def main():
             p = make(S, 1, L, mode)
             table = K.decode_config(p, False)
             row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
-            run_variant(f"{mode[:4]} table", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
-            for sk in ([2048, 4096] if mode.startswith("int8") else [4096]):
-                cfg = dataclasses.replace(table, split_keys=sk)
-                run_variant(f"{mode[:4]} split_keys {sk}", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
+            if mode.startswith("int8"):
+                cfg = dataclasses.replace(table, block_n=64, num_warps=1, split_keys=4096)
+                run_variant(f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
                             copy_bw, [0])
             del p
             torch.cuda.empty_cache()
@@ -263,8 +262,9 @@ def main():
             p = make(S, L, L, mode)
             table = K.prefill_config(p)
             row(f"-- prefill {S}x{L} {mode}: table {table}", 0.0)
-            for cfg in (C(32, 64, 8, 3, 0, True), C(32, 32, 8, 3, 0, True), C(16, 64, 4, 3, 0, True),
-                        C(32, 64, 8, 2, 0, True), C(32, 128, 8, 2, 0, True)):
+            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [1], flops=flops, mm=mm)
+            for cfg in (C(16, 128, 4, 2, 0, True), C(32, 128, 8, 3, 0, True), C(16, 64, 4, 3, 0, True),
+                        C(32, 128, 8, 2, 0, True)):
                 run_variant(f"{mode[:4]} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", p,
                             lambda cfg=cfg, p=p: K.run(p, "cuda", prefill=cfg), copy_bw, [1],
                             flops=flops, mm=mm)

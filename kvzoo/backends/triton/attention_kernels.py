@@ -526,19 +526,29 @@ class AttentionConfig:
     scale_in_codes: bool = False
 
 
-# (phase, padded head size) -> (block_n, num_warps, num_stages); rows come from _rows_target.
-_DECODE_TABLE = {64: (128, 4, 3), 128: (128, 4, 3), 256: (64, 4, 2)}
-_PREFILL_TABLE = {64: (64, 8, 3), 128: (64, 8, 3), 256: (32, 8, 2)}
-# Rows of a prefill tile (query tokens x group heads).
-_PREFILL_ROWS = {64: 128, 128: 128, 256: 64}
+# Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
+# of the variants timed on the H200 (bench/attention_probe.py, bench/RESULTS.md); the others
+# are scaled from them (smaller key tiles where a row is wider) and only checked for
+# correctness.
+# Decode: (block_n, num_warps, num_stages); one query token x the group's heads per tile.
+_DECODE_TABLE = {
+    (64, False): (64, 4, 2), (128, False): (64, 4, 2), (256, False): (32, 4, 2),
+    (64, True): (128, 4, 2), (128, True): (128, 4, 2), (256, True): (64, 4, 2),
+}
+# Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages).
+_PREFILL_TABLE = {
+    (64, False): (64, 64, 4, 3), (128, False): (64, 64, 4, 3), (256, False): (64, 32, 4, 2),
+    (64, True): (128, 128, 8, 2), (128, True): (128, 128, 8, 2), (256, True): (64, 32, 8, 2),
+}
 # Batch-invariant decode always splits at this many keys: a sequence's split points depend
 # on its own length only.
 INVARIANT_SPLIT_KEYS = 4096
 # Split-KV heuristic: a decode grid under _SPLIT_BELOW_PER_SM programs per SM leaves SMs idle
-# or one wave ragged; split each sequence so the grid reaches about _SPLIT_TARGET_PER_SM
-# (measured on the H200, 8 x 65536: 16 splits of 4096 keys beat 5 splits by 1.4x).
-_SPLIT_BELOW_PER_SM = 2
-_SPLIT_TARGET_PER_SM = 8
+# or its last wave ragged (about 3 programs fit on an SM); split each sequence so the grid
+# reaches about _SPLIT_TARGET_PER_SM. Measured on the H200: 8 x 65536 went from 750 us (5
+# splits) to 500 us (16), and int8 64 x 16384 from 1100 us (unsplit) to 830 us (4 splits).
+_SPLIT_BELOW_PER_SM = 8
+_SPLIT_TARGET_PER_SM = 16
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
@@ -559,7 +569,7 @@ def _num_sms(device_index: int | None) -> int:
 
 
 def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
-    block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size)]
+    block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), p.mode.code_dtype is not None]
     if invariant:
         return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS)
     programs = p.num_seqs * p.num_kv_heads
@@ -576,10 +586,9 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
-    size = _size_class(p.head_size)
-    block_n, warps, stages = _PREFILL_TABLE[size]
+    rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), p.mode.code_dtype is not None]
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
-    block_q = max(1, _PREFILL_ROWS[size] // g_pad)
+    block_q = max(1, rows // g_pad)
     return AttentionConfig(block_q, block_n, warps, stages, 0, True)
 
 
