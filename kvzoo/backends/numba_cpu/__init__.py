@@ -18,7 +18,7 @@ import numpy as np
 from ...arrays import dtype_name
 from ...modes import MODES
 from ...registry import Implementation
-from .bits import E4M3FN, E4M3FNUZ, I8
+from .formats import E4M3FN, E4M3FNUZ, I8
 from .strided import KINDS, flat, stride_problem
 
 NAME = "numba"

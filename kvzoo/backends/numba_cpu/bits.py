@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-F32, BF16, F16, I8, E4M3FN, E4M3FNUZ = 0, 1, 2, 3, 4, 5
+from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8  # noqa: F401  (re-exported)
 
 _I32 = ir.IntType(32)
 

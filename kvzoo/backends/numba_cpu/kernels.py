@@ -407,14 +407,18 @@ def attention(
 
 
 @njit(**_OPTS)
-def encode_fp8_array(x, out, fnuz, clamp):
-    """The write path's fp8 encoder elementwise: non-finite -> NaN code, clamp to +-clamp, RNE."""
-    if fnuz:
-        for i in range(x.shape[0]):
-            out[_u(i)] = _code(x[_u(i)], E4M3FNUZ, False, clamp, -clamp)
+def encode_codes_array(x, out, fmt, trunc, qmax, qmin):
+    """The write path's encoder on already-scaled values y: non-finite -> the format's NaN
+    code, else clamp to [qmin, qmax] and round (int8 half-even or trunc; fp8 RNE)."""
+    if fmt == I8:
+        if trunc:
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin)
+        else:
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin)
+    elif fmt == E4M3FN:
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin)
     else:
-        for i in range(x.shape[0]):
-            out[_u(i)] = _code(x[_u(i)], E4M3FN, False, clamp, -clamp)
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin)
 
 
 @njit(**_OPTS)
@@ -428,7 +432,7 @@ __all__ = [
     "attention",
     "decode_codes_array",
     "dequantize",
-    "encode_fp8_array",
+    "encode_codes_array",
     "write_plain",
     "write_quantized",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .bits import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
+from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
 
 # dtype name -> (element kind, unsigned carrier dtype the kernels receive)
 KINDS: dict[str, tuple[int, type]] = {

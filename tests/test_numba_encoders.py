@@ -1,0 +1,228 @@
+"""The Numba backend's own number formats, held against ml_dtypes bit for bit.
+
+The conformance suite checks whole operations; this file checks the element encoders and
+decoders on every code and every rounding boundary (and, marked slow, on all 2^32 float32
+bit patterns), that fastmath is off where bytes matter, and that the registry prefers numba
+on a CPU and falls back to NumPy without it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from kvzoo import registry as registry_module  # noqa: E402
+from kvzoo.backends import numba_cpu  # noqa: E402
+from kvzoo.backends.numba_cpu import bits, kernels  # noqa: E402
+from kvzoo.modes import MODES  # noqa: E402
+
+POISON = 0x55
+# (format code, ml_dtypes type, largest finite value, the spec's NaN code)
+FP8_FORMATS = {
+    "e4m3fn": (bits.E4M3FN, ml_dtypes.float8_e4m3fn, 448.0, 0x7F),
+    "e4m3fnuz": (bits.E4M3FNUZ, ml_dtypes.float8_e4m3fnuz, 240.0, 0x80),
+}
+
+
+def _encode(y: np.ndarray, fmt: int, qmax: float, qmin: float, trunc: bool = False) -> np.ndarray:
+    y = np.ascontiguousarray(y, dtype=np.float32)
+    out = np.full(y.shape, POISON, dtype=np.uint8)
+    kernels.encode_codes_array(y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin))
+    return out
+
+
+def _expected_fp8(y: np.ndarray, ml_type, qmax: float, nan_code: int) -> np.ndarray:
+    """The spec through ml_dtypes: clamp, one RNE cast; non-finite -> NaN code; fnuz has no -0."""
+    finite = np.isfinite(y)
+    clamped = np.clip(np.where(finite, y, 0), np.float32(-qmax), np.float32(qmax)).astype(np.float32)
+    codes = clamped.astype(ml_type).view(np.uint8)
+    if ml_type == ml_dtypes.float8_e4m3fnuz:
+        codes = np.where(codes == 0x80, np.uint8(0), codes)  # ml_dtypes' "-0" is fnuz NaN
+    return np.where(finite, codes, np.uint8(nan_code))
+
+
+def _boundaries(ml_type) -> np.ndarray:
+    """Every midpoint between adjacent finite codes (both signs), each with its two float32
+    neighbours, plus the codes themselves, zero's neighbourhood and out-of-range values."""
+    codes = np.arange(256, dtype=np.uint8).view(ml_type).astype(np.float32)
+    values = np.unique(codes[np.isfinite(codes)])  # sorted, both signs, one zero
+    mids = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
+    assert np.array_equal(mids.astype(np.float64), (values[:-1].astype(np.float64) + values[1:]) / 2)
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
+    extra = np.array(
+        [0.0, -0.0, tiny, -tiny, np.finfo(np.float32).tiny, 1e30, -1e30, 465.0, 464.0, 250.0, -250.0],
+        dtype=np.float32,
+    )
+    base = np.concatenate([values, mids, extra])
+    up = np.nextafter(base, np.float32(np.inf))
+    down = np.nextafter(base, np.float32(-np.inf))
+    return np.concatenate([base, up, down]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(FP8_FORMATS))
+def test_fp8_every_rounding_boundary(name):
+    fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
+    y = _boundaries(ml_type)
+    got = _encode(y, fmt, qmax, -qmax)
+    want = _expected_fp8(y, ml_type, qmax, nan_code)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
+
+
+@pytest.mark.parametrize("name", sorted(FP8_FORMATS))
+def test_fp8_random_values_and_specials(name):
+    fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
+    rng = np.random.default_rng()
+    n = 1 << 20
+    y = (rng.standard_normal(n) * np.exp2(rng.integers(-24, 10, n))).astype(np.float32)
+    y[:6] = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0]
+    got = _encode(y, fmt, qmax, -qmax)
+    assert np.array_equal(got, _expected_fp8(y, ml_type, qmax, nan_code))
+    assert got[0] == got[1] == got[2] == got[3] == nan_code
+    assert got[4] == (0x80 if name == "e4m3fn" else 0x00)
+    assert got[5] == 0x00
+
+
+@pytest.mark.parametrize("name", sorted(FP8_FORMATS))
+def test_fp8_every_code_round_trips(name):
+    fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
+    codes = np.arange(256, dtype=np.uint8)
+    decoded = np.full(256, np.float32(1234.5), dtype=np.float32)
+    kernels.decode_codes_array(codes, np.int64(fmt), decoded)
+    want = codes.view(ml_type).astype(np.float32)
+    same = (decoded.view(np.uint32) == want.view(np.uint32)) | (np.isnan(decoded) & np.isnan(want))
+    assert same.all(), codes[~same]
+    # Every finite code encodes back to itself (the one zero of fnuz aside).
+    finite = np.isfinite(decoded)
+    back = _encode(decoded[finite], fmt, 448.0, -448.0)
+    expect = codes[finite]
+    if name == "e4m3fnuz":
+        assert not finite[0x80]
+    assert np.array_equal(back, expect)
+
+
+def test_int8_codes_and_rounding_boundaries():
+    codes = np.arange(256, dtype=np.uint8)
+    decoded = np.full(256, np.nan, dtype=np.float32)
+    kernels.decode_codes_array(codes, np.int64(bits.I8), decoded)
+    assert np.array_equal(decoded, codes.view(np.int8).astype(np.float32))
+
+    halves = np.arange(-131, 131, 0.5, dtype=np.float32)
+    y = np.concatenate([halves, np.nextafter(halves, np.inf), np.nextafter(halves, -np.inf)])
+    y = np.concatenate([y, np.float32([np.nan, np.inf, -np.inf, -0.0, 1e-45])]).astype(np.float32)
+    finite = np.isfinite(y)
+    clamped = np.clip(np.where(finite, y, 0), -128, 127).astype(np.float32)
+    for trunc, rule in ((False, np.rint), (True, np.trunc)):
+        got = _encode(y, bits.I8, 127.0, -128.0, trunc=trunc)
+        want = np.where(finite, rule(clamped).astype(np.int8).view(np.uint8), np.uint8(0))
+        assert np.array_equal(got, want), trunc
+
+
+def test_half_and_bfloat16_widening_is_exact():
+    every = np.arange(1 << 16, dtype=np.uint16)
+    for kind, dtype in ((bits.F16, np.float16), (bits.BF16, ml_dtypes.bfloat16)):
+        out = np.full(every.shape, np.float32(7.0), dtype=np.float32)
+        kernels.decode_codes_array(every, np.int64(kind), out)
+        want = every.view(dtype).astype(np.float32)
+        same = (out.view(np.uint32) == want.view(np.uint32)) | (np.isnan(out) & np.isnan(want))
+        assert same.all(), every[~same][:10]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FP8_FORMATS))
+def test_fp8_all_float32_bit_patterns(name):
+    fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
+    chunk = 1 << 24
+    for start in range(0, 1 << 32, chunk):
+        y = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        got = _encode(y, fmt, qmax, -qmax)
+        with np.errstate(invalid="ignore"):
+            want = _expected_fp8(y, ml_type, qmax, nan_code)
+        if not np.array_equal(got, want):
+            i = int(np.nonzero(got != want)[0][0])
+            pytest.fail(f"bits {start + i:#010x}: got {got[i]:#04x}, want {want[i]:#04x}")
+
+
+# ----------------------------------------------------------------------------------------------
+# fastmath
+# ----------------------------------------------------------------------------------------------
+
+BYTE_EXACT_KERNELS = ("write_quantized", "write_plain", "dequantize", "encode_codes_array", "decode_codes_array")
+
+
+@pytest.mark.parametrize("name", [*BYTE_EXACT_KERNELS, "attention"])
+def test_fastmath_is_off(name):
+    dispatcher = getattr(kernels, name)
+    assert dispatcher.targetoptions.get("fastmath", False) is False
+
+
+def test_only_the_attention_dot_reassociates():
+    flags = kernels._dot.targetoptions["fastmath"]
+    assert set(flags) == {"reassoc"}, flags
+    assert set(kernels.DOT_FASTMATH) == {"reassoc"}
+
+
+def test_byte_exact_llvm_has_no_fast_math_flags():
+    y = np.float32([1.0, -0.0, np.nan])
+    _encode(y, bits.E4M3FN, 448.0, -448.0)
+    for ir in kernels.encode_codes_array.inspect_llvm().values():
+        for flag in ("fast ", "nnan", "ninf", "nsz", "reassoc", "contract", "afn", "arcp"):
+            assert f"fmul {flag}" not in ir and f"fadd {flag}" not in ir and f"fcmp {flag}" not in ir
+
+
+def test_signed_zero_and_nan_rows_follow_the_spec():
+    import kvzoo
+    from kvzoo.layout import allocate_separate
+
+    rng = np.random.default_rng()
+    heads, d, bs = 2, 16, 4
+    key = rng.standard_normal((3, heads, d)).astype(np.float32)
+    key[0, 0] = -0.0  # an all -0.0 row: scale = floor, every y = -0.0
+    key[1, 1, 5] = np.nan  # a poisoned row
+    value = rng.standard_normal((3, heads, d)).astype(np.float32)
+    for mode, neg_zero in (("fp8_per_token_head", 0x80), ("fp8_e4m3fnuz_per_token_head", 0x00)):
+        cache = allocate_separate(2, bs, heads, d, mode, device=None)
+        for a in (cache.key_cache, cache.value_cache):
+            a.view(np.uint8)[...] = POISON
+        kvzoo.reshape_and_cache(
+            key, value, cache.key_cache, cache.value_cache, np.arange(3), mode=mode,
+            k_scale_cache=cache.k_scale_cache, v_scale_cache=cache.v_scale_cache, impl="numba",
+        )  # fmt: skip
+        codes = cache.key_cache.view(np.uint8)
+        scales = cache.k_scale_cache.view(np.uint32)
+        assert (codes[0, 0, 0] == neg_zero).all()
+        assert scales[0, 0, 0] == np.float32(1e-6).view(np.uint32)
+        assert (codes[0, 1, 1] == MODES[mode].nan_code).all()
+        assert scales[0, 1, 1] == 0x7FC00000
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _fresh_registry() -> registry_module.Registry:
+    return registry_module.Registry().load(registry_module.BACKEND_MODULES)
+
+
+@pytest.mark.parametrize("op", ["reshape_and_cache", "dequantize", "paged_attention"])
+def test_best_on_cpu_is_numba_then_numpy_without_it(op, monkeypatch):
+    for mode in MODES:
+        assert _fresh_registry().best(op, mode, "cpu").name == "numba"
+
+    monkeypatch.setenv(numba_cpu.DISABLE_ENV, "1")
+    reg = _fresh_registry()
+    assert reg.best(op, "int8_per_token_head", "cpu").name == "numpy"
+    assert "KVZOO_DISABLE_NUMBA" in " ".join(reg.get(op, "numba").unavailable())
+    monkeypatch.delenv(numba_cpu.DISABLE_ENV)
+
+    # As if numba were not installed: importlib finds no spec for it.
+    monkeypatch.setitem(sys.modules, "numba", None)
+    reg = _fresh_registry()
+    assert reg.best(op, "fp8_per_token_head", "cpu").name == "numpy"
+    assert reg.get(op, "numba").unavailable() == ["numba: not installed (pip install numba)"]
