@@ -151,11 +151,13 @@ def n_sets_for(bytes_per_call: int) -> int:
 
 def ceilings(quick: bool) -> dict[str, float]:
     n = (1 << 20) if DRY else (512 << 20) if quick else (1 << 30)
-    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    t, _ = measure(lambda i: dst.copy_(src), 1, 10 if quick else 30, graph=False)
+    bufs = [
+        torch.empty(n, dtype=torch.uint8, device=DEVICE).random_(),
+        torch.empty(n, dtype=torch.uint8, device=DEVICE),
+    ]
+    t, _ = measure(lambda i: bufs[1].copy_(bufs[0]), 1, 10 if quick else 30, graph=False)
     copy_gbs = 2 * n / t / 1e9
-    del src, dst
+    bufs.clear()
     m = 256 if DRY else 8192
     a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
@@ -178,24 +180,23 @@ def print_table() -> None:
             continue
         ratios = " ".join(f"{k}={v:.2f}x" for k, v in r.ratios.items())
         ach = f"{_fmt(r.metric, ',.1f')} {r.unit}"
-        print(f"{r.case:<34} {r.impl:<18} {_fmt(r.time_us, '10.2f'):>10} {ach:>14} {_fmt(r.pct, '5.1f'):>6}  "
-              f"{ratios:<40} {r.check:<14} {r.how}")
+        print(
+            f"{r.case:<34} {r.impl:<18} {_fmt(r.time_us, '10.2f'):>10} {ach:>14} {_fmt(r.pct, '5.1f'):>6}  "
+            f"{ratios:<40} {r.check:<14} {r.how}"
+        )
 
 
-def guarded(case: str, impl: str):
-    """Decorator that runs the function at once; a failure becomes an error row, not an exit."""
-
-    def wrap(fn):
-        try:
-            return fn()
-        except Exception as exc:  # a missing or broken implementation must not stop the run
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-            add_row(Row(case, impl, error=msg))
-            if os.environ.get("KVZOO_BENCH_TRACE"):
-                traceback.print_exc()
-            return None
-
-    return wrap
+def attempt(case: str, impl: str, fn, *args):
+    """fn(*args); a failure becomes an error row for (case, impl) and the run goes on."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # a missing or broken implementation must not stop the run
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+        add_row(Row(case, impl, error=msg))
+        if os.environ.get("KVZOO_BENCH_TRACE"):
+            traceback.print_exc()
+        free()
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +218,18 @@ def _write_set(tokens: int, mode: str, gen: torch.Generator):
 
 def _write_call(s, impl=IMPL):
     c = s["cache"]
-    kvzoo.reshape_and_cache(s["key"], s["value"], c.key_cache, c.value_cache, s["slots"], mode=s["mode"],
-                            k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl,
-                            validate=False)
+    kvzoo.reshape_and_cache(
+        s["key"],
+        s["value"],
+        c.key_cache,
+        c.value_cache,
+        s["slots"],
+        mode=s["mode"],
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+        validate=False,
+    )
 
 
 def _check_write(s) -> str:
@@ -232,21 +242,91 @@ def _check_write(s) -> str:
     n = min(int(s["key"].shape[0]), 1024)
     m = kvzoo.get_kv_quant_mode(s["mode"])
     ref = kvzoo.allocate_separate(-(-n // BLOCK), BLOCK, HKV, D, m, model_dtype="bfloat16", device="cpu")
-    kvzoo.reshape_and_cache(s["key"][:n].cpu(), s["value"][:n].cpu(), ref.key_cache, ref.value_cache,
-                            torch.arange(n), mode=s["mode"], k_scale_cache=ref.k_scale_cache,
-                            v_scale_cache=ref.v_scale_cache, impl="numpy")
+    kvzoo.reshape_and_cache(
+        s["key"][:n].cpu(),
+        s["value"][:n].cpu(),
+        ref.key_cache,
+        ref.value_cache,
+        torch.arange(n),
+        mode=s["mode"],
+        k_scale_cache=ref.k_scale_cache,
+        v_scale_cache=ref.v_scale_cache,
+        impl="numpy",
+    )
     slots = s["slots"][:n]
     pairs = [(c.key_cache, ref.key_cache), (c.value_cache, ref.value_cache)]
     if m.per_token_head:
         pairs += [(c.k_scale_cache, ref.k_scale_cache), (c.v_scale_cache, ref.v_scale_cache)]
     for got, want in pairs:
-        g = got.flatten(0, 1)[slots].cpu().view(torch.uint8) if got.element_size() == 1 else \
-            got.flatten(0, 1)[slots].cpu().contiguous().view(torch.uint8)
+        g = (
+            got.flatten(0, 1)[slots].cpu().view(torch.uint8)
+            if got.element_size() == 1
+            else got.flatten(0, 1)[slots].cpu().contiguous().view(torch.uint8)
+        )
         w = want.flatten(0, 1)[:n].contiguous().view(torch.uint8)
         if not torch.equal(g, w):
             bad = int((g != w).sum())
             raise AssertionError(f"cache bytes differ from the NumPy reference ({bad} bytes)")
     return "bytes ok"
+
+
+def _write_bytes(tokens: int, mode: str) -> int:
+    m = kvzoo.get_kv_quant_mode(mode)
+    code_bytes = 2 if m.code_dtype is None else 1
+    nbytes = tokens * HKV * D * 2 * (2 + code_bytes) + tokens * 8  # K+V read and written, slots
+    if m.per_token_head:
+        nbytes += tokens * HKV * 4 * 2
+    return nbytes
+
+
+def _index_copy_call(s) -> None:
+    """The plain torch alternative: bf16 rows into the paged cache by index_copy_."""
+    c = s["cache"]
+    c.key_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["key"])
+    c.value_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["value"])
+
+
+def _write_case(ceil, tokens: int, mode: str, reps: int, times: dict, rows: dict) -> None:
+    case = f"write T={tokens} {SHORT[mode]}"
+    nbytes = _write_bytes(tokens, mode)
+    gen = torch.Generator().manual_seed(tokens * 10 + len(mode))
+    sets = [_write_set(tokens, mode, gen) for _ in range(n_sets_for(nbytes))]
+    check = _check_write(sets[0])
+    t, how = measure(lambda i: _write_call(sets[i]), len(sets), reps)
+    times[mode] = t
+    gbs = nbytes / t / 1e9
+    rows[mode] = add_row(Row(case, IMPL, t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"], check=check, how=how))
+    if tokens <= 16 and not DRY:
+        # What a caller sees per eager call, Python API overhead included.
+        t_e, _ = measure(lambda i: _write_call(sets[i]), len(sets), reps, graph=False)
+        add_row(
+            Row(
+                case,
+                IMPL + " (eager)",
+                t_e * 1e6,
+                nbytes / t_e / 1e9,
+                "GB/s",
+                100 * nbytes / t_e / 1e9 / ceil["copy_GBps"],
+                how="eager API call",
+            )
+        )
+    if mode == "none":
+        t_alt, how_alt = measure(lambda i: _index_copy_call(sets[i]), len(sets), reps)
+        times["index_copy"] = t_alt
+        alt_gbs = nbytes / t_alt / 1e9
+        add_row(
+            Row(
+                f"write T={tokens} bf16",
+                "torch index_copy_",
+                t_alt * 1e6,
+                alt_gbs,
+                "GB/s",
+                100 * alt_gbs / ceil["copy_GBps"],
+                how=how_alt,
+            )
+        )
+    sets.clear()
+    free()
 
 
 def bench_write(ceil, quick: bool) -> None:
@@ -256,46 +336,7 @@ def bench_write(ceil, quick: bool) -> None:
         times: dict[str, float] = {}
         rows: dict[str, Row] = {}
         for mode in MODES:
-            case = f"write T={tokens} {SHORT[mode]}"
-            m = kvzoo.get_kv_quant_mode(mode)
-            code_bytes = 2 if m.code_dtype is None else 1
-            nbytes = tokens * HKV * D * 2 * (2 + code_bytes) + tokens * 8
-            if m.per_token_head:
-                nbytes += tokens * HKV * 4 * 2
-
-            @guarded(case, IMPL)
-            def _():
-                gen = torch.Generator().manual_seed(tokens * 10 + len(mode))
-                sets = [_write_set(tokens, mode, gen) for _ in range(n_sets_for(nbytes))]
-                check = _check_write(sets[0])
-                t, how = measure(lambda i: _write_call(sets[i]), len(sets), reps)
-                times[mode] = t
-                gbs = nbytes / t / 1e9
-                row = Row(case, IMPL, t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"], check=check, how=how)
-                rows[mode] = row
-                add_row(row)
-                if tokens <= 16 and not DRY:
-                    # What a caller sees per eager call, Python API overhead included.
-                    t_e, _ = measure(lambda i: _write_call(sets[i]), len(sets), reps, graph=False)
-                    add_row(Row(case, IMPL + " (eager)", t_e * 1e6, nbytes / t_e / 1e9, "GB/s",
-                                100 * nbytes / t_e / 1e9 / ceil["copy_GBps"], how="eager API call"))
-                if mode == "none":
-                    # Plain torch alternative: bf16 rows into the paged cache by index_copy_.
-                    def copy_call(i):
-                        s = sets[i]
-                        c = s["cache"]
-                        c.key_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["key"])
-                        c.value_cache.view(-1, HKV, D).index_copy_(0, s["slots"], s["value"])
-
-                    t_alt, how_alt = measure(copy_call, len(sets), reps)
-                    times["index_copy"] = t_alt
-                    alt_gbs = nbytes / t_alt / 1e9
-                    add_row(Row(f"write T={tokens} bf16", "torch index_copy_", t_alt * 1e6, alt_gbs, "GB/s",
-                                    100 * alt_gbs / ceil["copy_GBps"], how=how_alt))
-
-                del sets
-                free()
-
+            attempt(f"write T={tokens} {SHORT[mode]}", IMPL, _write_case, ceil, tokens, mode, reps, times, rows)
         for mode, row in rows.items():
             if mode != "none" and "none" in times:
                 row.ratios["vs none"] = times["none"] / times[mode]
@@ -316,7 +357,7 @@ def _paged_cache(mode: str, seq_lens: list[int], gen: torch.Generator):
     table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     start = 0
     for s, nb in enumerate(blocks_per_seq):
-        table[s, :nb] = perm[start:start + nb]
+        table[s, :nb] = perm[start : start + nb]
         start += nb
     c = kvzoo.allocate_separate(num_blocks, BLOCK, HKV, D, m, model_dtype="bfloat16", device=DEVICE)
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
@@ -324,15 +365,16 @@ def _paged_cache(mode: str, seq_lens: list[int], gen: torch.Generator):
     for cache in (c.key_cache, c.value_cache):
         flat = cache.view(-1, D)
         for i in range(0, flat.shape[0], 1 << 22):  # chunks bound the fp32 temporaries
-            part = flat[i:i + (1 << 22)]
+            part = flat[i : i + (1 << 22)]
             x = torch.randn(part.shape, device=DEVICE, generator=cuda_gen)
             if m.code_dtype is None:
                 part.copy_(x.to(torch.bfloat16))
             elif m.is_int8:
                 part.copy_((x * 40).round().clamp(-127, 127).to(torch.int8))
             else:
-                part.view(torch.uint8).copy_((x * m.qmax / 3).clamp(m.qmin, m.qmax)
-                                             .to(getattr(torch, m.code_dtype)).view(torch.uint8))
+                part.view(torch.uint8).copy_(
+                    (x * m.qmax / 3).clamp(m.qmin, m.qmax).to(getattr(torch, m.code_dtype)).view(torch.uint8)
+                )
     if m.per_token_head:
         for sc in (c.k_scale_cache, c.v_scale_cache):
             sc.uniform_(0.002, 0.05, generator=cuda_gen)
@@ -381,16 +423,37 @@ def _attn_set(mode, q_lens, seq_lens, gen) -> AttnSet:
     total_q = sum(q_lens)
     query = torch.randn(total_q, HQ, D, generator=gen).to(torch.bfloat16).to(DEVICE)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
-    return AttnSet(query, c, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl,
-                   torch.empty_like(query), max(q_lens), max(seq_lens))
+    return AttnSet(
+        query,
+        c,
+        table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        qsl,
+        torch.empty_like(query),
+        max(q_lens),
+        max(seq_lens),
+    )
 
 
 def _attn_call(s: AttnSet, mode: str, impl: str = IMPL):
     c = s.cache
-    kvzoo.paged_attention(s.query, c.key_cache, c.value_cache, mode=mode, block_tables=s.table,
-                          seq_lens=s.seq_lens, query_start_loc=s.qsl, k_scale_cache=c.k_scale_cache,
-                          v_scale_cache=c.v_scale_cache, softmax_scale=1 / math.sqrt(D), out=s.out,
-                          max_query_len=s.max_q, max_seq_len=s.max_s, impl=impl, validate=False)
+    kvzoo.paged_attention(
+        s.query,
+        c.key_cache,
+        c.value_cache,
+        mode=mode,
+        block_tables=s.table,
+        seq_lens=s.seq_lens,
+        query_start_loc=s.qsl,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        softmax_scale=1 / math.sqrt(D),
+        out=s.out,
+        max_query_len=s.max_q,
+        max_seq_len=s.max_s,
+        impl=impl,
+        validate=False,
+    )
 
 
 def _check_attention(s: AttnSet, mode: str, q_lens, seq_lens, max_rows: int = 32) -> str:
@@ -406,10 +469,10 @@ def _check_attention(s: AttnSet, mode: str, q_lens, seq_lens, max_rows: int = 32
         v = _decoded(s.cache.value_cache, s.cache.v_scale_cache, mode, s.table[seq], n)
         rows = min(ql, max_rows)
         q0 = int(starts[seq]) + ql - rows
-        q = s.query[q0:q0 + rows].float()
+        q = s.query[q0 : q0 + rows].float()
         q_pos = torch.arange(n - rows, n, device=DEVICE)
         ref = _ref_attention(q, k, v, q_pos, 1 / math.sqrt(D))
-        got = s.out[q0:q0 + rows].float()
+        got = s.out[q0 : q0 + rows].float()
         err = float((got - ref).norm() / ref.norm())
         worst = max(worst, err)
     if not worst <= ATTN_RTOL:
@@ -466,49 +529,47 @@ def _sdpa_prefill(batch, length, reps):
     return measure(call, 1, reps)
 
 
-def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, quick, kind, sdpa):
-    """Times every mode on one shape; kind 'bw' reports GB/s, 'flops' TFLOP/s."""
+def _attention_mode(case, mode, q_lens, seq_lens, ceil, reps, kind, times, rows) -> None:
+    nbytes = _attn_bytes(mode, q_lens, seq_lens)
+    gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(q_lens) + len(mode))
+    n = n_sets_for(nbytes)
+    sets = [_attn_set(mode, q_lens, seq_lens, gen) for _ in range(n)]
+    check = _check_attention(sets[0], mode, q_lens, seq_lens)
+    t, how = measure(lambda i: _attn_call(sets[i], mode), n, reps)
+    times[mode] = t
+    if kind == "bw":
+        val, unit = nbytes / t / 1e9, "GB/s"
+        pct = 100 * val / ceil["copy_GBps"]
+    else:
+        val, unit = _attn_flops(q_lens, seq_lens) / t / 1e12, "TFLOP/s"
+        pct = 100 * val / ceil["matmul_TFLOPs"]
+    rows[mode] = add_row(Row(case, IMPL, t * 1e6, val, unit, pct, check=check, how=how))
+    sets.clear()
+    free()
+
+
+def _attention_sdpa(case, sdpa, q_lens, seq_lens, ceil, kind, times) -> None:
+    t, how = sdpa()
+    times["sdpa"] = t
+    if kind == "bw":
+        val = _attn_bytes("none", q_lens, seq_lens) / t / 1e9
+        add_row(Row(case, "torch sdpa", t * 1e6, val, "GB/s", 100 * val / ceil["copy_GBps"], how=how))
+    else:
+        val = _attn_flops(q_lens, seq_lens) / t / 1e12
+        add_row(Row(case, "torch sdpa", t * 1e6, val, "TFLOP/s", 100 * val / ceil["matmul_TFLOPs"], how=how))
+    free()
+
+
+def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa):
+    """Times every mode on one shape (and SDPA when given); kind 'bw' reports GB/s, 'flops' TFLOP/s."""
     times: dict[str, float] = {}
     rows: dict[str, Row] = {}
     for mode in MODES:
         case = f"{case_prefix} {SHORT[mode]}"
-        nbytes = _attn_bytes(mode, q_lens, seq_lens)
-
-        @guarded(case, IMPL)
-        def _():
-            gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(q_lens) + len(mode))
-            n = n_sets_for(nbytes)
-            sets = [_attn_set(mode, q_lens, seq_lens, gen) for _ in range(n)]
-            check = _check_attention(sets[0], mode, q_lens, seq_lens)
-            t, how = measure(lambda i: _attn_call(sets[i], mode), n, reps)
-            times[mode] = t
-            if kind == "bw":
-                val, unit = nbytes / t / 1e9, "GB/s"
-                pct = 100 * val / ceil["copy_GBps"]
-            else:
-                val, unit = _attn_flops(q_lens, seq_lens) / t / 1e12, "TFLOP/s"
-                pct = 100 * val / ceil["matmul_TFLOPs"]
-            rows[mode] = Row(case, IMPL, t * 1e6, val, unit, pct, check=check, how=how)
-            add_row(rows[mode])
-            del sets
-            free()
-
+        attempt(case, IMPL, _attention_mode, case, mode, q_lens, seq_lens, ceil, reps, kind, times, rows)
     if sdpa is not None:
         case = f"{case_prefix} sdpa-bf16"
-
-        @guarded(case, "torch sdpa")
-        def _():
-            t, how = sdpa()
-            times["sdpa"] = t
-            if kind == "bw":
-                val = _attn_bytes("none", q_lens, seq_lens) / t / 1e9
-                add_row(Row(case, "torch sdpa", t * 1e6, val, "GB/s", 100 * val / ceil["copy_GBps"], how=how))
-            else:
-                val = _attn_flops(q_lens, seq_lens) / t / 1e12
-                add_row(Row(case, "torch sdpa", t * 1e6, val, "TFLOP/s",
-                                100 * val / ceil["matmul_TFLOPs"], how=how))
-            free()
-
+        attempt(case, "torch sdpa", _attention_sdpa, case, sdpa, q_lens, seq_lens, ceil, kind, times)
     for mode, row in rows.items():
         if mode != "none" and "none" in times:
             row.ratios["vs none"] = times["none"] / times[mode]
@@ -521,20 +582,28 @@ def bench_decode(ceil, quick: bool) -> None:
     shapes = ((2, 40),) if DRY else ((64, 4096), (64, 16384), (8, 65536))
     for batch, ctx in shapes:
         q_lens, seq_lens = [1] * batch, [ctx] * batch
-        _attention_cases(f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, quick, "bw",
-                         lambda b=batch, c=ctx: _sdpa_decode(b, c, reps))
+        _attention_cases(
+            f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, "bw", lambda b=batch, c=ctx: _sdpa_decode(b, c, reps)
+        )
 
 
 def bench_prefill(ceil, quick: bool) -> None:
     reps = 2 if DRY else 5 if quick else 15
     batch, length = (2, 24) if DRY else (4, 4096)
-    _attention_cases(f"prefill {batch}x{length} causal", [length] * batch, [length] * batch, ceil, reps,
-                     quick, "flops", lambda: _sdpa_prefill(batch, length, reps))
+    _attention_cases(
+        f"prefill {batch}x{length} causal",
+        [length] * batch,
+        [length] * batch,
+        ceil,
+        reps,
+        "flops",
+        lambda: _sdpa_prefill(batch, length, reps),
+    )
     # Mixed batch: 4 prefill chunks of 1024 on 3072 tokens of context, plus 60 decodes at 4096.
     q_lens, seq_lens = ([8] * 2 + [1] * 2, [30] * 4) if DRY else ([1024] * 4 + [1] * 60, [4096] * 64)
     chunks = sum(q > 1 for q in q_lens)
     label = f"mixed {chunks}x{q_lens[0]}chunk+{len(q_lens) - chunks}dec"
-    _attention_cases(label, q_lens, seq_lens, ceil, reps, quick, "flops", None)
+    _attention_cases(label, q_lens, seq_lens, ceil, reps, "flops", None)
 
 
 def main() -> int:
@@ -544,14 +613,16 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU under the Triton interpreter")
     args = ap.parse_args()
     if not DRY and not torch.cuda.is_available():
-        print("no CUDA GPU: this benchmark runs on the GPU only (--dry-run checks the script on CPU)",
-              file=sys.stderr)
+        print("no CUDA GPU: this benchmark runs on the GPU only (--dry-run checks the script on CPU)", file=sys.stderr)
         return 2
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     t0 = time.time()
     info = {
-        "gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "quick": args.quick, "cases": wanted,
+        "gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "quick": args.quick,
+        "cases": wanted,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(" ".join(f"{k}={v}" for k, v in info.items()))
@@ -561,7 +632,7 @@ def main() -> int:
         if name not in benches:
             print(f"unknown case group {name!r}; known: {sorted(benches)}", file=sys.stderr)
             continue
-        guarded(name, "-")(lambda: benches[name](ceil, args.quick))
+        attempt(name, "-", benches[name], ceil, args.quick)
     print_table()
     print(f"\n(total {time.time() - t0:.0f} s; ratios are alternative time / kvzoo time, > 1 means kvzoo is faster)")
     out_dir = os.environ.get("OUT")

@@ -32,14 +32,22 @@ IMPL = "triton-rocm" if ON_GPU and torch.version.hip else "triton-cuda"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (not the interpreter)")
 
 _FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
-_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN,
-         "float8_e4m3fnuz": encode.CODE_E4M3FNUZ}
+_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN, "float8_e4m3fnuz": encode.CODE_E4M3FNUZ}
 _BLOCK = 1024
 
 
 @triton.jit
-def _encode_kernel(y_ptr, out_ptr, n, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                   NAN_CODE: tl.constexpr, TRUNC: tl.constexpr, BLOCK: tl.constexpr):
+def _encode_kernel(
+    y_ptr,
+    out_ptr,
+    n,
+    CODE: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    TRUNC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
@@ -58,8 +66,16 @@ def _run_encode(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarra
     y_t = torch.from_numpy(np.ascontiguousarray(y, np.float32)).to(DEVICE)
     out = torch.full(y_t.shape, 0x55, dtype=torch.uint8, device=DEVICE)
     _encode_kernel[(triton.cdiv(y.size, _BLOCK),)](
-        y_t, out, y.size, CODE=_CODE[mode.code_dtype], QMIN=mode.qmin, QMAX=mode.qmax,
-        NAN_CODE=mode.nan_code, TRUNC=trunc, BLOCK=_BLOCK, enable_fp_fusion=False,
+        y_t,
+        out,
+        y.size,
+        CODE=_CODE[mode.code_dtype],
+        QMIN=mode.qmin,
+        QMAX=mode.qmax,
+        NAN_CODE=mode.nan_code,
+        TRUNC=trunc,
+        BLOCK=_BLOCK,
+        enable_fp_fusion=False,
     )
     return out.cpu().numpy()
 
@@ -82,9 +98,15 @@ def _fp8_probe_values(dtype) -> np.ndarray:
     vals = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     vals = np.unique(vals[np.isfinite(vals)])
     mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
-    probes = np.concatenate([vals, mids, np.nextafter(mids, np.float32(np.inf)),
-                             np.nextafter(mids, np.float32(-np.inf)),
-                             np.float32([1e-30, 1e-40, 2.0 ** -12, 1e30])])
+    probes = np.concatenate(
+        [
+            vals,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, np.float32(-np.inf)),
+            np.float32([1e-30, 1e-40, 2.0**-12, 1e30]),
+        ]
+    )
     return np.concatenate([probes, -probes]).astype(np.float32)
 
 
@@ -109,16 +131,21 @@ def test_fp8_encode_matches_single_rne(mode_name):
 @pytest.mark.parametrize("trunc", [False, True], ids=["nearest", "trunc"])
 def test_int8_encode_ties_and_range(trunc):
     halves = np.arange(-130, 130, 0.5, dtype=np.float32)
-    y = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)),
-                        np.nextafter(halves, np.float32(-np.inf)), _random_bit_patterns(20000, 2)])
+    y = np.concatenate(
+        [
+            halves,
+            np.nextafter(halves, np.float32(np.inf)),
+            np.nextafter(halves, np.float32(-np.inf)),
+            _random_bit_patterns(20000, 2),
+        ]
+    )
     got = _run_encode(y, "int8_per_token_head", trunc)
     want = _expected_codes(y, "int8_per_token_head", trunc)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, [(float(y[i]), int(got[i]), int(want[i])) for i in bad[:10]]
 
 
-@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head",
-                                       "fp8_e4m3fnuz_per_token_head"])
+@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
 def test_decode_every_code(mode_name):
     mode = MODES[mode_name]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -169,15 +196,24 @@ def _write_both(key, value, mode, rounding="nearest", layout="separate"):
             c.buffer.fill_(0x55)
             tensors = [c.buffer]
         else:
-            c = kvzoo.allocate_separate(num_blocks, block_size, heads, head_size, mode,
-                                        model_dtype="float32", device=device)
-            tensors = [t for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)
-                       if t is not None]
+            c = kvzoo.allocate_separate(
+                num_blocks, block_size, heads, head_size, mode, model_dtype="float32", device=device
+            )
+            tensors = [t for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache) if t is not None]
             for t in tensors:
                 t.view(torch.uint8).fill_(0x55)
-        kvzoo.reshape_and_cache(key.to(device), value.to(device), c.key_cache, c.value_cache,
-                                slots.to(device), mode=mode, k_scale_cache=c.k_scale_cache,
-                                v_scale_cache=c.v_scale_cache, rounding=rounding, impl=impl)
+        kvzoo.reshape_and_cache(
+            key.to(device),
+            value.to(device),
+            c.key_cache,
+            c.value_cache,
+            slots.to(device),
+            mode=mode,
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+            rounding=rounding,
+            impl=impl,
+        )
         results.append([t.cpu().contiguous().view(torch.uint8).numpy().copy() for t in tensors])
     return results
 
@@ -197,7 +233,7 @@ def test_fused_qkv_views_into_inline_pages():
     tokens, q_heads, kv_heads, head_size = 5, 4, 2, 24
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size) * 4
     split = qkv.view(tokens, q_heads + 2 * kv_heads, head_size)
-    key, value = split[:, q_heads:q_heads + kv_heads], split[:, q_heads + kv_heads:]
+    key, value = split[:, q_heads : q_heads + kv_heads], split[:, q_heads + kv_heads :]
     for mode in ("int8_per_token_head", "fp8_per_token_head"):
         got, want = _write_both(key, value, mode, layout="inline")
         assert np.array_equal(got[0], want[0]), mode
@@ -221,12 +257,15 @@ def test_cache_over_4gib(mode):
         vc = torch.empty_like(kc)
         sc = [torch.empty(nb, block_size, heads, device="cuda") for _ in range(2)] if m.per_token_head else [None, None]
         slot = torch.tensor([nb * block_size - 1], device="cuda")
-        kvzoo.reshape_and_cache(key, value, kc, vc, slot, mode=mode, k_scale_cache=sc[0],
-                                v_scale_cache=sc[1], impl=IMPL)
+        kvzoo.reshape_and_cache(
+            key, value, kc, vc, slot, mode=mode, k_scale_cache=sc[0], v_scale_cache=sc[1], impl=IMPL
+        )
         table = torch.tensor([[nb - 1]], dtype=torch.int32, device="cuda")
         lens = torch.tensor([block_size], dtype=torch.int32, device="cuda")
-        rows = [kvzoo.dequantize(c, s, mode=mode, block_tables=table, seq_lens=lens, impl=IMPL)[-1]
-                for c, s in ((kc, sc[0]), (vc, sc[1]))]
+        rows = [
+            kvzoo.dequantize(c, s, mode=mode, block_tables=table, seq_lens=lens, impl=IMPL)[-1]
+            for c, s in ((kc, sc[0]), (vc, sc[1]))
+        ]
         outs.append((kc[-1, -1].cpu(), vc[-1, -1].cpu(), *[r.cpu() for r in rows]))
         del kc, vc, sc
         torch.cuda.empty_cache()
@@ -277,8 +316,9 @@ def test_ptx_exact_arithmetic():
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PTX_PROBE], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas to compile with")
     assert proc.returncode == 0, proc.stderr[-3000:]

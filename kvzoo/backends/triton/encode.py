@@ -104,8 +104,9 @@ def e4m3_magnitude_code(a, BIAS: tl.constexpr):
 
 
 @triton.jit
-def encode_codes(y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                 NAN_CODE: tl.constexpr, TRUNC: tl.constexpr):
+def encode_codes(
+    y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.constexpr
+):
     """y = x / scale (fp32) -> code bytes as int32 (int8 codes as -128..127, fp8 as 0..255).
 
     Non-finite y -> NAN_CODE; otherwise clamp to [QMIN, QMAX] and round (int8: half to even, or

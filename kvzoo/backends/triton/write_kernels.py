@@ -59,11 +59,20 @@ def _load_rows_f32(ptrs, mask, IN_KIND: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(src_ptr, token, stride_st, stride_sh, stride_sd, offs_h, offs_d, load_mask,
-               CODE: tl.constexpr, IN_KIND: tl.constexpr):
+def _load_rows(
+    src_ptr,
+    token,
+    stride_st,
+    stride_sh,
+    stride_sd,
+    offs_h,
+    offs_d,
+    load_mask,
+    CODE: tl.constexpr,
+    IN_KIND: tl.constexpr,
+):
     """One token's rows [heads of this program, D]: raw bits for mode none, else fp32."""
-    src = (src_ptr + token * stride_st + offs_h.to(tl.int64)[:, None] * stride_sh
-           + offs_d[None, :] * stride_sd)
+    src = src_ptr + token * stride_st + offs_h.to(tl.int64)[:, None] * stride_sh + offs_d[None, :] * stride_sd
     if CODE == 0:
         x = tl.load(src, mask=load_mask)
     else:
@@ -73,16 +82,39 @@ def _load_rows(src_ptr, token, stride_st, stride_sh, stride_sd, offs_h, offs_d, 
 
 @triton.jit
 def _store_rows(
-    x, cache_ptr, stride_cb, stride_cs, stride_ch, stride_cd,
-    scale_cache_ptr, stride_xb, stride_xs, stride_xh, static_scale_ptr,
-    block, offset, h_ok, store_mask, offs_h, offs_d,
-    CODE: tl.constexpr, PER_TENSOR: tl.constexpr,
-    QMAX: tl.constexpr, QMIN: tl.constexpr, NAN_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    x,
+    cache_ptr,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    scale_cache_ptr,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    static_scale_ptr,
+    block,
+    offset,
+    h_ok,
+    store_mask,
+    offs_h,
+    offs_d,
+    CODE: tl.constexpr,
+    PER_TENSOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    QMIN: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
     TRUNC: tl.constexpr,
 ):
     """Quantize rows x (fp32; raw bits for mode none) and store codes and scales at the slot."""
-    dst = (cache_ptr + block * stride_cb + offset * stride_cs
-           + offs_h.to(tl.int64)[:, None] * stride_ch + offs_d.to(tl.int64)[None, :] * stride_cd)
+    dst = (
+        cache_ptr
+        + block * stride_cb
+        + offset * stride_cs
+        + offs_h.to(tl.int64)[:, None] * stride_ch
+        + offs_d.to(tl.int64)[None, :] * stride_cd
+    )
     if CODE == 0:
         tl.store(dst, x, mask=store_mask)  # mode none: a bit copy in the model dtype
     else:
@@ -93,8 +125,7 @@ def _store_rows(
             scale, scale_bits = row_scale(row_absmax_bits(x, 1), QMAX, SCALE_FLOOR)
             inv = reciprocal(scale)
             y = x * inv[:, None]
-            sdst = (scale_cache_ptr + block * stride_xb + offset * stride_xs
-                    + offs_h.to(tl.int64) * stride_xh)
+            sdst = scale_cache_ptr + block * stride_xb + offset * stride_xs + offs_h.to(tl.int64) * stride_xh
             tl.store(sdst, scale_bits, mask=h_ok)
         code = encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, TRUNC)
         tl.store(dst, code.to(cache_ptr.dtype.element_ty), mask=store_mask)
@@ -102,15 +133,48 @@ def _store_rows(
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
-    k_scale_cache_ptr, v_scale_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
-    num_heads, head_size, block_size,
-    s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
-    s_kcb, s_kcs, s_kch, s_kcd, s_vcb, s_vcs, s_vch, s_vcd,
-    s_ksb, s_kss, s_ksh, s_vsb, s_vss, s_vsh,
-    CODE: tl.constexpr, PER_TENSOR: tl.constexpr, IN_KIND: tl.constexpr,
-    QMAX: tl.constexpr, QMIN: tl.constexpr, NAN_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    TRUNC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    k_scale_cache_ptr,
+    v_scale_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_ptr,
+    num_heads,
+    head_size,
+    block_size,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_kcb,
+    s_kcs,
+    s_kch,
+    s_kcd,
+    s_vcb,
+    s_vcs,
+    s_vch,
+    s_vcd,
+    s_ksb,
+    s_kss,
+    s_ksh,
+    s_vsb,
+    s_vss,
+    s_vsh,
+    CODE: tl.constexpr,
+    PER_TENSOR: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    QMAX: tl.constexpr,
+    QMIN: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
+    TRUNC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,22 +192,88 @@ def _reshape_and_cache_kernel(
     slot = tl.maximum(slot, 0)
     block = slot // block_size
     offset = slot % block_size
-    _store_rows(xk, key_cache_ptr, s_kcb, s_kcs, s_kch, s_kcd, k_scale_cache_ptr, s_ksb, s_kss, s_ksh,
-                k_scale_ptr, block, offset, h_ok, store_mask, offs_h, offs_d,
-                CODE, PER_TENSOR, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
-    _store_rows(xv, value_cache_ptr, s_vcb, s_vcs, s_vch, s_vcd, v_scale_cache_ptr, s_vsb, s_vss, s_vsh,
-                v_scale_ptr, block, offset, h_ok, store_mask, offs_h, offs_d,
-                CODE, PER_TENSOR, QMAX, QMIN, NAN_CODE, SCALE_FLOOR, TRUNC)
+    _store_rows(
+        xk,
+        key_cache_ptr,
+        s_kcb,
+        s_kcs,
+        s_kch,
+        s_kcd,
+        k_scale_cache_ptr,
+        s_ksb,
+        s_kss,
+        s_ksh,
+        k_scale_ptr,
+        block,
+        offset,
+        h_ok,
+        store_mask,
+        offs_h,
+        offs_d,
+        CODE,
+        PER_TENSOR,
+        QMAX,
+        QMIN,
+        NAN_CODE,
+        SCALE_FLOOR,
+        TRUNC,
+    )
+    _store_rows(
+        xv,
+        value_cache_ptr,
+        s_vcb,
+        s_vcs,
+        s_vch,
+        s_vcd,
+        v_scale_cache_ptr,
+        s_vsb,
+        s_vss,
+        s_vsh,
+        v_scale_ptr,
+        block,
+        offset,
+        h_ok,
+        store_mask,
+        offs_h,
+        offs_d,
+        CODE,
+        PER_TENSOR,
+        QMAX,
+        QMIN,
+        NAN_CODE,
+        SCALE_FLOOR,
+        TRUNC,
+    )
 
 
 @triton.jit
 def _dequantize_kernel(
-    cache_ptr, scale_cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, cu_seq_lens_ptr,
+    cache_ptr,
+    scale_cache_ptr,
+    scale_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seq_lens_ptr,
     out_ptr,
-    head_size, block_size,
-    s_cb, s_cs, s_ch, s_cd, s_xb, s_xs, s_xh, s_bt_s, s_bt_b, s_ot, s_oh, s_od,
-    CODE: tl.constexpr, PER_TENSOR: tl.constexpr, IN_KIND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    head_size,
+    block_size,
+    s_cb,
+    s_cs,
+    s_ch,
+    s_cd,
+    s_xb,
+    s_xs,
+    s_xh,
+    s_bt_s,
+    s_bt_b,
+    s_ot,
+    s_oh,
+    s_od,
+    CODE: tl.constexpr,
+    PER_TENSOR: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(2).to(tl.int64)
@@ -152,8 +282,9 @@ def _dequantize_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     t_ok = pos < seq_len
     mask = t_ok[:, None] & (offs_d < head_size)[None, :]
-    block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt_s + (pos // block_size) * s_bt_b,
-                    mask=t_ok, other=0).to(tl.int64)
+    block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt_s + (pos // block_size) * s_bt_b, mask=t_ok, other=0).to(
+        tl.int64
+    )
     offset = (pos % block_size).to(tl.int64)
     row = block * s_cb + offset * s_cs + head * s_ch
     src = cache_ptr + row[:, None] + offs_d.to(tl.int64)[None, :] * s_cd
@@ -166,8 +297,7 @@ def _dequantize_kernel(
         if PER_TENSOR:
             x = value * tl.load(scale_ptr)
         else:
-            sbits = tl.load(scale_cache_ptr + block * s_xb + offset * s_xs + head * s_xh,
-                            mask=t_ok, other=0)
+            sbits = tl.load(scale_cache_ptr + block * s_xb + offset * s_xs + head * s_xh, mask=t_ok, other=0)
             x = value * bits_float(sbits)[:, None]
     tl.store(dst, x, mask=mask)
 
@@ -231,19 +361,36 @@ def reshape_and_cache(p, scale_floor: float) -> None:
     dummy = key_cache
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache,
-        dummy if k_sc is None else k_sc, dummy if v_sc is None else v_sc,
-        dummy if k_s is None else k_s, dummy if v_s is None else v_s,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        dummy if k_sc is None else k_sc,
+        dummy if v_sc is None else v_sc,
+        dummy if k_s is None else k_s,
+        dummy if v_s is None else v_s,
         p.slot_mapping,
-        num_heads, head_size, p.key_cache.shape[1],
-        *key.stride(), *value.stride(),
-        *key_cache.stride(), *value_cache.stride(),
-        *_strides(k_sc, 3), *_strides(v_sc, 3),
-        CODE=code, PER_TENSOR=mode.per_tensor, IN_KIND=_in_kind(p.key),
-        QMAX=float(mode.qmax), QMIN=float(mode.qmin), NAN_CODE=int(mode.nan_code),
-        SCALE_FLOOR=float(scale_floor), TRUNC=(p.rounding == "trunc"),
-        BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=_num_warps(block_h * block_d), enable_fp_fusion=False,
+        num_heads,
+        head_size,
+        p.key_cache.shape[1],
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *_strides(k_sc, 3),
+        *_strides(v_sc, 3),
+        CODE=code,
+        PER_TENSOR=mode.per_tensor,
+        IN_KIND=_in_kind(p.key),
+        QMAX=float(mode.qmax),
+        QMIN=float(mode.qmin),
+        NAN_CODE=int(mode.nan_code),
+        SCALE_FLOOR=float(scale_floor),
+        TRUNC=(p.rounding == "trunc"),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_h * block_d),
+        enable_fp_fusion=False,
     )
 
 
@@ -265,14 +412,26 @@ def dequantize(p) -> None:
     sc = p.scale_cache.view(torch.int32) if mode.per_token_head else None
     grid = (num_seqs, triton.cdiv(max_len, block_t), num_heads)
     _dequantize_kernel[grid](
-        cache, cache if sc is None else sc, p.scale if mode.per_tensor else cache,
-        p.block_tables, p.seq_lens, p.cu_seq_lens, p.out,
-        head_size, block_size,
-        *cache.stride(), *_strides(sc, 3), *p.block_tables.stride(), *p.out.stride(),
-        CODE=code, PER_TENSOR=mode.per_tensor,
+        cache,
+        cache if sc is None else sc,
+        p.scale if mode.per_tensor else cache,
+        p.block_tables,
+        p.seq_lens,
+        p.cu_seq_lens,
+        p.out,
+        head_size,
+        block_size,
+        *cache.stride(),
+        *_strides(sc, 3),
+        *p.block_tables.stride(),
+        *p.out.stride(),
+        CODE=code,
+        PER_TENSOR=mode.per_tensor,
         IN_KIND=_in_kind(p.cache) if code == CODE_COPY else _IN_F32,
-        BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=_num_warps(block_t * block_d), enable_fp_fusion=False,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_t * block_d),
+        enable_fp_fusion=False,
     )
 
 

@@ -76,9 +76,16 @@ def register(registry: Registry) -> None:
         ):
             registry.add(
                 Implementation(
-                    name=name, op=op, platform=plat, modes=PLATFORM_MODES[plat], run=run,
-                    array_kind="torch", devices=platform.devices(), priority=platform.priority(),
-                    unavailable=unavailable, problem_reasons=reasons,
+                    name=name,
+                    op=op,
+                    platform=plat,
+                    modes=PLATFORM_MODES[plat],
+                    run=run,
+                    array_kind="torch",
+                    devices=platform.devices(),
+                    priority=platform.priority(),
+                    unavailable=unavailable,
+                    problem_reasons=reasons,
                     notes="rounding=trunc (int8), inline_layout, any strides",
                 )
             )
