@@ -531,24 +531,27 @@ class AttentionConfig:
 # are scaled from them (smaller key tiles where a row is wider) and only checked for
 # correctness.
 # Decode: (block_n, num_warps, num_stages); one query token x the group's heads per tile.
+# Quantized decode is bound by the latency of each tile's dependent chain (conversion, two
+# dots, softmax), not by bytes: small tiles on one or two warps keep more programs resident.
 _DECODE_TABLE = {
     (64, False): (64, 4, 2), (128, False): (64, 4, 2), (256, False): (32, 4, 2),
-    (64, True): (128, 4, 2), (128, True): (128, 4, 2), (256, True): (64, 4, 2),
+    (64, "int8"): (32, 1, 2), (128, "int8"): (32, 1, 2), (256, "int8"): (64, 4, 2),
+    (64, "fp8"): (64, 2, 2), (128, "fp8"): (64, 2, 2), (256, "fp8"): (64, 4, 2),
 }
 # Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages).
 _PREFILL_TABLE = {
-    (64, False): (64, 64, 4, 3), (128, False): (64, 64, 4, 3), (256, False): (64, 32, 4, 2),
+    (64, False): (128, 128, 8, 3), (128, False): (128, 128, 8, 3), (256, False): (64, 32, 4, 2),
     (64, True): (128, 128, 8, 2), (128, True): (128, 128, 8, 2), (256, True): (64, 32, 8, 2),
 }
 # Batch-invariant decode always splits at this many keys: a sequence's split points depend
 # on its own length only.
 INVARIANT_SPLIT_KEYS = 4096
-# Split-KV heuristic: a decode grid under _SPLIT_BELOW_PER_SM programs per SM leaves SMs idle
-# or its last wave ragged (about 3 programs fit on an SM); split each sequence so the grid
-# reaches about _SPLIT_TARGET_PER_SM. Measured on the H200: 8 x 65536 went from 750 us (5
-# splits) to 500 us (16), and int8 64 x 16384 from 1100 us (unsplit) to 830 us (4 splits).
-_SPLIT_BELOW_PER_SM = 8
-_SPLIT_TARGET_PER_SM = 16
+# Split-KV heuristic: a decode grid under `below` programs per SM leaves SMs idle or its last
+# wave ragged; split each sequence so the grid reaches about `target` per SM. Measured on the
+# H200: bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16 splits), while splitting bf16
+# 64 x 16384 cost 5%; int8 64 x 16384 went from 1116 us unsplit to 806 us in 5 splits.
+# (below, target) per quantized / unquantized cache:
+_SPLIT_PER_SM = {False: (2, 8), True: (8, 16)}
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
@@ -568,16 +571,31 @@ def _num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
+def _code_kind(p: Attention):
+    if p.mode.code_dtype is None:
+        return False
+    return "int8" if p.mode.is_int8 else "fp8"
+
+
+def _fit_wide_cache(p: Attention, block_n: int, stages: int) -> tuple[int, int]:
+    # fp32 caches (mode none) take twice the shared memory of the tiles above.
+    if p.key_cache.element_size() == 4:
+        return min(block_n, 32), 2
+    return block_n, stages
+
+
 def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
-    block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), p.mode.code_dtype is not None]
+    block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), _code_kind(p)]
+    block_n, stages = _fit_wide_cache(p, block_n, stages)
     if invariant:
         return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS)
     programs = p.num_seqs * p.num_kv_heads
     dev = p.query.device.index if p.query.device.type == "cuda" else None
     sms = _num_sms(dev)
     split_keys = 0
-    if programs < _SPLIT_BELOW_PER_SM * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
-        want = _SPLIT_TARGET_PER_SM * sms
+    below, target = _SPLIT_PER_SM[p.mode.code_dtype is not None]
+    if programs < below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
+        want = target * sms
         splits = min(_MAX_SPLITS, -(-want // max(programs, 1)), p.max_seq_len // _MIN_SPLIT_KEYS)
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
@@ -587,6 +605,7 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
 
 def prefill_config(p: Attention) -> AttentionConfig:
     rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), p.mode.code_dtype is not None]
+    block_n, stages = _fit_wide_cache(p, block_n, stages)
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
     block_q = max(1, rows // g_pad)
     return AttentionConfig(block_q, block_n, warps, stages, 0, True)
