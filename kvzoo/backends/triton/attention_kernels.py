@@ -548,10 +548,11 @@ _PREFILL_TABLE = {
 INVARIANT_SPLIT_KEYS = 4096
 # Split-KV heuristic: a decode grid under `below` programs per SM leaves SMs idle or its last
 # wave ragged; split each sequence so the grid reaches about `target` per SM. Measured on the
-# H200: bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16 splits), while splitting bf16
-# 64 x 16384 cost 5%; int8 64 x 16384 went from 1116 us unsplit to 806 us in 5 splits.
-# (below, target) per quantized / unquantized cache:
-_SPLIT_PER_SM = {False: (2, 8), True: (8, 16)}
+# H200 (bench/RESULTS.md): bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16), while
+# splitting bf16 64 x 16384 cost 5%; int8 64 x 16384 took 966 us unsplit, 729 us in 5 splits
+# and 678 us in 4; fp8 64 x 16384 was fastest unsplit (746 us against 782 in 5 splits).
+# (below, target) per code type (False: the model dtype):
+_SPLIT_PER_SM = {False: (2, 8), "fp8": (2, 8), "int8": (8, 12)}
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
@@ -593,7 +594,7 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
     dev = p.query.device.index if p.query.device.type == "cuda" else None
     sms = _num_sms(dev)
     split_keys = 0
-    below, target = _SPLIT_PER_SM[p.mode.code_dtype is not None]
+    below, target = _SPLIT_PER_SM[_code_kind(p)]
     if programs < below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
         want = target * sms
         splits = min(_MAX_SPLITS, -(-want // max(programs, 1)), p.max_seq_len // _MIN_SPLIT_KEYS)

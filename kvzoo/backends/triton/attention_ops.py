@@ -17,11 +17,14 @@ MODES = {
 # Largest head size the kernel tiles: a [rows, 256] fp32 accumulator already fills the registers.
 MAX_HEAD_SIZE = 256
 
-# Dots take bf16/fp16 operands with fp32 accumulation. The cache's codes and bf16 queries are
-# exact in them; what rounds is P (bf16 in mode "none" with bf16 caches: 2^-9 relative per
-# probability, fp16 elsewhere: 2^-11), fp32 queries cast to fp16 (2^-12) and the output's own
-# rounding (bf16 2^-9). Their sum stays under 5e-3 in the worst case; 1e-2 leaves 2x margin.
-ATTENTION_RTOL = 1e-2
+# Dots take bf16/fp16 operands with fp32 accumulation. Cache codes, bf16 and fp16 queries are
+# exact in them; what rounds is P (bf16 in mode "none" with bf16 caches: at most 2^-9 relative
+# per probability; fp16 elsewhere, 2^-11), fp32 queries cast to fp16 (2^-12), and in prefill
+# the per-key scale ratios folded into fp16 K/V tiles (2^-11 each). The worst case sums to
+# under 3e-3 before the output's own rounding (which the conformance suite adds separately);
+# measured on the H200 and under the interpreter: 1.6e-3 to 3.5e-3 including bf16 output
+# rounding.
+ATTENTION_RTOL = 5e-3
 
 
 def _problem_reasons(platform_name: str):
