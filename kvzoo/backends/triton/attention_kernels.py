@@ -50,36 +50,11 @@ _SCALE_TOKEN_HEAD = 2
 
 
 @triton.jit
-def _int8x4_to_fp16(x, PURE: tl.constexpr):
-    # 0x6400 | (c ^ 0x80) is the fp16 1024 + (c + 128); subtracting 1152 leaves c exactly.
-    # Four codes per 32-bit word: one xor, two byte permutes and two packed fp16 subtractions,
-    # against four int->float conversions, the slow unit on this path.
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, hi, bias;
-        xor.b32 t, $2, 0x80808080;
-        mov.b32 hi, 0x64646464;
-        mov.b32 bias, 0x64806480;
-        prmt.b32 $0, t, hi, 0x5140;
-        prmt.b32 $1, t, hi, 0x7362;
-        sub.f16x2 $0, $0, bias;
-        sub.f16x2 $1, $1, bias;
-        }
-        """,
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=PURE,
-        pack=4,
-    )
-
-
-@triton.jit
 def _int8x4_to_fp16_offset(x, PURE: tl.constexpr):
-    # As above without the subtraction: the fp16 value 1152 + c (exact, spacing 1 in
-    # [1024, 2048)). The caller removes 1152 * sum(other operand) after the dot, one
-    # correction per row instead of a subtraction per code.
+    # 0x6400 | (c ^ 0x80) is the fp16 1024 + (c + 128) = 1152 + c, exact (fp16 spacing is 1 in
+    # [1024, 2048)): one xor and two byte permutes per four codes, against four int->float
+    # conversions, the slow unit on this path. Callers subtract 1152 per code, or per row
+    # after the dot (1152 * sum of the other operand's row) where that factors out.
     return tl.inline_asm_elementwise(
         asm="""
         {
@@ -124,7 +99,7 @@ def _codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.conste
     # a pure one is moved by Triton into the MMA operand layout, which for V (reduced over
     # keys, strided in memory) turns every code into a 1-byte shared-memory load.
     if CODE_CONVERT == 1:
-        return _int8x4_to_fp16(x, PURE)
+        return _int8x4_to_fp16_offset(x, PURE) - 1152.0
     elif CODE_CONVERT == 4:
         return _int8x4_to_fp16_offset(x, PURE)
     elif CODE_CONVERT == 5:
