@@ -404,30 +404,27 @@ def _attention_kernel(
     if HAS_WINDOW:
         full_begin = tl.minimum(tl.cdiv(tl.maximum(tile_last - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
         full_begin = tl.maximum(full_begin, kv_begin)
-        m_i, l_i, acc = _attend_range(
-            kv_begin, full_begin, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-            BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-            HAS_SOFTCAP, HAS_WINDOW, True, SCALE_IN_CODES, INTERPRETED,
-        )
-    m_i, l_i, acc = _attend_range(
-        full_begin, full_end, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
-        k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-        stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-        BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-        HAS_SOFTCAP, HAS_WINDOW, False, SCALE_IN_CODES, INTERPRETED,
-    )
-    m_i, l_i, acc = _attend_range(
-        full_end, kv_end, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
-        k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-        stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-        BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-        HAS_SOFTCAP, HAS_WINDOW, True, SCALE_IN_CODES, INTERPRETED,
-    )
+    for phase in tl.static_range(3):
+        # 0: masked tiles before the whole ones (a window only); 1: whole tiles, no masks;
+        # 2: masked tiles at the causal edge.
+        if phase == 0:
+            lo = kv_begin
+            hi = full_begin
+        elif phase == 1:
+            lo = full_begin
+            hi = full_end
+        else:
+            lo = full_end
+            hi = kv_end
+        if HAS_WINDOW or phase != 0:
+            m_i, l_i, acc = _attend_range(
+                lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, INTERPRETED,
+            )
 
     if SCALE_MODE == 1:
         acc = acc * tl.load(vs_ptr)
