@@ -17,11 +17,11 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable_reasons(platform: str) -> tuple[str, ...]:
     try:
-        import triton  # noqa: F401
         import torch
+        import triton  # noqa: F401
     except ImportError as exc:
         return (f"triton-{platform}: {exc.name} is not installed (pip install triton torch)",)
     if interpreted():
