@@ -10,10 +10,6 @@ from ...problem import Attention
 from ...registry import Implementation, Registry
 from . import platform
 
-MODES = {
-    "cuda": frozenset({"none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"}),
-    "rocm": frozenset({"none", "int8_per_token_head", "fp8_e4m3fnuz_per_token_head"}),
-}
 # Largest head size the kernel tiles: a [rows, 256] fp32 accumulator already fills the registers.
 MAX_HEAD_SIZE = 256
 
@@ -56,7 +52,7 @@ def register(registry: Registry) -> None:
                 name=f"triton-{name}",
                 op="paged_attention",
                 platform=name,
-                modes=MODES[name],
+                modes=platform.PLATFORM_MODES[name],
                 run=_runner(name),
                 array_kind="torch",
                 devices=platform.devices(),

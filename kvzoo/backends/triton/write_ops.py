@@ -13,11 +13,6 @@ from ...modes import SCALE_FLOOR
 from ...registry import Implementation, Registry
 from . import platform
 
-# Modes per platform: fp8 is e4m3fn on CUDA, e4m3fnuz on ROCm (MI300).
-PLATFORM_MODES: dict[str, frozenset[str]] = {
-    "cuda": frozenset({"none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"}),
-    "rocm": frozenset({"none", "int8_per_token_head", "fp8_e4m3fnuz_per_token_head"}),
-}
 _INPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -79,7 +74,7 @@ def register(registry: Registry) -> None:
                     name=name,
                     op=op,
                     platform=plat,
-                    modes=PLATFORM_MODES[plat],
+                    modes=platform.PLATFORM_MODES[plat],
                     run=run,
                     array_kind="torch",
                     devices=platform.devices(),
