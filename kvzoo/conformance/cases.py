@@ -107,6 +107,8 @@ class AttentionCase:
     softcap: float | None = None
     sinks: bool = False
     layout: str = "separate"
+    # A NaN/Inf-poisoned key in sequence 0 (a decode in "decode" and "mixed" batches).
+    poison: bool = False
 
     @property
     def id(self) -> str:
@@ -120,6 +122,8 @@ class AttentionCase:
             parts.append("sinks")
         if self.layout == "inline":
             parts.append("inline")
+        if self.poison:
+            parts.append("poison")
         return "-".join(parts)
 
 
@@ -135,6 +139,7 @@ def attention_cases() -> list[AttentionCase]:
                                    sliding_window=19, softcap=30.0, sinks=True))
         if MODES[mode].per_token_head:
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
+        cases.append(AttentionCase(mode, "decode", poison=True))
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
     cases.append(AttentionCase("fp8_per_token_head", "prefill", head_size=67, block_size=1))
     cases.append(AttentionCase("none", "decode", head_size=67, sinks=True, query_dtype="float16"))

@@ -264,6 +264,17 @@ def check_paged_attention(impl, case: AttentionCase):
     shape = (num_blocks, BS, Hkv, D)
     (kc, ks), (vc, vs) = (_fill_quantized(mode, rng, shape, case.query_dtype) for _ in range(2))
     static = (_static_scale(rng), _static_scale(rng)) if mode.per_tensor else (None, None)
+    if case.poison:
+        # Poison the key that sequence 0's last query attends to, in KV head 0: every output
+        # row of that head group must come out non-finite (SPEC.md section 8), no other row.
+        pos = int(seq_lens[0]) - 1
+        block, off = int(tables[0, pos // BS]), pos % BS
+        if mode.per_token_head:
+            ks[block, off, 0] = np.nan
+        elif mode.per_tensor:
+            kc[block, off, 0, 0] = mode.nan_code
+        else:
+            kc[block, off, 0, 0] = np.nan
 
     if case.layout == "inline":
         views = allocate_inline(num_blocks, BS, Hkv, D, mode, device=device)
@@ -309,13 +320,20 @@ def check_paged_attention(impl, case: AttentionCase):
         sliding_window=case.sliding_window, softcap=case.softcap, sinks=sinks,
     )
     got = host_float32(out).astype(np.float64)
-    assert np.isfinite(got).all(), f"{impl.name}: {int((~np.isfinite(got)).sum())} output elements not finite/unwritten"
-    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    poisoned = ~np.isfinite(ref)
+    assert not np.isfinite(got[poisoned]).any(), f"{impl.name}: a poisoned key gave finite output"
+    unwritten = ~np.isfinite(got) & ~poisoned
+    assert not unwritten.any(), f"{impl.name}: {int(unwritten.sum())} output elements not finite/unwritten"
+    got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
     # The output's own rounding (bf16 keeps 8 significant bits) is allowed on top.
     out_roundoff = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}[case.query_dtype]
     tol = impl.attention_rtol + out_roundoff
-    assert err <= tol, f"{impl.name}: relative error {err:.3e} > {tol:.1e}"
-    assert math.isfinite(err)
+    # Per sequence (SPEC.md section 8), so one short sequence cannot hide in a long one's norm.
+    for s in range(len(seq_lens)):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        err = np.linalg.norm(got[rows] - ref[rows]) / np.linalg.norm(ref[rows])
+        assert math.isfinite(err) and err <= tol, (
+            f"{impl.name}: sequence {s} relative error {err:.3e} > {tol:.1e}")
 
 
 # ---------------------------------------------------------------------------------------------
