@@ -18,7 +18,8 @@ pytest.importorskip("numba")
 
 from kvzoo import registry as registry_module  # noqa: E402
 from kvzoo.backends import numba_cpu  # noqa: E402
-from kvzoo.backends.numba_cpu import bits, kernels  # noqa: E402
+from kvzoo.backends.numba_cpu import formats as bits  # noqa: E402
+from kvzoo.backends.numba_cpu import kernels  # noqa: E402
 from kvzoo.modes import MODES  # noqa: E402
 
 POISON = 0x55

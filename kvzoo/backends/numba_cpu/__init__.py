@@ -207,11 +207,7 @@ def run_paged_attention(p: Any) -> None:
     direct = np.dtype(p.out.dtype) == np.float32
     out32 = p.out if direct else np.empty(p.out.shape, np.float32)
     out, ost = flat(out32, np.float32)
-    sinks = (
-        np.ascontiguousarray(p.sinks, dtype=np.float32)
-        if p.sinks is not None
-        else np.zeros(1, np.float32)
-    )
+    sinks = np.ascontiguousarray(p.sinks, dtype=np.float32) if p.sinks is not None else np.zeros(1, np.float32)
     k.attention(
         query, qst, np.int64(q_kind),
         kc, kcs, vc, vcs, np.int64(kv_kind),
@@ -231,9 +227,7 @@ def run_paged_attention(p: Any) -> None:
 
 
 def attention_reasons(p: Any) -> list[str]:
-    return _strided_reasons(
-        p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out")
-    )
+    return _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Every array arrives as a flat 1-D contiguous view of the caller's memory plus a 
 (offset, stride, stride, ...) in elements (see strided.py), so one compiled specialization
 serves every layout (contiguous, inline-scale pages, views into a fused QKV tensor) and the
 innermost loops see a plain 1-D array LLVM can vectorize. Float inputs travel as their bit
-patterns (uint16 for bf16/fp16, uint32 for fp32) and are widened in-kernel (bits.py).
+patterns (uint16 for bf16/fp16, uint32 for fp32) and are widened in-kernel, exactly.
 
 Indices in hot loops are cast to uint64 (`_u`): numba wraps negative signed indices, and that
 per-element select keeps LLVM from vectorizing (measured 8x on the widening loop). Offsets
@@ -23,9 +23,151 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from .bits import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8, decode_element, encode_e4m3, f32_from_bits, i32_from_f32, widen
+from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
+
+# ----------------------------------------------------------------------------------------------
+# Bit-level helpers: reinterpretation, widening, fp8 coding. They live in this file because
+# numba's on-disk cache is invalidated only by edits to the file of the cached function itself.
+# Everything that decides output bytes is integer arithmetic or one IEEE fp32 operation.
+# ----------------------------------------------------------------------------------------------
+
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        (v,) = args
+        width = v.type.width
+        if width > 32:
+            v = builder.trunc(v, _I32)
+        elif width < 32:
+            v = builder.zext(v, _I32)
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+_i32 = np.int32
+_F32_MAGIC = np.float32(8388608.0)  # 2^23: (f + 2^23) - 2^23 rounds 0 <= f < 2^22 half to even
+
+
+@intrinsic
+def i32_from_f32(typingctx, x):
+    """The bit pattern of a float32 as int32 (sign bit is the int's sign)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.int32(x), codegen
+
+
+@intrinsic
+def f32_from_f16_bits(typingctx, bits):
+    """Exact half -> single widening of the low 16 bits of an integer (F16C vcvtph2ps)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        (v,) = args
+        v = builder.trunc(v, ir.IntType(16)) if v.type.width > 16 else v
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+# The helpers below are written branch-free in int32 where they sit in inner loops, so LLVM
+# vectorizes them (16 lanes with AVX-512); each select computes both sides, exactly.
+
+
+@njit(inline="always")
+def f16_bits_to_f32_bits(raw):
+    """Exact IEEE half -> single widening on bit patterns (numba has no float16 type)."""
+    h = _i32(raw)
+    sign = (h & _i32(0x8000)) << _i32(16)
+    em = h & _i32(0x7FFF)
+    e = em >> _i32(10)
+    normal = (em << _i32(13)) + _i32(112 << 23)
+    special = (em << _i32(13)) | _i32(0x7F800000)
+    # Zero or subnormal: em * 2^-24 is exact in float32.
+    tiny = i32_from_f32(np.float32(em) * np.float32(5.9604644775390625e-08))
+    r = tiny if e == _i32(0) else (special if e == _i32(31) else normal)
+    return r | sign
+
+
+@njit(inline="always")
+def widen(raw, kind):
+    """float32 value of one stored element of kind F32 / BF16 / F16 (exact)."""
+    if kind == BF16:
+        return f32_from_bits(_i32(raw) << _i32(16))
+    if kind == F16:
+        return f32_from_bits(f16_bits_to_f32_bits(raw))
+    return f32_from_bits(raw)
+
+
+@njit(inline="always")
+def encode_e4m3(y, fnuz):
+    """One RNE rounding of a finite float32 y (|y| <= format max) to e4m3fn / e4m3fnuz.
+
+    Normal range: integer round-half-even of the fp32 bits to 3 mantissa bits (a carry into
+    the exponent is the correct result). Subnormal range: |y| * 2^9 (2^10 for fnuz) is exact
+    and lies in [0, 8), where adding and removing 2^23 rounds half to even.
+    e4m3fn keeps the sign of zero (-0.0 and negatives rounding to zero give 0x80); e4m3fnuz
+    has no negative zero (0x80 is its NaN), so anything rounding to zero gives 0x00.
+    """
+    u = i32_from_f32(y)
+    a = u & _i32(0x7FFFFFFF)
+    sign = (u >> _i32(24)) & _i32(0x80)
+    rounded = (a + (_i32(0x7FFFF) + ((a >> _i32(20)) & _i32(1)))) >> _i32(20)
+    if fnuz:
+        normal = rounded - _i32(119 << 3)
+        f = f32_from_bits(a) * np.float32(1024.0)
+        sub = _i32((f + _F32_MAGIC) - _F32_MAGIC)
+        code = normal if a >= _i32(0x3C000000) else sub  # 2^-7, smallest normal
+        return code | sign if code != _i32(0) else _i32(0)
+    normal = rounded - _i32(120 << 3)
+    f = f32_from_bits(a) * np.float32(512.0)
+    sub = _i32((f + _F32_MAGIC) - _F32_MAGIC)
+    code = normal if a >= _i32(0x3C800000) else sub  # 2^-6, smallest normal
+    return code | sign
+
+
+@njit(inline="always")
+def decode_code(raw, kind):
+    """Exact float32 value of one stored 8-bit code (int8 or e4m3 family); NaN codes -> NaN."""
+    c = _i32(raw) & _i32(0xFF)
+    if kind == I8:
+        return np.float32((c ^ _i32(0x80)) - _i32(0x80))
+    # e4m3 bits shifted into a half's exponent/mantissa fields are that half times 2^-8
+    # (2^-7 for fnuz): the bias differs by 8 (9), subnormals included. The hardware half ->
+    # single conversion is exact and the power-of-two multiply too.
+    half = ((c & _i32(0x80)) << _i32(8)) | ((c & _i32(0x7F)) << _i32(7))
+    if kind == E4M3FN:
+        v = f32_from_f16_bits(half) * np.float32(256.0)
+        nan = (c & _i32(0x7F)) == _i32(0x7F)
+    else:
+        v = f32_from_f16_bits(half) * np.float32(128.0)
+        nan = c == _i32(0x80)
+    return np.float32(np.nan) if nan else v
+
+
+@njit(inline="always")
+def decode_element(raw, kind):
+    """float32 value of one cache element of any kind (model dtype or code)."""
+    if kind <= F16:
+        return widen(raw, kind)
+    return decode_code(raw, kind)
+
 
 _OPTS = dict(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 
@@ -50,16 +192,24 @@ TILE = 32
 
 
 @njit(inline="always")
+def _finite_code(y, fmt, trunc, qmax, qmin):
+    """Code of a finite y: clamp, then round to the format."""
+    yc = min(max(y, qmin), qmax)
+    if fmt == I8:
+        return _i32(yc) if trunc else _i32((yc + _RNE_MAGIC) - _RNE_MAGIC)
+    return encode_e4m3(yc, fmt == E4M3FNUZ)
+
+
+@njit(inline="always")
 def _code(y, fmt, trunc, qmax, qmin):
     """Code of y = x * inv (or x / s): non-finite -> the format's NaN code, else clamp + round."""
     finite = (i32_from_f32(y) & _i32(0x7FFFFFFF)) < _i32(0x7F800000)
-    yc = min(max(y, qmin), qmax)
+    c = _finite_code(y, fmt, trunc, qmax, qmin)
     if fmt == I8:
-        c = _i32(yc) if trunc else _i32((yc + _RNE_MAGIC) - _RNE_MAGIC)
         return c if finite else _i32(0)
     if fmt == E4M3FN:
-        return encode_e4m3(yc, False) if finite else _i32(0x7F)
-    return encode_e4m3(yc, True) if finite else _i32(0x80)
+        return c if finite else _i32(0x7F)
+    return c if finite else _i32(0x80)
 
 
 @njit(inline="always")
@@ -69,19 +219,38 @@ def _load_row(src, s0, sd, kind, xf, n):
 
 
 @njit(inline="always")
-def _load_row_absmax(src, s0, sd, kind, xf, xb, n):
-    """Widen a row into xf and return max |x| as bits: magnitudes order like their bit
-    patterns, NaN above +Inf, so an integer max is exact and NaN wins it."""
-    amax = np.uint32(0)
+def _widen_absmax(src, s0, sd, kind, xf, n):
+    amax = _i32(0)
     for d in range(n):
-        xf[_u(d)] = widen(src[_u(s0 + d * sd)], kind)
-        amax = max(amax, xb[_u(d)] & np.uint32(0x7FFFFFFF))
+        v = widen(src[_u(s0 + d * sd)], kind)
+        xf[_u(d)] = v
+        b = i32_from_f32(v) & _i32(0x7FFFFFFF)
+        amax = b if b > amax else amax  # int32 lanes (the builtin max widens to int64)
     return amax
 
 
+# Not inlined into the parallel kernel on purpose: inside numba's parfor body LLVM did not
+# vectorize this reduction (measured scalar), compiled as its own function it does.
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _load_row_absmax(src, s0, sd, kind, xf, n):
+    """Widen a row into xf and return max |x| as bits: magnitudes order like their bit
+    patterns, NaN above +Inf, so an integer max is exact and NaN wins it."""
+    if kind == BF16:
+        if sd == 1:
+            return _widen_absmax(src, s0, 1, BF16, xf, n)
+        return _widen_absmax(src, s0, sd, BF16, xf, n)
+    if kind == F16:
+        return _widen_absmax(src, s0, sd, F16, xf, n)
+    return _widen_absmax(src, s0, sd, F32, xf, n)
+
+
 @njit(inline="always")
-def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin):
-    if div:
+def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
+    if not checked:
+        # Finite scale, so every x is finite and |x * inv| <= ~qmax: no y can be non-finite.
+        for d in range(n):
+            dst[_u(d0 + d * dd)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
+    elif div:
         for d in range(n):
             dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin)
     else:
@@ -90,14 +259,9 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin):
 
 
 @njit(inline="always")
-def _quantize_row(src, s0, sd, kind, xf, xb, dst, d0, dd, n, fmt, trunc, qmax, qmin, per_tensor, tscale):
+def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, per_tensor, tscale):
     """Quantize one row of n elements; returns the bits to store as its scale."""
-    if kind == BF16:
-        amax = _load_row_absmax(src, s0, sd, BF16, xf, xb, n)
-    elif kind == F16:
-        amax = _load_row_absmax(src, s0, sd, F16, xf, xb, n)
-    else:
-        amax = _load_row_absmax(src, s0, sd, F32, xf, xb, n)
+    amax = _load_row_absmax(src, s0, sd, kind, xf, n)
     if per_tensor:
         mul = tscale
         scale = tscale
@@ -108,15 +272,18 @@ def _quantize_row(src, s0, sd, kind, xf, xb, dst, d0, dd, n, fmt, trunc, qmax, q
         else:
             scale = max(scale, _SCALE_FLOOR)
             mul = _ONE / scale
+    # Rows holding NaN/Inf (non-finite scale) and static scales (x / s may overflow) take the
+    # loop that checks every y; the common row cannot produce a non-finite y.
+    checked = per_tensor or not ((i32_from_f32(scale) & _i32(0x7FFFFFFF)) < _i32(0x7F800000))
     if fmt == I8:
         if trunc:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin, checked)
         else:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin, checked)
     elif fmt == E4M3FN:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin, checked)
     else:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin, checked)
     return _i32(_CANONICAL_NAN) if scale != scale else i32_from_f32(scale)
 
 
@@ -135,7 +302,6 @@ def write_quantized(
     rows = slots.shape[0] * num_heads
     for chunk in prange((rows + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
         xf = np.empty(head_size, dtype=np.float32)
-        xb = xf.view(np.uint32)
         for item in range(chunk * _WRITE_CHUNK, min(rows, (chunk + 1) * _WRITE_CHUNK)):
             t = item // num_heads
             h = item - t * num_heads
@@ -145,12 +311,12 @@ def write_quantized(
             blk = slot // block_size
             off = slot - blk * block_size
             kbits = _quantize_row(
-                key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf, xb,
+                key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
                 kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
                 head_size, fmt, trunc, qmax, qmin, per_tensor, k_tscale,
             )  # fmt: skip
             vbits = _quantize_row(
-                value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf, xb,
+                value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
                 vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
                 head_size, fmt, trunc, qmax, qmin, per_tensor, v_tscale,
             )  # fmt: skip
@@ -239,6 +405,32 @@ def dequantize(
 # ----------------------------------------------------------------------------------------------
 # Paged attention
 # ----------------------------------------------------------------------------------------------
+
+
+# Inner loops of attention are separate compiled functions (LLVM may still inline them): inside
+# numba's parfor body they were left scalar (fp8 decode measured 2.5x slower than int8).
+_LEAF = dict(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+
+
+@njit(**_LEAF)
+def _decode_into(src, s0, sd, kind, dst, d0, n):
+    """dst[d0:d0+n] = the exact float32 values of n cache elements (codes unscaled)."""
+    if sd == 1:
+        _decode_row_any(src, s0, 1, kind, dst, d0, 1, n, _ONE, False)
+    else:
+        _decode_row_any(src, s0, sd, kind, dst, d0, 1, n, _ONE, False)
+
+
+@njit(**_LEAF)
+def _axpy(acc, a0, w, v, v0, n):
+    for d in range(n):
+        acc[_u(a0 + d)] += w * v[_u(v0 + d)]
+
+
+@njit(**_LEAF)
+def _scale(acc, a0, alpha, n):
+    for d in range(n):
+        acc[_u(a0 + d)] *= alpha
 
 
 @njit(inline="always")
@@ -335,14 +527,10 @@ def attention(
             # Decode the tile's K and V rows once for the whole group (codes, unscaled).
             for kk in range(n):
                 kp = k0 + kk
-                _decode_row_any(
-                    kc, _row_address(kp, seq, block_tables, block_size, kcs, g), kcs[4], kv_kind,
-                    kt, kk * hd, 1, hd, _ONE, False,
-                )  # fmt: skip
-                _decode_row_any(
-                    vc, _row_address(kp, seq, block_tables, block_size, vcs, g), vcs[4], kv_kind,
-                    vt, kk * hd, 1, hd, _ONE, False,
-                )  # fmt: skip
+                ka = _row_address(kp, seq, block_tables, block_size, kcs, g)
+                va = _row_address(kp, seq, block_tables, block_size, vcs, g)
+                _decode_into(kc, ka, kcs[4], kv_kind, kt, kk * hd, hd)
+                _decode_into(vc, va, vcs[4], kv_kind, vt, kk * hd, hd)
                 if has_scales:
                     ka = _row_address(kp, seq, block_tables, block_size, kscs, g)
                     va = _row_address(kp, seq, block_tables, block_size, vscs, g)
@@ -382,15 +570,11 @@ def attention(
                 l_sum[r] = l_sum[r] * alpha + row_sum
                 a0 = r * hd
                 if alpha != _ONE:
-                    for d in range(hd):
-                        acc[_u(a0 + d)] *= alpha
+                    _scale(acc, a0, alpha, hd)
                 for kk in range(n):
                     w = sc[kk]
-                    if w == _ZERO:
-                        continue
-                    v0 = kk * hd
-                    for d in range(hd):
-                        acc[_u(a0 + d)] += w * vt[_u(v0 + d)]
+                    if w != _ZERO:
+                        _axpy(acc, a0, w, vt, kk * hd, hd)
 
         for r in range(rows):
             j = r // group
@@ -412,13 +596,13 @@ def encode_codes_array(x, out, fmt, trunc, qmax, qmin):
     code, else clamp to [qmin, qmax] and round (int8 half-even or trunc; fp8 RNE)."""
     if fmt == I8:
         if trunc:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin)
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin, True)
         else:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin)
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin, True)
     elif fmt == E4M3FN:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin)
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin, True)
     else:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin)
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin, True)
 
 
 @njit(**_OPTS)
