@@ -258,7 +258,9 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
             dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
 
 
-@njit(inline="always")
+# A compiled function rather than inlined: called twice per parallel item, and keeping the
+# parfor body small cut the first-call compile time.
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, per_tensor, tscale):
     """Quantize one row of n elements; returns the bits to store as its scale."""
     amax = _load_row_absmax(src, s0, sd, kind, xf, n)
@@ -363,7 +365,7 @@ def _decode_row(src, s0, sd, kind, dst, d0, dd, n, scale, scaled):
             dst[_u(d0 + d * dd)] = decode_element(src[_u(s0 + d * sd)], kind)
 
 
-@njit(inline="always")
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _decode_row_any(src, s0, sd, kind, dst, d0, dd, n, scale, scaled):
     if kind == I8:
         _decode_row(src, s0, sd, I8, dst, d0, dd, n, scale, scaled)
@@ -456,6 +458,128 @@ def _dot(a, a0, b, b0, n):
     return acc
 
 
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _attention_item(
+    it,
+    query, qs, q_kind,
+    kc, kcs, vc, vcs, kv_kind,
+    ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale,
+    block_tables, seq_lens, query_start_loc,
+    items_seq, items_t0, items_nq,
+    out, os_,
+    num_q_heads, num_kv_heads, head_size, block_size,
+    softmax_scale, window, softcap, sinks, has_sinks,
+):  # fmt: skip
+    """One (query block, kv head) item of attention (see attention())."""
+    group = num_q_heads // num_kv_heads
+    hd = head_size
+    wi = it // num_kv_heads
+    g = it - wi * num_kv_heads
+    seq = items_seq[wi]
+    t0 = items_t0[wi]
+    nq = items_nq[wi]
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    first_pos = seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
+    rows = nq * group
+
+    # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
+    q = np.empty(rows * hd, dtype=np.float32)
+    pos = np.empty(rows, dtype=np.int64)
+    m = np.empty(rows, dtype=np.float32)
+    l_sum = np.empty(rows, dtype=np.float32)
+    acc = np.zeros(rows * hd, dtype=np.float32)
+    for r in range(rows):
+        j = r // group
+        h = g * group + (r - j * group)
+        pos[r] = first_pos + j
+        q0 = qs[0] + (t0 + j) * qs[1] + h * qs[2]
+        if q_kind == BF16:
+            _load_row(query, q0, qs[3], BF16, q[r * hd :], hd)
+        elif q_kind == F16:
+            _load_row(query, q0, qs[3], F16, q[r * hd :], hd)
+        else:
+            _load_row(query, q0, qs[3], F32, q[r * hd :], hd)
+        if has_sinks:
+            m[r] = sinks[h]
+            l_sum[r] = _ONE
+        else:
+            m[r] = _NEG_INF
+            l_sum[r] = _ZERO
+
+    hi = first_pos + nq  # exclusive end of the keys any row sees
+    lo = 0
+    if window > 0:
+        lo = max(0, first_pos - window + 1)
+
+    kt = np.empty(TILE * hd, dtype=np.float32)
+    vt = np.empty(TILE * hd, dtype=np.float32)
+    kscale = np.empty(TILE, dtype=np.float32)
+    vscale = np.empty(TILE, dtype=np.float32)
+    sc = np.empty(TILE, dtype=np.float32)
+
+    for k0 in range(lo, hi, TILE):
+        n = min(TILE, hi - k0)
+        # Decode the tile's K and V rows once for the whole group (codes, unscaled).
+        for kk in range(n):
+            kp = k0 + kk
+            ka = _row_address(kp, seq, block_tables, block_size, kcs, g)
+            va = _row_address(kp, seq, block_tables, block_size, vcs, g)
+            _decode_into(kc, ka, kcs[4], kv_kind, kt, kk * hd, hd)
+            _decode_into(vc, va, vcs[4], kv_kind, vt, kk * hd, hd)
+            if has_scales:
+                ka = _row_address(kp, seq, block_tables, block_size, kscs, g)
+                va = _row_address(kp, seq, block_tables, block_size, vscs, g)
+                kscale[kk] = f32_from_bits(ksc[_u(ka)]) * softmax_scale
+                vscale[kk] = f32_from_bits(vsc[_u(va)])
+            else:
+                kscale[kk] = k_tscale * softmax_scale
+                vscale[kk] = v_tscale
+
+        for r in range(rows):
+            p = pos[r]
+            if k0 > p:
+                continue  # the whole tile is in this row's future
+            tile_max = _NEG_INF
+            for kk in range(n):
+                kp = k0 + kk
+                if kp > p or (window > 0 and kp <= p - window):
+                    sc[kk] = _NEG_INF
+                    continue
+                x = _dot(q, r * hd, kt, kk * hd, hd) * kscale[kk]
+                if softcap > 0:
+                    x = softcap * math.tanh(x / softcap)
+                sc[kk] = x
+                if x > tile_max or x != x:
+                    tile_max = x
+            m_old = m[r]
+            m_new = tile_max if (tile_max > m_old or tile_max != tile_max) else m_old
+            if m_new == _NEG_INF:
+                continue  # nothing visible yet (and no sink)
+            alpha = math.exp(m_old - m_new)
+            m[r] = m_new
+            row_sum = _ZERO
+            for kk in range(n):
+                w = math.exp(sc[kk] - m_new)
+                row_sum += w
+                sc[kk] = w * vscale[kk]
+            l_sum[r] = l_sum[r] * alpha + row_sum
+            a0 = r * hd
+            if alpha != _ONE:
+                _scale(acc, a0, alpha, hd)
+            for kk in range(n):
+                w = sc[kk]
+                if w != _ZERO:
+                    _axpy(acc, a0, w, vt, kk * hd, hd)
+
+    for r in range(rows):
+        j = r // group
+        h = g * group + (r - j * group)
+        o0 = os_[0] + (t0 + j) * os_[1] + h * os_[2]
+        inv_l = _ONE / l_sum[r]
+        for d in range(hd):
+            out[_u(o0 + d * os_[3])] = acc[_u(r * hd + d)] * inv_l
+
+
 @njit(parallel=True, **_OPTS)
 def attention(
     query, qs, q_kind,
@@ -474,115 +598,11 @@ def attention(
     Online softmax over tiles of TILE keys. Per-token-head scales are applied per key: the K
     scale on the q.codes product, the V scale on the probability.
     """
-    group = num_q_heads // num_kv_heads
-    n_items = items_seq.shape[0]
-    hd = head_size
-    for it in prange(n_items * num_kv_heads):
-        wi = it // num_kv_heads
-        g = it - wi * num_kv_heads
-        seq = items_seq[wi]
-        t0 = items_t0[wi]
-        nq = items_nq[wi]
-        q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-        first_pos = seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
-        rows = nq * group
-
-        # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
-        q = np.empty(rows * hd, dtype=np.float32)
-        pos = np.empty(rows, dtype=np.int64)
-        m = np.empty(rows, dtype=np.float32)
-        l_sum = np.empty(rows, dtype=np.float32)
-        acc = np.zeros(rows * hd, dtype=np.float32)
-        for r in range(rows):
-            j = r // group
-            h = g * group + (r - j * group)
-            pos[r] = first_pos + j
-            q0 = qs[0] + (t0 + j) * qs[1] + h * qs[2]
-            if q_kind == BF16:
-                _load_row(query, q0, qs[3], BF16, q[r * hd :], hd)
-            elif q_kind == F16:
-                _load_row(query, q0, qs[3], F16, q[r * hd :], hd)
-            else:
-                _load_row(query, q0, qs[3], F32, q[r * hd :], hd)
-            if has_sinks:
-                m[r] = sinks[h]
-                l_sum[r] = _ONE
-            else:
-                m[r] = _NEG_INF
-                l_sum[r] = _ZERO
-
-        hi = first_pos + nq  # exclusive end of the keys any row sees
-        lo = 0
-        if window > 0:
-            lo = max(0, first_pos - window + 1)
-
-        kt = np.empty(TILE * hd, dtype=np.float32)
-        vt = np.empty(TILE * hd, dtype=np.float32)
-        kscale = np.empty(TILE, dtype=np.float32)
-        vscale = np.empty(TILE, dtype=np.float32)
-        sc = np.empty(TILE, dtype=np.float32)
-
-        for k0 in range(lo, hi, TILE):
-            n = min(TILE, hi - k0)
-            # Decode the tile's K and V rows once for the whole group (codes, unscaled).
-            for kk in range(n):
-                kp = k0 + kk
-                ka = _row_address(kp, seq, block_tables, block_size, kcs, g)
-                va = _row_address(kp, seq, block_tables, block_size, vcs, g)
-                _decode_into(kc, ka, kcs[4], kv_kind, kt, kk * hd, hd)
-                _decode_into(vc, va, vcs[4], kv_kind, vt, kk * hd, hd)
-                if has_scales:
-                    ka = _row_address(kp, seq, block_tables, block_size, kscs, g)
-                    va = _row_address(kp, seq, block_tables, block_size, vscs, g)
-                    kscale[kk] = f32_from_bits(ksc[_u(ka)]) * softmax_scale
-                    vscale[kk] = f32_from_bits(vsc[_u(va)])
-                else:
-                    kscale[kk] = k_tscale * softmax_scale
-                    vscale[kk] = v_tscale
-
-            for r in range(rows):
-                p = pos[r]
-                if k0 > p:
-                    continue  # the whole tile is in this row's future
-                tile_max = _NEG_INF
-                for kk in range(n):
-                    kp = k0 + kk
-                    if kp > p or (window > 0 and kp <= p - window):
-                        sc[kk] = _NEG_INF
-                        continue
-                    x = _dot(q, r * hd, kt, kk * hd, hd) * kscale[kk]
-                    if softcap > 0:
-                        x = softcap * math.tanh(x / softcap)
-                    sc[kk] = x
-                    if x > tile_max or x != x:
-                        tile_max = x
-                m_old = m[r]
-                m_new = tile_max if (tile_max > m_old or tile_max != tile_max) else m_old
-                if m_new == _NEG_INF:
-                    continue  # nothing visible yet (and no sink)
-                alpha = math.exp(m_old - m_new)
-                m[r] = m_new
-                row_sum = _ZERO
-                for kk in range(n):
-                    w = math.exp(sc[kk] - m_new)
-                    row_sum += w
-                    sc[kk] = w * vscale[kk]
-                l_sum[r] = l_sum[r] * alpha + row_sum
-                a0 = r * hd
-                if alpha != _ONE:
-                    _scale(acc, a0, alpha, hd)
-                for kk in range(n):
-                    w = sc[kk]
-                    if w != _ZERO:
-                        _axpy(acc, a0, w, vt, kk * hd, hd)
-
-        for r in range(rows):
-            j = r // group
-            h = g * group + (r - j * group)
-            o0 = os_[0] + (t0 + j) * os_[1] + h * os_[2]
-            inv_l = _ONE / l_sum[r]
-            for d in range(hd):
-                out[_u(o0 + d * os_[3])] = acc[_u(r * hd + d)] * inv_l
+    # The per-item work is a compiled function: a small parfor body compiles much faster.
+    for it in prange(items_seq.shape[0] * num_kv_heads):
+        _attention_item(
+            it, query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
