@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+numba = pytest.importorskip("numba")
 
 from kvzoo import registry as registry_module  # noqa: E402
 from kvzoo.backends import numba_cpu  # noqa: E402
@@ -162,10 +162,31 @@ def test_fastmath_is_off(name):
     assert dispatcher.targetoptions.get("fastmath", False) is False
 
 
-def test_only_the_attention_dot_reassociates():
-    flags = kernels._dot.targetoptions["fastmath"]
-    assert set(flags) == {"reassoc"}, flags
-    assert set(kernels.DOT_FASTMATH) == {"reassoc"}
+def test_only_attention_products_relax_rounding():
+    # Reassociation / contraction only: no flag that changes NaN, Inf or signed-zero handling.
+    assert set(kernels._scores.targetoptions["fastmath"]) == {"reassoc", "contract"}
+    assert set(kernels._accumulate.targetoptions["fastmath"]) == {"contract"}
+    for leaf in (kernels._softmax_tile, kernels._attention_item, kernels._quantize_row, kernels._decode_row_any):
+        assert leaf.targetoptions.get("fastmath", False) is False
+
+
+def test_vectorizable_exp_matches_libm():
+    @numba.njit
+    def exps(x, out):
+        for i in range(x.shape[0]):
+            out[i] = kernels._exp_nonpositive(x[i])
+
+    x = np.concatenate([-np.geomspace(1e-8, 120, 200_000), [0.0, -0.0, -np.inf, np.nan, -87.0, -86.99]])
+    x = x.astype(np.float32)
+    out = np.empty_like(x)
+    exps(x, out)
+    want = np.exp(x.astype(np.float64))
+    # Results below the float32 normals (x < -87) flush to 0: absolute error < 2^-126.
+    normal = want >= np.exp(-87.0)
+    rel = np.abs(out[normal] - want[normal]) / want[normal]
+    assert rel.max() < 5e-7
+    assert np.abs(out[~normal & ~np.isnan(x)] - want[~normal & ~np.isnan(x)]).max() < 2.0**-126
+    assert out[-4] == 0.0 and np.isnan(out[-3])
 
 
 def test_byte_exact_llvm_has_no_fast_math_flags():

@@ -15,7 +15,8 @@ an inlined helper, so each inner loop is compiled for one format.
 
 fastmath stays off in this module: the write and dequantize bytes are fixed by the spec, and
 the attention kernel keeps IEEE NaN/Inf propagation so a poisoned cache row shows in the output.
-The single exception is the q.k dot product of attention (see _dot): reassociation only.
+The exceptions are attention's q.k and p.v products (_scores, _accumulate): reassociation and
+contraction only, no flag that changes NaN/Inf/signed-zero behaviour.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
@@ -54,6 +56,24 @@ def f32_from_bits(typingctx, bits):
         return builder.bitcast(v, ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, index):
+    """Hint the cache to load arr[index] (no effect on results)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen
 
 
 _i32 = np.int32
@@ -180,8 +200,8 @@ _SCALE_FLOOR = np.float32(1e-6)
 _CANONICAL_NAN = 0x7FC00000
 # (y + 1.5 * 2^23) - 1.5 * 2^23 rounds fp32 y to an integer, half to even, for |y| < 2^22.
 _RNE_MAGIC = np.float32(12582912.0)
-# Rows (token, head) per parallel chunk of the write: one scratch row buffer per chunk.
-_WRITE_CHUNK = 32
+# Tokens per parallel chunk of the write: one scratch row buffer per chunk.
+_WRITE_CHUNK = 8
 # Keys per attention tile: decoded K and V tiles (TILE x head_size fp32) stay in L1.
 TILE = 32
 
@@ -296,35 +316,34 @@ def write_quantized(
     block_size, num_heads, head_size,
     fmt, trunc, qmax, qmin, per_tensor, k_tscale, v_tscale,
 ):  # fmt: skip
-    """reshape_and_cache for quantized modes; parallel over chunks of (token, kv head) rows.
+    """reshape_and_cache for quantized modes; parallel over chunks of tokens, heads inside.
 
     key/value: flat input bits with (offset, sT, sH, sD); kc/vc: flat uint8 codes with
     (offset, sB, sS, sH, sD); ksc/vsc: flat uint32 scale bits with (offset, sB, sS, sH).
     """
-    rows = slots.shape[0] * num_heads
-    for chunk in prange((rows + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
+    num_tokens = slots.shape[0]
+    for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
         xf = np.empty(head_size, dtype=np.float32)
-        for item in range(chunk * _WRITE_CHUNK, min(rows, (chunk + 1) * _WRITE_CHUNK)):
-            t = item // num_heads
-            h = item - t * num_heads
+        for t in range(chunk * _WRITE_CHUNK, min(num_tokens, (chunk + 1) * _WRITE_CHUNK)):
             slot = slots[t]
             if slot < 0:
                 continue
             blk = slot // block_size
             off = slot - blk * block_size
-            kbits = _quantize_row(
-                key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
-                kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
-                head_size, fmt, trunc, qmax, qmin, per_tensor, k_tscale,
-            )  # fmt: skip
-            vbits = _quantize_row(
-                value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
-                vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
-                head_size, fmt, trunc, qmax, qmin, per_tensor, v_tscale,
-            )  # fmt: skip
-            if not per_tensor:
-                ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
-                vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
+            for h in range(num_heads):
+                kbits = _quantize_row(
+                    key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
+                    kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
+                    head_size, fmt, trunc, qmax, qmin, per_tensor, k_tscale,
+                )  # fmt: skip
+                vbits = _quantize_row(
+                    value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
+                    vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
+                    head_size, fmt, trunc, qmax, qmin, per_tensor, v_tscale,
+                )  # fmt: skip
+                if not per_tensor:
+                    ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
+                    vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
 
 
 @njit(parallel=True, **_OPTS)
@@ -424,38 +443,80 @@ def _decode_into(src, s0, sd, kind, dst, d0, n):
 
 
 @njit(**_LEAF)
-def _axpy(acc, a0, w, v, v0, n):
-    for d in range(n):
-        acc[_u(a0 + d)] += w * v[_u(v0 + d)]
-
-
-@njit(**_LEAF)
 def _scale(acc, a0, alpha, n):
     for d in range(n):
         acc[_u(a0 + d)] *= alpha
 
 
-@njit(inline="always")
-def _row_address(pos, seq, block_tables, block_size, st, head):
-    blk = block_tables[seq, pos // block_size]
-    off = pos - (pos // block_size) * block_size
-    return st[0] + blk * st[1] + off * st[2] + head * st[3]
-
-
-# The one place fastmath flags are used: "reassoc" alone, so LLVM may split this sum into vector
-# lanes (2x on decode attention). It changes only the summation order of q.k (attention output
-# is compared with a tolerance, never bytes); NaN/Inf/signed-zero semantics stay IEEE because
-# nnan/ninf/nsz/contract are not set. The code path is the same for every sequence, so output
-# stays batch invariant. Not inlined at numba level so the flag stays on these instructions.
-DOT_FASTMATH = frozenset({"reassoc"})
+# The one place fastmath flags are used: attention's two products, q.k and p.v. "reassoc" lets
+# LLVM split the q.k sum into vector lanes and "contract" lets it fuse multiply-adds. They change
+# rounding and summation order only in attention, whose output is compared with a tolerance,
+# never as bytes; NaN/Inf/signed-zero semantics stay IEEE because nnan/ninf/nsz/afn/arcp are not
+# set. The code path is the same for every sequence, so output stays batch invariant. Compiled
+# as their own functions so the flags stay on these instructions only.
+DOT_FASTMATH = frozenset({"reassoc", "contract"})
+AXPY_FASTMATH = frozenset({"contract"})
 
 
 @njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _dot(a, a0, b, b0, n):
-    acc = _ZERO
-    for d in range(n):
-        acc += a[_u(a0 + d)] * b[_u(b0 + d)]
-    return acc
+def _scores(q, q0, kt, n, hd, out):
+    """out[kk] = q[q0:q0+hd] . kt[kk*hd:(kk+1)*hd] for the n keys of a tile."""
+    for kk in range(n):
+        acc = _ZERO
+        k0 = kk * hd
+        for d in range(hd):
+            acc += q[_u(q0 + d)] * kt[_u(k0 + d)]
+        out[_u(kk)] = acc
+
+
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate(acc, a0, w, vt, n, hd):
+    """acc[a0:a0+hd] += w[kk] * vt[kk] for the n keys of a tile, in key order."""
+    for kk in range(n):
+        wk = w[_u(kk)]
+        if wk != _ZERO:
+            v0 = kk * hd
+            for d in range(hd):
+                acc[_u(a0 + d)] += wk * vt[_u(v0 + d)]
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 split so n * _LN2_HI is exact for |n| <= 2^8
+_LN2_LO = np.float32(1.4286068203094172e-06)
+_EXP_MIN = np.float32(-87.0)  # below, exp leaves the float32 normals: return 0
+
+
+@njit(inline="always")
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 in float32 (Cody-Waite reduction, degree-6 Taylor; ~1e-7 relative),
+    in plain arithmetic so a loop of it vectorizes (libm's expf is a scalar call).
+    -inf -> 0, NaN -> NaN."""
+    xc = x if x > _EXP_MIN else _EXP_MIN
+    nf = (xc * _LOG2E + _RNE_MAGIC) - _RNE_MAGIC
+    r = (xc - nf * _LN2_HI) - nf * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + _ONE
+    p = p * r + _ONE
+    res = p * f32_from_bits((_i32(nf) + _i32(127)) << _i32(23))
+    res = _ZERO if x < _EXP_MIN else res
+    return x if x != x else res
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _softmax_tile(sc, n, m_new, vscale):
+    """sc[kk] <- exp(sc[kk] - m_new) * vscale[kk]; returns the sum of the exps."""
+    for kk in range(n):
+        sc[_u(kk)] = _exp_nonpositive(sc[_u(kk)] - m_new)
+    total = _ZERO
+    for kk in range(n):
+        total += sc[_u(kk)]
+    for kk in range(n):
+        sc[_u(kk)] *= vscale[_u(kk)]
+    return total
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
@@ -520,32 +581,57 @@ def _attention_item(
     for k0 in range(lo, hi, TILE):
         n = min(TILE, hi - k0)
         # Decode the tile's K and V rows once for the whole group (codes, unscaled).
+        # Page and offset of the tile's first key; stepped, not divided, per key (an int64
+        # division per key and array cost more than the decode of a row).
+        bi = k0 // block_size
+        off = k0 - bi * block_size
+        # Ask for the next tile's K/V rows now so their loads overlap this tile's arithmetic.
+        nxt = k0 + TILE
+        if nxt < hi:
+            pbi = nxt // block_size
+            poff = nxt - pbi * block_size
+            for _ in range(min(TILE, hi - nxt)):
+                blk = block_tables[seq, pbi]
+                ka = kcs[0] + blk * kcs[1] + poff * kcs[2] + g * kcs[3]
+                va = vcs[0] + blk * vcs[1] + poff * vcs[2] + g * vcs[3]
+                for line in range(0, hd * kc.itemsize, 64):
+                    _prefetch(kc, ka + line // kc.itemsize)
+                    _prefetch(vc, va + line // vc.itemsize)
+                poff += 1
+                if poff == block_size:
+                    poff = 0
+                    pbi += 1
         for kk in range(n):
-            kp = k0 + kk
-            ka = _row_address(kp, seq, block_tables, block_size, kcs, g)
-            va = _row_address(kp, seq, block_tables, block_size, vcs, g)
+            blk = block_tables[seq, bi]
+            ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
+            va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
             _decode_into(kc, ka, kcs[4], kv_kind, kt, kk * hd, hd)
             _decode_into(vc, va, vcs[4], kv_kind, vt, kk * hd, hd)
             if has_scales:
-                ka = _row_address(kp, seq, block_tables, block_size, kscs, g)
-                va = _row_address(kp, seq, block_tables, block_size, vscs, g)
+                ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
+                va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
                 kscale[kk] = f32_from_bits(ksc[_u(ka)]) * softmax_scale
                 vscale[kk] = f32_from_bits(vsc[_u(va)])
             else:
                 kscale[kk] = k_tscale * softmax_scale
                 vscale[kk] = v_tscale
+            off += 1
+            if off == block_size:
+                off = 0
+                bi += 1
 
         for r in range(rows):
             p = pos[r]
             if k0 > p:
                 continue  # the whole tile is in this row's future
+            _scores(q, r * hd, kt, n, hd, sc)
             tile_max = _NEG_INF
             for kk in range(n):
                 kp = k0 + kk
                 if kp > p or (window > 0 and kp <= p - window):
                     sc[kk] = _NEG_INF
                     continue
-                x = _dot(q, r * hd, kt, kk * hd, hd) * kscale[kk]
+                x = sc[kk] * kscale[kk]
                 if softcap > 0:
                     x = softcap * math.tanh(x / softcap)
                 sc[kk] = x
@@ -557,19 +643,11 @@ def _attention_item(
                 continue  # nothing visible yet (and no sink)
             alpha = math.exp(m_old - m_new)
             m[r] = m_new
-            row_sum = _ZERO
-            for kk in range(n):
-                w = math.exp(sc[kk] - m_new)
-                row_sum += w
-                sc[kk] = w * vscale[kk]
-            l_sum[r] = l_sum[r] * alpha + row_sum
+            l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, n, m_new, vscale)
             a0 = r * hd
             if alpha != _ONE:
                 _scale(acc, a0, alpha, hd)
-            for kk in range(n):
-                w = sc[kk]
-                if w != _ZERO:
-                    _axpy(acc, a0, w, vt, kk * hd, hd)
+            _accumulate(acc, a0, sc, vt, n, hd)
 
     for r in range(rows):
         j = r // group
