@@ -81,7 +81,8 @@ def reshape_and_cache(
 ) -> None:
     block_size = key_cache.shape[1]
     slots = slot_mapping.astype(np.int64)
-    keep = slots >= 0
+    # Out-of-range slots only reach here with validation off: skipped, like negative ones.
+    keep = (slots >= 0) & (slots < key_cache.shape[0] * block_size)
     block, offset = np.divmod(slots[keep], block_size)
     for rows, cache, scale_cache, static in (
         (key, key_cache, k_scale_cache, k_scale),

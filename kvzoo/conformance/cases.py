@@ -29,13 +29,16 @@ class WriteCase:
     negative_slots: bool = True
     strided: bool = False
     kind: str = "torch"  # "numpy": pass NumPy arrays instead of torch tensors
+    # validate=False with slots past the cache's end: skipped, nothing written out of bounds.
+    wild_slots: bool = False
 
     @property
     def id(self) -> str:
         parts = [self.mode, self.dtype, self.dist, f"T{self.num_tokens}", f"H{self.num_kv_heads}",
                  f"D{self.head_size}", f"B{self.block_size}"]
         parts += [p for p, on in (("trunc", self.rounding == "trunc"), ("inline", self.layout == "inline"),
-                                  ("strided", self.strided), ("numpy", self.kind == "numpy")) if on]
+                                  ("strided", self.strided), ("numpy", self.kind == "numpy"),
+                                  ("wild", self.wild_slots)) if on]
         return "-".join(parts)
 
 

@@ -114,7 +114,20 @@ def check_reshape_and_cache(impl, case: WriteCase):
     if case.negative_slots and T:
         skip = rng.random(T) < 0.3
         slots[skip] = -rng.integers(1, 5, int(skip.sum()))
-    caches = _caches(case, rng, num_blocks, device, kind)
+    oracle_slots = slots
+    if case.wild_slots and T:
+        # validate=False: out-of-range slots must be skipped like negative ones, and nothing
+        # may land in the guard block that follows the cache in memory.
+        wild = rng.random(T) < 0.4
+        slots = slots.copy()
+        slots[wild] = num_blocks * BS + rng.integers(0, 2 * BS, int(wild.sum()))
+        oracle_slots = np.where(wild, -1, slots)
+    padded = _caches(case, rng, num_blocks + 1, device, kind)
+    guard = [None if c is None else (c[num_blocks:].clone() if isinstance(c, torch.Tensor) else c[num_blocks:].copy())
+             for c in
+             (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)]
+    caches = KVCacheTensors(*(None if c is None else c[:num_blocks] for c in
+                              (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)))
     before = [None if c is None else host_bytes(c).copy() for c in
               (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)]
 
@@ -126,8 +139,11 @@ def check_reshape_and_cache(impl, case: WriteCase):
         key, value, caches.key_cache, caches.value_cache, slot_mapping, mode=case.mode,
         k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache,
         k_scale=None if static is None else float(static), v_scale=None if static is None else float(static),
-        rounding=case.rounding, impl=impl,
+        rounding=case.rounding, impl=impl, validate=not case.wild_slots,
     )
+    for got, want in zip((padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache), guard):
+        if want is not None:
+            assert_same_bytes(got[num_blocks:], want, f"{impl.name} wrote past the end of the cache")
 
     if mode.code_dtype is None:
         # A plain copy: the expected bits are the input tensors' own (NaN payloads included).
@@ -140,7 +156,7 @@ def check_reshape_and_cache(impl, case: WriteCase):
         expect_caches = [before[0][..., 0], before[1][..., 0]]
     scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
     expected = oracle.reshape_and_cache(
-        *expect_inputs, slots, mode_name=case.mode, num_blocks=num_blocks, block_size=BS,
+        *expect_inputs, oracle_slots, mode_name=case.mode, num_blocks=num_blocks, block_size=BS,
         rounding=case.rounding, k_scale=static, v_scale=static,
         key_cache=expect_caches[0], value_cache=expect_caches[1],
         k_scale_cache=scale_caches[0], v_scale_cache=scale_caches[1],
