@@ -433,13 +433,37 @@ def dequantize(
 _LEAF = dict(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 
 
+@njit(inline="always")
+def _decode_rows(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    for kk in range(n):
+        blk = block_tables[seq, bi]
+        a = st[0] + blk * st[1] + off * st[2] + g * st[3]
+        if st[4] == 1:
+            _decode_row(src, a, 1, kind, dst, kk * hd, 1, hd, _ONE, False)
+        else:
+            _decode_row(src, a, st[4], kind, dst, kk * hd, 1, hd, _ONE, False)
+        off += 1
+        if off == block_size:
+            off = 0
+            bi += 1
+
+
 @njit(**_LEAF)
-def _decode_into(src, s0, sd, kind, dst, d0, n):
-    """dst[d0:d0+n] = the exact float32 values of n cache elements (codes unscaled)."""
-    if sd == 1:
-        _decode_row_any(src, s0, 1, kind, dst, d0, 1, n, _ONE, False)
+def _decode_tile(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """dst[kk*hd:(kk+1)*hd] = exact float32 values of the n key rows starting at page index bi,
+    offset off (codes unscaled). One call per tile: per-row calls cost as much as the decode."""
+    if kind == I8:
+        _decode_rows(src, st, I8, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    elif kind == E4M3FN:
+        _decode_rows(src, st, E4M3FN, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    elif kind == E4M3FNUZ:
+        _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    elif kind == BF16:
+        _decode_rows(src, st, BF16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    elif kind == F16:
+        _decode_rows(src, st, F16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
     else:
-        _decode_row_any(src, s0, sd, kind, dst, d0, 1, n, _ONE, False)
+        _decode_rows(src, st, F32, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
 
 @njit(**_LEAF)
@@ -459,25 +483,29 @@ AXPY_FASTMATH = frozenset({"contract"})
 
 
 @njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _scores(q, q0, kt, n, hd, out):
-    """out[kk] = q[q0:q0+hd] . kt[kk*hd:(kk+1)*hd] for the n keys of a tile."""
-    for kk in range(n):
-        acc = _ZERO
-        k0 = kk * hd
-        for d in range(hd):
-            acc += q[_u(q0 + d)] * kt[_u(k0 + d)]
-        out[_u(kk)] = acc
+def _scores(q, rows, kt, n, hd, out):
+    """out[r*TILE + kk] = q[r] . kt[kk] for every query row and the n keys of a tile."""
+    for r in range(rows):
+        q0 = r * hd
+        for kk in range(n):
+            acc = _ZERO
+            k0 = kk * hd
+            for d in range(hd):
+                acc += q[_u(q0 + d)] * kt[_u(k0 + d)]
+            out[_u(r * TILE + kk)] = acc
 
 
 @njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
-def _accumulate(acc, a0, w, vt, n, hd):
-    """acc[a0:a0+hd] += w[kk] * vt[kk] for the n keys of a tile, in key order."""
-    for kk in range(n):
-        wk = w[_u(kk)]
-        if wk != _ZERO:
-            v0 = kk * hd
-            for d in range(hd):
-                acc[_u(a0 + d)] += wk * vt[_u(v0 + d)]
+def _accumulate(acc, w, vt, rows, n, hd):
+    """acc[r] += w[r*TILE + kk] * vt[kk] for every row and the n keys of a tile, in key order."""
+    for r in range(rows):
+        a0 = r * hd
+        for kk in range(n):
+            wk = w[_u(r * TILE + kk)]
+            if wk != _ZERO:
+                v0 = kk * hd
+                for d in range(hd):
+                    acc[_u(a0 + d)] += wk * vt[_u(v0 + d)]
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -507,15 +535,29 @@ def _exp_nonpositive(x):
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _softmax_tile(sc, n, m_new, vscale):
-    """sc[kk] <- exp(sc[kk] - m_new) * vscale[kk]; returns the sum of the exps."""
+def _scale_visible(sc, s0, kscale, n):
+    """sc[s0+kk] *= kscale[kk]; returns the max, NaN if any is NaN (branch-free)."""
     for kk in range(n):
-        sc[_u(kk)] = _exp_nonpositive(sc[_u(kk)] - m_new)
+        sc[_u(s0 + kk)] *= kscale[_u(kk)]
+    top = _NEG_INF
+    nan = _i32(0)
+    for kk in range(n):
+        x = sc[_u(s0 + kk)]
+        top = x if x > top else top
+        nan |= _i32(x != x)
+    return np.float32(np.nan) if nan else top
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _softmax_tile(sc, s0, n, m_new, vscale):
+    """sc[s0+kk] <- exp(sc[s0+kk] - m_new) * vscale[kk]; returns the sum of the exps."""
+    for kk in range(n):
+        sc[_u(s0 + kk)] = _exp_nonpositive(sc[_u(s0 + kk)] - m_new)
     total = _ZERO
     for kk in range(n):
-        total += sc[_u(kk)]
+        total += sc[_u(s0 + kk)]
     for kk in range(n):
-        sc[_u(kk)] *= vscale[_u(kk)]
+        sc[_u(s0 + kk)] *= vscale[_u(kk)]
     return total
 
 
@@ -576,7 +618,7 @@ def _attention_item(
     vt = np.empty(TILE * hd, dtype=np.float32)
     kscale = np.empty(TILE, dtype=np.float32)
     vscale = np.empty(TILE, dtype=np.float32)
-    sc = np.empty(TILE, dtype=np.float32)
+    sc = np.empty(rows * TILE, dtype=np.float32)  # scores, then weights, row-major
 
     for k0 in range(lo, hi, TILE):
         n = min(TILE, hi - k0)
@@ -601,12 +643,10 @@ def _attention_item(
                 if poff == block_size:
                     poff = 0
                     pbi += 1
+        _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
+        _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
         for kk in range(n):
             blk = block_tables[seq, bi]
-            ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
-            va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
-            _decode_into(kc, ka, kcs[4], kv_kind, kt, kk * hd, hd)
-            _decode_into(vc, va, vcs[4], kv_kind, vt, kk * hd, hd)
             if has_scales:
                 ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
                 va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
@@ -620,34 +660,41 @@ def _attention_item(
                 off = 0
                 bi += 1
 
+        _scores(q, rows, kt, n, hd, sc)
         for r in range(rows):
             p = pos[r]
+            s0 = r * TILE
             if k0 > p:
-                continue  # the whole tile is in this row's future
-            _scores(q, r * hd, kt, n, hd, sc)
-            tile_max = _NEG_INF
-            for kk in range(n):
-                kp = k0 + kk
-                if kp > p or (window > 0 and kp <= p - window):
-                    sc[kk] = _NEG_INF
-                    continue
-                x = sc[kk] * kscale[kk]
-                if softcap > 0:
-                    x = softcap * math.tanh(x / softcap)
-                sc[kk] = x
-                if x > tile_max or x != x:
-                    tile_max = x
+                for kk in range(n):
+                    sc[s0 + kk] = _ZERO  # the whole tile is in this row's future
+                continue
+            if softcap == 0 and k0 + n - 1 <= p and (window == 0 or k0 > p - window):
+                tile_max = _scale_visible(sc, s0, kscale, n)  # every key visible: no mask
+            else:
+                tile_max = _NEG_INF
+                for kk in range(n):
+                    kp = k0 + kk
+                    if kp > p or (window > 0 and kp <= p - window):
+                        sc[s0 + kk] = _NEG_INF
+                        continue
+                    x = sc[s0 + kk] * kscale[kk]
+                    if softcap > 0:
+                        x = softcap * math.tanh(x / softcap)
+                    sc[s0 + kk] = x
+                    if x > tile_max or x != x:
+                        tile_max = x
             m_old = m[r]
             m_new = tile_max if (tile_max > m_old or tile_max != tile_max) else m_old
             if m_new == _NEG_INF:
-                continue  # nothing visible yet (and no sink)
+                for kk in range(n):
+                    sc[s0 + kk] = _ZERO  # nothing visible yet (and no sink)
+                continue
             alpha = math.exp(m_old - m_new)
             m[r] = m_new
-            l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, n, m_new, vscale)
-            a0 = r * hd
+            l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, s0, n, m_new, vscale)
             if alpha != _ONE:
-                _scale(acc, a0, alpha, hd)
-            _accumulate(acc, a0, sc, vt, n, hd)
+                _scale(acc, r * hd, alpha, hd)
+        _accumulate(acc, sc, vt, rows, n, hd)
 
     for r in range(rows):
         j = r // group
