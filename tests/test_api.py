@@ -9,6 +9,7 @@ import torch
 import kvzoo
 from kvzoo.arrays import as_numpy
 from reference import oracle
+
 from support import assert_same_bytes, rng_for
 
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_same_bytes, host_bytes, random_bytes, rng_for
 
 import kvzoo
 from kvzoo import KVZooInputError
 from reference import oracle
+
+from support import assert_same_bytes, host_bytes, random_bytes, rng_for
 
 T, H, D, BS, NB = 6, 2, 64, 16, 4
 

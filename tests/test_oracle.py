@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from reference import oracle
+
 from support import rng_for
 
 GOLDEN = Path(__file__).resolve().parents[1] / "reference" / "golden"
