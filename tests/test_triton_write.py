@@ -56,6 +56,16 @@ def _encode_kernel(
 
 
 @triton.jit
+def _row_encode_kernel(
+    y_ptr, out_ptr, n, CODE: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, encode.encode_row_codes(y, CODE, NAN_CODE, TRUNC).to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _decode_kernel(code_ptr, out_ptr, CODE: tl.constexpr):
     offs = tl.arange(0, 256)
     tl.store(out_ptr + offs, encode.decode_codes(tl.load(code_ptr + offs), CODE))
@@ -143,6 +153,51 @@ def test_int8_encode_ties_and_range(trunc):
     want = _expected_codes(y, "int8_per_token_head", trunc)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, [(float(y[i]), int(got[i]), int(want[i])) for i in bad[:10]]
+
+
+def _row_values(mode_name: str, seed: int) -> np.ndarray:
+    """What y = x * (1 / scale) can be in a per-token-head row: |y| up to QMAX * (1 + 3 * 2**-24)
+    (the bound of two correct roundings), +-0 and NaN; never Inf or anything beyond."""
+    mode = MODES[mode_name]
+    qmax = np.float32(mode.qmax)
+    top = np.float32(qmax * (1 + 3 * 2.0**-24))
+    rng = np.random.default_rng(seed)
+    if mode.code_dtype == "int8":
+        halves = np.arange(-127, 127.5, 0.5, dtype=np.float32)
+        probes = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)), np.nextafter(halves, -np.float32(np.inf))])
+    else:
+        probes = _fp8_probe_values(_FP8[mode.code_dtype])
+    # Random magnitudes over every exponent up to QMAX (subnormals included), both signs.
+    bits = rng.integers(0, np.float32(qmax).view(np.uint32) + 1, size=200000, dtype=np.uint64).astype(np.uint32)
+    rand = bits.view(np.float32) * rng.choice(np.float32([-1, 1]), size=bits.size)
+    edge = np.float32([qmax, top, -qmax, -top, np.nextafter(qmax, top), 0.0, -0.0, np.nan, -np.nan])
+    y = np.concatenate([probes, rand, rng.uniform(-top, top, 20000).astype(np.float32), edge])
+    return y[~(np.abs(y) > top)].astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "mode_name,trunc",
+    [
+        ("int8_per_token_head", False),
+        ("int8_per_token_head", True),
+        ("fp8_per_token_head", False),
+        ("fp8_e4m3fnuz_per_token_head", False),
+    ],
+)
+def test_row_encode_matches_clamped_encode(mode_name, trunc):
+    """encode_row_codes (no clamp, NaN the only non-finite) gives the spec's codes on every
+    value a per-token-head row can produce."""
+    mode = MODES[mode_name]
+    y = _row_values(mode_name, 4)
+    y_t = torch.from_numpy(y).to(DEVICE)
+    out = torch.full(y_t.shape, 0x55, dtype=torch.uint8, device=DEVICE)
+    _row_encode_kernel[(triton.cdiv(y.size, _BLOCK),)](
+        y_t, out, y.size, CODE=_CODE[mode.code_dtype], NAN_CODE=mode.nan_code, TRUNC=trunc, BLOCK=_BLOCK,
+        enable_fp_fusion=False,
+    )
+    got, want = out.cpu().numpy(), _expected_codes(y, mode_name, trunc)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
 
 
 @pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])

@@ -10,8 +10,9 @@ Things deliberately avoided, each measured to differ from the spec somewhere:
 - float -> fp8 conversion (the interpreter mis-rounds ties and subnormals; sm_89 rounds twice);
 - `tl.max` for NaN detection (max.f32 drops NaN).
 
-Contraction: the only multiply whose result later meets an add is `x * inv`, and the clamp
-(min/max) sits between them, so no FMA can form whatever the kernel's fp-fusion setting.
+Contraction: the only multiply whose result later meets an add is x * inv, and a min/max (the
+clamp, or encode_row_codes' max) or an abs sits between them, so no FMA can form whatever the
+kernel's fp-fusion setting (tests/test_triton_write.py reads the PTX with fusion on).
 """
 
 from __future__ import annotations
@@ -88,47 +89,91 @@ def round_half_even(y):
 
 
 @triton.jit
+def int8_code_bits(y):
+    """Round-half-even of fp32 y in [-128, 127] to an int32 whose low byte is the int8 code.
+
+    The sum y + 1.5 * 2**23 has ulp 1, so the adder rounds y and leaves the integer in the low
+    mantissa bits as an offset from the magic's bits 0x4B400000, whose low byte is zero; taking
+    the bits skips the subtract and the float -> int conversion (a quarter-rate instruction).
+    """
+    return float_bits(y + RNE_MAGIC)
+
+
+@triton.jit
 def e4m3_magnitude_code(a, BIAS: tl.constexpr):
     """RNE of a non-negative finite fp32 (bits `a`, within the format's range) to an e4m3
     magnitude code (7 bits) for exponent bias BIAS (7: e4m3fn, 8: e4m3fnuz)."""
-    # Normal range: keep 3 of the 23 mantissa bits (RNE on the dropped 20), rebias exponent.
-    lsb = (a >> 20) & 1
-    normal = ((a + 0x7FFFF + lsb) >> 20) - ((127 - BIAS) << 3)
-    # Below the smallest normal: count units of the smallest subnormal 2**(-2-BIAS) with RNE,
-    # done by the fp32 adder: 2**(21-BIAS) has exactly that unit as its ulp, so the sum rounds
-    # |y| to it and the bit difference is the count (0..8; 8 is the smallest normal's code).
-    # Exact: fp32 subnormal inputs are far below half a unit, so a flush cannot matter.
-    big = tl.full(a.shape, (148 - BIAS) << 23, tl.int32)
-    sub = float_bits(bits_float(a) + bits_float(big)) - big
-    return tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+    # One fp32 add rounds both ranges: with E the exponent of |y|, pinned below at the smallest
+    # normal's (1 - BIAS), M = 2**(E + 20) has an ulp of 2**(E - 3), the e4m3 step at E (the
+    # subnormal step too, once pinned). So |y| + M, still in [M, 2M), is |y| rounded (RNE) to
+    # that step, and its bits minus M's count k steps: k in 8..16 for a normal (16 is the next
+    # binade's first code) and 0..8 below it. The code is k plus 8 per binade above the first:
+    # code = (sum - M) + 8 * (E + BIAS - 1), with M's bits (e + 20) << 23 for the biased e.
+    # Exact for fp32 subnormal inputs as well: the adder keeps them, no flush.
+    e = tl.maximum(a >> 23, 128 - BIAS)
+    total = float_bits(bits_float(a) + bits_float((e + 20) << 23))
+    return total + e * (8 - (1 << 23)) + ((BIAS - 128) * 8 - (20 << 23))
+
+
+@triton.jit
+def _finite_codes(yc, CODE: tl.constexpr, TRUNC: tl.constexpr):
+    """Code bytes (low 8 bits of an int32) of finite fp32 yc no further than an fp32 rounding
+    or two beyond [QMIN, QMAX], where the clamp would not change the code."""
+    if CODE == 1:
+        if TRUNC:
+            code = yc.to(tl.int32)  # exact conversion: cvt.rzi / astype both truncate
+        else:
+            code = int8_code_bits(yc)
+    else:
+        bits = float_bits(yc)
+        sign = (bits >> 24) & 0x80
+        if CODE == 2:
+            code = e4m3_magnitude_code(bits & 0x7FFFFFFF, 7) + sign
+        else:
+            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 8)
+            code = tl.where(mag == 0, 0, mag + sign)  # 0x80 is e4m3fnuz's NaN, not -0
+    return code
 
 
 @triton.jit
 def encode_codes(
     y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.constexpr
 ):
-    """y = x / scale (fp32) -> code bytes as int32 (int8 codes as -128..127, fp8 as 0..255).
+    """y = x / scale (fp32) -> code bytes in the low 8 bits of an int32 (the caller's cast to
+    the 8-bit cache type keeps them; the upper bits are not meaningful).
 
     Non-finite y -> NAN_CODE; otherwise clamp to [QMIN, QMAX] and round (int8: half to even, or
     toward zero when TRUNC; fp8: one RNE from fp32, e4m3fnuz has no -0).
     """
     finite = is_finite(y)
-    # Non-finite lanes are zeroed first so no conversion below ever sees a NaN or Inf.
+    # Non-finite lanes are zeroed first so no conversion or add below ever sees a NaN or Inf
+    # (a signalling NaN would raise NumPy's invalid-value warning under the interpreter).
     yc = tl.minimum(tl.maximum(tl.where(finite, y, 0.0), QMIN), QMAX)
-    if CODE == 1:
-        if TRUNC:
-            code = yc.to(tl.int32)  # exact conversion: cvt.rzi / astype both truncate
-        else:
-            code = round_half_even(yc).to(tl.int32)  # already integral: the cvt is exact
+    return tl.where(finite, _finite_codes(yc, CODE, TRUNC), NAN_CODE)
+
+
+@triton.jit
+def encode_row_codes(y, CODE: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.constexpr):
+    """encode_codes for y = x * (1 / scale) of a per-token-head row, bit for bit the same.
+
+    There the clamp is a no-op and NaN is the only non-finite y, so both are skipped: scale >=
+    absmax / QMAX and 1 / scale are correctly rounded, so |y| <= QMAX * (1 + 3 * 2**-24), which
+    rounds to the same code as QMAX in every format (int8 127, e4m3 448 / 224); a row with an
+    Inf has scale = Inf and inv = 0, so y is +-0 or NaN (Inf * 0), and a NaN row gives NaN.
+    """
+    finite = y == y
+    if CODE == 1 and TRUNC:
+        code = _finite_codes(tl.where(finite, y, 0.0), CODE, TRUNC)  # cvt never sees a NaN
+    elif CODE == 1:
+        # The max is a no-op on the row's values but stands between x * inv and the rounding
+        # add, so they cannot contract into an FMA whatever the fp-fusion setting (a select
+        # would not do: LLVM moves the add into both arms). A NaN lane leaves it as NaN
+        # (interpreter) or QMIN (GPU) and is replaced below.
+        code = _finite_codes(tl.maximum(y, -128.0), CODE, TRUNC)
     else:
-        bits = float_bits(yc)
-        sign = (bits >> 24) & 0x80
-        if CODE == 2:
-            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 7)
-            code = sign | mag
-        else:
-            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 8)
-            code = tl.where(mag == 0, 0, sign | mag)  # 0x80 is e4m3fnuz's NaN, not -0
+        # |y| meets the add through an abs, which no FMA can absorb; a NaN lane goes through
+        # integer ops and an add of a quiet NaN (no trap) and is replaced below.
+        code = _finite_codes(y, CODE, TRUNC)
     return tl.where(finite, code, NAN_CODE)
 
 
