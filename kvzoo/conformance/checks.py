@@ -127,7 +127,8 @@ def check_reshape_and_cache(impl, case: WriteCase):
              for c in
              (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)]
     caches = KVCacheTensors(*(None if c is None else c[:num_blocks] for c in
-                              (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)))
+                              (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache,
+                               padded.buffer)))
     before = [None if c is None else host_bytes(c).copy() for c in
               (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)]
 
