@@ -69,6 +69,7 @@ def write_cases() -> list[WriteCase]:
         cases.append(WriteCase(mode, num_tokens=1, negative_slots=False))
         cases.append(WriteCase(mode, num_tokens=64, num_kv_heads=16, head_size=128, block_size=16))
         cases.append(WriteCase(mode, num_tokens=40, num_kv_heads=1, head_size=67, block_size=1, strided=True))
+        cases.append(WriteCase(mode, num_tokens=20, block_size=4, wild_slots=True))
     return cases
 
 

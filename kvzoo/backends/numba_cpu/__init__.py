@@ -82,12 +82,13 @@ def run_reshape_and_cache(p: Any) -> None:
     value, vst = flat(p.value, carrier)
     slots = np.ascontiguousarray(p.slot_mapping, dtype=np.int64)
     bs = np.int64(p.block_size)
+    num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
     heads, hsize = np.int64(p.num_kv_heads), np.int64(p.head_size)
     mode = p.mode
     if mode.code_dtype is None:
         kc, kcs = flat(p.key_cache, carrier)
         vc, vcs = flat(p.value_cache, carrier)
-        k.write_plain(key, kst, value, vst, slots, kc, kcs, vc, vcs, bs, heads, hsize)
+        k.write_plain(key, kst, value, vst, slots, num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
         return
     kc, kcs = flat(p.key_cache, np.uint8)
     vc, vcs = flat(p.value_cache, np.uint8)
@@ -99,7 +100,7 @@ def run_reshape_and_cache(p: Any) -> None:
         ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
         kts, vts = _f32(p.k_scale), _f32(p.v_scale)
     k.write_quantized(
-        key, kst, value, vst, np.int64(kind), slots,
+        key, kst, value, vst, np.int64(kind), slots, num_slots,
         kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
         bs, heads, hsize,
         np.int64(_CODE_FORMATS[mode.code_dtype]), p.rounding == "trunc",

@@ -311,7 +311,7 @@ def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin,
 
 @njit(parallel=True, **_OPTS)
 def write_quantized(
-    key, ks_, value, vs_, kind, slots,
+    key, ks_, value, vs_, kind, slots, num_slots,
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
     block_size, num_heads, head_size,
     fmt, trunc, qmax, qmin, per_tensor, k_tscale, v_tscale,
@@ -326,7 +326,9 @@ def write_quantized(
         xf = np.empty(head_size, dtype=np.float32)
         for t in range(chunk * _WRITE_CHUNK, min(num_tokens, (chunk + 1) * _WRITE_CHUNK)):
             slot = slots[t]
-            if slot < 0:
+            # Past-the-end slots reach here only with validation off: skipped like negative
+            # ones, so nothing is written outside the cache.
+            if slot < 0 or slot >= num_slots:
                 continue
             blk = slot // block_size
             off = slot - blk * block_size
@@ -347,14 +349,14 @@ def write_quantized(
 
 
 @njit(parallel=True, **_OPTS)
-def write_plain(key, ks_, value, vs_, slots, kc, kcs, vc, vcs, block_size, num_heads, head_size):
+def write_plain(key, ks_, value, vs_, slots, num_slots, kc, kcs, vc, vcs, block_size, num_heads, head_size):
     """reshape_and_cache for mode none: a bit copy of each row into its slot."""
     rows = slots.shape[0] * num_heads
     for item in prange(rows):
         t = item // num_heads
         h = item - t * num_heads
         slot = slots[t]
-        if slot < 0:
+        if slot < 0 or slot >= num_slots:
             continue
         blk = slot // block_size
         off = slot - blk * block_size

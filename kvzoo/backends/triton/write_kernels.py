@@ -144,6 +144,7 @@ def _reshape_and_cache_kernel(
     k_scale_ptr,
     v_scale_ptr,
     slot_ptr,
+    num_slots,
     num_heads,
     head_size,
     block_size,
@@ -193,7 +194,9 @@ def _reshape_and_cache_kernel(
     xk = _load_rows(key_ptr, token, s_kt, s_kh, s_kd, offs_h, offs_d, load_mask, CODE, IN_KIND)
     xv = _load_rows(value_ptr, token, s_vt, s_vh, s_vd, offs_h, offs_d, load_mask, CODE, IN_KIND)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    keep = slot >= 0
+    # Past-the-end slots reach here only with validation off: skipped like negative ones, so
+    # nothing is ever written outside the cache.
+    keep = (slot >= 0) & (slot < num_slots)
     h_ok = in_rows & keep
     store_mask = load_mask & keep
     # A skipped token's stores are all masked off; keep its address arithmetic in range anyway.
@@ -384,6 +387,7 @@ def reshape_and_cache(p, scale_floor: float) -> None:
         dummy if k_s is None else k_s,
         dummy if v_s is None else v_s,
         p.slot_mapping,
+        p.key_cache.shape[0] * p.key_cache.shape[1],
         num_heads,
         head_size,
         p.key_cache.shape[1],
