@@ -23,10 +23,15 @@ def _reference(op: str):
     return reg.get(op, "numpy")
 
 
+def _written_slots(problem):
+    slots = np.asarray(problem.slot_mapping).astype(np.int64)
+    capacity = problem.key_cache.shape[0] * problem.key_cache.shape[1]
+    return slots[(slots >= 0) & (slots < capacity)]
+
+
 def _flip_one_code(problem):
     _reference("reshape_and_cache").run(problem)
-    slots = np.asarray(problem.slot_mapping).astype(np.int64)
-    kept = slots[slots >= 0]
+    kept = _written_slots(problem)
     if kept.size:
         block, offset = divmod(int(kept[-1]), problem.key_cache.shape[1])
         cache = problem.value_cache.view(np.uint8)
@@ -35,8 +40,7 @@ def _flip_one_code(problem):
 
 def _nudge_one_scale(problem):
     _reference("reshape_and_cache").run(problem)
-    slots = np.asarray(problem.slot_mapping).astype(np.int64)
-    kept = slots[slots >= 0]
+    kept = _written_slots(problem)
     if kept.size and problem.k_scale_cache is not None:
         block, offset = divmod(int(kept[0]), problem.key_cache.shape[1])
         problem.k_scale_cache.view(np.uint32)[block, offset, 0] ^= 0x1
