@@ -100,3 +100,36 @@ def test_impl_argument_forces_an_implementation():
         kvzoo.reshape_and_cache(key, key, torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
                                 torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn), torch.arange(3),
                                 mode="fp8_per_tensor", k_scale=1.0, v_scale=1.0, impl="triton-rocm")
+
+
+def test_triton_missing_entirely_is_a_reason_not_an_import_error():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import kvzoo\n"
+        "impls = [i for i in kvzoo.registry.implementations() if i.name.startswith('triton')]\n"
+        "assert len(impls) == 6, impls\n"
+        "assert not kvzoo.registry.default().import_errors, kvzoo.registry.default().import_errors\n"
+        "print(';'.join(r for i in impls for r in i.unavailable()))\n"
+        "print(kvzoo.registry.best('reshape_and_cache', 'int8_per_token_head', 'cpu').name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "triton is not installed" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] in ("numba", "numpy")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_registry_picks_triton_on_cuda():
+    for op in ("reshape_and_cache", "dequantize", "paged_attention"):
+        for mode in ("none", "int8_per_token_head", "fp8_per_token_head"):
+            assert kvzoo.registry.best(op, mode, "cuda").name == "triton-cuda"
+    cache = kvzoo.PagedKVCache(4, 16, 2, 64, "int8_per_token_head", device="cuda")
+    key = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cache.write(key, key, torch.arange(8, device="cuda"))  # impl=None: the registry's choice
+    # ... and the CPU backends refuse CUDA tensors with a reason naming the device.
+    from kvzoo.problem import CacheWrite
+
+    p = CacheWrite(mode=cache.mode, key=key, value=key, key_cache=cache.tensors.key_cache,
+                   value_cache=cache.tensors.value_cache, slot_mapping=torch.arange(8, device="cuda"),
+                   k_scale_cache=cache.tensors.k_scale_cache, v_scale_cache=cache.tensors.v_scale_cache)
+    assert any("device 'cuda'" in r for r in kvzoo.registry.get("reshape_and_cache", "numpy").supports(p))
