@@ -126,8 +126,8 @@ def reshape_and_cache(
         if slots.max() >= capacity:
             fail(f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
                  f"({num_blocks} blocks x {block_size})")
-        used = slots[slots >= 0]
-        if len(np.unique(used)) != len(used):
+        used = np.sort(slots[slots >= 0])
+        if (used[1:] == used[:-1]).any():
             fail("slot_mapping: a non-negative slot appears more than once; each slot takes one token")
     if check_finite:
         require_finite("key", key)

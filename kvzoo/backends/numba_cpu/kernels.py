@@ -268,8 +268,12 @@ def _load_row_absmax(src, s0, sd, kind, xf, n):
 def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
     if not checked:
         # Finite scale, so every x is finite and |x * inv| <= ~qmax: no y can be non-finite.
-        for d in range(n):
-            dst[_u(d0 + d * dd)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
+        if dd == 1:  # contiguous codes (both layouts): a unit-stride loop LLVM can vectorize
+            for d in range(n):
+                dst[_u(d0 + d)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
+        else:
+            for d in range(n):
+                dst[_u(d0 + d * dd)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
     elif div:
         for d in range(n):
             dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin)
