@@ -94,9 +94,3 @@ def same_kind_empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
     if is_torch(like):
         return torch.empty(shape, dtype=torch_dtype(dtype), device=like.device)
     return np.empty(shape, dtype=numpy_dtype(dtype))
-
-
-def raw_bytes(x: Any) -> bytes:
-    """The bytes of an array's elements in logical (C) order, for exact comparisons."""
-    a = as_numpy(x.detach().cpu() if is_torch(x) else x)
-    return np.ascontiguousarray(a).tobytes()

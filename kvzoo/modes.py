@@ -98,7 +98,3 @@ def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
     if key not in _ALIASES:
         raise ValueError(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
     return MODES[_ALIASES[key]]
-
-
-def valid_mode_names() -> list[str]:
-    return sorted(_ALIASES)
