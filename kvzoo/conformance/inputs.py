@@ -53,7 +53,8 @@ def midpoint_targets(mode: QuantMode, rng: np.random.Generator, n: int) -> np.nd
         mids = (values[i] + values[i + 1]) / 2 * rng.choice([-1.0, 1.0], n)
     nudge = rng.choice([0.0, 0.0, 1.0, -1.0], n)
     mids32 = mids.astype(np.float32)
-    return np.where(nudge == 0, mids32, np.nextafter(mids32, np.float32(np.inf) * nudge.astype(np.float32)))
+    toward = np.where(nudge > 0, np.float32(np.inf), np.float32(-np.inf))
+    return np.where(nudge == 0, mids32, np.nextafter(mids32, toward))
 
 
 def make_rows(mode: QuantMode, dist: str, dtype: str, shape: tuple[int, ...], rng: np.random.Generator,
