@@ -64,11 +64,7 @@ def _static_scale(rng) -> np.float32:
     return np.float32(2.0 ** rng.integers(-4, 5) * rng.uniform(1.0, 2.0))
 
 
-def _cache_dtype(mode, model_dtype: str) -> str:
-    return mode.code_dtype or model_dtype
-
-
-def _caches(case, rng, num_blocks, device, kind):
+def _caches(case: WriteCase, rng, num_blocks, device, kind):
     """Poisoned caches (random bytes) in the case's layout."""
     mode = MODES[case.mode]
     shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
@@ -76,7 +72,7 @@ def _caches(case, rng, num_blocks, device, kind):
         buf = random_bytes(rng, (num_blocks, 2, case.block_size, case.num_kv_heads, case.head_size + 4),
                            "uint8", device, kind)
         return inline_views(buf, case.head_size, mode)
-    dtype = _cache_dtype(mode, getattr(case, "dtype", getattr(case, "query_dtype", "bfloat16")))
+    dtype = mode.code_dtype or case.dtype
     kc, vc = (random_bytes(rng, shape, dtype, device, kind) for _ in range(2))
     if mode.per_token_head:
         ks, vs = (random_bytes(rng, shape[:3], "float32", device, kind) for _ in range(2))

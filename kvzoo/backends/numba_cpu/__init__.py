@@ -109,13 +109,8 @@ def run_reshape_and_cache(p: Any) -> None:
 
 
 def write_reasons(p: Any) -> list[str]:
-    reasons = _strided_reasons(p, _WRITE_ARRAYS)
-    if p.mode.code_dtype is None and dtype_name(p.key) != dtype_name(p.key_cache):
-        reasons.append(
-            f"numba: mode none copies bits, so key dtype {dtype_name(p.key)} and cache dtype "
-            f"{dtype_name(p.key_cache)} must be the same"
-        )
-    return reasons
+    # Mode none's equal key/cache dtypes are checked once, in kvzoo.api.
+    return _strided_reasons(p, _WRITE_ARRAYS)
 
 
 # ----------------------------------------------------------------------------------------------
