@@ -49,7 +49,7 @@ def ceilings() -> tuple[float, float]:
     return copy_bw, 2 * 8192**3 / ms / 1e9
 
 
-def make(num_seqs, q_len, seq_len, mode, seed=0):
+def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
     g = torch.Generator(device=DEV).manual_seed(seed)
     m = get_kv_quant_mode(mode)
     nb_seq = seq_len // BS
@@ -77,6 +77,7 @@ def make(num_seqs, q_len, seq_len, mode, seed=0):
         seq_lens=torch.full((num_seqs,), seq_len, device=DEV, dtype=torch.int32),
         query_start_loc=qsl, out=torch.full_like(q, float("nan")), max_query_len=q_len,
         max_seq_len=seq_len, softmax_scale=1 / math.sqrt(D), k_scale_cache=ks, v_scale_cache=vs,
+        quantize_query=quantize_query,
     )
 
 
@@ -221,21 +222,25 @@ def main():
             ("none", [(64, 4, 2), (128, 4, 2)]),
             ("int8_per_token_head", [(128, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2), (64, 1, 3)]),
             ("fp8_per_token_head", [(128, 4, 2), (64, 2, 2), (64, 1, 2)]),
+            # quantize_query: QK^T on int8 codes (err is against the unquantized query).
+            ("int8_per_token_head+qq", [(128, 4, 2), (64, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2)]),
         ):
-            p = make(S, 1, L, mode)
+            mode, qq = mode.split("+")[0], mode.endswith("+qq")
+            p = make(S, 1, L, mode, quantize_query=qq)
+            mode = mode + ("+qq" if qq else "")
             table = K.decode_config(p, False)
             row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
-            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
+            run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
             unsplit = dataclasses.replace(table, split_keys=0)
-            run_variant(f"{mode[:4]} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c),
+            run_variant(f"{mode} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c),
                         copy_bw, [0])
             for bn, w, st in [] if quick else variants:
                 sk = -(-table.split_keys // bn) * bn
                 cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
-                run_variant(f"{mode[:4]} bn{bn} w{w} s{st} sk{sk}", p,
+                run_variant(f"{mode[:4]}{' qq' * qq} bn{bn} w{w} s{st} sk{sk}", p,
                             lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [S - 1])
             inv = dataclasses.replace(p, batch_invariant=True)
-            run_variant(f"{mode[:4]} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"),
+            run_variant(f"{mode} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"),
                         copy_bw, [1])
             del p, inv
             torch.cuda.empty_cache()
@@ -243,11 +248,12 @@ def main():
     if "split" in sections:
         S, L = 8, 65536
         sdpa_decode(S, L, copy_bw)
-        for mode in ("none", "int8_per_token_head", "fp8_per_token_head"):
-            p = make(S, 1, L, mode)
+        for mode in ("none", "int8_per_token_head", "fp8_per_token_head", "int8_per_token_head+qq"):
+            mode, qq = mode.split("+")[0], mode.endswith("+qq")
+            p = make(S, 1, L, mode, quantize_query=qq)
             table = K.decode_config(p, False)
-            row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
-            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
+            row(f"-- decode {S}x{L} {mode}{' qq' * qq}: table {table}", 0.0)
+            run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
             if mode.startswith("int8") and not quick:
                 cfg = dataclasses.replace(table, block_n=64, num_warps=1, split_keys=4096)
                 run_variant(f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
@@ -259,14 +265,15 @@ def main():
         S, L = 4, 4096
         flops = prefill_flops(S, L)
         sdpa_prefill(S, L, mm)
-        for mode in ("none", "int8_per_token_head", "fp8_per_token_head"):
-            p = make(S, L, L, mode)
+        for mode in ("none", "int8_per_token_head", "fp8_per_token_head", "int8_per_token_head+qq"):
+            mode, qq = mode.split("+")[0], mode.endswith("+qq")
+            p = make(S, L, L, mode, quantize_query=qq)
             table = K.prefill_config(p)
-            row(f"-- prefill {S}x{L} {mode}: table {table}", 0.0)
-            run_variant(f"{mode[:4]} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [1], flops=flops, mm=mm)
+            row(f"-- prefill {S}x{L} {mode}{' qq' * qq}: table {table}", 0.0)
+            run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [1], flops=flops, mm=mm)
             for cfg in [] if quick else (C(16, 128, 4, 2, 0, True), C(32, 128, 8, 3, 0, True),
                                          C(16, 64, 4, 3, 0, True), C(32, 128, 8, 2, 0, True)):
-                run_variant(f"{mode[:4]} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", p,
+                run_variant(f"{mode[:4]}{' qq' * qq} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", p,
                             lambda cfg=cfg, p=p: K.run(p, "cuda", prefill=cfg), copy_bw, [1],
                             flops=flops, mm=mm)
             del p

@@ -46,11 +46,20 @@ import kvzoo  # noqa: E402
 IMPL = "triton-cuda"
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 MODES = ("none", "int8_per_token_head", "fp8_per_token_head")
-SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
+# Attention also times the quantize_query option on the int8 cache ("variant" = mode[+qq]).
+QQ = "+qq"
+ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
+SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8",
+         "int8_per_token_head" + QQ: "int8 qk-int8"}
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
 MAX_SETS = 8
-ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache
+ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw query, also for +qq)
+
+
+def _variant(variant: str) -> tuple[str, bool]:
+    """(cache mode, quantize_query) of an attention variant name."""
+    return variant.removesuffix(QQ), variant.endswith(QQ)
 
 
 @dataclass
@@ -418,8 +427,8 @@ class AttnSet:
     max_s: int
 
 
-def _attn_set(mode, q_lens, seq_lens, gen) -> AttnSet:
-    c, table = _paged_cache(mode, seq_lens, gen)
+def _attn_set(variant, q_lens, seq_lens, gen) -> AttnSet:
+    c, table = _paged_cache(_variant(variant)[0], seq_lens, gen)
     total_q = sum(q_lens)
     query = torch.randn(total_q, HQ, D, generator=gen).to(torch.bfloat16).to(DEVICE)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
@@ -435,8 +444,9 @@ def _attn_set(mode, q_lens, seq_lens, gen) -> AttnSet:
     )
 
 
-def _attn_call(s: AttnSet, mode: str, impl: str = IMPL):
+def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
     c = s.cache
+    mode, quantize_query = _variant(variant)
     kvzoo.paged_attention(
         s.query,
         c.key_cache,
@@ -451,15 +461,18 @@ def _attn_call(s: AttnSet, mode: str, impl: str = IMPL):
         out=s.out,
         max_query_len=s.max_q,
         max_seq_len=s.max_s,
+        quantize_query=quantize_query,
         impl=impl,
         validate=False,
     )
 
 
-def _check_attention(s: AttnSet, mode: str, q_lens, seq_lens, max_rows: int = 32) -> str:
-    """Relative error of the last query rows of the first and last sequences vs float32 torch."""
+def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int = 32) -> str:
+    """Relative error of the last query rows of the first and last sequences vs float32 torch
+    attention with the query as given (so +qq rows show what quantizing the query costs)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    _attn_call(s, mode)
+    _attn_call(s, variant)
+    mode = _variant(variant)[0]
     sync()
     worst = 0.0
     starts = np.concatenate([[0], np.cumsum(q_lens)])
@@ -480,8 +493,8 @@ def _check_attention(s: AttnSet, mode: str, q_lens, seq_lens, max_rows: int = 32
     return f"err {worst:.1e}"
 
 
-def _attn_bytes(mode, q_lens, seq_lens) -> int:
-    m = kvzoo.get_kv_quant_mode(mode)
+def _attn_bytes(variant, q_lens, seq_lens) -> int:
+    m = kvzoo.get_kv_quant_mode(_variant(variant)[0])
     code = 2 if m.code_dtype is None else 1
     keys = sum(seq_lens)
     b = keys * HKV * D * 2 * code + sum(q_lens) * HQ * D * 2 * 2  # K+V, query + out
@@ -564,7 +577,7 @@ def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa):
     """Times every mode on one shape (and SDPA when given); kind 'bw' reports GB/s, 'flops' TFLOP/s."""
     times: dict[str, float] = {}
     rows: dict[str, Row] = {}
-    for mode in MODES:
+    for mode in ATTN_VARIANTS:
         case = f"{case_prefix} {SHORT[mode]}"
         attempt(case, IMPL, _attention_mode, case, mode, q_lens, seq_lens, ceil, reps, kind, times, rows)
     if sdpa is not None:

@@ -240,6 +240,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     batch_invariant: bool = False,
+    quantize_query: bool = False,
     impl: str | _registry.Implementation | None = None,
     validate: bool = True,
 ) -> Array:
@@ -249,8 +250,14 @@ def paged_attention(
     seq_lens[s] tokens (this step's included), found through block_tables[s]. Returns `out`
     ([num_tokens, num_q_heads, head_size], query dtype). Pass max_query_len and max_seq_len
     (host ints) together with validate=False to avoid every host synchronisation.
+
+    quantize_query=True (int8 per-token-head caches only) quantizes each query row to int8
+    the way the cache's rows are, so QK^T runs on int8 codes (int8 tensor cores on the GPU):
+    faster, with the query's rounding added to the error (SPEC.md section 8.1).
     """
     mode = get_kv_quant_mode(mode)
+    if quantize_query and not (mode.is_int8 and mode.per_token_head):
+        fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
     require_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     require_dtype("query", query, FLOAT_INPUTS)
     num_tokens, num_q_heads, head_size = (int(s) for s in query.shape)
@@ -316,7 +323,7 @@ def paged_attention(
         k_scale=statics["k_scale"], v_scale=statics["v_scale"],
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), sinks=sinks,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, quantize_query=bool(quantize_query),
     )
     if num_tokens:
         _run("paged_attention", problem, impl)

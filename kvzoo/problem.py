@@ -142,6 +142,9 @@ class Attention(_Problem):
     sinks: Array | None = None
     # Bits of one sequence's output must not depend on the rest of the batch.
     batch_invariant: bool = False
+    # int8 caches only: each query row (token, head) is replaced by its int8 per-token-head
+    # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
+    quantize_query: bool = False
 
     def _device_array(self) -> Array:
         return self.query

@@ -176,8 +176,13 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks=None,
+    query_codec: Codec | None = None,
 ) -> None:
-    """fp32 attention with dot products on the codes and scales applied per key."""
+    """fp32 attention with dot products on the codes and scales applied per key.
+
+    query_codec: quantize each query row (token, head) with it and attend with the decoded
+    rows instead (the quantize_query option).
+    """
     num_q_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -198,7 +203,10 @@ def paged_attention(
         key_pos = np.arange(seq_len)
         for c0 in range(q_start, q_end, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, q_end)
-            q = _widen(query[c0:c1]).reshape(c1 - c0, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
+            q = _widen(query[c0:c1])
+            if query_codec is not None:
+                q = decode(*quantize_rows(q, query_codec), query_codec)
+            q = q.reshape(c1 - c0, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
             q = q.reshape(num_kv_heads, (c1 - c0) * group, -1)
             q_pos = np.repeat(seq_len - (q_end - q_start) + np.arange(c0 - q_start, c1 - q_start), group)
             visible = key_pos[None, :] <= q_pos[:, None]

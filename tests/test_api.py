@@ -42,11 +42,12 @@ def test_paged_kv_cache_round_trip(mode, layout):
 
 def test_numpy_arrays_in_and_out():
     rng = rng_for("numpy-api")
-    key = rng.standard_normal((9, 2, 64)).astype(np.float16)
-    value = rng.standard_normal((9, 2, 64)).astype(np.float16)
+    # Every slot is written: attention below reads whole pages, and the cache starts as np.empty.
+    key = rng.standard_normal((32, 2, 64)).astype(np.float16)
+    value = rng.standard_normal((32, 2, 64)).astype(np.float16)
     tensors = kvzoo.allocate_separate(2, 16, 2, 64, "int8_per_token_head", device=None)
     assert isinstance(tensors.key_cache, np.ndarray)
-    slots = rng.permutation(32)[:9].astype(np.int64)
+    slots = rng.permutation(32).astype(np.int64)
     kvzoo.reshape_and_cache(key, value, tensors.key_cache, tensors.value_cache, slots, mode="int8_per_token_head",
                             k_scale_cache=tensors.k_scale_cache, v_scale_cache=tensors.v_scale_cache)
     want_codes, want_scales = oracle.quantize_rows(key.astype(np.float32).reshape(-1, 64), "int8_per_token_head")

@@ -150,6 +150,8 @@ ATTENTION_ERRORS = {
     "softcap": (lambda a, k: k.update(softcap=-1.0), ["softcap"]),
     "out dtype": (lambda a, k: k.update(out=torch.empty(6, 8, D)), ["out", "dtype"]),
     "v scales missing": (lambda a, k: k.pop("v_scale_cache"), ["v_scale_cache", "required"]),
+    "quantize_query on fp8": (lambda a, k: k.update(mode="fp8_per_token_head", quantize_query=True),
+                              ["quantize_query", "int8", "fp8_per_token_head"]),
 }
 
 

@@ -133,3 +133,20 @@ def test_registry_picks_triton_on_cuda():
                    value_cache=cache.tensors.value_cache, slot_mapping=torch.arange(8, device="cuda"),
                    k_scale_cache=cache.tensors.k_scale_cache, v_scale_cache=cache.tensors.v_scale_cache)
     assert any("device 'cuda'" in r for r in kvzoo.registry.get("reshape_and_cache", "numpy").supports(p))
+
+
+def test_an_option_one_backend_lacks_goes_to_one_that_has_it():
+    # Numba declines quantize_query with a reason; the automatic choice on CPU then falls to
+    # the NumPy reference instead of failing.
+    cache = kvzoo.PagedKVCache(2, 16, 2, 64, "int8_per_token_head")
+    kv = torch.randn(20, 2, 64)
+    cache.write(kv, kv, torch.arange(20))
+    q = torch.randn(20, 4, 64)
+    args = dict(block_tables=torch.tensor([[0, 1]], dtype=torch.int32), seq_lens=torch.tensor([20], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 20], dtype=torch.int32), quantize_query=True)
+    numba = kvzoo.registry.get("paged_attention", "numba")
+    if numba.available:
+        with pytest.raises(NoImplementationError, match="quantize_query"):
+            cache.attention(q, impl="numba", **args)
+    auto = cache.attention(q, **args)
+    assert torch.equal(auto, cache.attention(q, impl="numpy", **args))

@@ -7,6 +7,7 @@ interpreter (TRITON_INTERPRET=1) at tiny sizes; GPU-only tests skip without CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ def _kernels():
 def make_problem(
     q_lens, seq_lens, *, mode="int8_per_token_head", num_q_heads=4, num_kv_heads=2, head_size=32,
     block_size=16, dtype=torch.bfloat16, sliding_window=None, softcap=None, sinks=False,
-    batch_invariant=False, extra_blocks=3, seed=0, num_blocks=None, device=DEVICE,
+    batch_invariant=False, extra_blocks=3, seed=0, num_blocks=None, device=DEVICE, quantize_query=False,
 ):
     """A random Attention problem: random codes and scales, shuffled block tables."""
     gen = torch.Generator().manual_seed(seed)
@@ -82,7 +83,7 @@ def make_problem(
         query_start_loc=to(qsl), out=to(out), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         softmax_scale=1.0 / math.sqrt(head_size), k_scale_cache=to(ks), v_scale_cache=to(vs),
         k_scale=to(k_scale), v_scale=to(v_scale), sliding_window=sliding_window, softcap=softcap,
-        sinks=to(sink_t), batch_invariant=batch_invariant,
+        sinks=to(sink_t), batch_invariant=batch_invariant, quantize_query=quantize_query,
     )
 
 
@@ -207,6 +208,30 @@ def test_split_kv_matches_single_pass(mode, extra):
     assert rel_err(a, ref) <= 1e-2 and rel_err(b, ref) <= 1e-2
     # Different summation orders: close, not bitwise.
     assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+def _round_trip_query(p: Attention) -> Attention:
+    """p with its query replaced by the int8 per-token-head round trip (SPEC.md 8.1)."""
+    from reference import oracle
+
+    rows = _f64(p.query).to(torch.float32).reshape(-1, p.head_size).numpy()
+    q_hat = oracle.decode_rows(*oracle.quantize_rows(rows, "int8_per_token_head"), "int8_per_token_head")
+    return dataclasses.replace(p, query=torch.from_numpy(q_hat).reshape(p.query.shape), quantize_query=False)
+
+
+@pytest.mark.parametrize("split_keys", [0, 64], ids=["single", "split"])
+@pytest.mark.parametrize("batch", ["decode", "prefill"])
+def test_quantize_query_attends_with_the_quantized_query(batch, split_keys):
+    # fp32 query and output, so the query's int8 rounding (~4e-3 here) stands far above the
+    # kernel's own error: the output must follow the round-tripped query, not the raw one.
+    k = _kernels()
+    q_lens, lens = ([1, 1, 1], [300, 129, 64]) if batch == "decode" else ([40, 7], [40, 60])
+    p = make_problem(q_lens, lens, dtype=torch.float32, head_size=64, quantize_query=True, sinks=True)
+    out = run(p, decode=k.AttentionConfig(1, 32, 4, 2, split_keys))
+    assert not torch.isnan(out).any(), "some output elements were not written"
+    err_quantized = rel_err(out, reference(_round_trip_query(p)))
+    err_raw = rel_err(out, reference(p))
+    assert err_quantized <= 1.5e-3 and err_raw > 2 * err_quantized, (err_quantized, err_raw)
 
 
 @pytest.mark.parametrize("mode", ["none", "int8_per_token_head", "fp8_per_token_head"])

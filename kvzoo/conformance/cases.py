@@ -113,6 +113,7 @@ class AttentionCase:
     layout: str = "separate"
     # A NaN/Inf-poisoned key in sequence 0 (a decode in "decode" and "mixed" batches).
     poison: bool = False
+    quantize_query: bool = False  # SPEC.md section 8.1 (int8 caches)
 
     @property
     def id(self) -> str:
@@ -128,6 +129,8 @@ class AttentionCase:
             parts.append("inline")
         if self.poison:
             parts.append("poison")
+        if self.quantize_query:
+            parts.append("qint8")
         return "-".join(parts)
 
 
@@ -145,6 +148,12 @@ def attention_cases() -> list[AttentionCase]:
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
         cases.append(AttentionCase(mode, "decode", poison=True))
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
+    for batch in ("decode", "prefill", "mixed"):
+        cases.append(AttentionCase("int8_per_token_head", batch, quantize_query=True))
+    cases.append(AttentionCase("int8_per_token_head", "mixed", num_q_heads=16, num_kv_heads=2, head_size=96,
+                               query_dtype="float32", sliding_window=19, softcap=30.0, sinks=True,
+                               quantize_query=True))
+    cases.append(AttentionCase("int8_per_token_head", "decode", poison=True, quantize_query=True))
     cases.append(AttentionCase("fp8_per_token_head", "prefill", head_size=67, block_size=1))
     cases.append(AttentionCase("none", "decode", head_size=67, sinks=True, query_dtype="float16"))
     return cases

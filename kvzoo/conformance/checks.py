@@ -311,25 +311,33 @@ def check_paged_attention(impl, case: AttentionCase):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     sinks = (rng.standard_normal(Hq) * 2).astype(np.float32) if case.sinks else None
     out = torch.full_like(query, float("nan"))
-    api.paged_attention(
-        query, key_cache, value_cache, mode=case.mode,
-        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        k_scale_cache=k_sc, v_scale_cache=v_sc,
-        k_scale=None if static[0] is None else float(static[0]),
-        v_scale=None if static[1] is None else float(static[1]),
-        sliding_window=case.sliding_window, softcap=case.softcap,
-        sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
-        out=out, impl=impl,
-    )
+    try:
+        api.paged_attention(
+            query, key_cache, value_cache, mode=case.mode,
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            query_start_loc=torch.from_numpy(qsl).to(device),
+            k_scale_cache=k_sc, v_scale_cache=v_sc,
+            k_scale=None if static[0] is None else float(static[0]),
+            v_scale=None if static[1] is None else float(static[1]),
+            sliding_window=case.sliding_window, softcap=case.softcap,
+            sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
+            out=out, quantize_query=case.quantize_query, impl=impl,
+        )
+    except registry.NoImplementationError as e:
+        # The implementation says it does not take this problem (an option it lacks).
+        raise NotApplicable(str(e)) from None
 
     raw_k = kc if mode.code_dtype else kc.astype(np.float32)
     raw_v = vc if mode.code_dtype else vc.astype(np.float32)
     k_deq = oracle.decode_cache(raw_k, ks, case.mode, static[0])
     v_deq = oracle.decode_cache(raw_v, vs, case.mode, static[1])
+    ref_query = as_numpy(query.cpu())
+    if case.quantize_query:
+        rows = oracle.widen_to_float32(ref_query).reshape(-1, D)
+        ref_query = oracle.decode_rows(*oracle.quantize_rows(rows, case.mode), case.mode).reshape(query.shape)
     ref = oracle.attention_f64(
-        as_numpy(query.cpu()), k_deq, v_deq, tables, seq_lens, qsl,
+        ref_query, k_deq, v_deq, tables, seq_lens, qsl,
         sliding_window=case.sliding_window, softcap=case.softcap, sinks=sinks,
     )
     got = host_float32(out).astype(np.float64)

@@ -223,7 +223,10 @@ def run_paged_attention(p: Any) -> None:
 
 
 def attention_reasons(p: Any) -> list[str]:
-    return _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
+    why = _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
+    if p.quantize_query:
+        why.append(f"{NAME}: quantize_query is not implemented here (impl 'numpy' runs it on the CPU)")
+    return why
 
 
 # ----------------------------------------------------------------------------------------------

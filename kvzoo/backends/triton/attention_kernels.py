@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...modes import SCALE_FLOOR
 from ...problem import Attention
+from . import encode as _encode
 from . import platform as _platform
 
 _LOG2E = 1.4426950408889634
@@ -158,7 +160,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc).
 
@@ -166,6 +168,8 @@ def _attend_tile(
     SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (normalised by the
     tile's largest scale, so they cannot overflow) instead of scaling the [rows, keys] logits
     and probabilities: cheaper when the tile has many rows (prefill).
+    QK_INT8: q holds int8 codes (quantize_query) and meets the K codes as loaded in an int8
+    dot, exact in int32; the query and key scales multiply the logits after it.
     """
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
@@ -174,11 +178,17 @@ def _attend_tile(
     in_page = keys % PAGE
     k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
     kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    if SCALE_IN_CODES:
+    if QK_INT8:
+        k = kc
+    elif SCALE_IN_CODES:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     else:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
-    if SCALE_MODE == 2:
+    if QK_INT8:
+        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
+                        key_ok, MASKED)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
+    elif SCALE_MODE == 2:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
         if SCALE_IN_CODES:
@@ -257,7 +267,7 @@ def _attend_range(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -274,7 +284,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
             )
             start += BLOCK_N
     else:
@@ -287,7 +297,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
             )
     return m_i, l_i, acc
 
@@ -312,7 +322,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    QK_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -370,7 +380,13 @@ def _attention_kernel(
         factor = ((127 + k) << 23).to(tl.float32, bitcast=True)
         q = q * factor[:, None]
         row_scale = row_scale * ((127 - k) << 23).to(tl.float32, bitcast=True)
-    q = q.to(DOT_DTYPE)
+    if QK_INT8:
+        # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
+        q_scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), 127.0, SCALE_FLOOR)
+        q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], 1, 0, False).to(tl.int8)
+        row_scale = row_scale * q_scale
+    else:
+        q = q.to(DOT_DTYPE)
     # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
     q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
 
@@ -423,7 +439,7 @@ def _attention_kernel(
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, INTERPRETED,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, INTERPRETED,
             )
 
     if SCALE_MODE == 1:
@@ -624,7 +640,7 @@ def _operands(p: Attention, platform: str, scale_in_codes: bool):
         table = _fp8_table(p.mode.code_dtype)
         k, v = k.view(torch.uint8), v.view(torch.uint8)
         convert = _CONVERT_TABLE
-    return k, v, table, tl.float16, "tf32", convert, True
+    return k, v, table, tl.float16, "tf32", convert, not p.quantize_query
 
 
 def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> None:
@@ -670,7 +686,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        INTERPRETED=_platform.interpreted(),
+        QK_INT8=p.quantize_query, SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
