@@ -44,6 +44,7 @@ def _paged_attention(p: Attention) -> None:
         codec(p.mode), p.softmax_scale,
         k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
         sliding_window=p.sliding_window, softcap=p.softcap, sinks=p.sinks,
+        query_codec=codec(p.mode) if p.quantize_query else None,
     )
 
 
