@@ -512,6 +512,8 @@ class AttentionConfig:
     # Fold per-key scales into the fp16 K/V tiles (prefill) instead of scaling logits and
     # probabilities (decode, where a tile has few rows).
     scale_in_codes: bool = False
+    # Register cap per thread (ptxas .maxnreg); None leaves it to the compiler.
+    maxnreg: int | None = None
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -526,10 +528,14 @@ _DECODE_TABLE = {
     (64, "int8"): (32, 1, 2), (128, "int8"): (32, 1, 2), (256, "int8"): (64, 4, 2),
     (64, "fp8"): (64, 2, 2), (128, "fp8"): (64, 2, 2), (256, "fp8"): (64, 4, 2),
 }
-# Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages).
+# Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages), keyed by
+# (padded head size, K operand): False the model dtype, True converted codes, "int8" codes as
+# loaded (quantize_query; 64 rows on 4 warps took 2039 us against 2643 for the codes' tile on
+# the H200, bench/kernel_facts.py sweep 2).
 _PREFILL_TABLE = {
     (64, False): (128, 128, 8, 3), (128, False): (128, 128, 8, 3), (256, False): (64, 32, 4, 2),
     (64, True): (128, 128, 8, 2), (128, True): (128, 128, 8, 2), (256, True): (64, 32, 8, 2),
+    (64, "int8"): (64, 128, 4, 3), (128, "int8"): (64, 128, 4, 3), (256, "int8"): (64, 32, 8, 2),
 }
 # Batch-invariant decode always splits at this many keys: a sequence's split points depend
 # on its own length only.
@@ -593,7 +599,8 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
-    rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), p.mode.code_dtype is not None]
+    k_operand = "int8" if p.quantize_query else p.mode.code_dtype is not None
+    rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), k_operand]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
     block_q = max(1, rows // g_pad)
@@ -643,7 +650,8 @@ def _operands(p: Attention, platform: str, scale_in_codes: bool):
     return k, v, table, tl.float16, "tf32", convert, not p.quantize_query
 
 
-def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> None:
+def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
+    """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
@@ -671,7 +679,8 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         part_m = part_l = part_acc = p.out
     sinks = p.sinks if p.sinks is not None else dummy
     grid = (grid0, p.num_kv_heads, num_splits)
-    _attention_kernel[grid](
+    extra = {} if cfg.maxnreg is None or _platform.interpreted() else {"maxnreg": cfg.maxnreg}
+    kernel = _attention_kernel[grid](
         p.query, k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
         p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
@@ -687,7 +696,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if split:
         _merge_splits_kernel[(num_seqs, p.num_q_heads)](
@@ -696,6 +705,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
             NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
             HAS_SINKS=p.sinks is not None, num_warps=1,
         )
+    return kernel
 
 
 def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None = None,
