@@ -129,6 +129,46 @@ def _random_bit_patterns(n: int, seed: int) -> np.ndarray:
     return np.concatenate([bits, near, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
 
 
+@triton.jit
+def _both_e4m3_encoders_kernel(base, out_ptr, n, BLOCK: tl.constexpr):
+    # Every fp32 bit pattern base + i: 1 where the hardware convert and the integer rounding
+    # give different bytes, through both the clamping and the per-row encoders.
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = (base + i.to(tl.int64)).to(tl.uint32).to(tl.float32, bitcast=True)
+    clamped_hw = encode.encode_codes(y, encode.CODE_E4M3FN_CVT, -448.0, 448.0, 0x7F, False) & 0xFF
+    clamped_int = encode.encode_codes(y, encode.CODE_E4M3FN, -448.0, 448.0, 0x7F, False) & 0xFF
+    # The per-row encoder only ever sees |y| <= 448 (plus an ulp) or NaN.
+    r = tl.where(tl.abs(y) <= 448.0, y, float("nan"))
+    row_hw = encode.encode_row_codes(r, encode.CODE_E4M3FN_CVT, 0x7F, False) & 0xFF
+    row_int = encode.encode_row_codes(r, encode.CODE_E4M3FN, 0x7F, False) & 0xFF
+    differ = (clamped_hw != clamped_int) | (row_hw != row_int)
+    tl.store(out_ptr + i, differ.to(tl.uint8), mask=i < n)
+
+
+@needs_gpu
+def test_hardware_e4m3_convert_matches_integer_rounding_on_every_float32():
+    if torch.version.hip or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the hardware e4m3 convert is used on sm_90+ only")
+    chunk = 1 << 28
+    flags = torch.empty(chunk, dtype=torch.uint8, device=DEVICE)
+    for base in range(0, 1 << 32, chunk):
+        flags.fill_(0x55)
+        _both_e4m3_encoders_kernel[(chunk // _BLOCK,)](base, flags, chunk, BLOCK=_BLOCK, enable_fp_fusion=False)
+        bad = torch.nonzero(flags != 0)
+        assert bad.numel() == 0, [hex(base + int(i)) for i in bad[:10, 0]]
+
+
+@needs_gpu
+def test_fp8_write_uses_the_hardware_convert_on_hopper():
+    from kvzoo.backends.triton import write_kernels
+
+    t = torch.empty(1, device=DEVICE)
+    want = encode.CODE_E4M3FN_CVT if torch.cuda.get_device_capability()[0] >= 9 and not torch.version.hip \
+        else encode.CODE_E4M3FN
+    assert write_kernels._encoder_code(encode.CODE_E4M3FN, t) == want
+    assert write_kernels._encoder_code(encode.CODE_E4M3FN, t.cpu()) == encode.CODE_E4M3FN
+
+
 @pytest.mark.parametrize("mode_name", ["fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
 def test_fp8_encode_matches_single_rne(mode_name):
     dtype = _FP8[MODES[mode_name].code_dtype]

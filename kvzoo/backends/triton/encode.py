@@ -7,7 +7,8 @@ Things deliberately avoided, each measured to differ from the spec somewhere:
 - `a / b` on fp32 (div.full.f32 on CUDA: up to 2 ulp off);
 - float -> int8 conversion for rounding (cvt.rzi truncates on CUDA) and libdevice rint (not
   available to the interpreter);
-- float -> fp8 conversion (the interpreter mis-rounds ties and subnormals; sm_89 rounds twice);
+- float -> fp8 conversion (the interpreter mis-rounds ties and subnormals; sm_89 rounds twice),
+  except CODE_E4M3FN_CVT below, which compiled kernels on sm_90+ may choose;
 - `tl.max` for NaN detection (max.f32 drops NaN).
 
 Contraction: the only multiply whose result later meets an add is x * inv, and a min/max (the
@@ -29,6 +30,11 @@ CODE_COPY = 0
 CODE_INT8 = 1
 CODE_E4M3FN = 2
 CODE_E4M3FNUZ = 3
+# e4m3fn through the GPU's own cvt.rn.satfinite.e4m3x2.f32 (one instruction per two codes):
+# RNE that saturates at +-448, so after the clamp the same bytes as CODE_E4M3FN's integer
+# rounding (DESIGN.md section 6, and the conformance suite on the GPU). sm_90+ only, never
+# under the interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
+CODE_E4M3FN_CVT = 4
 
 
 @triton.jit
@@ -124,6 +130,8 @@ def _finite_codes(yc, CODE: tl.constexpr, TRUNC: tl.constexpr):
             code = yc.to(tl.int32)  # exact conversion: cvt.rzi / astype both truncate
         else:
             code = int8_code_bits(yc)
+    elif CODE == 4:
+        code = yc.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         bits = float_bits(yc)
         sign = (bits >> 24) & 0x80

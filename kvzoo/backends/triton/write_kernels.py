@@ -15,6 +15,8 @@ Launches pass enable_fp_fusion=False: the encode helpers are contraction-proof b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ import triton.language as tl
 from .encode import (
     CODE_COPY,
     CODE_E4M3FN,
+    CODE_E4M3FN_CVT,
     CODE_E4M3FNUZ,
     CODE_INT8,
     bits_float,
@@ -34,6 +37,7 @@ from .encode import (
     row_scale,
     widen_bf16_bits,
 )
+from .platform import interpreted
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
 _TILE_ELEMENTS = 2048
@@ -354,6 +358,19 @@ def code_of(mode) -> int:
     return CODE_COPY if mode.code_dtype is None else _CODE_OF_DTYPE[mode.code_dtype]
 
 
+@functools.cache
+def _has_e4m3_cvt(device_index: int) -> bool:
+    # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once (sm_89's rounded twice: DESIGN.md).
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _encoder_code(code: int, t: torch.Tensor) -> int:
+    """The CODE the write kernel encodes with: the hardware e4m3 convert where it is exact."""
+    if code == CODE_E4M3FN and t.is_cuda and not interpreted() and _has_e4m3_cvt(t.device.index or 0):
+        return CODE_E4M3FN_CVT
+    return code
+
+
 def reshape_and_cache(p, scale_floor: float) -> None:
     """Run a validated CacheWrite problem (torch tensors)."""
     mode = p.mode
@@ -397,7 +414,7 @@ def reshape_and_cache(p, scale_floor: float) -> None:
         *value_cache.stride(),
         *_strides(k_sc, 3),
         *_strides(v_sc, 3),
-        CODE=code,
+        CODE=_encoder_code(code, p.key),
         PER_TENSOR=mode.per_tensor,
         IN_KIND=_in_kind(p.key),
         QMAX=float(mode.qmax),
