@@ -338,6 +338,21 @@ def _write_case(ceil, tokens: int, mode: str, reps: int, times: dict, rows: dict
     free()
 
 
+def _same_size_copy(ceil, tokens: int, reps: int, times: dict) -> None:
+    """A plain device copy moving the int8 write's bytes: what a transfer of that size reaches
+    (small transfers stay under the 1 GiB copy ceiling), the ceiling's practical value there."""
+    nbytes = _write_bytes(tokens, "int8_per_token_head")
+    sets = n_sets_for(nbytes)
+    src = [torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE).random_() for _ in range(sets)]
+    dst = [torch.empty_like(x) for x in src]
+    t, how = measure(lambda i: dst[i].copy_(src[i]), sets, reps)
+    times["copy"] = t
+    gbs = nbytes / t / 1e9
+    add_row(Row(f"write T={tokens} copy of int8 bytes", "torch copy_", t * 1e6, gbs, "GB/s",
+                100 * gbs / ceil["copy_GBps"], how=how))
+    free()
+
+
 def bench_write(ceil, quick: bool) -> None:
     sizes = (1, 16, 40) if DRY else (1, 16, 256, 4096, 32768)
     reps = 2 if DRY else 10 if quick else 50
@@ -346,11 +361,14 @@ def bench_write(ceil, quick: bool) -> None:
         rows: dict[str, Row] = {}
         for mode in MODES:
             attempt(f"write T={tokens} {SHORT[mode]}", IMPL, _write_case, ceil, tokens, mode, reps, times, rows)
+        attempt(f"write T={tokens} copy", "torch copy_", _same_size_copy, ceil, tokens, reps, times)
         for mode, row in rows.items():
             if mode != "none" and "none" in times:
                 row.ratios["vs none"] = times["none"] / times[mode]
             if "index_copy" in times:
                 row.ratios["vs index_copy"] = times["index_copy"] / times[mode]
+            if mode != "none" and "copy" in times:
+                row.ratios["vs copy"] = times["copy"] / times[mode]
 
 
 # ---------------------------------------------------------------------------------------------
