@@ -27,7 +27,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
 
@@ -66,7 +66,8 @@ def _prefetch(typingctx, arr, index):
 
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
+        # One declaration per module serves every element type: pass an i8*.
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
@@ -205,6 +206,7 @@ _RNE_MAGIC = np.float32(12582912.0)
 _WRITE_CHUNK = 8
 # Keys per attention tile: decoded K and V tiles (TILE x head_size fp32) stay in L1.
 TILE = 32
+_FUSED_ROWS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,30 +556,169 @@ DOT_FASTMATH = frozenset({"reassoc", "contract"})
 AXPY_FASTMATH = frozenset({"contract"})
 
 
-@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _scores(q, rows, kt, n, hd, out, factor):
-    """out[r*TILE + kk] = (q[r] . kt[kk]) * factor for every query row and the n keys of a tile."""
-    for r in range(rows):
+def _kv(src, i, kind):
+    """K/V tile value at src[i]: src is a decoded float32 tile, or the cache's codes (decoded
+    here as _tile_element does, so both give the same value)."""
+
+
+@overload(_kv)
+def _kv_overload(src, i, kind):
+    if isinstance(src.dtype, types.Float):
+
+        def load(src, i, kind):
+            return src[i]
+
+        return load
+
+    def decode(src, i, kind):
+        return _tile_element(src[i], kind)
+
+    return decode
+
+
+# The K/V rows of a tile come either decoded (a float32 tile, row kk at rowa[kk]) or as code
+# rows in the cache (row kk at rowa[kk]), decoded inside the loops below. The second is for few
+# query rows: each code is then decoded once per 4 rows in registers, instead of once per tile
+# into a buffer that is stored and loaded again.
+
+
+@njit(inline="always")
+def _scores_of(q, rows, src, rowa, kind, n, hd, out, factor):
+    # Four rows per pass: each K element is loaded (and decoded) once for the four; every
+    # row's sum is still its own reduction over d, in the same order as one row at a time.
+    r = 0
+    while r + 4 <= rows:
+        q0 = r * hd
+        q1 = q0 + hd
+        q2 = q1 + hd
+        q3 = q2 + hd
+        for kk in range(n):
+            s0 = _ZERO
+            s1 = _ZERO
+            s2 = _ZERO
+            s3 = _ZERO
+            k0 = rowa[kk]
+            for d in range(hd):
+                kv = _kv(src, _u(k0 + d), kind)
+                s0 += q[_u(q0 + d)] * kv
+                s1 += q[_u(q1 + d)] * kv
+                s2 += q[_u(q2 + d)] * kv
+                s3 += q[_u(q3 + d)] * kv
+            out[_u(r * TILE + kk)] = s0 * factor
+            out[_u(r * TILE + TILE + kk)] = s1 * factor
+            out[_u(r * TILE + 2 * TILE + kk)] = s2 * factor
+            out[_u(r * TILE + 3 * TILE + kk)] = s3 * factor
+        r += 4
+    for r in range(r, rows):
         q0 = r * hd
         for kk in range(n):
             acc = _ZERO
-            k0 = kk * hd
+            k0 = rowa[kk]
             for d in range(hd):
-                acc += q[_u(q0 + d)] * kt[_u(k0 + d)]
+                acc += q[_u(q0 + d)] * _kv(src, _u(k0 + d), kind)
             out[_u(r * TILE + kk)] = acc * factor
 
 
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores(q, rows, src, rowa, kind, n, hd, out, factor):
+    """out[r*TILE + kk] = (q[r] . K row kk) * factor for every query row and the n keys of a
+    tile; K rows at src[rowa[kk]:], decoded float32 or codes of the given kind."""
+    if kind == E4M3FN:
+        _scores_of(q, rows, src, rowa, E4M3FN, n, hd, out, factor)
+    elif kind == E4M3FNUZ:
+        _scores_of(q, rows, src, rowa, E4M3FNUZ, n, hd, out, factor)
+    else:
+        _scores_of(q, rows, src, rowa, I8, n, hd, out, factor)
+
+
+@njit(inline="always")
+def _axpy_block(acc, w, src, rowa, kind, r, kk, hd):
+    """acc[r+i] += w[(r+i)*TILE + kk+j] * V row kk+j for 4 rows i and 4 keys j, in key order.
+
+    Each acc element is loaded and stored once for the 4 keys and each V element loaded once for
+    the 4 rows; the additions into one acc element happen in key order, as one key at a time
+    would do them: same result."""
+    w0 = r * TILE + kk
+    x00 = w[_u(w0)]
+    x01 = w[_u(w0 + 1)]
+    x02 = w[_u(w0 + 2)]
+    x03 = w[_u(w0 + 3)]
+    x10 = w[_u(w0 + TILE)]
+    x11 = w[_u(w0 + TILE + 1)]
+    x12 = w[_u(w0 + TILE + 2)]
+    x13 = w[_u(w0 + TILE + 3)]
+    x20 = w[_u(w0 + 2 * TILE)]
+    x21 = w[_u(w0 + 2 * TILE + 1)]
+    x22 = w[_u(w0 + 2 * TILE + 2)]
+    x23 = w[_u(w0 + 2 * TILE + 3)]
+    x30 = w[_u(w0 + 3 * TILE)]
+    x31 = w[_u(w0 + 3 * TILE + 1)]
+    x32 = w[_u(w0 + 3 * TILE + 2)]
+    x33 = w[_u(w0 + 3 * TILE + 3)]
+    v0 = rowa[kk]
+    v1 = rowa[kk + 1]
+    v2 = rowa[kk + 2]
+    v3 = rowa[kk + 3]
+    a0 = r * hd
+    a1 = a0 + hd
+    a2 = a1 + hd
+    a3 = a2 + hd
+    for d in range(hd):
+        e0 = _kv(src, _u(v0 + d), kind)
+        e1 = _kv(src, _u(v1 + d), kind)
+        e2 = _kv(src, _u(v2 + d), kind)
+        e3 = _kv(src, _u(v3 + d), kind)
+        acc[_u(a0 + d)] = (((acc[_u(a0 + d)] + x00 * e0) + x01 * e1) + x02 * e2) + x03 * e3
+        acc[_u(a1 + d)] = (((acc[_u(a1 + d)] + x10 * e0) + x11 * e1) + x12 * e2) + x13 * e3
+        acc[_u(a2 + d)] = (((acc[_u(a2 + d)] + x20 * e0) + x21 * e1) + x22 * e2) + x23 * e3
+        acc[_u(a3 + d)] = (((acc[_u(a3 + d)] + x30 * e0) + x31 * e1) + x32 * e2) + x33 * e3
+
+
+@njit(inline="always")
+def _axpy_key(acc, a0, wk, src, v0, kind, hd):
+    # A zero weight (masked key, or exp underflow) adds nothing: skip it, so that a masked key's
+    # non-finite V row (0 * Inf = NaN) stays out of the sum.
+    if wk != _ZERO:
+        for d in range(hd):
+            acc[_u(a0 + d)] += wk * _kv(src, _u(v0 + d), kind)
+
+
+@njit(inline="always")
+def _accumulate_of(acc, w, src, rowa, kind, rows, n, hd):
+    r = 0
+    while r + 4 <= rows:
+        kk = 0
+        while kk + 4 <= n:
+            nonzero = True
+            for i in range(4):
+                for j in range(4):
+                    nonzero = nonzero and w[_u((r + i) * TILE + kk + j)] != _ZERO
+            if nonzero:
+                _axpy_block(acc, w, src, rowa, kind, r, kk, hd)
+            else:
+                for i in range(4):
+                    for j in range(4):
+                        _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + kk + j)], src, rowa[kk + j], kind, hd)
+            kk += 4
+        for i in range(4):
+            for k in range(kk, n):
+                _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], kind, hd)
+        r += 4
+    for r in range(r, rows):
+        for k in range(n):
+            _axpy_key(acc, r * hd, w[_u(r * TILE + k)], src, rowa[k], kind, hd)
+
+
 @njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
-def _accumulate(acc, w, vt, rows, n, hd):
-    """acc[r] += w[r*TILE + kk] * vt[kk] for every row and the n keys of a tile, in key order."""
-    for r in range(rows):
-        a0 = r * hd
-        for kk in range(n):
-            wk = w[_u(r * TILE + kk)]
-            if wk != _ZERO:
-                v0 = kk * hd
-                for d in range(hd):
-                    acc[_u(a0 + d)] += wk * vt[_u(v0 + d)]
+def _accumulate(acc, w, src, rowa, kind, rows, n, hd):
+    """acc[r] += w[r*TILE + kk] * V row kk for every row and the n keys of a tile, in key order;
+    V rows as in _scores."""
+    if kind == E4M3FN:
+        _accumulate_of(acc, w, src, rowa, E4M3FN, rows, n, hd)
+    elif kind == E4M3FNUZ:
+        _accumulate_of(acc, w, src, rowa, E4M3FNUZ, rows, n, hd)
+    else:
+        _accumulate_of(acc, w, src, rowa, I8, rows, n, hd)
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -631,6 +772,60 @@ def _softmax_tile(sc, s0, n, m_new, vscale):
     for kk in range(n):
         sc[_u(s0 + kk)] *= vscale[_u(kk)]
     return total
+
+
+@njit(**_LEAF)
+def _prefetch_tile(
+    kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, hd, block_size
+):  # fmt: skip
+    """Ask the cache for the K/V rows (and scales) of the n keys from page index bi, offset off,
+    so their loads overlap the current tile's arithmetic. One page lookup per page run."""
+    while n > 0:
+        blk = block_tables[seq, bi]
+        run = min(n, block_size - off)
+        ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
+        va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
+        for i in range(run):
+            for line in range(0, hd * kc.itemsize, 64):
+                _prefetch(kc, ka + i * kcs[2] + line // kc.itemsize)
+                _prefetch(vc, va + i * vcs[2] + line // vc.itemsize)
+        if has_scales:
+            ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
+            va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
+            for i in range(run):
+                _prefetch(ksc, ka + i * kscs[2])
+                _prefetch(vsc, va + i * vscs[2])
+        n -= run
+        off = 0
+        bi += 1
+
+
+@njit(**_LEAF)
+def _tile_keys(
+    kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
+    softmax_scale, krow, vrow, kscale, vscale,
+):  # fmt: skip
+    """For the n keys from page index bi, offset off: where their K and V code rows start
+    (krow, vrow) and, with per-token-head scales, kscale = K scale * softmax_scale and vscale =
+    V scale. One page lookup per page run, not per key."""
+    kk = 0
+    while kk < n:
+        blk = block_tables[seq, bi]
+        run = min(n - kk, block_size - off)
+        ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
+        va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
+        for i in range(run):
+            krow[kk + i] = ka + i * kcs[2]
+            vrow[kk + i] = va + i * vcs[2]
+        if has_scales:
+            ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
+            va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
+            for i in range(run):
+                kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * softmax_scale
+                vscale[_u(kk + i)] = f32_from_bits(vsc[_u(va + i * vscs[2])])
+        kk += run
+        off = 0
+        bi += 1
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
@@ -687,15 +882,23 @@ def _attention_item(
         lo = max(0, first_pos - window + 1)
 
     factor = _tile_factor(kv_kind)
-    kt = np.empty(TILE * hd, dtype=np.float32)
-    vt = np.empty(TILE * hd, dtype=np.float32)
     kscale = np.empty(TILE, dtype=np.float32)
     vscale = np.empty(TILE, dtype=np.float32)
     sc = np.empty(rows * TILE, dtype=np.float32)  # scores, then weights, row-major
+    krow = np.empty(TILE, dtype=np.int64)
+    vrow = np.empty(TILE, dtype=np.int64)
+    # Few rows (decode): the products read the codes in the cache and decode them in registers.
+    # Otherwise decode each K/V tile once into kt/vt for all the rows.
+    fused = (
+        (kv_kind == I8 or kv_kind == E4M3FN or kv_kind == E4M3FNUZ)
+        and rows <= _FUSED_ROWS and kcs[4] == 1 and vcs[4] == 1
+    )  # fmt: skip
+    kt = np.empty(0 if fused else TILE * hd, dtype=np.float32)
+    vt = np.empty(0 if fused else TILE * hd, dtype=np.float32)
+    tile_rows = np.arange(TILE) * hd
 
     for k0 in range(lo, hi, TILE):
         n = min(TILE, hi - k0)
-        # Decode the tile's K and V rows once for the whole group (codes, unscaled).
         # Page and offset of the tile's first key; stepped, not divided, per key (an int64
         # division per key and array cost more than the decode of a row).
         bi = k0 // block_size
@@ -704,36 +907,25 @@ def _attention_item(
         nxt = k0 + TILE
         if nxt < hi:
             pbi = nxt // block_size
-            poff = nxt - pbi * block_size
-            for _ in range(min(TILE, hi - nxt)):
-                blk = block_tables[seq, pbi]
-                ka = kcs[0] + blk * kcs[1] + poff * kcs[2] + g * kcs[3]
-                va = vcs[0] + blk * vcs[1] + poff * vcs[2] + g * vcs[3]
-                for line in range(0, hd * kc.itemsize, 64):
-                    _prefetch(kc, ka + line // kc.itemsize)
-                    _prefetch(vc, va + line // vc.itemsize)
-                poff += 1
-                if poff == block_size:
-                    poff = 0
-                    pbi += 1
-        _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
-        _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-        for kk in range(n):
-            blk = block_tables[seq, bi]
-            if has_scales:
-                ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
-                va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
-                kscale[kk] = f32_from_bits(ksc[_u(ka)]) * softmax_scale
-                vscale[kk] = f32_from_bits(vsc[_u(va)])
-            else:
+            _prefetch_tile(
+                kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, has_scales,
+                block_tables, seq, pbi, nxt - pbi * block_size, g, min(TILE, hi - nxt), hd, block_size,
+            )  # fmt: skip
+        _tile_keys(
+            kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
+            softmax_scale, krow, vrow, kscale, vscale,
+        )  # fmt: skip
+        if not has_scales and k0 == lo:
+            for kk in range(TILE):
                 kscale[kk] = k_tscale * softmax_scale
                 vscale[kk] = v_tscale
-            off += 1
-            if off == block_size:
-                off = 0
-                bi += 1
-
-        _scores(q, rows, kt, n, hd, sc, factor)
+        if fused:
+            _scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
+        else:
+            # The tile's K and V rows decoded once for all the rows (codes, unscaled).
+            _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
+            _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
+            _scores(q, rows, kt, tile_rows, kv_kind, n, hd, sc, factor)
         for r in range(rows):
             p = pos[r]
             s0 = r * TILE
@@ -767,7 +959,10 @@ def _attention_item(
             l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, s0, n, m_new, vscale)
             if alpha != _ONE:
                 _scale(acc, r * hd, alpha, hd)
-        _accumulate(acc, sc, vt, rows, n, hd)
+        if fused:
+            _accumulate(acc, sc, vc, vrow, kv_kind, rows, n, hd)
+        else:
+            _accumulate(acc, sc, vt, tile_rows, kv_kind, rows, n, hd)
 
     for r in range(rows):
         j = r // group
