@@ -59,3 +59,12 @@ def test_fused_and_tile_paths_match(mode, hq, hkv):
         outs.append(out)
     assert outs[0].tobytes() == outs[1].tobytes()
     assert np.isfinite(outs[0]).any()
+
+
+def test_tile_products_relax_rounding_like_the_fused_ones():
+    # The decoded-tile q.k and p.v are their own compiled functions (one copy of the loops, not
+    # one per kind): they must carry the same flags as _scores / _accumulate, no more.
+    from kvzoo.backends.numba_cpu import kernels
+
+    assert kernels._scores_tile.targetoptions["fastmath"] == kernels._scores.targetoptions["fastmath"]
+    assert kernels._accumulate_tile.targetoptions["fastmath"] == kernels._accumulate.targetoptions["fastmath"]

@@ -255,29 +255,35 @@ def _widen_absmax(src, s0, sd, kind, xf, n):
 
 # Inlined into _quantize_row, an ordinary compiled function, where LLVM vectorizes it (inside
 # numba's parfor body it stayed scalar).
-@njit(inline="always")
 def _load_row_absmax(src, s0, sd, kind, xf, n):
     """Widen a row into xf and return max |x| as bits: magnitudes order like their bit
     patterns, NaN above +Inf, so an integer max is exact and NaN wins it."""
-    if kind == BF16:
-        if sd == 1:
-            return _widen_absmax(src, s0, 1, BF16, xf, n)
-        return _widen_absmax(src, s0, sd, BF16, xf, n)
-    if kind == F16:
-        return _widen_absmax(src, s0, sd, F16, xf, n)
-    return _widen_absmax(src, s0, sd, F32, xf, n)
+
+
+# Only the kinds src's carrier can hold (uint16: bf16/fp16, uint32: fp32) are compiled.
+@overload(_load_row_absmax, inline="always")
+def _load_row_absmax_overload(src, s0, sd, kind, xf, n):
+    if src.dtype == types.uint16:
+
+        def half(src, s0, sd, kind, xf, n):
+            if kind == BF16:
+                if sd == 1:
+                    return _widen_absmax(src, s0, 1, BF16, xf, n)
+                return _widen_absmax(src, s0, sd, BF16, xf, n)
+            return _widen_absmax(src, s0, sd, F16, xf, n)
+
+        return half
+    return lambda src, s0, sd, kind, xf, n: _widen_absmax(src, s0, sd, F32, xf, n)
 
 
 @njit(inline="always")
 def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
-    if not checked:
+    if not checked and dd == 1:
         # Finite scale, so every x is finite and |x * inv| <= ~qmax: no y can be non-finite.
-        if dd == 1:  # contiguous codes (both layouts): a unit-stride loop LLVM can vectorize
-            for d in range(n):
-                dst[_u(d0 + d)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
-        else:
-            for d in range(n):
-                dst[_u(d0 + d * dd)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
+        # Contiguous codes (both layouts): a unit-stride loop LLVM can vectorize. Strided codes
+        # take the checked loop below, which gives the same codes for finite y.
+        for d in range(n):
+            dst[_u(d0 + d)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
     elif div:
         for d in range(n):
             dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin)
@@ -521,23 +527,47 @@ def _decode_rows(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block
             bi += 1
 
 
+def _decode_rows_any(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """_decode_rows for the kinds src's carrier can hold (uint8: codes, uint16: bf16/fp16,
+    uint32: fp32), chosen at typing time: each inlined decode loop is compiled only where
+    some mode can reach it."""
+
+
+@overload(_decode_rows_any)
+def _decode_rows_any_overload(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    if src.dtype == types.uint8:
+
+        def codes(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+            if kind == I8:
+                _decode_rows(src, st, I8, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+            elif kind == E4M3FN:
+                _decode_rows(src, st, E4M3FN, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+            else:
+                _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+        return codes
+    if src.dtype == types.uint16:
+
+        def half(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+            if kind == BF16:
+                _decode_rows(src, st, BF16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+            else:
+                _decode_rows(src, st, F16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+        return half
+
+    def single(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+        _decode_rows(src, st, F32, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+    return single
+
+
 @njit(**_LEAF)
 def _decode_tile(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
     """dst[kk*hd:(kk+1)*hd] = float32 values of the n key rows starting at page index bi,
     offset off (codes unscaled; e4m3 values divided by _tile_factor). One call per tile:
     per-row calls cost as much as the decode."""
-    if kind == I8:
-        _decode_rows(src, st, I8, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-    elif kind == E4M3FN:
-        _decode_rows(src, st, E4M3FN, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-    elif kind == E4M3FNUZ:
-        _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-    elif kind == BF16:
-        _decode_rows(src, st, BF16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-    elif kind == F16:
-        _decode_rows(src, st, F16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-    else:
-        _decode_rows(src, st, F32, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    _decode_rows_any(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
 
 @njit(**_LEAF)
@@ -631,6 +661,13 @@ def _scores(q, rows, src, rowa, kind, n, hd, out, factor):
         _scores_of(q, rows, src, rowa, I8, n, hd, out, factor)
 
 
+# A decoded float32 tile reads the same whatever the kind: one copy of the loops, not three.
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores_tile(q, rows, tile, rowa, n, hd, out, factor):
+    """_scores on a decoded float32 tile."""
+    _scores_of(q, rows, tile, rowa, I8, n, hd, out, factor)
+
+
 @njit(inline="always")
 def _axpy_block(acc, w, src, rowa, kind, r, kk, hd):
     """acc[r+i] += w[(r+i)*TILE + kk+j] * V row kk+j for 4 rows i and 4 keys j, in key order.
@@ -685,28 +722,27 @@ def _axpy_key(acc, a0, wk, src, v0, kind, hd):
 
 @njit(inline="always")
 def _accumulate_of(acc, w, src, rowa, kind, rows, n, hd):
+    # Groups of 4 rows take 4x4 blocks where all 16 weights are nonzero; every other (row, key)
+    # goes one key at a time. One call site of each: every inlined copy of these vectorized
+    # loops costs compile time (LLVM unrolled the per-key loops over i and j into 16 copies).
     r = 0
-    while r + 4 <= rows:
+    while r < rows:
+        nr = 4 if r + 4 <= rows else 1
         kk = 0
-        while kk + 4 <= n:
-            nonzero = True
-            for i in range(4):
-                for j in range(4):
-                    nonzero = nonzero and w[_u((r + i) * TILE + kk + j)] != _ZERO
-            if nonzero:
+        while kk < n:
+            ke = min(kk + 4, n) if nr == 4 else n
+            nonzero = ke - kk == 4
+            for i in range(nr):
+                for j in range(kk, ke):
+                    nonzero = nonzero and w[_u((r + i) * TILE + j)] != _ZERO
+            if nonzero and nr == 4:
                 _axpy_block(acc, w, src, rowa, kind, r, kk, hd)
             else:
-                for i in range(4):
-                    for j in range(4):
-                        _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + kk + j)], src, rowa[kk + j], kind, hd)
-            kk += 4
-        for i in range(4):
-            for k in range(kk, n):
-                _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], kind, hd)
-        r += 4
-    for r in range(r, rows):
-        for k in range(n):
-            _axpy_key(acc, r * hd, w[_u(r * TILE + k)], src, rowa[k], kind, hd)
+                for i in range(nr):
+                    for k in range(kk, ke):
+                        _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], kind, hd)
+            kk = ke
+        r += nr
 
 
 @njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
@@ -719,6 +755,35 @@ def _accumulate(acc, w, src, rowa, kind, rows, n, hd):
         _accumulate_of(acc, w, src, rowa, E4M3FNUZ, rows, n, hd)
     else:
         _accumulate_of(acc, w, src, rowa, I8, rows, n, hd)
+
+
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate_tile(acc, w, tile, rowa, rows, n, hd):
+    """_accumulate on a decoded float32 tile."""
+    _accumulate_of(acc, w, tile, rowa, I8, rows, n, hd)
+
+
+def _fused_scores(q, rows, kc, krow, kind, n, hd, out, factor):
+    """_scores on the cache's code rows; nothing for a cache of model-dtype elements, which
+    never takes the fused path (so _scores is not compiled for it)."""
+
+
+@overload(_fused_scores)
+def _fused_scores_overload(q, rows, kc, krow, kind, n, hd, out, factor):
+    if kc.dtype == types.uint8:
+        return lambda q, rows, kc, krow, kind, n, hd, out, factor: _scores(q, rows, kc, krow, kind, n, hd, out, factor)
+    return lambda q, rows, kc, krow, kind, n, hd, out, factor: None
+
+
+def _fused_accumulate(acc, w, vc, vrow, kind, rows, n, hd):
+    """_accumulate on the cache's code rows (see _fused_scores)."""
+
+
+@overload(_fused_accumulate)
+def _fused_accumulate_overload(acc, w, vc, vrow, kind, rows, n, hd):
+    if vc.dtype == types.uint8:
+        return lambda acc, w, vc, vrow, kind, rows, n, hd: _accumulate(acc, w, vc, vrow, kind, rows, n, hd)
+    return lambda acc, w, vc, vrow, kind, rows, n, hd: None
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -920,12 +985,12 @@ def _attention_item(
                 kscale[kk] = k_tscale * softmax_scale
                 vscale[kk] = v_tscale
         if fused:
-            _scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
+            _fused_scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
         else:
             # The tile's K and V rows decoded once for all the rows (codes, unscaled).
             _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
             _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-            _scores(q, rows, kt, tile_rows, kv_kind, n, hd, sc, factor)
+            _scores_tile(q, rows, kt, tile_rows, n, hd, sc, factor)
         for r in range(rows):
             p = pos[r]
             s0 = r * TILE
@@ -960,9 +1025,9 @@ def _attention_item(
             if alpha != _ONE:
                 _scale(acc, r * hd, alpha, hd)
         if fused:
-            _accumulate(acc, sc, vc, vrow, kv_kind, rows, n, hd)
+            _fused_accumulate(acc, sc, vc, vrow, kv_kind, rows, n, hd)
         else:
-            _accumulate(acc, sc, vt, tile_rows, kv_kind, rows, n, hd)
+            _accumulate_tile(acc, sc, vt, tile_rows, rows, n, hd)
 
     for r in range(rows):
         j = r // group
@@ -994,7 +1059,7 @@ def attention(
     # The per-item work is a compiled function: a small parfor body compiles much faster.
     for it in prange(items_seq.shape[0] * num_kv_heads):
         _attention_item(
-            it, query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks,
+            np.int64(it), query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks,
         )  # fmt: skip
 
 
