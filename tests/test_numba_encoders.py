@@ -192,9 +192,8 @@ def test_vectorizable_exp_matches_libm():
 def test_byte_exact_llvm_has_no_fast_math_flags():
     # Numba returns no IR for code loaded from its disk cache, so compile afresh with the
     # dispatcher's own options (cache off) and check that there is IR to read.
-    fresh = numba.njit(**{**kernels.encode_codes_array.targetoptions, "cache": False})(
-        kernels.encode_codes_array.py_func
-    )
+    options = {k: v for k, v in kernels.encode_codes_array.targetoptions.items() if k != "nopython"}
+    fresh = numba.njit(**options, cache=False)(kernels.encode_codes_array.py_func)
     y = np.float32([1.0, -0.0, np.nan])
     out = np.empty(y.shape, np.uint8)
     fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0))
