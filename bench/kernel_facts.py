@@ -81,6 +81,14 @@ SWEEPS = {
             C(32, 64, 8, 2, 0, True), C(16, 128, 8, 2, 0, True), C(32, 64, 8, 3, 0, True)]),
         ("prefill", 4, 4096, "none", False, [C(32, 128, 8, 4, 0, True), C(32, 64, 8, 3, 0, True)]),
     ],
+    # 3: quantized decode without software pipelining (fewer live registers, more programs/SM).
+    "3": [
+        ("decode", 64, 16384, "int8_per_token_head", False, [
+            C(1, 32, 1, 2), C(1, 32, 1, 1), C(1, 64, 1, 1), C(1, 64, 2, 1), C(1, 128, 4, 1)]),
+        ("decode", 64, 16384, "int8_per_token_head", True, [C(1, 32, 1, 2), C(1, 32, 1, 1), C(1, 64, 2, 1)]),
+        ("decode", 64, 16384, "fp8_per_token_head", False, [C(1, 64, 2, 2), C(1, 64, 2, 1), C(1, 32, 1, 1),
+                                                             C(1, 128, 4, 1)]),
+    ],
 }
 
 
