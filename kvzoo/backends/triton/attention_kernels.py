@@ -178,33 +178,27 @@ def _attend_tile(
     in_page = keys % PAGE
     k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
     kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    if SCALE_MODE == 2:
+        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
+                        key_ok, MASKED)
     if QK_INT8:
-        k = kc
-    elif SCALE_IN_CODES:
+        s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
+    elif SCALE_IN_CODES and SCALE_MODE == 2:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
+        k_max = tl.max(ks, axis=0)
+        k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
+        k = k * k_ratio.to(DOT_DTYPE)[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
     else:
-        k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
-    if QK_INT8:
-        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
-                        key_ok, MASKED)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
-    elif SCALE_MODE == 2:
-        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
-                        key_ok, MASKED)
         if SCALE_IN_CODES:
-            k_max = tl.max(ks, axis=0)
-            k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
-            k = k * k_ratio.to(DOT_DTYPE)[:, None]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
+            k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if CODE_CONVERT >= 4:
-                s = s - q_offset[:, None]
-            s = s * ks[None, :] * row_scale[:, None]
-    else:
+            k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if CODE_CONVERT >= 4:
             s = s - q_offset[:, None]
+        if SCALE_MODE == 2:
+            s = s * ks[None, :]
         s = s * row_scale[:, None]
     if HAS_SOFTCAP:
         # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
