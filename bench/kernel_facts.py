@@ -48,6 +48,12 @@ def one(p, cfg, decode: bool, copy_bw, mm):
 
 
 C = K.AttentionConfig
+
+
+def R(block_n, warps, stages, split_keys=0):
+    """A decode config on the group's real rows; split_keys -1 = no split at all."""
+    return C(1, block_n, warps, stages, split_keys, min_rows=1)
+
 # Sweeps: (kind, num_seqs, length, mode, quantize_query, configs). Decode configs get the
 # table's split count re-rounded to their block_n unless they set split_keys themselves (-1).
 SWEEPS = {
@@ -89,6 +95,47 @@ SWEEPS = {
         ("decode", 64, 16384, "fp8_per_token_head", False, [C(1, 64, 2, 2), C(1, 64, 2, 1), C(1, 32, 1, 1),
                                                              C(1, 128, 4, 1)]),
     ],
+    # 4: decode tiles of the group's real rows only (min_rows=1: 4 rows, not 16 padded).
+    "4": [
+        ("decode", 64, 16384, "int8_per_token_head", False, [
+            C(1, 32, 1, 2), R(16, 1, 2), R(32, 1, 2), R(32, 2, 2), R(64, 2, 2), R(64, 4, 2), R(64, 4, 3),
+            R(128, 4, 2), R(128, 8, 2), R(128, 8, 3), R(64, 4, 2, 4096), R(64, 4, 2, 8192), R(64, 4, 2, -1)]),
+        ("decode", 64, 16384, "int8_per_token_head", True, [
+            C(1, 32, 1, 2), R(32, 1, 2), R(32, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2)]),
+        ("decode", 64, 16384, "fp8_per_token_head", False, [
+            C(1, 64, 2, 2), R(32, 1, 2), R(32, 2, 2), R(64, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2),
+            R(64, 4, 2, -1)]),
+        ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3), R(32, 2, 2), R(128, 8, 2)]),
+        ("decode", 64, 4096, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3), R(32, 2, 2), R(128, 8, 2)]),
+        ("decode", 64, 4096, "int8_per_token_head", False, [C(1, 32, 1, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2)]),
+        ("decode", 8, 65536, "int8_per_token_head", False, [
+            C(1, 32, 1, 2), R(32, 1, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2), R(64, 4, 2, 2048), R(64, 4, 2, 1024)]),
+        ("decode", 8, 65536, "fp8_per_token_head", False, [C(1, 64, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2),
+                                                          R(64, 4, 2, 2048)]),
+        ("decode", 8, 65536, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3)]),
+    ],
+    # 5: num_stages 5. The page lookup takes a pipeline stage of its own, so below 5 stages
+    # Triton keeps one K/V buffer and waits for each tile's copy right after issuing it.
+    "5": [
+        ("decode", 64, 16384, "int8_per_token_head", False, [
+            C(1, 32, 1, 2), R(32, 1, 5), C(1, 32, 1, 5), R(16, 1, 5), R(64, 2, 5), R(64, 4, 5), R(128, 4, 5),
+            R(32, 1, 6), R(32, 1, 5, -1), R(32, 1, 5, 8192)]),
+        ("decode", 64, 16384, "int8_per_token_head", True, [C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5), R(128, 4, 5)]),
+        ("decode", 64, 16384, "fp8_per_token_head", False, [
+            C(1, 64, 2, 2), R(32, 1, 5), R(64, 2, 5), R(64, 4, 5), R(128, 4, 5), R(64, 2, 5, 4096)]),
+        ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2), R(64, 4, 5), C(1, 64, 4, 5), R(128, 8, 5)]),
+        ("decode", 64, 4096, "none", False, [C(1, 64, 4, 2), R(64, 4, 5), R(128, 8, 5)]),
+        ("decode", 64, 4096, "int8_per_token_head", False, [C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5)]),
+        ("decode", 8, 65536, "int8_per_token_head", False, [
+            C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5), R(64, 2, 5, 2048), R(32, 1, 5, 2048)]),
+        ("decode", 8, 65536, "fp8_per_token_head", False, [C(1, 64, 2, 2), R(64, 2, 5), R(64, 2, 5, 2048)]),
+        ("decode", 8, 65536, "none", False, [C(1, 64, 4, 2), R(64, 4, 5)]),
+    ] + [
+        ("prefill", 4, 4096, mode, qq, [None, C(32, 64, 8, 5, 0, True), C(32, 64, 8, 6, 0, True),
+                                       C(32, 128, 8, 5, 0, True)])
+        for mode, qq in (("none", False), ("int8_per_token_head", False), ("fp8_per_token_head", False),
+                         ("int8_per_token_head", True))
+    ],
 }
 
 
@@ -105,8 +152,10 @@ def main():
                 cfg = cfg or table
                 if decode and cfg.split_keys == 0 and table.split_keys:
                     cfg = dataclasses.replace(cfg, split_keys=-(-table.split_keys // cfg.block_n) * cfg.block_n)
+                elif cfg.split_keys < 0:
+                    cfg = dataclasses.replace(cfg, split_keys=0)
                 label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
-                         f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys}")
+                         f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}")
                 print(f"[{name}] {label}: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
             del p
             torch.cuda.empty_cache()

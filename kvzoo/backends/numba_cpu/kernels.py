@@ -639,14 +639,14 @@ def _scores_of(q, rows, src, rowa, kind, n, hd, out, factor):
             out[_u(r * TILE + 2 * TILE + kk)] = s2 * factor
             out[_u(r * TILE + 3 * TILE + kk)] = s3 * factor
         r += 4
-    for r in range(r, rows):
-        q0 = r * hd
+    for row in range(r, rows):
+        q0 = row * hd
         for kk in range(n):
             acc = _ZERO
             k0 = rowa[kk]
             for d in range(hd):
                 acc += q[_u(q0 + d)] * _kv(src, _u(k0 + d), kind)
-            out[_u(r * TILE + kk)] = acc * factor
+            out[_u(row * TILE + kk)] = acc * factor
 
 
 @njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)

@@ -508,6 +508,9 @@ class AttentionConfig:
     scale_in_codes: bool = False
     # Register cap per thread (ptxas .maxnreg); None leaves it to the compiler.
     maxnreg: int | None = None
+    # Fewest tile rows. Triton 3.6 pads a dot of fewer than 16 rows itself on CUDA, and a tile
+    # of only the group's real rows (decode: 4 of 16) holds fewer registers.
+    min_rows: int = 16
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -517,10 +520,14 @@ class AttentionConfig:
 # Decode: (block_n, num_warps, num_stages); one query token x the group's heads per tile.
 # Quantized decode is bound by the latency of each tile's dependent chain (conversion, two
 # dots, softmax), not by bytes: small tiles on one or two warps keep more programs resident.
+# Their 5 stages are what gives the K/V copies two buffers: the page lookup takes a stage of
+# its own, and below 5 Triton 3.6 keeps one buffer and waits for each copy right after issuing
+# it (2026-11-30, bench/kernel_facts.py sweep 5: int8 703 -> 665 us, fp8 748 -> 675 us at
+# 64 x 16384). The bf16 tile gained nothing from it (985 -> 1145 us) and keeps 2.
 _DECODE_TABLE = {
     (64, False): (64, 4, 2), (128, False): (64, 4, 2), (256, False): (32, 4, 2),
-    (64, "int8"): (32, 1, 2), (128, "int8"): (32, 1, 2), (256, "int8"): (64, 4, 2),
-    (64, "fp8"): (64, 2, 2), (128, "fp8"): (64, 2, 2), (256, "fp8"): (64, 4, 2),
+    (64, "int8"): (32, 1, 5), (128, "int8"): (32, 1, 5), (256, "int8"): (64, 4, 2),
+    (64, "fp8"): (64, 2, 5), (128, "fp8"): (64, 2, 5), (256, "fp8"): (64, 4, 2),
 }
 # Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages), keyed by
 # (padded head size, K operand): False the model dtype, True converted codes, "int8" codes as
@@ -537,10 +544,11 @@ INVARIANT_SPLIT_KEYS = 4096
 # Split-KV heuristic: a decode grid under `below` programs per SM leaves SMs idle or its last
 # wave ragged; split each sequence so the grid reaches about `target` per SM. Measured on the
 # H200 (bench/RESULTS.md): bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16), while
-# splitting bf16 64 x 16384 cost 5%; int8 64 x 16384 took 966 us unsplit, 729 us in 5 splits
-# and 678 us in 4; fp8 64 x 16384 was fastest unsplit (746 us against 782 in 5 splits).
+# splitting bf16 64 x 16384 cost 5%; int8 64 x 16384 took 766 us unsplit and 665-670 us in 2
+# or 4 splits; fp8 64 x 16384 is fastest unsplit (675 us against 685 in 4 splits); at
+# 8 x 65536 int8 took 391 us in 25 splits and 337 us in 32, fp8 391 us in 17 and 346 us in 32.
 # (below, target) per code type (False: the model dtype):
-_SPLIT_PER_SM = {False: (2, 8), "fp8": (2, 8), "int8": (8, 12)}
+_SPLIT_PER_SM = {False: (2, 8), "fp8": (2, 16), "int8": (8, 16)}
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
@@ -573,11 +581,13 @@ def _fit_wide_cache(p: Attention, block_n: int, stages: int) -> tuple[int, int]:
     return block_n, stages
 
 
-def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
+def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
     block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), _code_kind(p)]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
+    # On ROCm a dot under 16 rows falls back to FMA (Triton's AMD backend): keep the padding.
+    min_rows = 1 if platform == "cuda" else 16
     if invariant:
-        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS)
+        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, min_rows=min_rows)
     programs = p.num_seqs * p.num_kv_heads
     dev = p.query.device.index if p.query.device.type == "cuda" else None
     sms = _num_sms(dev)
@@ -589,7 +599,7 @@ def decode_config(p: Attention, invariant: bool) -> AttentionConfig:
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
             split_keys = -(-split_keys // block_n) * block_n
-    return AttentionConfig(1, block_n, warps, stages, split_keys)
+    return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows)
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
@@ -649,7 +659,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
-    block_m = max(16, cfg.block_q * g_pad)
+    block_m = max(cfg.min_rows, cfg.block_q * g_pad)
     block_d = max(16, _pow2(p.head_size))
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
@@ -711,10 +721,10 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
     if invariant:
         # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed
         # prefill tiles. Which launch a sequence takes depends on its own q_len only.
-        _launch(p, platform, decode or decode_config(p, True), per_seq=True, skip_decode=False)
+        _launch(p, platform, decode or decode_config(p, True, platform), per_seq=True, skip_decode=False)
         if p.max_query_len > 1:
             _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=True)
     elif p.max_query_len <= 1:
-        _launch(p, platform, decode or decode_config(p, False), per_seq=True, skip_decode=False)
+        _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
     else:
         _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=False)
