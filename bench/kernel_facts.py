@@ -50,14 +50,9 @@ def one(p, cfg, decode: bool, copy_bw, mm):
 C = K.AttentionConfig
 
 
-def R(block_n, warps, stages, split_keys=0, maxnreg=None, v_dot_layout=False):
+def R(block_n, warps, stages, split_keys=0):
     """A decode config on the group's real rows; split_keys -1 = no split at all."""
-    return C(1, block_n, warps, stages, split_keys, maxnreg=maxnreg, min_rows=1, v_dot_layout=v_dot_layout)
-
-
-def V(block_n, warps, stages, split_keys=0, maxnreg=None):
-    """R with V codes converted in the dot's layout (no fp16 staging copy in shared memory)."""
-    return R(block_n, warps, stages, split_keys, maxnreg, True)
+    return C(1, block_n, warps, stages, split_keys, min_rows=1)
 
 # Sweeps: (kind, num_seqs, length, mode, quantize_query, configs). Decode configs get the
 # table's split count re-rounded to their block_n unless they set split_keys themselves (-1).
@@ -140,18 +135,6 @@ SWEEPS = {
                                        C(32, 128, 8, 5, 0, True)])
         for mode, qq in (("none", False), ("int8_per_token_head", False), ("fp8_per_token_head", False),
                          ("int8_per_token_head", True))
-    ],    # 6: V codes converted in the dot's layout: 18 KB of shared memory per 1-warp program
-    # instead of 26 (12 programs per SM instead of 8), for 60% more loop instructions.
-    "6": [
-        ("decode", 64, 16384, "int8_per_token_head", False, [
-            R(32, 1, 5), V(32, 1, 5), V(32, 1, 5, maxnreg=152), V(32, 1, 5, maxnreg=168), R(32, 1, 5, maxnreg=168),
-            V(32, 1, 5, 8192, 152)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [
-            R(64, 2, 5), V(32, 1, 5, -1), V(32, 1, 5, 4096), V(32, 1, 5, -1, 152), V(32, 1, 5, 4096, 152)]),
-        ("decode", 64, 16384, "int8_per_token_head", True, [R(32, 1, 5), V(32, 1, 5), V(32, 1, 5, maxnreg=152)]),
-        ("decode", 8, 65536, "int8_per_token_head", False, [R(32, 1, 5), V(32, 1, 5), V(32, 1, 5, maxnreg=152)]),
-        ("decode", 8, 65536, "fp8_per_token_head", False, [R(64, 2, 5), V(32, 1, 5, 2048), V(32, 1, 5, 2048, 152)]),
-        ("decode", 64, 4096, "int8_per_token_head", False, [R(32, 1, 5), V(32, 1, 5), V(32, 1, 5, maxnreg=152)]),
     ],
 }
 

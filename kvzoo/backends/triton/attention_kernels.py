@@ -160,7 +160,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, V_DOT_LAYOUT: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc).
 
@@ -219,7 +219,7 @@ def _attend_tile(
 
     v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
     vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, V_DOT_LAYOUT)
+    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if SCALE_MODE == 2:
         vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
                         key_ok, MASKED)
@@ -261,8 +261,7 @@ def _attend_range(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, V_DOT_LAYOUT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -279,7 +278,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, V_DOT_LAYOUT,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
             )
             start += BLOCK_N
     else:
@@ -292,7 +291,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, V_DOT_LAYOUT,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
             )
     return m_i, l_i, acc
 
@@ -317,7 +316,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, V_DOT_LAYOUT: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
+    QK_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -434,7 +433,7 @@ def _attention_kernel(
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, V_DOT_LAYOUT, INTERPRETED,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, INTERPRETED,
             )
 
     if SCALE_MODE == 1:
@@ -512,9 +511,6 @@ class AttentionConfig:
     # Fewest tile rows. Triton 3.6 pads a dot of fewer than 16 rows itself on CUDA, and a tile
     # of only the group's real rows (decode: 4 of 16) holds fewer registers.
     min_rows: int = 16
-    # Convert V codes after Triton moves them into the dot's layout (byte loads from shared
-    # memory) instead of where they were loaded (one fp16 staging copy in shared memory).
-    v_dot_layout: bool = False
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -707,7 +703,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, V_DOT_LAYOUT=cfg.v_dot_layout, SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
+        QK_INT8=p.quantize_query, SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if split:
