@@ -135,6 +135,16 @@ SWEEPS = {
                                        C(32, 128, 8, 5, 0, True)])
         for mode, qq in (("none", False), ("int8_per_token_head", False), ("fp8_per_token_head", False),
                          ("int8_per_token_head", True))
+    ],    # 7: the table configs with V's addresses computed apart from K's and shared with them
+    # (A/B of same_kv_strides; the second line of each pair shares them).
+    "7": [
+        (kind, seqs, length, mode, qq, [None])
+        for kind, seqs, length, mode, qq in (
+            ("decode", 64, 16384, "int8_per_token_head", False), ("decode", 64, 16384, "fp8_per_token_head", False),
+            ("decode", 64, 16384, "int8_per_token_head", True), ("decode", 64, 16384, "none", False),
+            ("decode", 8, 65536, "int8_per_token_head", False), ("decode", 8, 65536, "fp8_per_token_head", False),
+            ("decode", 64, 4096, "int8_per_token_head", False), ("decode", 64, 4096, "none", False),
+            ("prefill", 4, 4096, "int8_per_token_head", False), ("prefill", 4, 4096, "none", False))
     ],
 }
 
@@ -156,6 +166,12 @@ def main():
                     cfg = dataclasses.replace(cfg, split_keys=0)
                 label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
                          f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}")
+                if name == "7":
+                    shared = K.same_kv_strides
+                    K.same_kv_strides = lambda p: False
+                    print(f"[{name}] {label} apart: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
+                    K.same_kv_strides = shared
+                    label += " shared"
                 print(f"[{name}] {label}: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
             del p
             torch.cuda.empty_cache()

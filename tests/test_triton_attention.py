@@ -349,3 +349,26 @@ def test_cache_over_4gib_far_block():
     run(gp)
     assert not torch.isnan(gp.out).any()
     assert rel_err(gp.out, reference(p)) <= 1e-2
+
+
+def _heads_major(x: torch.Tensor) -> torch.Tensor:
+    """The same values as x [num_blocks, block_size, Hkv, ...], stored heads-major."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_value_cache_laid_out_unlike_key_cache(mode, batch):
+    # The kernel shares K's address arithmetic with V when their strides match; a V cache (and
+    # V scales) stored in another order must take its own strides.
+    k = _kernels()
+    q_lens, lens = ([1, 1, 1], [300, 129, 64]) if batch == "decode" else ([24, 1, 3], [230, 90, 160])
+    p = make_problem(q_lens, lens, mode=mode, sinks=True)
+    assert k.same_kv_strides(p)
+    check(p)
+    expected = p.out.clone()
+    v_scales = None if p.v_scale_cache is None else _heads_major(p.v_scale_cache)
+    q = dataclasses.replace(p, value_cache=_heads_major(p.value_cache), v_scale_cache=v_scales,
+                            out=torch.full_like(p.out, float("nan")))
+    assert not k.same_kv_strides(q)
+    assert torch.equal(run(q).view(torch.int16), expected.view(torch.int16))

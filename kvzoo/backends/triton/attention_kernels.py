@@ -160,7 +160,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc).
 
@@ -217,12 +217,19 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     m_i = m_new
 
-    v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
-    vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    if SAME_KV_STRIDES:
+        # V (and its scales) sit at K's offsets: one address computation serves both.
+        vc = _load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    else:
+        v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+        vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if SCALE_MODE == 2:
-        vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
-                        key_ok, MASKED)
+        if SAME_KV_STRIDES:
+            vs = _load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        else:
+            vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
+                            key_ok, MASKED)
         if SCALE_IN_CODES:
             v_max = tl.max(vs, axis=0)
             v_ratio = vs * tl.where(v_max > 0.0, 1.0 / v_max, 0.0)
@@ -261,7 +268,8 @@ def _attend_range(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, INTERPRETED: tl.constexpr,
+    MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -278,7 +286,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES,
             )
             start += BLOCK_N
     else:
@@ -291,7 +299,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES,
             )
     return m_i, l_i, acc
 
@@ -316,7 +324,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
+    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -433,7 +441,7 @@ def _attention_kernel(
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, INTERPRETED,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, INTERPRETED,
             )
 
     if SCALE_MODE == 1:
@@ -658,6 +666,14 @@ def _operands(p: Attention, platform: str, scale_in_codes: bool):
     return k, v, table, tl.float16, "tf32", convert, not p.quantize_query
 
 
+def same_kv_strides(p: Attention) -> bool:
+    """V's codes and scales are laid out like K's (two caches of one shape, as engines keep them)."""
+    same = p.key_cache.stride() == p.value_cache.stride()
+    if p.mode.per_token_head:
+        same = same and p.k_scale_cache.stride() == p.v_scale_cache.stride()
+    return same
+
+
 def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
     """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
@@ -703,7 +719,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
+        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if split:
