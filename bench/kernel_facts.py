@@ -145,6 +145,14 @@ SWEEPS = {
             ("decode", 8, 65536, "int8_per_token_head", False), ("decode", 8, 65536, "fp8_per_token_head", False),
             ("decode", 64, 4096, "int8_per_token_head", False), ("decode", 64, 4096, "none", False),
             ("prefill", 4, 4096, "int8_per_token_head", False), ("prefill", 4, 4096, "none", False))
+    ],    # 8: split points and stages around the new quantized decode tables.
+    "8": [
+        ("decode", 64, 4096, "int8_per_token_head", False, [None, R(32, 1, 5, 2048), R(32, 1, 5, -1)]),
+        ("decode", 64, 4096, "fp8_per_token_head", False, [None, R(64, 2, 5, 1024), R(64, 2, 5, 2048)]),
+        ("decode", 64, 16384, "int8_per_token_head", False, [None, R(32, 1, 5, 8192), R(32, 1, 6)]),
+        ("decode", 64, 16384, "fp8_per_token_head", False, [None, R(64, 2, 6), R(64, 2, 5, 8192)]),
+        ("decode", 8, 65536, "int8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 4096)]),
+        ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(64, 2, 5, 1024), R(64, 2, 5, 4096)]),
     ],
 }
 
