@@ -34,18 +34,27 @@ _NUMPY_DTYPES: dict[str, Any] = {
 _CARRIER = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+# These run dozens of times per call (argument checks), where eager callers pay for them.
+_TENSOR: tuple[type, ...] = (torch.Tensor,) if torch is not None else ()
+_ARRAY: tuple[type, ...] = (np.ndarray, *_TENSOR)
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def is_torch(x: Any) -> bool:
-    return torch is not None and isinstance(x, torch.Tensor)
+    return isinstance(x, _TENSOR)
 
 
 def is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or is_torch(x)
+    return isinstance(x, _ARRAY)
 
 
 def dtype_name(x: Any) -> str:
     """Canonical name of an array's dtype ("bfloat16", "float8_e4m3fn", ...)."""
-    if is_torch(x):
-        return str(x.dtype).removeprefix("torch.")
+    if isinstance(x, _TENSOR):
+        name = _TORCH_DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _TORCH_DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+        return name
     return np.dtype(x.dtype).name
 
 

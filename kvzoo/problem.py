@@ -9,6 +9,7 @@ All array fields are views of the caller's storage: writes land in the caller's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,11 @@ from .modes import QuantMode
 Array = Any  # torch.Tensor or numpy.ndarray
 
 OPS: tuple[str, ...] = ("reshape_and_cache", "dequantize", "paged_attention")
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)
@@ -34,15 +40,16 @@ class _Problem:
         raise NotImplementedError
 
     def map_arrays(self, convert: Callable[[Array], Array]) -> _Problem:
-        """The same problem with every array field passed through `convert`."""
+        """The same problem with every array field passed through `convert` (self when that
+        changes nothing: the common case, paid on every call)."""
         from .arrays import is_array
 
-        changes = {
-            f.name: convert(v)
-            for f in dataclasses.fields(self)
-            if is_array(v := getattr(self, f.name))
-        }
-        return dataclasses.replace(self, **changes)
+        changes = {}
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            if is_array(value) and (converted := convert(value)) is not value:
+                changes[name] = converted
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclass(frozen=True)

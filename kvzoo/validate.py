@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import as_numpy, device_type, dtype_name, is_array, is_torch, same_kind_empty
+from .arrays import as_numpy, device_type, dtype_name, is_array, is_torch, same_kind_empty, torch
 from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")
@@ -45,22 +45,27 @@ def require_dtype(name: str, x: Any, allowed: Sequence[str]) -> None:
 
 
 def require_shape(name: str, x: Any, expected: tuple[int, ...], layout: str) -> None:
-    if tuple(int(s) for s in x.shape) != tuple(expected):
+    # torch.Size compares equal to a tuple of ints, as NumPy shapes are.
+    if tuple(x.shape) != tuple(expected):
         fail(f"{name}: expected shape {tuple(expected)} {layout}, got {tuple(x.shape)}")
 
 
 def require_same_device(named: dict[str, Any]) -> str:
-    devices = {n: _device_key(x) for n, x in named.items() if x is not None and is_array(x)}
-    distinct = set(devices.values())
-    if len(distinct) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+    arrays = [(n, x) for n, x in named.items() if is_array(x)]
+    first = arrays[0][1]
+    key = _device_key(first)
+    if any(_device_key(x) != key for _, x in arrays):
+        listing = ", ".join(f"{n} on {_device_key(x)}" for n, x in arrays)
         fail(f"all tensors must be on one device; got {listing}")
-    first = next(x for x in named.values() if x is not None and is_array(x))
     return device_type(first)
 
 
-def _device_key(x: Any) -> str:
-    return str(x.device) if is_torch(x) else "cpu"
+def _device_key(x: Any) -> Any:
+    # torch.device compares equal to torch.device, and "cpu" to a CPU device.
+    return x.device if is_torch(x) else _CPU
+
+
+_CPU = "cpu" if torch is None else torch.device("cpu")
 
 
 def require_no_negative_strides(name: str, x: Any) -> None:
