@@ -608,6 +608,25 @@ def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa):
             row.ratios["vs sdpa"] = times["sdpa"] / times[mode]
 
 
+def _decode_eager(ceil) -> None:
+    """Wall time per eager API call on a decode small enough that the GPU waits on the host:
+    what an engine that does not capture CUDA graphs pays per layer, launch included."""
+    mode, q_lens, seq_lens = "int8_per_token_head", [1] * 8, [256] * 8
+    s = _attn_set(mode, q_lens, seq_lens, torch.Generator().manual_seed(8))
+    for _ in range(50):
+        _attn_call(s, mode)
+    sync()
+    calls = 1000
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _attn_call(s, mode)
+    sync()
+    t = (time.perf_counter() - t0) / calls
+    gbs = _attn_bytes(mode, q_lens, seq_lens) / t / 1e9
+    add_row(Row("decode 8x256 int8", IMPL + " (eager)", t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"],
+                how="eager API call"))
+
+
 def bench_decode(ceil, quick: bool) -> None:
     reps = 2 if DRY else 5 if quick else 20
     shapes = ((2, 40),) if DRY else ((64, 4096), (64, 16384), (8, 65536))
@@ -616,6 +635,8 @@ def bench_decode(ceil, quick: bool) -> None:
         _attention_cases(
             f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, "bw", lambda b=batch, c=ctx: _sdpa_decode(b, c, reps)
         )
+    if not DRY:
+        attempt("decode 8x256 int8", IMPL + " (eager)", _decode_eager, ceil)
 
 
 def bench_prefill(ceil, quick: bool) -> None:
