@@ -372,3 +372,14 @@ def test_value_cache_laid_out_unlike_key_cache(mode, batch):
                             out=torch.full_like(p.out, float("nan")))
     assert not k.same_kv_strides(q)
     assert torch.equal(run(q).view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
+def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
+    # Under 16 rows and past 2 stages were measured on CUDA only; Triton's AMD backend runs a
+    # dot under 16 rows on FMA units. The interpreter cannot tell, so the choice is pinned here.
+    k = _kernels()
+    p = make_problem([1, 1], [300, 64], mode=mode)
+    rocm, cuda = k.decode_config(p, False, "rocm"), k.decode_config(p, False, "cuda")
+    assert (rocm.min_rows, cuda.min_rows) == (16, 1)
+    assert rocm.num_stages <= 2 < cuda.num_stages

@@ -592,6 +592,10 @@ def _fit_wide_cache(p: Attention, block_n: int, stages: int) -> tuple[int, int]:
 def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
     block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), _code_kind(p)]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
+    if platform != "cuda":
+        # The 5-stage depth answers CUDA's pipeliner (measured on the H200 only); ROCm's own
+        # pipeliner keeps the 2 stages every decode tile had before it.
+        stages = min(stages, 2)
     # Quantized tiles of the group's real rows hold fewer registers (int8: 255 -> 189), which
     # their 5-stage pipeline needs; the bf16 tile timed the same either way and keeps 16. On
     # ROCm a dot under 16 rows falls back to FMA (Triton's AMD backend): padded there.
