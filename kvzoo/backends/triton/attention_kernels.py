@@ -678,8 +678,23 @@ def same_kv_strides(p: Attention) -> bool:
     return same
 
 
-def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
-    """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
+@dataclass
+class KernelCall:
+    """One launch of _attention_kernel: what _launch runs, and what bench/offline_facts.py
+    compiles for a GPU it does not have."""
+
+    grid: tuple[int, int, int]
+    args: tuple  # the runtime arguments, in the kernel's order
+    constexprs: dict
+    options: dict  # num_warps, num_stages, maxnreg
+    # Split-KV partials (m, l, acc), merged by _merge_splits_kernel; None without a split.
+    partials: tuple | None
+    split_keys: int
+    num_splits: int
+    block_d: int
+
+
+def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
@@ -698,17 +713,17 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
     vs = p.v_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if scale_mode == _SCALE_TENSOR else dummy
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
+    partials = None
     if split:
         shape = (num_seqs, p.num_q_heads, num_splits)
         part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
         part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
+        partials = (part_m, part_l, part_acc)
     else:
         part_m = part_l = part_acc = p.out
     sinks = p.sinks if p.sinks is not None else dummy
-    grid = (grid0, p.num_kv_heads, num_splits)
-    extra = {} if cfg.maxnreg is None or _platform.interpreted() else {"maxnreg": cfg.maxnreg}
-    kernel = _attention_kernel[grid](
+    args = (
         p.query, k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
         p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
@@ -716,6 +731,8 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         max(cfg.split_keys, 1), num_splits,
         *p.query.stride(), *p.out.stride(), *k.stride(), *v.stride(), *kss, *vss,
         p.block_tables.stride(0),
+    )
+    constexprs = dict(
         NUM_Q_HEADS=p.num_q_heads, GROUP=group, G_PAD=g_pad,
         BLOCK_Q=cfg.block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
@@ -723,14 +740,26 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), SCALE_FLOOR=float(SCALE_FLOOR), INTERPRETED=_platform.interpreted(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), SCALE_FLOOR=float(SCALE_FLOOR),
+        INTERPRETED=_platform.interpreted(),
     )
-    if split:
-        _merge_splits_kernel[(num_seqs, p.num_q_heads)](
-            part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks,
-            cfg.split_keys, num_splits, *p.out.stride(),
-            NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg is not None and not _platform.interpreted():
+        options["maxnreg"] = cfg.maxnreg
+    return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, partials,
+                      cfg.split_keys, num_splits, block_d)
+
+
+def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
+    """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
+    call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+    kernel = _attention_kernel[call.grid](*call.args, **call.constexprs, **call.options)
+    if call.partials is not None:
+        sinks = p.sinks if p.sinks is not None else p.seq_lens
+        _merge_splits_kernel[(p.num_seqs, p.num_q_heads)](
+            *call.partials, p.out, p.query_start_loc, p.seq_lens, sinks,
+            call.split_keys, call.num_splits, *p.out.stride(),
+            NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=call.block_d,
             HAS_SINKS=p.sinks is not None, num_warps=1,
         )
     return kernel

@@ -1,0 +1,144 @@
+"""Compiled-kernel facts of the Triton attention for an H200 (sm_90a), on a machine without a
+GPU: registers, spills, shared memory, MMA kind, K/V buffers of the software pipeline, and
+instructions per key tile in the main loops (SASS). kernel_facts.py measures the same kernels
+on the GPU; this answers "what will the compiler make of it" without spending device time.
+
+    python bench/offline_facts.py                 (the table configs of issue 5's shapes)
+
+Triton compiles for a target given by hand (GPUTarget("cuda", 90, 32)); the wheel's ptxas and
+cuobjdump give the rest. The problem is built from meta tensors, the launch arguments by the
+kernel's own `kernel_call`, so what compiles here is what `_launch` would launch (argument
+specialisation follows Triton's rules: ints equal to 1 become constants, ints and pointers
+divisible by 16 are marked so).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.modes import get_kv_quant_mode  # noqa: E402
+from kvzoo.problem import Attention  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+HQ, HKV, D, BS = 32, 8, 128, 16
+_TRITON_TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
+    torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+}
+
+
+def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_query: bool = False) -> Attention:
+    m = get_kv_quant_mode(mode)
+    blocks = num_seqs * seq_len // BS
+    code = torch.bfloat16 if m.code_dtype is None else torch.int8 if m.is_int8 else torch.float8_e4m3fn
+
+    def t(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    scales = (t((blocks, BS, HKV), torch.float32), t((blocks, BS, HKV), torch.float32)) if m.per_token_head else (None, None)
+    return Attention(
+        mode=m, query=t((num_seqs * q_len, HQ, D), torch.bfloat16), key_cache=t((blocks, BS, HKV, D), code),
+        value_cache=t((blocks, BS, HKV, D), code), block_tables=t((num_seqs, seq_len // BS), torch.int32),
+        seq_lens=t((num_seqs,), torch.int32), query_start_loc=t((num_seqs + 1,), torch.int32),
+        out=t((num_seqs * q_len, HQ, D), torch.bfloat16), max_query_len=q_len, max_seq_len=seq_len,
+        softmax_scale=1 / math.sqrt(D), k_scale_cache=scales[0], v_scale_cache=scales[1],
+        quantize_query=quantize_query,
+    )
+
+
+def compile_call(call: K.KernelCall):
+    fn = K._attention_kernel
+    names = [n for n in fn.arg_names if n not in call.constexprs]
+    signature, constexprs, attrs = {}, dict(call.constexprs), {}
+    for name, value in zip(names, call.args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]  # allocations are
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=H200, options=dict(call.options))
+
+
+def loop_bodies(sass: str) -> list[collections.Counter]:
+    """Instruction counts of each loop (a backward branch and the code it jumps over)."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in where:
+            body = ins[where[int(target.group(1), 16)] : i + 1]
+            loops.append(collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9]+)", t).group(1) for _, t in body))
+    return loops
+
+
+def facts(call: K.KernelCall) -> str:
+    ck = compile_call(call)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(ck.asm["ptx"])
+        ptxas = subprocess.run([BIN / "ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                               capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", ptxas).group(1))
+    buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:i8|bf16|f8E4M3FN)", ck.asm["ttgir"])})
+    mma = "wgmma" if "wgmma.mma_async" in ck.asm["ptx"] else "mma.sync"
+    loops = ", ".join(str(sum(c.values())) for c in loop_bodies(sass))
+    return (f"regs {regs:3d} spills {spills:3d} smem {ck.metadata.shared // 1024:3d} KB "
+            f"K/V buffers {buffers} {mma:8s} instructions per loop [{loops}]")
+
+
+def main() -> None:
+    K._num_sms = lambda device_index: H200_SMS  # the table's split choice as on the H200
+    cases = [("decode", 64, 16384, mode, qq) for mode, qq in (
+        ("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))]
+    cases += [("prefill", 4, 4096, mode, qq) for mode, qq in (
+        ("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))]
+    print(f"triton {triton.__version__}, target sm_90a. Spills in bytes (kernel_facts.py reports 4-byte words). "
+          "Loops in code order: prefill's first is the sequence lookup; then whole tiles, masked tiles.")
+    for kind, seqs, length, mode, qq in cases:
+        decode = kind == "decode"
+        p = meta_problem(seqs, 1 if decode else length, length, mode, qq)
+        cfg = K.decode_config(p, False) if decode else K.prefill_config(p)
+        variants = [cfg]
+        if decode and cfg.min_rows == 1:
+            variants.append(dataclasses.replace(cfg, min_rows=16))
+        for c in variants:
+            call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
+            label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
+                     f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}")
+            print(f"{label:62s} {facts(call)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
