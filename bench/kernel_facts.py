@@ -153,6 +153,13 @@ SWEEPS = {
         ("decode", 64, 16384, "fp8_per_token_head", False, [None, R(64, 2, 6), R(64, 2, 5, 8192)]),
         ("decode", 8, 65536, "int8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 4096)]),
         ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(64, 2, 5, 1024), R(64, 2, 5, 4096)]),
+    ],    # 9: fp8 decode on 1-warp 32-key tiles (767 instructions per tile against int8's 917,
+    # bench/offline_facts.py), split like int8's.
+    "9": [
+        ("decode", 64, 16384, "int8_per_token_head", False, [None]),
+        ("decode", 64, 16384, "fp8_per_token_head", False, [None, R(32, 1, 5, 4096), R(32, 1, 5, 8192), R(32, 1, 6, 4096)]),
+        ("decode", 64, 4096, "fp8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 2048)]),
+        ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(32, 1, 5, 2048), R(32, 1, 5, 4096)]),
     ],
 }
 
