@@ -531,11 +531,13 @@ class AttentionConfig:
 # Their 5 stages are what gives the K/V copies two buffers: the page lookup takes a stage of
 # its own, and below 5 Triton 3.6 keeps one buffer and waits for each copy right after issuing
 # it (2026-11-30, bench/kernel_facts.py sweep 5: int8 703 -> 665 us, fp8 748 -> 675 us at
-# 64 x 16384). The bf16 tile gained nothing from it (985 -> 1145 us) and keeps 2.
+# 64 x 16384). The bf16 tile gained nothing from it (985 -> 1145 us) and keeps 2. fp8 then
+# moved to int8's 1-warp tiles, split like them (sweep 9: 654 -> 617 us at 64 x 16384,
+# 342 -> 311-315 us at 8 x 65536).
 _DECODE_TABLE = {
     (64, False): (64, 4, 2), (128, False): (64, 4, 2), (256, False): (32, 4, 2),
     (64, "int8"): (32, 1, 5), (128, "int8"): (32, 1, 5), (256, "int8"): (64, 4, 2),
-    (64, "fp8"): (64, 2, 5), (128, "fp8"): (64, 2, 5), (256, "fp8"): (64, 4, 2),
+    (64, "fp8"): (32, 1, 5), (128, "fp8"): (32, 1, 5), (256, "fp8"): (64, 4, 2),
 }
 # Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages), keyed by
 # (padded head size, K operand): False the model dtype, True converted codes, "int8" codes as
@@ -553,10 +555,10 @@ INVARIANT_SPLIT_KEYS = 4096
 # wave ragged; split each sequence so the grid reaches about `target` per SM. Measured on the
 # H200 (bench/RESULTS.md): bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16), while
 # splitting bf16 64 x 16384 cost 5%; int8 64 x 16384 took 766 us unsplit and 665-670 us in 2
-# or 4 splits; fp8 64 x 16384 is fastest unsplit (675 us against 685 in 4 splits); at
-# 8 x 65536 int8 took 391 us in 25 splits and 337 us in 32, fp8 391 us in 17 and 346 us in 32.
+# or 4 splits; at 8 x 65536 int8 took 391 us in 25 splits and 337 us in 32. fp8 on the same
+# 1-warp tiles: 64 x 16384 in 4 or 2 splits 617-619 us, 8 x 65536 in 32 or 16 311-315 us.
 # (below, target) per code type (False: the model dtype):
-_SPLIT_PER_SM = {False: (2, 8), "fp8": (2, 16), "int8": (8, 16)}
+_SPLIT_PER_SM = {False: (2, 8), "fp8": (8, 16), "int8": (8, 16)}
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
 
