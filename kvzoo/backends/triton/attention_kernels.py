@@ -598,7 +598,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
         # The 5-stage depth answers CUDA's pipeliner (measured on the H200 only); ROCm's own
         # pipeliner keeps the 2 stages every decode tile had before it.
         stages = min(stages, 2)
-    # Quantized tiles of the group's real rows hold fewer registers (int8: 255 -> 189), which
+    # Quantized tiles of the group's real rows hold fewer registers (int8: 255 -> 206), which
     # their 5-stage pipeline needs; the bf16 tile timed the same either way and keeps 16. On
     # ROCm a dot under 16 rows falls back to FMA (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and _code_kind(p) else 16
