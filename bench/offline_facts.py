@@ -130,14 +130,20 @@ def main() -> None:
         decode = kind == "decode"
         p = meta_problem(seqs, 1 if decode else length, length, mode, qq)
         cfg = K.decode_config(p, False) if decode else K.prefill_config(p)
-        variants = [cfg]
+        # Quantized decode also as it was before the third session's changes, one at a time:
+        # 16 padded rows; and 2 stages on top (the second session's tile); V's addresses apart.
+        variants = [(cfg, True)]
         if decode and cfg.min_rows == 1:
-            variants.append(dataclasses.replace(cfg, min_rows=16))
-        for c in variants:
+            padded = dataclasses.replace(cfg, min_rows=16)
+            variants += [(padded, True), (dataclasses.replace(padded, num_stages=2), True), (cfg, False)]
+        for c, shared in variants:
             call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
+            if not shared:
+                call.constexprs["SAME_KV_STRIDES"] = False
             label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
-                     f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}")
-            print(f"{label:62s} {facts(call)}", flush=True)
+                     f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
+                     f"{'' if shared else ' V apart'}")
+            print(f"{label:70s} {facts(call)}", flush=True)
 
 
 if __name__ == "__main__":
