@@ -517,7 +517,7 @@ class AttentionConfig:
     # Register cap per thread (ptxas .maxnreg); None leaves it to the compiler.
     maxnreg: int | None = None
     # Fewest tile rows. Triton 3.6 pads a dot of fewer than 16 rows itself on CUDA, and a tile
-    # of only the group's real rows (decode: 4 of 16) holds fewer registers.
+    # of only the group's real rows (decode: 4 of 16) carries less softmax and rescaling work.
     min_rows: int = 16
 
 
@@ -598,9 +598,10 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
         # The 5-stage depth answers CUDA's pipeliner (measured on the H200 only); ROCm's own
         # pipeliner keeps the 2 stages every decode tile had before it.
         stages = min(stages, 2)
-    # Quantized tiles of the group's real rows hold fewer registers (int8: 255 -> 206), which
-    # their 5-stage pipeline needs; the bf16 tile timed the same either way and keeps 16. On
-    # ROCm a dot under 16 rows falls back to FMA (Triton's AMD backend): padded there.
+    # Quantized tiles of the group's real rows run fewer instructions per key tile (int8 at 5
+    # stages: 917 against 1090, bench/offline_facts.py) in less shared memory; the bf16 tile
+    # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
+    # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and _code_kind(p) else 16
     if invariant:
         return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, min_rows=min_rows)
