@@ -54,9 +54,27 @@ def calls() -> dict[str, callable]:
     }
 
 
+def triton_launch_preparation() -> dict[str, callable]:
+    """The Triton backend's own per-call Python before Triton's launcher: the table lookup and
+    the argument lists (meta tensors, so no GPU and no kernel)."""
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import offline_facts
+    except ImportError:  # no triton here
+        return {}
+    kernels = offline_facts.K
+    kernels._num_sms = lambda device_index: offline_facts.H200_SMS
+    p = offline_facts.meta_problem(SEQS, 1, BS * BLOCKS_PER_SEQ, MODE)
+    cfg = kernels.decode_config(p, False)
+    return {
+        "triton decode_config": lambda: kernels.decode_config(p, False),
+        "triton kernel_call (argument lists)": lambda: kernels.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False),
+    }
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}; validate=False, no-op implementation")
-    for name, fn in calls().items():
+    for name, fn in {**calls(), **triton_launch_preparation()}.items():
         for _ in range(300):
             fn()
         runs = []
