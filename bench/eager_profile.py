@@ -17,14 +17,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import _attn_call, _attn_set  # noqa: E402
+from gpu_bench import EAGER_DECODE, _attn_call, eager_decode_set  # noqa: E402
 
-MODE = "int8_per_token_head"
+MODE = EAGER_DECODE[0]
 
 
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    s = _attn_set(MODE, [1] * 8, [256] * 8, torch.Generator().manual_seed(8))
+    s = eager_decode_set()
     for _ in range(100):
         _attn_call(s, MODE)
     torch.cuda.synchronize()

@@ -608,11 +608,20 @@ def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa):
             row.ratios["vs sdpa"] = times["sdpa"] / times[mode]
 
 
+# A decode small enough that the GPU waits on the host: eager calls measure host time.
+EAGER_DECODE = ("int8_per_token_head", [1] * 8, [256] * 8)
+
+
+def eager_decode_set() -> AttnSet:
+    mode, q_lens, seq_lens = EAGER_DECODE
+    return _attn_set(mode, q_lens, seq_lens, torch.Generator().manual_seed(8))
+
+
 def _decode_eager(ceil) -> None:
-    """Wall time per eager API call on a decode small enough that the GPU waits on the host:
-    what an engine that does not capture CUDA graphs pays per layer, launch included."""
-    mode, q_lens, seq_lens = "int8_per_token_head", [1] * 8, [256] * 8
-    s = _attn_set(mode, q_lens, seq_lens, torch.Generator().manual_seed(8))
+    """Wall time per eager API call on EAGER_DECODE: what an engine that does not capture CUDA
+    graphs pays per layer, launch included."""
+    mode, q_lens, seq_lens = EAGER_DECODE
+    s = eager_decode_set()
     for _ in range(50):
         _attn_call(s, mode)
     sync()

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Compiled, never interpreted: @triton.jit reads this when the kernels module is imported.
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402

@@ -690,11 +690,8 @@ class KernelCall:
     args: tuple  # the runtime arguments, in the kernel's order
     constexprs: dict
     options: dict  # num_warps, num_stages, maxnreg
-    # Split-KV partials (m, l, acc), merged by _merge_splits_kernel; None without a split.
-    partials: tuple | None
-    split_keys: int
-    num_splits: int
-    block_d: int
+    # The split merge's (grid, args, constexprs), run after it; None without a split.
+    merge: tuple | None
 
 
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
@@ -716,16 +713,22 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     vs = p.v_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if scale_mode == _SCALE_TENSOR else dummy
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
-    partials = None
+    sinks = p.sinks if p.sinks is not None else dummy
+    merge = None
     if split:
         shape = (num_seqs, p.num_q_heads, num_splits)
         part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
         part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
-        partials = (part_m, part_l, part_acc)
+        merge = (
+            (num_seqs, p.num_q_heads),
+            (part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks,
+             cfg.split_keys, num_splits, *p.out.stride()),
+            dict(NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
+                 HAS_SINKS=p.sinks is not None, num_warps=1),
+        )
     else:
         part_m = part_l = part_acc = p.out
-    sinks = p.sinks if p.sinks is not None else dummy
     args = (
         p.query, k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
@@ -749,22 +752,16 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():
         options["maxnreg"] = cfg.maxnreg
-    return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, partials,
-                      cfg.split_keys, num_splits, block_d)
+    return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, merge)
 
 
 def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
     """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
     call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
     kernel = _attention_kernel[call.grid](*call.args, **call.constexprs, **call.options)
-    if call.partials is not None:
-        sinks = p.sinks if p.sinks is not None else p.seq_lens
-        _merge_splits_kernel[(p.num_seqs, p.num_q_heads)](
-            *call.partials, p.out, p.query_start_loc, p.seq_lens, sinks,
-            call.split_keys, call.num_splits, *p.out.stride(),
-            NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=call.block_d,
-            HAS_SINKS=p.sinks is not None, num_warps=1,
-        )
+    if call.merge is not None:
+        grid, args, constexprs = call.merge
+        _merge_splits_kernel[grid](*args, **constexprs)
     return kernel
 
 
