@@ -20,6 +20,7 @@ fails prints an error row; the rest still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,11 +47,15 @@ import kvzoo  # noqa: E402
 IMPL = "triton-cuda"
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 MODES = ("none", "int8_per_token_head", "fp8_per_token_head")
-# Attention also times the quantize_query option on the int8 cache ("variant" = mode[+qq]).
+# Attention also times the quantize_query option on the int8 cache, and prefill the quantized
+# modes with staging off ("variant" = mode[+qq][+direct]).
 QQ = "+qq"
+DIRECT = "+direct"
 ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
+PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT)
 SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8",
-         "int8_per_token_head" + QQ: "int8 qk-int8"}
+         "int8_per_token_head" + QQ: "int8 qk-int8", "int8_per_token_head" + DIRECT: "int8 direct",
+         "fp8_per_token_head" + DIRECT: "fp8 direct"}
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
 MAX_SETS = 8
@@ -59,7 +64,21 @@ ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw qu
 
 def _variant(variant: str) -> tuple[str, bool]:
     """(cache mode, quantize_query) of an attention variant name."""
-    return variant.removesuffix(QQ), variant.endswith(QQ)
+    return variant.removesuffix(DIRECT).removesuffix(QQ), QQ in variant
+
+
+@contextlib.contextmanager
+def _staging_off(variant: str):
+    """The direct prefill kernel on the codes, as before staging (no workspace allowed)."""
+    from kvzoo.backends.triton import staging
+
+    saved = staging.STAGE_MAX_BYTES
+    if variant.endswith(DIRECT):
+        staging.STAGE_MAX_BYTES = -1
+    try:
+        yield
+    finally:
+        staging.STAGE_MAX_BYTES = saved
 
 
 @dataclass
@@ -443,6 +462,7 @@ class AttnSet:
     out: torch.Tensor
     max_q: int
     max_s: int
+    num_prefills: int
 
 
 def _attn_set(variant, q_lens, seq_lens, gen) -> AttnSet:
@@ -459,12 +479,18 @@ def _attn_set(variant, q_lens, seq_lens, gen) -> AttnSet:
         torch.empty_like(query),
         max(q_lens),
         max(seq_lens),
+        sum(q > 1 for q in q_lens),
     )
 
 
 def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
     c = s.cache
     mode, quantize_query = _variant(variant)
+    with _staging_off(variant):
+        _paged_attention(s, c, mode, quantize_query, impl)
+
+
+def _paged_attention(s: AttnSet, c, mode: str, quantize_query: bool, impl: str):
     kvzoo.paged_attention(
         s.query,
         c.key_cache,
@@ -479,6 +505,7 @@ def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
         out=s.out,
         max_query_len=s.max_q,
         max_seq_len=s.max_s,
+        num_prefills=s.num_prefills,
         quantize_query=quantize_query,
         impl=impl,
         validate=False,
@@ -591,11 +618,11 @@ def _attention_sdpa(case, sdpa, q_lens, seq_lens, ceil, kind, times) -> None:
     free()
 
 
-def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa):
+def _attention_cases(case_prefix, q_lens, seq_lens, ceil, reps, kind, sdpa, variants=ATTN_VARIANTS):
     """Times every mode on one shape (and SDPA when given); kind 'bw' reports GB/s, 'flops' TFLOP/s."""
     times: dict[str, float] = {}
     rows: dict[str, Row] = {}
-    for mode in ATTN_VARIANTS:
+    for mode in variants:
         case = f"{case_prefix} {SHORT[mode]}"
         attempt(case, IMPL, _attention_mode, case, mode, q_lens, seq_lens, ceil, reps, kind, times, rows)
     if sdpa is not None:
@@ -659,12 +686,13 @@ def bench_prefill(ceil, quick: bool) -> None:
         reps,
         "flops",
         lambda: _sdpa_prefill(batch, length, reps),
+        PREFILL_VARIANTS,
     )
     # Mixed batch: 4 prefill chunks of 1024 on 3072 tokens of context, plus 60 decodes at 4096.
     q_lens, seq_lens = ([8] * 2 + [1] * 2, [30] * 4) if DRY else ([1024] * 4 + [1] * 60, [4096] * 64)
     chunks = sum(q > 1 for q in q_lens)
     label = f"mixed {chunks}x{q_lens[0]}chunk+{len(q_lens) - chunks}dec"
-    _attention_cases(label, q_lens, seq_lens, ceil, reps, "flops", None)
+    _attention_cases(label, q_lens, seq_lens, ceil, reps, "flops", None, PREFILL_VARIANTS)
 
 
 def main() -> int:

@@ -239,6 +239,7 @@ def paged_attention(
     out: Array | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    num_prefills: int | None = None,
     batch_invariant: bool = False,
     quantize_query: bool = False,
     impl: str | _registry.Implementation | None = None,
@@ -249,7 +250,10 @@ def paged_attention(
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; its context is
     seq_lens[s] tokens (this step's included), found through block_tables[s]. Returns `out`
     ([num_tokens, num_q_heads, head_size], query dtype). Pass max_query_len and max_seq_len
-    (host ints) together with validate=False to avoid every host synchronisation.
+    (host ints) together with validate=False to avoid every host synchronisation; num_prefills
+    (host int: sequences with more than one query token, as engines count them) then keeps the
+    GPU's staged quantized prefill from sizing its workspace for every sequence. Otherwise
+    all three are computed from the device values.
 
     quantize_query=True (int8 per-token-head caches only) quantizes each query row to int8
     the way the cache's rows are, so QK^T runs on int8 codes (int8 tensor cores on the GPU):
@@ -315,6 +319,9 @@ def paged_attention(
                      f"{int(lens[s])}; the context includes this step's tokens")
         max_query_len = int(q_lens.max()) if num_seqs else 0
         max_seq_len = int(lens.max()) if num_seqs else 0
+        num_prefills = int((q_lens > 1).sum())
+    elif num_prefills is not None and not 0 <= int(num_prefills) <= num_seqs:
+        fail(f"num_prefills: expected an int in [0, num_seqs={num_seqs}] or None, got {num_prefills!r}")
     problem = Attention(
         mode=mode, query=query, key_cache=key_cache, value_cache=value_cache,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, out=out,
@@ -324,6 +331,7 @@ def paged_attention(
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), sinks=sinks,
         batch_invariant=batch_invariant, quantize_query=bool(quantize_query),
+        num_prefills=None if num_prefills is None else int(num_prefills),
     )
     if num_tokens:
         _run("paged_attention", problem, impl)

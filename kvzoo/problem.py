@@ -126,6 +126,8 @@ class Attention(_Problem):
     seq_lens: [S] int32 (context length including this step's query tokens);
     query_start_loc: [S+1] int32; sinks: [Hq] float32 or None; out: [T, Hq, D].
     max_query_len / max_seq_len: host-side bounds (kernels size their grids from them).
+    num_prefills: host-side count of sequences with more than one query token, or None when
+    unknown (a bound on what a backend may stage per prefill sequence).
     Query token j of sequence s sits at position seq_lens[s] - q_len + j and attends to
     keys at positions p <= that (and > that - sliding_window when a window is set).
     """
@@ -152,6 +154,7 @@ class Attention(_Problem):
     # int8 caches only: each query row (token, head) is replaced by its int8 per-token-head
     # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
     quantize_query: bool = False
+    num_prefills: int | None = None
 
     def _device_array(self) -> Array:
         return self.query

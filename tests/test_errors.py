@@ -150,6 +150,8 @@ ATTENTION_ERRORS = {
     "softcap": (lambda a, k: k.update(softcap=-1.0), ["softcap"]),
     "out dtype": (lambda a, k: k.update(out=torch.empty(6, 8, D)), ["out", "dtype"]),
     "v scales missing": (lambda a, k: k.pop("v_scale_cache"), ["v_scale_cache", "required"]),
+    "num_prefills over num_seqs": (lambda a, k: k.update(num_prefills=4, validate=False, max_query_len=4, max_seq_len=20),
+                                   ["num_prefills", "num_seqs=3"]),
     "quantize_query on fp8": (lambda a, k: k.update(mode="fp8_per_token_head", quantize_query=True),
                               ["quantize_query", "int8", "fp8_per_token_head"]),
 }

@@ -383,3 +383,92 @@ def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
     rocm, cuda = k.decode_config(p, False, "rocm"), k.decode_config(p, False, "cuda")
     assert (rocm.min_rows, cuda.min_rows) == (16, 1)
     assert rocm.num_stages <= 2 < cuda.num_stages
+
+
+# ----------------------------------------------------------------------------------------
+# Staged prefill (staging.py): quantized context dequantized into a bf16 workspace.
+
+STAGED_BATCHES = {
+    # prompts only; chunks on context beside decodes; a window, softcap and sinks
+    "prefill": dict(q_lens=[70, 33], seq_lens=[70, 33]),
+    "mixed": dict(q_lens=[1, 66, 1, 20], seq_lens=[150, 200, 17, 40]),
+    "options": dict(q_lens=[80, 1], seq_lens=[130, 90], sliding_window=37, softcap=20.0, sinks=True),
+}
+
+
+def _staged(p):
+    k = _kernels()
+    return dataclasses.replace(k.prefill_config(dataclasses.replace(p, mode=get_kv_quant_mode("none"))),
+                               stage_kv=True)
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor"])
+@pytest.mark.parametrize("batch", sorted(STAGED_BATCHES))
+def test_staged_prefill_against_float64(mode, batch):
+    p = make_problem(**STAGED_BATCHES[batch], mode=mode, head_size=64, seed=len(batch))
+    assert _kernels().prefill_config(p).stage_kv == (p.max_query_len >= 64)
+    staged_err = check(p, prefill=_staged(p))
+    # The workspace adds K/V rounding to bf16 (2^-9 relative per element) on top of what the
+    # direct kernel's error already holds.
+    direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
+    direct_err = check(direct, prefill=dataclasses.replace(_kernels().prefill_config(p), stage_kv=False))
+    assert staged_err <= direct_err + 3e-3, (staged_err, direct_err)
+
+
+def test_staged_prefill_with_a_num_prefills_hint():
+    # The engine's count sizes the workspace for the prefill sequences only; a count below the
+    # truth (validate=False) leaves the extra sequences wrong but touches nothing outside.
+    k = _kernels()
+    q_lens, lens = [1, 66, 1, 70], [150, 200, 17, 100]
+    exact = dataclasses.replace(make_problem(q_lens, lens), num_prefills=2)
+    assert k._staging.workspace_bytes(exact) * 2 == k._staging.workspace_bytes(dataclasses.replace(exact, num_prefills=None))
+    check(exact, prefill=_staged(exact))
+    short = dataclasses.replace(make_problem(q_lens, lens), num_prefills=1)
+    run(short, prefill=_staged(short))
+    ref = reference(short)
+    assert rel_err(short.out[:67], ref[:67]) <= 1e-2  # the decode and the first prefill
+    assert rel_err(short.out[68:], ref[68:]) > 1e-2  # the prefill that got no workspace
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor"])
+def test_workspace_holds_the_nearest_bf16_of_each_decoded_value(mode):
+    from kvzoo.backends.triton import write_kernels
+
+    p = make_problem([1, 40, 1], [30, 75, 50], mode=mode, head_size=48)
+    rows = 96
+    out = torch.full((3 * rows, p.num_kv_heads, p.head_size), float("nan"), dtype=torch.bfloat16)
+    gather = torch.tensor([0, 75, 50], dtype=torch.int32)  # sequence 0 is left out
+    first = torch.tensor([0, rows, 2 * rows], dtype=torch.int64)
+    write_kernels.launch_dequantize(p.mode, p.key_cache, p.k_scale_cache, p.k_scale, p.block_tables, gather,
+                                    first, out, 75)
+    for s, n in ((1, 75), (2, 50)):
+        pos = torch.arange(n)
+        blk, off = p.block_tables[s, pos // p.block_size].long(), pos % p.block_size
+        codes = p.key_cache[blk, off].to(torch.float32)
+        scale = p.k_scale_cache[blk, off][..., None] if p.k_scale_cache is not None else p.k_scale
+        reference_decoded = (codes * scale).to(torch.bfloat16)  # fp32 product, rounded to nearest even
+        got = out[s * rows: s * rows + n]
+        assert torch.equal(got.view(torch.int16), reference_decoded.view(torch.int16))
+        assert torch.isnan(out[s * rows + n: (s + 1) * rows].float()).all(), "wrote past seq_lens"
+    assert torch.isnan(out[:rows].float()).all(), "wrote a sequence whose length was 0"
+
+
+def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
+    k = _kernels()
+    long = dict(q_lens=[64, 1], seq_lens=[64, 40])
+    assert k.prefill_config(make_problem(**long)).stage_kv
+    assert k.prefill_config(make_problem(**long, mode="fp8_per_tensor")).stage_kv
+    declined = {
+        "mode none": make_problem(**long, mode="none"),
+        "fp16 query (values may not fit fp16)": make_problem(**long, dtype=torch.float16),
+        "quantize_query": make_problem(**long, quantize_query=True),
+        "batch_invariant": make_problem(**long, batch_invariant=True),
+        "short query runs": make_problem([63, 1], [64, 40]),
+    }
+    for why, p in declined.items():
+        assert not k.prefill_config(p).stage_kv, why
+    p = make_problem(**long)
+    monkeypatch.setattr(k._staging, "STAGE_MAX_BYTES", k._staging.workspace_bytes(p) - 1)
+    assert not k.prefill_config(p).stage_kv, "workspace over STAGE_MAX_BYTES"
+    with pytest.raises(ValueError, match="stage_kv"):
+        run(make_problem(**long, dtype=torch.float16), prefill=_staged(make_problem(**long)))

@@ -101,7 +101,7 @@ def dequant_cases() -> list[DequantCase]:
 @dataclass(frozen=True)
 class AttentionCase:
     mode: str
-    batch: str = "mixed"  # "decode" | "prefill" | "mixed"
+    batch: str = "mixed"  # "decode" | "prefill" | "mixed" | "long" (prefills of 64+ tokens)
     num_q_heads: int = 8
     num_kv_heads: int = 2
     head_size: int = 64
@@ -137,7 +137,7 @@ class AttentionCase:
 def attention_cases() -> list[AttentionCase]:
     cases = []
     for mode in MODE_NAMES:
-        for batch in ("decode", "prefill", "mixed"):
+        for batch in ("decode", "prefill", "mixed", "long"):
             cases.append(AttentionCase(mode, batch))
         cases.append(AttentionCase(mode, "decode", num_q_heads=8, num_kv_heads=1, head_size=128))  # MQA
         cases.append(AttentionCase(mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, block_size=32,

@@ -21,6 +21,7 @@ uses atomics, so results are identical run to run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -28,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...modes import SCALE_FLOOR
+from ...modes import NONE, SCALE_FLOOR
 from ...problem import Attention
 from . import encode as _encode
 from . import platform as _platform
+from . import staging as _staging
 
 _LOG2E = 1.4426950408889634
 
@@ -519,6 +521,9 @@ class AttentionConfig:
     # Fewest tile rows. Triton 3.6 pads a dot of fewer than 16 rows itself on CUDA, and a tile
     # of only the group's real rows (decode: 4 of 16) carries less softmax and rescaling work.
     min_rows: int = 16
+    # Prefill only: attend to a bf16 workspace of the dequantized context (staging.py)
+    # instead of converting codes in every query tile.
+    stage_kv: bool = False
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -622,6 +627,9 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
+    if _staging.worth_staging(p):
+        # The bf16 tile, on the workspace.
+        return dataclasses.replace(prefill_config(dataclasses.replace(p, mode=NONE)), stage_kv=True)
     k_operand = "int8" if p.quantize_query else p.mode.code_dtype is not None
     rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), k_operand]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
@@ -780,4 +788,14 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
     elif p.max_query_len <= 1:
         _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
     else:
-        _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=False)
+        cfg = prefill or prefill_config(p)
+        if not cfg.stage_kv:
+            _launch(p, platform, cfg, per_seq=False, skip_decode=False)
+            return
+        if not _staging.stageable(p):
+            raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, query "
+                             f"{p.query.dtype}, quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
+        if p.num_prefills is None or p.num_prefills < p.num_seqs:
+            # Decode tokens read the codes directly: staging their context would only add bytes.
+            _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
+        _launch(_staging.staged_problem(p), platform, cfg, per_seq=False, skip_decode=True)
