@@ -5,7 +5,8 @@ staging starts to pay (staging.STAGE_MIN_QUERY_LEN) and what its gather pass cos
 
 Every row checks the output against float64 attention first, then times CUDA-graph replays
 (median, triton.testing.do_bench_cudagraph) of: the direct kernel on the codes, the staged run
-(gather + bf16 kernel), the gather alone, and mode "none" on a bf16 cache of the same shape.
+(gather + attention), the gather alone, the attention on the workspace alone, and mode "none"
+on a bf16 cache of the same shape.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from attention_probe import ceilings, err, make  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402
-from kvzoo.modes import NONE  # noqa: E402
 
 CONTEXT = 4096
 # (sequences, query tokens each): chunks on top of CONTEXT - q tokens of context.
@@ -42,7 +42,7 @@ def main() -> None:
     copy_bw, _ = ceilings()
     print(f"copy ceiling {copy_bw:.0f} GB/s; context {CONTEXT}; times in us (CUDA-graph medians)")
     print(f"{'mode':6} {'seqs x q':>10} {'direct':>9} {'staged':>9} {'gather':>8} {'gather GB/s':>11} "
-          f"{'bf16':>9} {'staged/direct':>13} {'staged/bf16':>11} {'err direct':>10} {'err staged':>10}")
+          f"{'attend':>9} {'bf16':>9} {'staged/direct':>13} {'staged/bf16':>11} {'err direct':>10} {'err staged':>10}")
     for seqs, q in SHAPES:
         bf16 = make(seqs, q, CONTEXT, "none", seed=q)
         t_bf16 = timed(lambda bf16=bf16: K.run(bf16, "cuda"))
@@ -53,7 +53,7 @@ def main() -> None:
             staging.STAGE_MAX_BYTES = -1
             direct_cfg = K.prefill_config(p)
             staging.STAGE_MAX_BYTES = saved
-            staged_cfg = dataclasses.replace(K.prefill_config(dataclasses.replace(p, mode=NONE)), stage_kv=True)
+            staged_cfg = K.staged_prefill_config(p)
             last = [0, seqs - 1]
             p.out.fill_(float("nan"))
             K.run(p, "cuda", prefill=direct_cfg)
@@ -64,10 +64,13 @@ def main() -> None:
             t_direct = timed(lambda p=p, cfg=direct_cfg: K.run(p, "cuda", prefill=cfg))
             t_staged = timed(lambda p=p, cfg=staged_cfg: K.run(p, "cuda", prefill=cfg))
             t_gather = timed(lambda p=p: staging.staged_problem(p))
+            w = staging.staged_problem(p)
+            t_attend = timed(lambda w=w, cfg=staged_cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
             keys = seqs * CONTEXT * p.num_kv_heads * p.head_size * 2  # K and V elements
-            gather_bytes = keys * (1 + 2) + seqs * CONTEXT * p.num_kv_heads * 4 * 2
+            scale_bytes = seqs * CONTEXT * p.num_kv_heads * 4 * 3 if p.k_scale_cache is not None else 0
+            gather_bytes = keys * (1 + 2) + scale_bytes  # codes in, bf16 out; 2 scales in, 1 out
             print(f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
-                  f"{gather_bytes / t_gather / 1e3:11.0f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
+                  f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
                   f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}")
 
 

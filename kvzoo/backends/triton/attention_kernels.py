@@ -21,7 +21,6 @@ uses atomics, so results are identical run to run.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...modes import NONE, SCALE_FLOOR
+from ...modes import SCALE_FLOOR
 from ...problem import Attention
 from . import encode as _encode
 from . import platform as _platform
@@ -163,6 +162,7 @@ def _attend_tile(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
+    V_DECODED: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc).
 
@@ -172,6 +172,7 @@ def _attend_tile(
     and probabilities: cheaper when the tile has many rows (prefill).
     QK_INT8: q holds int8 codes (quantize_query) and meets the K codes as loaded in an int8
     dot, exact in int32; the query and key scales multiply the logits after it.
+    V_DECODED: V holds values, not codes (staged prefill's workspace): no V scale.
     """
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
@@ -226,7 +227,7 @@ def _attend_tile(
         v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
         vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
-    if SCALE_MODE == 2:
+    if SCALE_MODE == 2 and not V_DECODED:
         if SAME_KV_STRIDES:
             vs = _load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
         else:
@@ -271,7 +272,7 @@ def _attend_range(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    V_DECODED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -288,7 +289,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
             )
             start += BLOCK_N
     else:
@@ -301,7 +302,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
             )
     return m_i, l_i, acc
 
@@ -326,7 +327,8 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, SCALE_FLOOR: tl.constexpr, INTERPRETED: tl.constexpr,
+    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, V_DECODED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -443,10 +445,11 @@ def _attention_kernel(
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, INTERPRETED,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
+                INTERPRETED,
             )
 
-    if SCALE_MODE == 1:
+    if SCALE_MODE == 1 and not V_DECODED:
         acc = acc * tl.load(vs_ptr)
     if SPLIT:
         # Decode: one token per sequence, partials indexed [seq, q head, split].
@@ -626,10 +629,16 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows)
 
 
+def staged_prefill_config(p: Attention) -> AttentionConfig:
+    """The bf16 tile, on the staged workspace; K's scales multiply the logits."""
+    rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), False]
+    g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
+    return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True)
+
+
 def prefill_config(p: Attention) -> AttentionConfig:
     if _staging.worth_staging(p):
-        # The bf16 tile, on the workspace.
-        return dataclasses.replace(prefill_config(dataclasses.replace(p, mode=NONE)), stage_kv=True)
+        return staged_prefill_config(p)
     k_operand = "int8" if p.quantize_query else p.mode.code_dtype is not None
     rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), k_operand]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
@@ -653,12 +662,12 @@ def _fp8_table(dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def _operands(p: Attention, platform: str, scale_in_codes: bool):
+def _operands(p: Attention, platform: str, cfg: AttentionConfig):
     """(k, v, table, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, Q_RESCALE) for this problem."""
     interpreted = _platform.interpreted()
     k, v = p.key_cache, p.value_cache
     table = None
-    if p.mode.code_dtype is None:
+    if p.mode.code_dtype is None or cfg.stage_kv:
         same = k.dtype == p.query.dtype and k.dtype != torch.float32
         # The interpreter carries bf16 as raw integers in dots: widen to fp32 there.
         if same and not (interpreted and k.dtype == torch.bfloat16):
@@ -669,8 +678,8 @@ def _operands(p: Attention, platform: str, scale_in_codes: bool):
         # Offset codes for decode tiles (few rows: conversion dominates); exact codes where
         # per-key scales are folded into the tiles (the offset would not factor out).
         if platform == "cuda" and not interpreted:
-            convert = _CONVERT_I8_ASM if scale_in_codes else _CONVERT_I8_OFFSET
-        elif not scale_in_codes:
+            convert = _CONVERT_I8_ASM if cfg.scale_in_codes else _CONVERT_I8_OFFSET
+        elif not cfg.scale_in_codes:
             convert = _CONVERT_I8_OFFSET_CAST
     elif platform == "cuda" and not interpreted and p.mode.code_dtype == "float8_e4m3fn":
         convert = _CONVERT_E4M3_ASM
@@ -684,7 +693,7 @@ def _operands(p: Attention, platform: str, scale_in_codes: bool):
 def same_kv_strides(p: Attention) -> bool:
     """V's codes and scales are laid out like K's (two caches of one shape, as engines keep them)."""
     same = p.key_cache.stride() == p.value_cache.stride()
-    if p.mode.per_token_head:
+    if p.mode.per_token_head and p.v_scale_cache is not None:  # None: V staged as values
         same = same and p.k_scale_cache.stride() == p.v_scale_cache.stride()
     return same
 
@@ -703,7 +712,7 @@ class KernelCall:
 
 
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
-    k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg.scale_in_codes)
+    k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
     block_m = max(cfg.min_rows, cfg.block_q * g_pad)
@@ -718,9 +727,10 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     scale_mode = _SCALE_TOKEN_HEAD if p.mode.per_token_head else _SCALE_TENSOR if p.mode.per_tensor else _SCALE_NONE
     dummy = p.seq_lens
     ks = p.k_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.k_scale if scale_mode == _SCALE_TENSOR else dummy
-    vs = p.v_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if scale_mode == _SCALE_TENSOR else dummy
+    v_scale_mode = _SCALE_NONE if cfg.stage_kv else scale_mode
+    vs = p.v_scale_cache if v_scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if v_scale_mode == _SCALE_TENSOR else dummy
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
-    vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
+    vss = p.v_scale_cache.stride() if v_scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     sinks = p.sinks if p.sinks is not None else dummy
     merge = None
     if split:
@@ -754,7 +764,8 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), SCALE_FLOOR=float(SCALE_FLOOR),
+        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), V_DECODED=cfg.stage_kv,
+        SCALE_FLOOR=float(SCALE_FLOOR),
         INTERPRETED=_platform.interpreted(),
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

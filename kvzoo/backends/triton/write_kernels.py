@@ -7,7 +7,7 @@ so vLLM's split caches, the inline-scale page layout and key/value views into a 
 tensor are the same kernel. Negative slots are skipped.
 
 dequantize: gathers the tokens of sequences through their block tables and decodes them to
-float32 (the public op), or to bf16 (the staged prefill's workspace, staging.py).
+float32.
 
 Launches pass enable_fp_fusion=False: the encode helpers are contraction-proof by construction
 (see encode.py) and the flag makes the whole kernel so, for anything added later.
@@ -32,7 +32,6 @@ from .encode import (
     encode_codes,
     encode_row_codes,
     float_bits,
-    narrow_to_bf16_bits,
     reciprocal,
     row_absmax_bits,
     row_scale,
@@ -269,7 +268,7 @@ def _dequantize_kernel(
     scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    first_row_ptr,
+    cu_seq_lens_ptr,
     out_ptr,
     head_size,
     block_size,
@@ -290,7 +289,6 @@ def _dequantize_kernel(
     IN_KIND: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    TO_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(2).to(tl.int64)
@@ -305,7 +303,7 @@ def _dequantize_kernel(
     offset = (pos % block_size).to(tl.int64)
     row = block * s_cb + offset * s_cs + head * s_ch
     src = cache_ptr + row[:, None] + offs_d.to(tl.int64)[None, :] * s_cd
-    out_row = tl.load(first_row_ptr + seq).to(tl.int64) + pos
+    out_row = tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + pos
     dst = out_ptr + out_row[:, None] * s_ot + head * s_oh + offs_d[None, :] * s_od
     if CODE == 0:
         x = _load_rows_f32(src, mask, IN_KIND)
@@ -316,10 +314,7 @@ def _dequantize_kernel(
         else:
             sbits = tl.load(scale_cache_ptr + block * s_xb + offset * s_xs + head * s_xh, mask=t_ok, other=0)
             x = value * bits_float(sbits)[:, None]
-    if TO_BF16:
-        tl.store(dst, narrow_to_bf16_bits(x), mask=mask)
-    else:
-        tl.store(dst, x, mask=mask)
+    tl.store(dst, x, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,51 +432,43 @@ def reshape_and_cache(p, scale_floor: float) -> None:
 
 def dequantize(p) -> None:
     """Run a validated Dequantize problem (torch tensors)."""
-    if p.seq_lens.shape[0] == 0 or p.out.shape[0] == 0:
+    mode = p.mode
+    num_seqs = p.seq_lens.shape[0]
+    _, block_size, num_heads, head_size = p.cache.shape
+    if num_seqs == 0 or p.out.shape[0] == 0:
         return
     # A host read: dequantize is a debugging/test op, never on a captured path.
     max_len = int(p.seq_lens.max())
-    launch_dequantize(p.mode, p.cache, p.scale_cache, p.scale, p.block_tables, p.seq_lens, p.cu_seq_lens,
-                      p.out, max_len)
-
-
-def launch_dequantize(mode, cache, scale_cache, scale, block_tables, seq_lens, first_row, out, max_len: int) -> None:
-    """Decodes tokens [0, seq_lens[s]) of each sequence s into out rows first_row[s] + t
-    (out: [rows, H, D], any float dtype; stores round to it). max_len: a host bound on seq_lens."""
-    _, block_size, num_heads, head_size = cache.shape
-    num_seqs = seq_lens.shape[0]
-    if num_seqs == 0 or max_len <= 0:
+    if max_len <= 0:
         return
     block_d = triton.next_power_of_2(head_size)
     block_t = max(1, min(64, _TILE_ELEMENTS // block_d, triton.next_power_of_2(max_len)))
     code = code_of(mode)
-    codes = _as_input(cache) if code == CODE_COPY else _as_codes(cache, code)
-    sc = scale_cache.view(torch.int32) if mode.per_token_head else None
+    cache = _as_input(p.cache) if code == CODE_COPY else _as_codes(p.cache, code)
+    sc = p.scale_cache.view(torch.int32) if mode.per_token_head else None
     grid = (num_seqs, triton.cdiv(max_len, block_t), num_heads)
-    to_bf16 = out.dtype == torch.bfloat16
     _dequantize_kernel[grid](
-        codes,
-        codes if sc is None else sc,
-        scale if mode.per_tensor else codes,
-        block_tables,
-        seq_lens,
-        first_row,
-        out.view(torch.int16) if to_bf16 else out,
+        cache,
+        cache if sc is None else sc,
+        p.scale if mode.per_tensor else cache,
+        p.block_tables,
+        p.seq_lens,
+        p.cu_seq_lens,
+        p.out,
         head_size,
         block_size,
-        *codes.stride(),
+        *cache.stride(),
         *_strides(sc, 3),
-        *block_tables.stride(),
-        *out.stride(),
+        *p.block_tables.stride(),
+        *p.out.stride(),
         CODE=code,
         PER_TENSOR=mode.per_tensor,
-        IN_KIND=_in_kind(cache) if code == CODE_COPY else _IN_F32,
+        IN_KIND=_in_kind(p.cache) if code == CODE_COPY else _IN_F32,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
-        TO_BF16=to_bf16,
         num_warps=_num_warps(block_t * block_d),
         enable_fp_fusion=False,
     )
 
 
-__all__ = ["reshape_and_cache", "dequantize", "launch_dequantize", "float_bits", "code_of"]
+__all__ = ["reshape_and_cache", "dequantize", "float_bits", "code_of"]
