@@ -35,6 +35,7 @@ from triton.compiler.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.backends.triton import staging  # noqa: E402
 from kvzoo.modes import get_kv_quant_mode  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
@@ -65,6 +66,19 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
         softmax_scale=1 / math.sqrt(D), k_scale_cache=scales[0], v_scale_cache=scales[1],
         quantize_query=quantize_query,
     )
+
+
+def meta_staged(p: Attention) -> Attention:
+    """`p` over staging.py's workspace (fp16 codes, page scales as stride-0 views), in meta tensors."""
+    pages = staging._slots(p) * staging._pages_per_seq(p)
+    shape = (pages, staging.STAGE_PAGE, HKV, D)
+    cache = torch.empty(shape, dtype=torch.float16, device="meta")
+    scales = {}
+    if p.mode.per_token_head:
+        page_scale = torch.empty((pages, 1, HKV), dtype=torch.float32, device="meta").expand(shape[:3])
+        scales = dict(k_scale_cache=page_scale, v_scale_cache=page_scale)
+    table = torch.empty((p.num_seqs, staging._pages_per_seq(p)), dtype=torch.int32, device="meta")
+    return dataclasses.replace(p, key_cache=cache, value_cache=cache, block_tables=table, **scales)
 
 
 def compile_call(call: K.KernelCall):
@@ -112,7 +126,7 @@ def facts(call: K.KernelCall) -> str:
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", ptxas).group(1))
-    buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:i8|bf16|f8E4M3FN)", ck.asm["ttgir"])})
+    buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:i8|bf16|f16|f8E4M3FN)", ck.asm["ttgir"])})
     mma = "wgmma" if "wgmma.mma_async" in ck.asm["ptx"] else "mma.sync"
     loops = ", ".join(str(sum(c.values())) for c in loop_bodies(sass))
     return (f"regs {regs:3d} spills {spills:3d} smem {ck.metadata.shared // 1024:3d} KB "
@@ -137,13 +151,16 @@ def main() -> None:
         if decode and cfg.min_rows == 1:
             padded = dataclasses.replace(cfg, min_rows=16)
             variants += [(padded, True), (dataclasses.replace(padded, num_stages=2), True), (cfg, False)]
+        if cfg.stage_kv:  # and the direct kernel it replaced
+            variants.append((K.direct_prefill_config(p), True))
         for c, shared in variants:
-            call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
+            target = meta_staged(p) if c.stage_kv else p
+            call = K.kernel_call(target, "cuda", c, per_seq=decode, skip_decode=c.stage_kv)
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
                      f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
-                     f"{'' if shared else ' V apart'}")
+                     f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}")
             print(f"{label:70s} {facts(call)}", flush=True)
 
 

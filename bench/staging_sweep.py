@@ -30,6 +30,8 @@ CONTEXT = 4096
 # (sequences, query tokens each): chunks on top of CONTEXT - q tokens of context.
 SHAPES = ((32, 16), (32, 32), (32, 64), (16, 128), (16, 256), (8, 1024), (4, 4096))
 MODES = ("int8_per_token_head", "fp8_per_token_head")
+# Staged tiles besides the table's, timed on the workspace alone: (keys, warps, stages).
+TILE_VARIANTS = ((64, 8, 3), (128, 8, 2), (64, 4, 3), (32, 4, 3))
 
 
 def timed(fn) -> float:
@@ -49,10 +51,7 @@ def main() -> None:
         for mode in MODES:
             p = make(seqs, q, CONTEXT, mode, seed=q + 1)
             p = dataclasses.replace(p, num_prefills=seqs)
-            saved = staging.STAGE_MAX_BYTES
-            staging.STAGE_MAX_BYTES = -1
-            direct_cfg = K.prefill_config(p)
-            staging.STAGE_MAX_BYTES = saved
+            direct_cfg = K.direct_prefill_config(p)
             staged_cfg = K.staged_prefill_config(p)
             last = [0, seqs - 1]
             p.out.fill_(float("nan"))
@@ -72,6 +71,15 @@ def main() -> None:
             print(f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
                   f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
                   f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}")
+            if q >= 1024 and mode == MODES[0]:
+                for block_n, warps, stages in TILE_VARIANTS:
+                    cfg = dataclasses.replace(staged_cfg, block_n=block_n, num_warps=warps, num_stages=stages)
+                    w.out.fill_(float("nan"))
+                    K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True)
+                    e = err(p, last)  # w shares p.out; ref_seq decodes p's cache
+                    t = timed(lambda w=w, cfg=cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
+                    print(f"       attend on the workspace, {block_n} keys {warps} warps {stages} stages: "
+                          f"{t:9.1f} us (table {t_attend:.1f}), err {e:.1e}")
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def _attend_tile(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    V_DECODED: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc).
 
@@ -172,19 +172,34 @@ def _attend_tile(
     and probabilities: cheaper when the tile has many rows (prefill).
     QK_INT8: q holds int8 codes (quantize_query) and meets the K codes as loaded in an int8
     dot, exact in int32; the query and key scales multiply the logits after it.
-    V_DECODED: V holds values, not codes (staged prefill's workspace): no V scale.
+    STAGED: K and V are staging.py's workspace, fp16 operands as SCALE_IN_CODES would build
+    them, with one scale per page of keys (the tile's page): nothing to convert or fold.
     """
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
-    page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-    in_page = keys % PAGE
+    if STAGED:
+        # The workspace gives each sequence consecutive pages (staging.py): keys sit at
+        # linear offsets from its first page, and a tile never spans two pages, so the page
+        # scales are scalars.
+        tile_page = tl.load(bt_row).to(tl.int64) + start // PAGE
+        page = tile_page
+        in_page = keys % PAGE
+    else:
+        page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
+        in_page = keys % PAGE
     k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
     kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    if SCALE_MODE == 2:
+    if SCALE_MODE == 2 and not STAGED:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
-    if QK_INT8:
+    if STAGED:
+        s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)
+        if SCALE_MODE == 2:
+            s = s * (row_scale * tl.load(ks_ptr + tile_page * stride_ksb + kv_head * stride_ksh))[:, None]
+        else:
+            s = s * row_scale[:, None]
+    elif QK_INT8:
         s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
     elif SCALE_IN_CODES and SCALE_MODE == 2:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
@@ -227,7 +242,12 @@ def _attend_tile(
         v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
         vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
-    if SCALE_MODE == 2 and not V_DECODED:
+    if STAGED:
+        pv_v = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if SCALE_MODE == 2:
+            pv_v = pv_v * tl.load(vs_ptr + tile_page * stride_vsb + kv_head * stride_vsh)
+        acc = acc * alpha[:, None] + pv_v
+    elif SCALE_MODE == 2:
         if SAME_KV_STRIDES:
             vs = _load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
         else:
@@ -272,7 +292,7 @@ def _attend_range(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    V_DECODED: tl.constexpr, INTERPRETED: tl.constexpr,
+    STAGED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -289,7 +309,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
             )
             start += BLOCK_N
     else:
@@ -302,7 +322,7 @@ def _attend_range(
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
             )
     return m_i, l_i, acc
 
@@ -327,7 +347,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, V_DECODED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -445,11 +465,11 @@ def _attention_kernel(
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, V_DECODED,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
                 INTERPRETED,
             )
 
-    if SCALE_MODE == 1 and not V_DECODED:
+    if SCALE_MODE == 1:
         acc = acc * tl.load(vs_ptr)
     if SPLIT:
         # Decode: one token per sequence, partials indexed [seq, q head, split].
@@ -630,15 +650,20 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
 
 
 def staged_prefill_config(p: Attention) -> AttentionConfig:
-    """The bf16 tile, on the staged workspace; K's scales multiply the logits."""
+    """The bf16 tile (16-bit operands straight from memory), on the staged workspace."""
     rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), False]
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
+    # Page scales are read once per key tile: a tile must not span two pages.
+    assert _staging.STAGE_PAGE % block_n == 0, (block_n, _staging.STAGE_PAGE)
     return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True)
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
-    if _staging.worth_staging(p):
-        return staged_prefill_config(p)
+    return staged_prefill_config(p) if _staging.worth_staging(p) else direct_prefill_config(p)
+
+
+def direct_prefill_config(p: Attention) -> AttentionConfig:
+    """Tiles over the cache itself (codes converted in every query tile)."""
     k_operand = "int8" if p.quantize_query else p.mode.code_dtype is not None
     rows, block_n, warps, stages = _PREFILL_TABLE[_size_class(p.head_size), k_operand]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
@@ -667,7 +692,10 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig):
     interpreted = _platform.interpreted()
     k, v = p.key_cache, p.value_cache
     table = None
-    if p.mode.code_dtype is None or cfg.stage_kv:
+    if cfg.stage_kv:
+        # fp16 operands already (staging.py); the query rescaled into fp16 as for codes.
+        return k, v, table, tl.float16, "tf32", _CONVERT_CAST, True
+    if p.mode.code_dtype is None:
         same = k.dtype == p.query.dtype and k.dtype != torch.float32
         # The interpreter carries bf16 as raw integers in dots: widen to fp32 there.
         if same and not (interpreted and k.dtype == torch.bfloat16):
@@ -693,7 +721,7 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig):
 def same_kv_strides(p: Attention) -> bool:
     """V's codes and scales are laid out like K's (two caches of one shape, as engines keep them)."""
     same = p.key_cache.stride() == p.value_cache.stride()
-    if p.mode.per_token_head and p.v_scale_cache is not None:  # None: V staged as values
+    if p.mode.per_token_head:
         same = same and p.k_scale_cache.stride() == p.v_scale_cache.stride()
     return same
 
@@ -727,10 +755,9 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     scale_mode = _SCALE_TOKEN_HEAD if p.mode.per_token_head else _SCALE_TENSOR if p.mode.per_tensor else _SCALE_NONE
     dummy = p.seq_lens
     ks = p.k_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.k_scale if scale_mode == _SCALE_TENSOR else dummy
-    v_scale_mode = _SCALE_NONE if cfg.stage_kv else scale_mode
-    vs = p.v_scale_cache if v_scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if v_scale_mode == _SCALE_TENSOR else dummy
+    vs = p.v_scale_cache if scale_mode == _SCALE_TOKEN_HEAD else p.v_scale if scale_mode == _SCALE_TENSOR else dummy
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
-    vss = p.v_scale_cache.stride() if v_scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
+    vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     sinks = p.sinks if p.sinks is not None else dummy
     merge = None
     if split:
@@ -764,7 +791,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), V_DECODED=cfg.stage_kv,
+        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
         SCALE_FLOOR=float(SCALE_FLOOR),
         INTERPRETED=_platform.interpreted(),
     )

@@ -54,15 +54,6 @@ def widen_bf16_bits(raw16):
 
 
 @triton.jit
-def narrow_to_bf16_bits(x):
-    """fp32 -> the int16 bits of the nearest bf16 (ties to even; NaN stays NaN). Integer
-    arithmetic, because the interpreter's fp32 -> bf16 cast truncates."""
-    b = float_bits(x)
-    rounded = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
-
-
-@triton.jit
 def is_finite(y):
     return (float_bits(y) & 0x7F800000) != 0x7F800000
 

@@ -1,21 +1,22 @@
-"""Prefill on a quantized cache through a bf16 workspace ("staged" prefill).
+"""Prefill on a quantized cache through a workspace of fp16 operands ("staged" prefill).
 
 A prefill query tile reads every key before it, so the direct kernel converts each key's codes
 once per query tile, in the warps that issue the tensor-core dots: 1094 instructions per key
 tile against bf16's 696 on the H200 (bench/RESULTS.md). Staging converts each key once. One
-gather pass copies the context of every sequence with more than one query token into a bf16
-paged workspace, and the attention kernel then streams it like a bf16 cache:
+gather pass writes, for every sequence with more than one query token, the fp16 operands the
+direct kernel builds per tile (SCALE_IN_CODES): codes x (scale / the page's largest scale),
+with that largest scale kept per page. The workspace is itself a per-token-head cache whose
+scale is constant over each page of STAGE_PAGE keys, so the attention kernel streams it like a
+bf16 cache and applies one scale per key tile (STAGED).
 
-- K keeps its codes, exact in bf16 (int8 and e4m3 both), beside a copy of the K scales; the
-  kernel scales the logits, as in decode. Rounding K would add a logit error that grows with
-  the logit (the H200 measured 7e-3 against 2e-3 on the benchmark's fp8 data).
-- V holds its decoded values, code x scale rounded to the nearest bf16 (2^-9 relative), so
-  P . V needs no scaling; that error averages over the keys.
+The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 the same way,
+the query rescaled into fp16 the same way. Rounding to bf16 instead (an earlier version) added
+a logit error that grows with the logit: 7e-3 against 2e-3 on the H200 benchmark's fp8 data.
 
 Decode tokens of the same batch keep the direct kernel on the codes, so the workspace holds
 only the prefill sequences' context. Nothing reads device values on the host: the workspace is
 sized from host-side bounds (max_seq_len, and num_prefills or else num_seqs), so a staged step
-can be captured in a CUDA graph. Configs stage only bf16 queries, under STAGE_MAX_BYTES.
+can be captured in a CUDA graph. Configs stage only under STAGE_MAX_BYTES.
 """
 
 from __future__ import annotations
@@ -27,54 +28,63 @@ import triton
 import triton.language as tl
 
 from ...problem import Attention
-from .encode import decode_codes, narrow_to_bf16_bits
+from .encode import decode_codes
 from .write_kernels import code_of
 
-# Keys per workspace page: whole prefill key tiles (128) fall in one page.
+# Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
 # Largest workspace a call may allocate; above it prefill stays direct.
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context.
 STAGE_MIN_QUERY_LEN = 64
-# Tokens per gather program.
-_GATHER_TOKENS = 32
+
+
+@triton.jit
+def _stage_rows(codes_ptr, scale_ptr, row, scale_row, mask, t_ok, d, s_d, out_ptr, ws, page_scale_ptr,
+                CODE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr):
+    """One page of one tensor: fp16 codes x (scale / page max) and the page max (per-token-head),
+    or the codes alone (per-tensor: the kernel applies the tensor's scale)."""
+    x = decode_codes(tl.load(codes_ptr + row[:, None] + d[None, :] * s_d, mask=mask, other=0), CODE).to(tl.float16)
+    if PER_TOKEN_HEAD:
+        scale = tl.load(scale_ptr + scale_row, mask=t_ok, other=0.0)
+        # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
+        page_max = tl.max(tl.where(scale == scale, scale, 0.0), axis=0)
+        ratio = scale * tl.where(page_max > 0.0, 1.0 / page_max, 0.0)
+        x = x * ratio.to(tl.float16)[:, None]
+        tl.store(page_scale_ptr, page_max)
+    tl.store(out_ptr + ws, x, mask=mask)
 
 
 @triton.jit
 def _stage_kernel(
-    k_ptr, v_ptr, ks_ptr, vs_ptr, v_scale_ptr, block_tables_ptr, gather_lens_ptr, first_row_ptr,
-    ws_k_ptr, ws_v_ptr, ws_ks_ptr,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr,
+    ws_k_ptr, ws_v_ptr, ws_ks_ptr, ws_vs_ptr,
     head_size, page,
     s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
     s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
-    s_bt, s_wt, s_wh, s_wst, s_wsh,
-    CODE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_bt, s_wt, s_wh, s_wsp, s_wsh,
+    CODE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
+    stage_page = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
-    pos = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gather_len = tl.load(gather_lens_ptr + seq)
+    if stage_page * STAGE >= gather_len:
+        return
+    pos = stage_page * STAGE + tl.arange(0, STAGE)
     d = tl.arange(0, BLOCK_D)
-    t_ok = pos < tl.load(gather_lens_ptr + seq)
+    t_ok = pos < gather_len
     mask = t_ok[:, None] & (d < head_size)[None, :]
     block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt + pos // page, mask=t_ok, other=0).to(tl.int64)
     offset = (pos % page).to(tl.int64)
-    row = tl.load(first_row_ptr + seq) + pos.to(tl.int64)
-    ws = row[:, None] * s_wt + head * s_wh + d[None, :]
-
-    k_row = block * s_kb + offset * s_kt + head * s_kh
-    k = decode_codes(tl.load(k_ptr + k_row[:, None] + d[None, :] * s_kd, mask=mask, other=0), CODE)
-    tl.store(ws_k_ptr + ws, narrow_to_bf16_bits(k), mask=mask)  # exact: codes fit bf16
-
-    v_row = block * s_vb + offset * s_vt + head * s_vh
-    v = decode_codes(tl.load(v_ptr + v_row[:, None] + d[None, :] * s_vd, mask=mask, other=0), CODE)
-    if PER_TOKEN_HEAD:
-        ks = tl.load(ks_ptr + block * s_ksb + offset * s_kst + head * s_ksh, mask=t_ok)
-        tl.store(ws_ks_ptr + row * s_wst + head * s_wsh, ks, mask=t_ok)
-        v = v * tl.load(vs_ptr + block * s_vsb + offset * s_vst + head * s_vsh, mask=t_ok)[:, None]
-    else:
-        v = v * tl.load(v_scale_ptr)
-    tl.store(ws_v_ptr + ws, narrow_to_bf16_bits(v), mask=mask)
+    ws_page = tl.load(first_page_ptr + seq) + stage_page
+    ws = (ws_page * STAGE + tl.arange(0, STAGE))[:, None] * s_wt + head * s_wh + d[None, :]
+    page_scale = ws_page * s_wsp + head * s_wsh
+    _stage_rows(k_ptr, ks_ptr, block * s_kb + offset * s_kt + head * s_kh, block * s_ksb + offset * s_kst + head * s_ksh,
+                mask, t_ok, d, s_kd, ws_k_ptr, ws, ws_ks_ptr + page_scale, CODE, PER_TOKEN_HEAD)
+    _stage_rows(v_ptr, vs_ptr, block * s_vb + offset * s_vt + head * s_vh, block * s_vsb + offset * s_vst + head * s_vsh,
+                mask, t_ok, d, s_vd, ws_v_ptr, ws, ws_vs_ptr + page_scale, CODE, PER_TOKEN_HEAD)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -91,20 +101,15 @@ def _pages_per_seq(p: Attention) -> int:
 
 
 def workspace_bytes(p: Attention) -> int:
-    """Bytes a staged run of `p` allocates: bf16 K codes and V values (+ fp32 K scales)."""
-    rows = _slots(p) * _pages_per_seq(p) * STAGE_PAGE * p.num_kv_heads
-    return rows * (2 * 2 * p.head_size + (4 if p.mode.per_token_head else 0))
+    """Bytes a staged run of `p` allocates: fp16 K and V (+ fp32 page scales)."""
+    pages = _slots(p) * _pages_per_seq(p) * p.num_kv_heads
+    return pages * (STAGE_PAGE * 2 * 2 * p.head_size + (2 * 4 if p.mode.per_token_head else 0))
 
 
 def stageable(p: Attention) -> bool:
-    """Whether staging can take `p` with the same semantics as the direct kernel."""
-    return (
-        p.mode.code_dtype is not None
-        and p.query.dtype == torch.bfloat16
-        and not p.quantize_query
-        # A sequence's bits would depend on the batch (its bound decides staging).
-        and not p.batch_invariant
-    )
+    """Whether staging can take `p` with the direct kernel's semantics."""
+    # batch_invariant: a sequence's path would depend on the batch (its bound decides staging).
+    return p.mode.code_dtype is not None and not p.quantize_query and not p.batch_invariant
 
 
 def worth_staging(p: Attention) -> bool:
@@ -112,16 +117,15 @@ def worth_staging(p: Attention) -> bool:
 
 
 def staged_problem(p: Attention) -> Attention:
-    """Gathers the prefill sequences' context into a fresh workspace; returns `p` over it (K:
-    bf16 codes with their scales; V: bf16 values, v scales None). Decode tokens still read the
-    codes, so callers run them on `p`."""
+    """Gathers the prefill sequences' context into a fresh workspace; returns `p` over it.
+    Decode tokens still read the codes, so callers run them on `p`."""
     slots, pages_per_seq = _slots(p), _pages_per_seq(p)
-    rows = slots * pages_per_seq * STAGE_PAGE
+    pages = slots * pages_per_seq
     heads, dim, device = p.num_kv_heads, p.head_size, p.query.device
-    # bf16 as int16 bits: the kernel rounds itself (the interpreter's cast truncates).
-    ws_k = _allocate((rows, heads, dim), torch.int16, device)
-    ws_v = _allocate((rows, heads, dim), torch.int16, device)
-    ws_ks = _allocate((rows, heads), torch.float32, device) if p.mode.per_token_head else None
+    ws_k = _allocate((pages, STAGE_PAGE, heads, dim), torch.float16, device)
+    ws_v = _allocate((pages, STAGE_PAGE, heads, dim), torch.float16, device)
+    per_token_head = p.mode.per_token_head
+    page_scales = _allocate((2, pages, heads), torch.float32, device) if per_token_head else None
     q_lens = p.query_start_loc[1:] - p.query_start_loc[:-1]
     prefill = q_lens > 1
     slot = torch.cumsum(prefill.to(torch.int32), 0, dtype=torch.int32) - 1
@@ -130,34 +134,32 @@ def staged_problem(p: Attention) -> Attention:
     gathered = prefill & (slot < slots)
     slot = slot.clamp(0, slots - 1)
     gather_lens = torch.where(gathered, p.seq_lens, torch.zeros_like(p.seq_lens))
-    first_row = slot.to(torch.int64) * (pages_per_seq * STAGE_PAGE)
-    per_token_head = p.mode.per_token_head
+    first_page = slot.to(torch.int64) * pages_per_seq
     dummy = p.seq_lens
     k_codes = p.key_cache.view(torch.int8 if p.mode.is_int8 else torch.uint8)
     v_codes = p.value_cache.view(k_codes.dtype)
-    block_d = triton.next_power_of_2(dim)
-    grid = (p.num_seqs, triton.cdiv(p.max_seq_len, _GATHER_TOKENS), heads)
-    _stage_kernel[grid](
+    no_strides = (0, 0, 0)
+    _stage_kernel[(p.num_seqs, pages_per_seq, heads)](
         k_codes, v_codes,
         p.k_scale_cache if per_token_head else dummy, p.v_scale_cache if per_token_head else dummy,
-        dummy if per_token_head else p.v_scale,
-        p.block_tables, gather_lens, first_row, ws_k, ws_v, ws_ks if per_token_head else dummy,
+        p.block_tables, gather_lens, first_page, ws_k, ws_v,
+        page_scales[0] if per_token_head else dummy, page_scales[1] if per_token_head else dummy,
         dim, p.block_size,
         *k_codes.stride(), *v_codes.stride(),
-        *(p.k_scale_cache.stride() if per_token_head else (0, 0, 0)),
-        *(p.v_scale_cache.stride() if per_token_head else (0, 0, 0)),
-        p.block_tables.stride(0), ws_k.stride(0), ws_k.stride(1),
-        *(ws_ks.stride() if per_token_head else (0, 0)),
-        CODE=code_of(p.mode), PER_TOKEN_HEAD=per_token_head, BLOCK_T=_GATHER_TOKENS, BLOCK_D=block_d,
-        num_warps=4,
+        *(p.k_scale_cache.stride() if per_token_head else no_strides),
+        *(p.v_scale_cache.stride() if per_token_head else no_strides),
+        p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2),
+        *(page_scales[0].stride() if per_token_head else (0, 0)),
+        CODE=code_of(p.mode), PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=8,
     )
-    pages = torch.arange(pages_per_seq, dtype=torch.int32, device=device)
-    page_shape = (slots * pages_per_seq, STAGE_PAGE, heads, dim)
-    return dataclasses.replace(
-        p, key_cache=ws_k.view(torch.bfloat16).view(page_shape), value_cache=ws_v.view(torch.bfloat16).view(page_shape),
-        block_tables=slot[:, None] * pages_per_seq + pages[None, :],
-        k_scale_cache=None if ws_ks is None else ws_ks.view(page_shape[:3]), v_scale_cache=None, v_scale=None,
-    )
+    table = slot[:, None] * pages_per_seq + torch.arange(pages_per_seq, dtype=torch.int32, device=device)[None, :]
+    scales = {}
+    if per_token_head:
+        # Every key of a page carries the page's scale: a stride-0 view, no copies.
+        scales = dict(k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
+                      v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads))
+    return dataclasses.replace(p, key_cache=ws_k, value_cache=ws_v, block_tables=table, **scales)
 
 
 __all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "stageable", "staged_problem", "workspace_bytes", "worth_staging"]
