@@ -479,3 +479,16 @@ def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
     assert not k.prefill_config(p).stage_kv, "workspace over STAGE_MAX_BYTES"
     with pytest.raises(ValueError, match="stage_kv"):
         run(make_problem(**long, quantize_query=True), prefill=_staged(make_problem(**long)))
+
+
+def test_staged_prefill_with_scales_far_apart_across_pages():
+    # K and V scales grow 1000x per 128-key page: per-page scales (and acc counted in the
+    # current page's V scale) must carry the magnitude across pages without losing precision.
+    p = make_problem([100, 1], [400, 300], head_size=64, seed=7)
+    blocks = p.block_tables[0].long()
+    for scales in (p.k_scale_cache, p.v_scale_cache):
+        for j, block in enumerate(blocks):
+            scales[block] *= 1000.0 ** (j * p.block_size // 128) * 1e-6
+    err = check(p, prefill=_staged(p))
+    direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
+    assert err <= check(direct, prefill=_kernels().direct_prefill_config(p)) * 1.1

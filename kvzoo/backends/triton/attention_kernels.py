@@ -152,7 +152,7 @@ def _load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOC
 
 @triton.jit
 def _attend_tile(
-    start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
     k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -243,10 +243,13 @@ def _attend_tile(
         vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if STAGED:
-        pv_v = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         if SCALE_MODE == 2:
-            pv_v = pv_v * tl.load(vs_ptr + tile_page * stride_vsb + kv_head * stride_vsh)
-        acc = acc * alpha[:, None] + pv_v
+            # acc is kept in units of the current page's V scale: moving to a new page costs
+            # one factor per row, folded into alpha, instead of a product per element.
+            page_unit = tl.load(vs_ptr + tile_page * stride_vsb + kv_head * stride_vsh)
+            alpha = alpha * (v_unit / page_unit)
+            v_unit = page_unit
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     elif SCALE_MODE == 2:
         if SAME_KV_STRIDES:
             vs = _load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
@@ -277,12 +280,12 @@ def _attend_tile(
         if CODE_CONVERT >= 4:
             pv_v = pv_v - I8_OFFSET * tl.sum(p16.to(tl.float32), axis=1)[:, None]
         acc = acc * alpha[:, None] + pv_v
-    return m_i, l_i, acc
+    return m_i, l_i, acc, v_unit
 
 
 @triton.jit
 def _attend_range(
-    lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+    lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
     k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -301,8 +304,8 @@ def _attend_range(
         # the for loop, which Triton software-pipelines.
         start = lo
         while start < hi:
-            m_i, l_i, acc = _attend_tile(
-                start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+            m_i, l_i, acc, v_unit = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
                 k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd,
                 stride_vb, stride_vt, stride_vh, stride_vd,
@@ -314,8 +317,8 @@ def _attend_range(
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                start, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+            m_i, l_i, acc, v_unit = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
                 k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd,
                 stride_vb, stride_vt, stride_vh, stride_vd,
@@ -324,7 +327,7 @@ def _attend_range(
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
                 HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
             )
-    return m_i, l_i, acc
+    return m_i, l_i, acc, v_unit
 
 
 @triton.jit
@@ -437,6 +440,7 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    v_unit = 1.0  # staged V: the scale acc is counted in (acc is zero until the first page)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Tiles every row sees whole skip the masks: [full_begin, full_end) holds keys at or
@@ -459,8 +463,8 @@ def _attention_kernel(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc = _attend_range(
-                lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, kv_end, bt_row, kv_head,
+            m_i, l_i, acc, v_unit = _attend_range(
+                lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
                 k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
@@ -471,6 +475,8 @@ def _attention_kernel(
 
     if SCALE_MODE == 1:
         acc = acc * tl.load(vs_ptr)
+    if STAGED:
+        acc = acc * v_unit
     if SPLIT:
         # Decode: one token per sequence, partials indexed [seq, q head, split].
         part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split

@@ -12,6 +12,10 @@ bf16 cache and applies one scale per key tile (STAGED).
 The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 the same way,
 the query rescaled into fp16 the same way. Rounding to bf16 instead (an earlier version) added
 a logit error that grows with the logit: 7e-3 against 2e-3 on the H200 benchmark's fp8 data.
+One difference in range: the kernel counts its fp32 accumulator in units of the current page's
+V scale (a factor per row when the page changes, not a product per element), so a sequence
+whose V page scales span more than about 2^90 (V rows above 1e24 beside rows at the scale
+floor) would overflow it.
 
 Decode tokens of the same batch keep the direct kernel on the codes, so the workspace holds
 only the prefill sequences' context. Nothing reads device values on the host: the workspace is
@@ -28,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...problem import Attention
+from . import platform as _platform
 from .encode import decode_codes
 from .write_kernels import code_of
 
@@ -41,31 +46,15 @@ STAGE_MIN_QUERY_LEN = 64
 
 
 @triton.jit
-def _stage_rows(codes_ptr, scale_ptr, row, scale_row, mask, t_ok, d, s_d, out_ptr, ws, page_scale_ptr,
-                CODE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr):
-    """One page of one tensor: fp16 codes x (scale / page max) and the page max (per-token-head),
-    or the codes alone (per-tensor: the kernel applies the tensor's scale)."""
-    x = decode_codes(tl.load(codes_ptr + row[:, None] + d[None, :] * s_d, mask=mask, other=0), CODE).to(tl.float16)
-    if PER_TOKEN_HEAD:
-        scale = tl.load(scale_ptr + scale_row, mask=t_ok, other=0.0)
-        # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
-        page_max = tl.max(tl.where(scale == scale, scale, 0.0), axis=0)
-        ratio = scale * tl.where(page_max > 0.0, 1.0 / page_max, 0.0)
-        x = x * ratio.to(tl.float16)[:, None]
-        tl.store(page_scale_ptr, page_max)
-    tl.store(out_ptr + ws, x, mask=mask)
-
-
-@triton.jit
 def _stage_kernel(
-    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr,
-    ws_k_ptr, ws_v_ptr, ws_ks_ptr, ws_vs_ptr,
+    codes_ptr, scales_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr, ws_ptr, page_scales_ptr,
     head_size, page,
-    s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
-    s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
-    s_bt, s_wt, s_wh, s_wsp, s_wsh,
-    CODE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_b, s_t, s_h, s_d, s_sb, s_st, s_sh, s_bt, s_wt, s_wh, s_wsp, s_wsh,
+    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
+    """One workspace page of one KV head of K or V: fp16 codes x (scale / page max) and the
+    page max (per-token-head), or the codes alone (per-tensor: the kernel applies its scale)."""
     seq = tl.program_id(0)
     stage_page = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
@@ -78,13 +67,22 @@ def _stage_kernel(
     mask = t_ok[:, None] & (d < head_size)[None, :]
     block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt + pos // page, mask=t_ok, other=0).to(tl.int64)
     offset = (pos % page).to(tl.int64)
+    raw = tl.load(codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + d[None, :] * s_d, mask=mask, other=0)
+    if HW_CONVERT:
+        # int8 or e4m3 straight to fp16 (one conversion instruction per code, or per pair).
+        x = (raw if CODE == 1 else raw.to(tl.float8e4nv, bitcast=True)).to(tl.float16)
+    else:
+        x = decode_codes(raw, CODE).to(tl.float16)
     ws_page = tl.load(first_page_ptr + seq) + stage_page
+    if PER_TOKEN_HEAD:
+        scale = tl.load(scales_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0.0)
+        # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
+        page_max = tl.max(tl.where(scale == scale, scale, 0.0), axis=0)
+        ratio = scale * tl.where(page_max > 0.0, 1.0 / page_max, 0.0)
+        x = x * ratio.to(tl.float16)[:, None]
+        tl.store(page_scales_ptr + ws_page * s_wsp + head * s_wsh, page_max)
     ws = (ws_page * STAGE + tl.arange(0, STAGE))[:, None] * s_wt + head * s_wh + d[None, :]
-    page_scale = ws_page * s_wsp + head * s_wsh
-    _stage_rows(k_ptr, ks_ptr, block * s_kb + offset * s_kt + head * s_kh, block * s_ksb + offset * s_kst + head * s_ksh,
-                mask, t_ok, d, s_kd, ws_k_ptr, ws, ws_ks_ptr + page_scale, CODE, PER_TOKEN_HEAD)
-    _stage_rows(v_ptr, vs_ptr, block * s_vb + offset * s_vt + head * s_vh, block * s_vsb + offset * s_vst + head * s_vsh,
-                mask, t_ok, d, s_vd, ws_v_ptr, ws, ws_vs_ptr + page_scale, CODE, PER_TOKEN_HEAD)
+    tl.store(ws_ptr + ws, x, mask=mask)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -136,23 +134,23 @@ def staged_problem(p: Attention) -> Attention:
     gather_lens = torch.where(gathered, p.seq_lens, torch.zeros_like(p.seq_lens))
     first_page = slot.to(torch.int64) * pages_per_seq
     dummy = p.seq_lens
-    k_codes = p.key_cache.view(torch.int8 if p.mode.is_int8 else torch.uint8)
-    v_codes = p.value_cache.view(k_codes.dtype)
-    no_strides = (0, 0, 0)
-    _stage_kernel[(p.num_seqs, pages_per_seq, heads)](
-        k_codes, v_codes,
-        p.k_scale_cache if per_token_head else dummy, p.v_scale_cache if per_token_head else dummy,
-        p.block_tables, gather_lens, first_page, ws_k, ws_v,
-        page_scales[0] if per_token_head else dummy, page_scales[1] if per_token_head else dummy,
-        dim, p.block_size,
-        *k_codes.stride(), *v_codes.stride(),
-        *(p.k_scale_cache.stride() if per_token_head else no_strides),
-        *(p.v_scale_cache.stride() if per_token_head else no_strides),
-        p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2),
-        *(page_scales[0].stride() if per_token_head else (0, 0)),
-        CODE=code_of(p.mode), PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE,
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=8,
-    )
+    code = code_of(p.mode)
+    # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
+    # ROCm's fnuz codes take the integer decoder.
+    hw_convert = not _platform.interpreted() and (p.mode.is_int8 or p.mode.code_dtype == "float8_e4m3fn")
+    tensors = ((p.key_cache, p.k_scale_cache, ws_k, 0), (p.value_cache, p.v_scale_cache, ws_v, 1))
+    for cache, scales, ws, which in tensors:
+        codes = cache.view(torch.int8 if p.mode.is_int8 else torch.uint8)
+        _stage_kernel[(p.num_seqs, pages_per_seq, heads)](
+            codes, scales if per_token_head else dummy, p.block_tables, gather_lens, first_page, ws,
+            page_scales[which] if per_token_head else dummy,
+            dim, p.block_size,
+            *codes.stride(), *(scales.stride() if per_token_head else (0, 0, 0)),
+            p.block_tables.stride(0), ws.stride(1), ws.stride(2),
+            *(page_scales[which].stride() if per_token_head else (0, 0)),
+            CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+        )
     table = slot[:, None] * pages_per_seq + torch.arange(pages_per_seq, dtype=torch.int32, device=device)[None, :]
     scales = {}
     if per_token_head:
