@@ -390,7 +390,7 @@ def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
 
 STAGED_BATCHES = {
     # prompts only; chunks on context beside decodes; a window, softcap and sinks; ...
-    "prefill": dict(q_lens=[70, 33], seq_lens=[70, 33]),
+    "prefill": dict(q_lens=[130, 33], seq_lens=[130, 33]),
     "mixed": dict(q_lens=[1, 66, 1, 20], seq_lens=[150, 200, 17, 40]),
     "options": dict(q_lens=[80, 1], seq_lens=[130, 90], sliding_window=37, softcap=20.0, sinks=True),
     "fp16 query, three pages": dict(q_lens=[72, 1], seq_lens=[300, 60], dtype=torch.float16),
@@ -405,7 +405,7 @@ def _staged(p):
 @pytest.mark.parametrize("batch", sorted(STAGED_BATCHES))
 def test_staged_prefill_against_float64(mode, batch):
     p = make_problem(**STAGED_BATCHES[batch], mode=mode, head_size=64, seed=len(batch))
-    assert _kernels().prefill_config(p).stage_kv == (p.max_query_len >= 64)
+    assert _kernels().prefill_config(p).stage_kv == (p.max_query_len >= _kernels()._staging.STAGE_MIN_QUERY_LEN)
     staged_err = check(p, prefill=_staged(p))
     # The workspace holds the direct kernel's own fp16 operands: no error of its own.
     direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
@@ -462,7 +462,8 @@ def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
 
 def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
     k = _kernels()
-    long = dict(q_lens=[64, 1], seq_lens=[64, 40])
+    least = k._staging.STAGE_MIN_QUERY_LEN
+    long = dict(q_lens=[least, 1], seq_lens=[least, 40])
     assert k.prefill_config(make_problem(**long)).stage_kv
     assert k.prefill_config(make_problem(**long, mode="fp8_per_tensor")).stage_kv
     assert k.prefill_config(make_problem(**long, dtype=torch.float16)).stage_kv
@@ -470,7 +471,7 @@ def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
         "mode none": make_problem(**long, mode="none"),
         "quantize_query": make_problem(**long, quantize_query=True),
         "batch_invariant": make_problem(**long, batch_invariant=True),
-        "short query runs": make_problem([63, 1], [64, 40]),
+        "short query runs": make_problem([least - 1, 1], [least, 40]),
     }
     for why, p in declined.items():
         assert not k.prefill_config(p).stage_kv, why

@@ -101,7 +101,7 @@ def dequant_cases() -> list[DequantCase]:
 @dataclass(frozen=True)
 class AttentionCase:
     mode: str
-    batch: str = "mixed"  # "decode" | "prefill" | "mixed" | "long" (prefills of 64+ tokens)
+    batch: str = "mixed"  # "decode" | "prefill" | "mixed" | "long" (prefills of 128+ tokens)
     num_q_heads: int = 8
     num_kv_heads: int = 2
     head_size: int = 64

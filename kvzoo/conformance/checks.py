@@ -239,8 +239,8 @@ def _batch(case: AttentionCase, rng):
     elif case.batch == "long":
         # Prompt-sized query runs (an implementation may take another path for them, as the
         # Triton backend's staged prefill does), next to a decode.
-        seq_lens = np.array([rng.integers(64, 90), rng.integers(90, 130), rng.integers(1, 70)])
-        q_lens = np.array([seq_lens[0], rng.integers(64, 80), 1])
+        seq_lens = np.array([rng.integers(128, 150), rng.integers(150, 200), rng.integers(1, 70)])
+        q_lens = np.array([seq_lens[0], rng.integers(128, 140), 1])
     else:  # two decodes, a prefill chunk on top of earlier context, a fresh prefill
         seq_lens = np.array([rng.integers(1, 70), rng.integers(20, 50), rng.integers(1, 30), rng.integers(2, 60)])
         q_lens = np.array([1, rng.integers(5, 13), seq_lens[2], 1])
