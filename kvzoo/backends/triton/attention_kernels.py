@@ -17,6 +17,10 @@ decode token and writes its partial (max, sum, acc); a second kernel merges the 
 fixed order. Nothing here synchronises with the host (grids come from the problem's host-side
 max_query_len / max_seq_len), so a decode step can be captured in a CUDA graph, and nothing
 uses atomics, so results are identical run to run.
+
+Prefill on a quantized cache with long query runs is staged (staging.py): the codes are
+converted once per key into a workspace of fp16 operands, which the same kernel streams with
+STAGED set.
 """
 
 from __future__ import annotations
@@ -550,8 +554,8 @@ class AttentionConfig:
     # Fewest tile rows. Triton 3.6 pads a dot of fewer than 16 rows itself on CUDA, and a tile
     # of only the group's real rows (decode: 4 of 16) carries less softmax and rescaling work.
     min_rows: int = 16
-    # Prefill only: attend to a bf16 workspace of the dequantized context (staging.py)
-    # instead of converting codes in every query tile.
+    # Prefill only: attend to staging.py's workspace of fp16 operands, converted once per
+    # key, instead of converting codes in every query tile.
     stage_kv: bool = False
 
 
@@ -837,8 +841,8 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
             _launch(p, platform, cfg, per_seq=False, skip_decode=False)
             return
         if not _staging.stageable(p):
-            raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, query "
-                             f"{p.query.dtype}, quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
+            raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
+                             f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
         if p.num_prefills is None or p.num_prefills < p.num_seqs:
             # Decode tokens read the codes directly: staging their context would only add bytes.
             _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)

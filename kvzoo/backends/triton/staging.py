@@ -42,8 +42,8 @@ STAGE_PAGE = 128
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context. H200, 4096
-# keys of context (bench/staging_sweep.py): staged/direct 0.93-0.96x at 64 query tokens,
-# 1.16-1.20x at 128, 1.43-1.49x at 4096.
+# keys of context (bench/staging_sweep.py, two runs): staged/direct 0.93-0.97x at 64 query
+# tokens, 1.16-1.21x at 128, 1.43-1.49x at 4096.
 STAGE_MIN_QUERY_LEN = 128
 
 
