@@ -487,29 +487,25 @@ def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
     c = s.cache
     mode, quantize_query = _variant(variant)
     with _staging_off(variant):
-        _paged_attention(s, c, mode, quantize_query, impl)
-
-
-def _paged_attention(s: AttnSet, c, mode: str, quantize_query: bool, impl: str):
-    kvzoo.paged_attention(
-        s.query,
-        c.key_cache,
-        c.value_cache,
-        mode=mode,
-        block_tables=s.table,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.qsl,
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        softmax_scale=1 / math.sqrt(D),
-        out=s.out,
-        max_query_len=s.max_q,
-        max_seq_len=s.max_s,
-        num_prefills=s.num_prefills,
-        quantize_query=quantize_query,
-        impl=impl,
-        validate=False,
-    )
+        kvzoo.paged_attention(
+            s.query,
+            c.key_cache,
+            c.value_cache,
+            mode=mode,
+            block_tables=s.table,
+            seq_lens=s.seq_lens,
+            query_start_loc=s.qsl,
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+            softmax_scale=1 / math.sqrt(D),
+            out=s.out,
+            max_query_len=s.max_q,
+            max_seq_len=s.max_s,
+            num_prefills=s.num_prefills,
+            quantize_query=quantize_query,
+            impl=impl,
+            validate=False,
+        )
 
 
 def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int = 32) -> str:

@@ -168,7 +168,7 @@ def _attend_tile(
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    """One key tile of the online softmax: returns the updated (m, l, acc).
+    """One key tile of the online softmax: returns the updated (m, l, acc, v_unit).
 
     MASKED=False is for tiles every row sees whole (no bounds, causal or window tests).
     SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (normalised by the
@@ -183,15 +183,12 @@ def _attend_tile(
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
     if STAGED:
-        # The workspace gives each sequence consecutive pages (staging.py): keys sit at
-        # linear offsets from its first page, and a tile never spans two pages, so the page
-        # scales are scalars.
-        tile_page = tl.load(bt_row).to(tl.int64) + start // PAGE
-        page = tile_page
-        in_page = keys % PAGE
+        # The workspace gives each sequence consecutive pages (staging.py) and a tile never
+        # spans two: one page (and one K and V scale) per tile, found without a lookup per key.
+        page = tl.load(bt_row).to(tl.int64) + start // PAGE
     else:
         page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-        in_page = keys % PAGE
+    in_page = keys % PAGE
     k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
     kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if SCALE_MODE == 2 and not STAGED:
@@ -200,7 +197,7 @@ def _attend_tile(
     if STAGED:
         s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)
         if SCALE_MODE == 2:
-            s = s * (row_scale * tl.load(ks_ptr + tile_page * stride_ksb + kv_head * stride_ksh))[:, None]
+            s = s * (row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh))[:, None]
         else:
             s = s * row_scale[:, None]
     elif QK_INT8:
@@ -250,7 +247,7 @@ def _attend_tile(
         if SCALE_MODE == 2:
             # acc is kept in units of the current page's V scale: moving to a new page costs
             # one factor per row, folded into alpha, instead of a product per element.
-            page_unit = tl.load(vs_ptr + tile_page * stride_vsb + kv_head * stride_vsh)
+            page_unit = tl.load(vs_ptr + page * stride_vsb + kv_head * stride_vsh)
             alpha = alpha * (v_unit / page_unit)
             v_unit = page_unit
         acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
