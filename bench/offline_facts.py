@@ -70,14 +70,13 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
 
 def meta_staged(p: Attention) -> Attention:
     """`p` over staging.py's workspace (fp16 codes, page scales as stride-0 views), in meta tensors."""
-    pages = staging._slots(p) * staging._pages_per_seq(p)
-    shape = (pages, staging.STAGE_PAGE, HKV, D)
+    shape = staging.workspace_shape(p)
     cache = torch.empty(shape, dtype=torch.float16, device="meta")
     scales = {}
     if p.mode.per_token_head:
-        page_scale = torch.empty((pages, 1, HKV), dtype=torch.float32, device="meta").expand(shape[:3])
+        page_scale = torch.empty((shape[0], 1, shape[2]), dtype=torch.float32, device="meta").expand(shape[:3])
         scales = dict(k_scale_cache=page_scale, v_scale_cache=page_scale)
-    table = torch.empty((p.num_seqs, staging._pages_per_seq(p)), dtype=torch.int32, device="meta")
+    table = torch.empty((p.num_seqs, -(-p.max_seq_len // staging.STAGE_PAGE)), dtype=torch.int32, device="meta")
     return dataclasses.replace(p, key_cache=cache, value_cache=cache, block_tables=table, **scales)
 
 

@@ -92,18 +92,21 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tenso
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _slots(p: Attention) -> int:
-    return max(1, p.num_seqs if p.num_prefills is None else min(p.num_prefills, p.num_seqs))
-
-
 def _pages_per_seq(p: Attention) -> int:
     return -(-p.max_seq_len // STAGE_PAGE)
 
 
+def workspace_shape(p: Attention) -> tuple[int, int, int, int]:
+    """[pages, STAGE_PAGE, num_kv_heads, head_size] of K's (and V's) workspace: a slot of
+    max_seq_len keys for each possible prefill sequence."""
+    slots = max(1, p.num_seqs if p.num_prefills is None else min(p.num_prefills, p.num_seqs))
+    return (slots * _pages_per_seq(p), STAGE_PAGE, p.num_kv_heads, p.head_size)
+
+
 def workspace_bytes(p: Attention) -> int:
     """Bytes a staged run of `p` allocates: fp16 K and V (+ fp32 page scales)."""
-    pages = _slots(p) * _pages_per_seq(p) * p.num_kv_heads
-    return pages * (STAGE_PAGE * 2 * 2 * p.head_size + (2 * 4 if p.mode.per_token_head else 0))
+    pages, page, heads, dim = workspace_shape(p)
+    return pages * heads * (page * 2 * 2 * dim + (2 * 4 if p.mode.per_token_head else 0))
 
 
 def stageable(p: Attention) -> bool:
@@ -119,11 +122,13 @@ def worth_staging(p: Attention) -> bool:
 def staged_problem(p: Attention) -> Attention:
     """Gathers the prefill sequences' context into a fresh workspace; returns `p` over it.
     Decode tokens still read the codes, so callers run them on `p`."""
-    slots, pages_per_seq = _slots(p), _pages_per_seq(p)
-    pages = slots * pages_per_seq
-    heads, dim, device = p.num_kv_heads, p.head_size, p.query.device
-    ws_k = _allocate((pages, STAGE_PAGE, heads, dim), torch.float16, device)
-    ws_v = _allocate((pages, STAGE_PAGE, heads, dim), torch.float16, device)
+    shape = workspace_shape(p)
+    pages, _, heads, dim = shape
+    pages_per_seq = _pages_per_seq(p)
+    slots = pages // pages_per_seq
+    device = p.query.device
+    ws_k = _allocate(shape, torch.float16, device)
+    ws_v = _allocate(shape, torch.float16, device)
     per_token_head = p.mode.per_token_head
     page_scales = _allocate((2, pages, heads), torch.float32, device) if per_token_head else None
     q_lens = p.query_start_loc[1:] - p.query_start_loc[:-1]
@@ -162,4 +167,5 @@ def staged_problem(p: Attention) -> Attention:
     return dataclasses.replace(p, key_cache=ws_k, value_cache=ws_v, block_tables=table, **scales)
 
 
-__all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "stageable", "staged_problem", "workspace_bytes", "worth_staging"]
+__all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "stageable", "staged_problem", "workspace_bytes", "workspace_shape",
+           "worth_staging"]
