@@ -493,3 +493,16 @@ def test_staged_prefill_with_scales_far_apart_across_pages():
     err = check(p, prefill=_staged(p))
     direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
     assert err <= check(direct, prefill=_kernels().direct_prefill_config(p)) * 1.1
+
+
+@pytest.mark.parametrize("path", ["decode", "direct prefill", "staged prefill"])
+def test_zero_key_scales_weigh_visible_keys_evenly(path):
+    # Zero key scales zero every logit. The kernels apply the logit scale inside exp2's FFMA,
+    # after hidden keys became -inf: a zero factor there must not turn them into NaN.
+    k = _kernels()
+    batch = dict(q_lens=[1, 1], seq_lens=[150, 40]) if path == "decode" else STAGED_BATCHES["mixed"]
+    p = make_problem(**batch, head_size=64, seed=11)
+    p.k_scale_cache.zero_()
+    override = {"decode": {}, "direct prefill": dict(prefill=k.direct_prefill_config(p)),
+                "staged prefill": dict(prefill=_staged(p))}[path]
+    check(p, **override)

@@ -194,20 +194,23 @@ def _attend_tile(
     if SCALE_MODE == 2 and not STAGED:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
+    # The logits are s * row_factor (a key's own scale, where there is one, is already in s).
     if STAGED:
         s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)
         if SCALE_MODE == 2:
-            s = s * (row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh))[:, None]
+            row_factor = row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh)
         else:
-            s = s * row_scale[:, None]
+            row_factor = row_scale
     elif QK_INT8:
-        s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
+        s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :]
+        row_factor = row_scale
     elif SCALE_IN_CODES and SCALE_MODE == 2:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
         k_max = tl.max(ks, axis=0)
         k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
         k = k * k_ratio.to(DOT_DTYPE)[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        row_factor = row_scale * k_max
     else:
         if SCALE_IN_CODES:
             k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
@@ -218,20 +221,31 @@ def _attend_tile(
             s = s - q_offset[:, None]
         if SCALE_MODE == 2:
             s = s * ks[None, :]
-        s = s * row_scale[:, None]
+        row_factor = row_scale
     if HAS_SOFTCAP:
         # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
+        s = s * row_factor[:, None]
         e2 = tl.exp(2.0 * (s / softcap))
         s = (softcap * (1.0 - 2.0 / (e2 + 1.0))) * 1.4426950408889634
+        row_factor = tl.zeros_like(row_factor) + 1.0
+    else:
+        # Hidden logits are masked to -inf before the FFMA below, which a zero factor (zero
+        # scales) would turn into NaN. The smallest normal float instead takes every logit an
+        # fp16 dot can reach (< 2^40) below 2^-86, whose exp2 is 1 as zero's is; NaN stays NaN.
+        row_factor = tl.maximum(row_factor, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # max(s) * c == max(s * c) for a factor c > 0 (rounding is monotonic; the API takes only
+    # softmax_scale > 0): the factor rides on exp2's FFMA instead of a product per logit before
+    # the max. Prefill's softmax is most of a tile's instructions (696 -> 634 per bf16 tile).
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_factor)
     # Rows with nothing visible yet keep m = -inf; subtract 0 there so no inf - inf.
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(s - m_use[:, None])
+    x = s * row_factor[:, None] - m_use[:, None]
+    p = tl.exp2(x)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     m_i = m_new
@@ -352,7 +366,7 @@ def _attention_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
     QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -366,6 +380,8 @@ def _attention_kernel(
             return
     else:
         vblock = tl.program_id(0)
+        if LONGEST_FIRST:
+            vblock = tl.num_programs(0) - 1 - vblock
         seq = _find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -554,6 +570,10 @@ class AttentionConfig:
     # Prefill only: attend to staging.py's workspace of fp16 operands, converted once per
     # key, instead of converting codes in every query tile.
     stage_kv: bool = False
+    # Prefill only: start the grid's query blocks in reverse order. Under a causal mask a
+    # sequence's later blocks see more keys, and the GPU starts programs in grid order, so the
+    # longest run first and the last wave holds short ones. False keeps grid order (A/B runs).
+    longest_first: bool = True
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -799,7 +819,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
-        SCALE_FLOOR=float(SCALE_FLOOR),
+        SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
