@@ -286,8 +286,6 @@ def paged_attention(
         fail(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_size)
-    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        fail(f"softmax_scale: expected a finite float > 0 or None, got {softmax_scale!r}")
     if sinks is not None:
         require_ndim("sinks", sinks, 1, "[num_q_heads]")
         require_dtype("sinks", sinks, ("float32",))

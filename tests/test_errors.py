@@ -148,7 +148,6 @@ ATTENTION_ERRORS = {
     "sinks shape": (lambda a, k: k.update(sinks=torch.zeros(3)), ["sinks", "shape"]),
     "window": (lambda a, k: k.update(sliding_window=0), ["sliding_window"]),
     "softcap": (lambda a, k: k.update(softcap=-1.0), ["softcap"]),
-    "softmax_scale": (lambda a, k: k.update(softmax_scale=-0.125), ["softmax_scale", "> 0"]),
     "out dtype": (lambda a, k: k.update(out=torch.empty(6, 8, D)), ["out", "dtype"]),
     "v scales missing": (lambda a, k: k.pop("v_scale_cache"), ["v_scale_cache", "required"]),
     "num_prefills over num_seqs": (lambda a, k: k.update(num_prefills=4, validate=False, max_query_len=4, max_seq_len=20),

@@ -497,8 +497,8 @@ def test_staged_prefill_with_scales_far_apart_across_pages():
 
 @pytest.mark.parametrize("path", ["decode", "direct prefill", "staged prefill"])
 def test_zero_key_scales_weigh_visible_keys_evenly(path):
-    # Zero key scales zero every logit. The kernels apply the logit scale inside exp2's FFMA,
-    # after hidden keys became -inf: a zero factor there must not turn them into NaN.
+    # Zero key scales zero every logit. Direct prefill divides by a tile's largest scale and
+    # staging by a page's: their guards must give even weights, not NaN.
     k = _kernels()
     batch = dict(q_lens=[1, 1], seq_lens=[150, 40]) if path == "decode" else STAGED_BATCHES["mixed"]
     p = make_problem(**batch, head_size=64, seed=11)

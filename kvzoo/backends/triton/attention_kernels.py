@@ -194,23 +194,20 @@ def _attend_tile(
     if SCALE_MODE == 2 and not STAGED:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
-    # The logits are s * row_factor (a key's own scale, where there is one, is already in s).
     if STAGED:
         s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION)
         if SCALE_MODE == 2:
-            row_factor = row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh)
+            s = s * (row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh))[:, None]
         else:
-            row_factor = row_scale
+            s = s * row_scale[:, None]
     elif QK_INT8:
-        s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :]
-        row_factor = row_scale
+        s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
     elif SCALE_IN_CODES and SCALE_MODE == 2:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
         k_max = tl.max(ks, axis=0)
         k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
         k = k * k_ratio.to(DOT_DTYPE)[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        row_factor = row_scale * k_max
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
     else:
         if SCALE_IN_CODES:
             k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
@@ -221,31 +218,20 @@ def _attend_tile(
             s = s - q_offset[:, None]
         if SCALE_MODE == 2:
             s = s * ks[None, :]
-        row_factor = row_scale
+        s = s * row_scale[:, None]
     if HAS_SOFTCAP:
         # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
-        s = s * row_factor[:, None]
         e2 = tl.exp(2.0 * (s / softcap))
         s = (softcap * (1.0 - 2.0 / (e2 + 1.0))) * 1.4426950408889634
-        row_factor = tl.zeros_like(row_factor) + 1.0
-    else:
-        # Hidden logits are masked to -inf before the FFMA below, which a zero factor (zero
-        # scales) would turn into NaN. The smallest normal float instead takes every logit an
-        # fp16 dot can reach (< 2^40) below 2^-86, whose exp2 is 1 as zero's is; NaN stays NaN.
-        row_factor = tl.maximum(row_factor, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # max(s) * c == max(s * c) for a factor c > 0 (rounding is monotonic; the API takes only
-    # softmax_scale > 0): the factor rides on exp2's FFMA instead of a product per logit before
-    # the max. Prefill's softmax is most of a tile's instructions (696 -> 634 per bf16 tile).
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_factor)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Rows with nothing visible yet keep m = -inf; subtract 0 there so no inf - inf.
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    x = s * row_factor[:, None] - m_use[:, None]
-    p = tl.exp2(x)
+    p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     m_i = m_new
