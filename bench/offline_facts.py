@@ -31,7 +31,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -86,11 +85,7 @@ def compile_call(call: K.KernelCall):
     names = [n for n in fn.arg_names if n not in call.constexprs]
     signature, constexprs, attrs = {}, dict(call.constexprs), {}
     for name, value in zip(names, call.args):
-        if value is None:
-            constexprs[name] = None
-        elif isinstance(value, TensorDescriptor):
-            signature[name] = f"tensordesc<{_TRITON_TYPES[value.base.dtype]}{list(value.block_shape)}>"
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[value.dtype]
             attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]  # allocations are
         elif isinstance(value, float):
@@ -139,7 +134,6 @@ def facts(call: K.KernelCall) -> str:
 
 def main() -> None:
     K._num_sms = lambda device_index: H200_SMS  # the table's split choice as on the H200
-    K._platform.has_tma = lambda device_index: True  # as on the H200
     cases = [("decode", 64, 16384, mode, qq) for mode, qq in (
         ("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))]
     cases += [("prefill", 4, 4096, mode, qq) for mode, qq in (

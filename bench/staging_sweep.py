@@ -36,7 +36,6 @@ VARIANTS = {
     "64 keys 8 warps 3 stages": dict(block_n=64, num_warps=8, num_stages=3),
     "128 keys 8 warps 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
     "query blocks in grid order": dict(longest_first=False),
-    "per-thread loads, no TMA": dict(tma=False),
 }
 
 

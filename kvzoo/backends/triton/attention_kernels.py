@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...modes import SCALE_FLOOR
 from ...problem import Attention
@@ -158,7 +157,7 @@ def _load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOC
 @triton.jit
 def _attend_tile(
     start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, k_desc, v_desc, softcap, window,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ksb, stride_kst, stride_ksh,
@@ -167,7 +166,7 @@ def _attend_tile(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    STAGED: tl.constexpr, TMA: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc, v_unit).
 
@@ -190,14 +189,8 @@ def _attend_tile(
     else:
         page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
-    if TMA:
-        # The workspace tile is one box of rows [BLOCK_N, HEAD_D]: the TMA unit copies it, with
-        # no address per element in the warps that run the dots.
-        ws_row = (page * PAGE + start % PAGE).to(tl.int32)
-        kc = k_desc.load([ws_row, kv_head * HEAD_D])
-    else:
-        k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
-        kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
+    kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if SCALE_MODE == 2 and not STAGED:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
@@ -243,12 +236,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     m_i = m_new
 
-    if TMA:
-        vc = v_desc.load([ws_row, kv_head * HEAD_D])
-        if MASKED:
-            # Rows past the sequence are workspace nobody wrote: a zero weight times NaN is NaN.
-            vc = tl.where(key_ok[:, None], vc, 0.0)
-    elif SAME_KV_STRIDES:
+    if SAME_KV_STRIDES:
         # V (and its scales) sit at K's offsets: one address computation serves both.
         vc = _load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     else:
@@ -299,7 +287,7 @@ def _attend_tile(
 @triton.jit
 def _attend_range(
     lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, k_desc, v_desc, softcap, window,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ksb, stride_kst, stride_ksh,
@@ -308,7 +296,7 @@ def _attend_range(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    STAGED: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+    STAGED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -319,26 +307,26 @@ def _attend_range(
         while start < hi:
             m_i, l_i, acc, v_unit = _attend_tile(
                 start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, k_desc, v_desc, softcap, window,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd,
                 stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED, TMA,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
             )
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc, v_unit = _attend_tile(
                 start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, k_desc, v_desc, softcap, window,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd,
                 stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh,
                 stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED, TMA,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
             )
     return m_i, l_i, acc, v_unit
 
@@ -347,7 +335,7 @@ def _attend_range(
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr, k_desc, v_desc,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr,
     num_seqs, softmax_scale, softcap, window, split_keys, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -364,7 +352,7 @@ def _attention_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
     QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -480,11 +468,11 @@ def _attention_kernel(
         if HAS_WINDOW or phase != 0:
             m_i, l_i, acc, v_unit = _attend_range(
                 lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, k_desc, v_desc, softcap, window,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED, TMA,
+                HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
                 INTERPRETED,
             )
 
@@ -570,11 +558,8 @@ class AttentionConfig:
     stage_kv: bool = False
     # Prefill only: start the grid's query blocks in reverse order. Under a causal mask a
     # sequence's later blocks see more keys, and the GPU starts programs in grid order, so the
-    # longest run first and the last wave holds short ones. False keeps grid order (A/B runs).
-    longest_first: bool = True
-    # Staged prefill only: copy workspace tiles with TMA where the device has it (platform.
-    # has_tma). False keeps per-thread loads (A/B runs).
-    tma: bool = True
+    # longest run first and the last wave holds short ones.
+    longest_first: bool = False
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -683,7 +668,11 @@ def staged_prefill_config(p: Attention) -> AttentionConfig:
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
     # Page scales are read once per key tile: a tile must not span two pages.
     assert _staging.STAGE_PAGE % block_n == 0, (block_n, _staging.STAGE_PAGE)
-    return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True)
+    # Longest first: attention on the workspace at 4 x 4096 took 2.2-2.6% less time than in grid
+    # order in two A/B runs on the H200 (bench/staging_sweep.py). The bf16 kernel on the paged
+    # cache took 1563 against 1540 us that way, so the direct tiles keep grid order.
+    return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True,
+                           longest_first=True)
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
@@ -767,16 +756,6 @@ class KernelCall:
     merge: tuple | None
 
 
-def _uses_tma(p: Attention, platform: str, cfg: AttentionConfig, k: torch.Tensor, v: torch.Tensor, block_d: int) -> bool:
-    # A workspace row of one head is a box [block_n, head_size] of a [rows, heads * head_size]
-    # matrix: TMA needs 16-byte row strides, and a head as wide as the tile's D.
-    if not (cfg.stage_kv and cfg.tma and platform == "cuda" and block_d == p.head_size):
-        return False
-    dev = p.query.device.index if p.query.device.type == "cuda" else None
-    return (_platform.has_tma(dev) and k.is_contiguous() and v.is_contiguous()
-            and (p.num_kv_heads * p.head_size * k.element_size()) % 16 == 0)
-
-
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg)
     group = p.num_q_heads // p.num_kv_heads
@@ -797,10 +776,6 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     sinks = p.sinks if p.sinks is not None else dummy
-    k_desc = v_desc = None
-    if _uses_tma(p, platform, cfg, k, v, block_d):
-        k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(x.shape[0] * x.shape[1], -1), [cfg.block_n, block_d])
-                          for x in (k, v))
     merge = None
     if split:
         shape = (num_seqs, p.num_q_heads, num_splits)
@@ -819,7 +794,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     args = (
         p.query, k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
-        p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy, k_desc, v_desc,
+        p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
         num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
         max(cfg.split_keys, 1), num_splits,
         *p.query.stride(), *p.out.stride(), *k.stride(), *v.stride(), *kss, *vss,
@@ -834,7 +809,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
-        SCALE_FLOOR=float(SCALE_FLOOR), TMA=k_desc is not None, LONGEST_FIRST=cfg.longest_first and not per_seq,
+        SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

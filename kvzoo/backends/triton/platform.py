@@ -41,17 +41,6 @@ def unavailable_reasons(platform: str) -> tuple[str, ...]:
     )
 
 
-@functools.cache
-def has_tma(device_index: int | None) -> bool:
-    """Whether CUDA's tensor memory accelerator (Hopper and later) copies tiles; the
-    interpreter emulates it, so CI runs the kernels' TMA paths."""
-    if interpreted():
-        return True
-    import torch
-
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def devices() -> frozenset[str]:
     return frozenset({"cpu"}) if interpreted() else frozenset({"cuda"})
 
