@@ -6,7 +6,8 @@ staging starts to pay (staging.STAGE_MIN_QUERY_LEN) and what its gather pass cos
 Every row checks the output against float64 attention first, then times CUDA-graph replays
 (median, triton.testing.do_bench_cudagraph) of: the direct kernel on the codes, the staged run
 (gather + attention), the gather alone, the attention on the workspace alone, and mode "none"
-on a bf16 cache of the same shape.
+on a bf16 cache of the same shape. From 1024 query tokens on it also times other attention
+configs and other gather programs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ VARIANTS = {
     "128 keys 8 warps 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
     "query blocks in grid order": dict(longest_first=False),
 }
+# Gather programs besides staging's (GATHER_ROWS, GATHER_WARPS): (rows of a page, warps).
+GATHER_VARIANTS = ((16, 2), (32, 2), (64, 4), (128, 4), (128, 8))
 
 
 def timed(fn) -> float:
@@ -84,6 +87,12 @@ def main() -> None:
                     e = err(p, last)  # w shares p.out; ref_seq decodes p's cache
                     t = timed(lambda w=w, cfg=cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
                     print(f"       attend on the workspace, {label:28}: {t:9.1f} us (table {t_attend:.1f}), err {e:.1e}")
+                table = staging.GATHER_ROWS, staging.GATHER_WARPS
+                for staging.GATHER_ROWS, staging.GATHER_WARPS in GATHER_VARIANTS:
+                    t = timed(lambda p=p: staging.staged_problem(p))
+                    print(f"       gather, {staging.GATHER_ROWS:3d} rows {staging.GATHER_WARPS} warps a program: "
+                          f"{t:7.1f} us, {gather_bytes / t / 1e3:5.0f} GB/s (table {table[0]} rows {table[1]} warps: {t_gather:.1f})")
+                staging.GATHER_ROWS, staging.GATHER_WARPS = table
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
+# Rows of a page one gather program converts, for K and V, and its warps. One program per
+# 128-row page of one tensor moved 1.8 TB/s with 4 sequences (1024 programs per launch).
+GATHER_ROWS = 32
+GATHER_WARPS = 4
 # Largest workspace a call may allocate; above it prefill stays direct.
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
@@ -48,43 +52,74 @@ STAGE_MIN_QUERY_LEN = 128
 
 
 @triton.jit
-def _stage_kernel(
-    codes_ptr, scales_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr, ws_ptr, page_scales_ptr,
-    head_size, page,
-    s_b, s_t, s_h, s_d, s_sb, s_st, s_sh, s_bt, s_wt, s_wh, s_wsp, s_wsh,
-    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _stage_rows(
+    codes_ptr, scales_ptr, ws_ptr, page_scale_ptr, block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
+    s_b, s_t, s_h, s_d, s_sb, s_st, s_sh, head, store_page_scale,
+    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
 ):
-    """One workspace page of one KV head of K or V: fp16 codes x (scale / page max) and the
-    page max (per-token-head), or the codes alone (per-tensor: the kernel applies its scale)."""
-    seq = tl.program_id(0)
-    stage_page = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    gather_len = tl.load(gather_lens_ptr + seq)
-    if stage_page * STAGE >= gather_len:
-        return
-    pos = stage_page * STAGE + tl.arange(0, STAGE)
-    d = tl.arange(0, BLOCK_D)
-    t_ok = pos < gather_len
-    mask = t_ok[:, None] & (d < head_size)[None, :]
-    block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt + pos // page, mask=t_ok, other=0).to(tl.int64)
-    offset = (pos % page).to(tl.int64)
+    """One tensor's rows: fp16 codes x (scale / page max) to ws_ptr (per-token-head: and the
+    page max, by the page's first program), or the codes alone (per-tensor)."""
     raw = tl.load(codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + d[None, :] * s_d, mask=mask, other=0)
     if HW_CONVERT:
         # int8 or e4m3 straight to fp16 (one conversion instruction per code, or per pair).
         x = (raw if CODE == 1 else raw.to(tl.float8e4nv, bitcast=True)).to(tl.float16)
     else:
         x = decode_codes(raw, CODE).to(tl.float16)
-    ws_page = tl.load(first_page_ptr + seq) + stage_page
     if PER_TOKEN_HEAD:
-        scale = tl.load(scales_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0.0)
+        page_scales = tl.load(scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0)
         # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
-        page_max = tl.max(tl.where(scale == scale, scale, 0.0), axis=0)
+        page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
+        scale = tl.load(scales_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0.0)
         ratio = scale * tl.where(page_max > 0.0, 1.0 / page_max, 0.0)
         x = x * ratio.to(tl.float16)[:, None]
-        tl.store(page_scales_ptr + ws_page * s_wsp + head * s_wsh, page_max)
-    ws = (ws_page * STAGE + tl.arange(0, STAGE))[:, None] * s_wt + head * s_wh + d[None, :]
-    tl.store(ws_ptr + ws, x, mask=mask)
+        if store_page_scale:
+            tl.store(page_scale_ptr, page_max)
+    tl.store(ws_ptr, x, mask=mask)
+
+
+@triton.jit
+def _stage_kernel(
+    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr,
+    ws_k_ptr, ws_v_ptr, k_page_scales_ptr, v_page_scales_ptr,
+    head_size, page,
+    s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
+    s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
+    s_bt, s_wt, s_wh, s_wsp, s_wsh,
+    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """ROWS rows of one workspace page of one KV head, for K and for V."""
+    seq = tl.program_id(0)
+    chunk = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    gather_len = tl.load(gather_lens_ptr + seq)
+    if chunk * ROWS >= gather_len:
+        return
+    stage_page = chunk // (STAGE // ROWS)
+    pos = chunk * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = pos < gather_len
+    mask = t_ok[:, None] & (d < head_size)[None, :]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
+    block = tl.load(bt_row + pos // page, mask=t_ok, other=0).to(tl.int64)
+    offset = (pos % page).to(tl.int64)
+    # Every program of a page reads the page's scales for its largest (from cache: they are
+    # 4 bytes a row); only the first stores it.
+    page_pos = stage_page * STAGE + tl.arange(0, STAGE)
+    page_ok = page_pos < gather_len
+    page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
+    page_offset = (page_pos % page).to(tl.int64)
+    ws_page = tl.load(first_page_ptr + seq) + stage_page
+    ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
+    first_of_page = chunk % (STAGE // ROWS) == 0
+    _stage_rows(k_ptr, ks_ptr, ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+                block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
+                s_kb, s_kt, s_kh, s_kd, s_ksb, s_kst, s_ksh, head, first_of_page,
+                CODE, HW_CONVERT, PER_TOKEN_HEAD)
+    _stage_rows(v_ptr, vs_ptr, ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+                block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
+                s_vb, s_vt, s_vh, s_vd, s_vsb, s_vst, s_vsh, head, first_of_page,
+                CODE, HW_CONVERT, PER_TOKEN_HEAD)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -145,19 +180,19 @@ def staged_problem(p: Attention) -> Attention:
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
     # ROCm's fnuz codes take the integer decoder.
     hw_convert = not _platform.interpreted() and (p.mode.is_int8 or p.mode.code_dtype == "float8_e4m3fn")
-    tensors = ((p.key_cache, p.k_scale_cache, ws_k, 0), (p.value_cache, p.v_scale_cache, ws_v, 1))
-    for cache, scales, ws, which in tensors:
-        codes = cache.view(torch.int8 if p.mode.is_int8 else torch.uint8)
-        _stage_kernel[(p.num_seqs, pages_per_seq, heads)](
-            codes, scales if per_token_head else dummy, p.block_tables, gather_lens, first_page, ws,
-            page_scales[which] if per_token_head else dummy,
-            dim, p.block_size,
-            *codes.stride(), *(scales.stride() if per_token_head else (0, 0, 0)),
-            p.block_tables.stride(0), ws.stride(1), ws.stride(2),
-            *(page_scales[which].stride() if per_token_head else (0, 0)),
-            CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE,
-            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
-        )
+    kind = torch.int8 if p.mode.is_int8 else torch.uint8
+    k_codes, v_codes = p.key_cache.view(kind), p.value_cache.view(kind)
+    k_scales, v_scales = (p.k_scale_cache, p.v_scale_cache) if per_token_head else (dummy, dummy)
+    k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)
+    no_strides = (0, 0, 0)
+    _stage_kernel[(p.num_seqs, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads)](
+        k_codes, v_codes, k_scales, v_scales, p.block_tables, gather_lens, first_page, ws_k, ws_v, k_pages, v_pages,
+        dim, p.block_size, *k_codes.stride(), *v_codes.stride(),
+        *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
+        p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2), *(k_pages.stride() if per_token_head else (0, 0)),
+        CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=GATHER_WARPS,
+    )
     table = slot[:, None] * pages_per_seq + torch.arange(pages_per_seq, dtype=torch.int32, device=device)[None, :]
     scales = {}
     if per_token_head:
