@@ -38,7 +38,7 @@ from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
-# Rows of a page one gather program converts, for K and V, and its warps. One program per
+# Rows of a page one gather program converts (of K or of V), and its warps. One program per
 # 128-row page of one tensor moved 1.8 TB/s with 4 sequences (1024 programs per launch).
 GATHER_ROWS = 32
 GATHER_WARPS = 4
@@ -88,10 +88,11 @@ def _stage_kernel(
     CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """ROWS rows of one workspace page of one KV head, for K and for V."""
+    """ROWS rows of one workspace page of one KV head, of K (even programs) or V (odd)."""
     seq = tl.program_id(0)
     chunk = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
+    head = (tl.program_id(2) // 2).to(tl.int64)
+    is_key = tl.program_id(2) % 2 == 0
     gather_len = tl.load(gather_lens_ptr + seq)
     if chunk * ROWS >= gather_len:
         return
@@ -112,14 +113,16 @@ def _stage_kernel(
     ws_page = tl.load(first_page_ptr + seq) + stage_page
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
-    _stage_rows(k_ptr, ks_ptr, ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-                block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
-                s_kb, s_kt, s_kh, s_kd, s_ksb, s_kst, s_ksh, head, first_of_page,
-                CODE, HW_CONVERT, PER_TOKEN_HEAD)
-    _stage_rows(v_ptr, vs_ptr, ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-                block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
-                s_vb, s_vt, s_vh, s_vd, s_vsb, s_vst, s_vsh, head, first_of_page,
-                CODE, HW_CONVERT, PER_TOKEN_HEAD)
+    if is_key:
+        _stage_rows(k_ptr, ks_ptr, ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+                    block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
+                    s_kb, s_kt, s_kh, s_kd, s_ksb, s_kst, s_ksh, head, first_of_page,
+                    CODE, HW_CONVERT, PER_TOKEN_HEAD)
+    else:
+        _stage_rows(v_ptr, vs_ptr, ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+                    block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
+                    s_vb, s_vt, s_vh, s_vd, s_vsb, s_vst, s_vsh, head, first_of_page,
+                    CODE, HW_CONVERT, PER_TOKEN_HEAD)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -185,7 +188,7 @@ def staged_problem(p: Attention) -> Attention:
     k_scales, v_scales = (p.k_scale_cache, p.v_scale_cache) if per_token_head else (dummy, dummy)
     k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)
     no_strides = (0, 0, 0)
-    _stage_kernel[(p.num_seqs, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads)](
+    _stage_kernel[(p.num_seqs, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads * 2)](
         k_codes, v_codes, k_scales, v_scales, p.block_tables, gather_lens, first_page, ws_k, ws_v, k_pages, v_pages,
         dim, p.block_size, *k_codes.stride(), *v_codes.stride(),
         *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
