@@ -38,8 +38,10 @@ from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
-# Rows of a page one gather program converts (of K or of V), and its warps. One program per
-# 128-row page of one tensor moved 1.8 TB/s with 4 sequences (1024 programs per launch).
+# Rows of a page one gather program converts (of K or of V), and its warps. H200, int8, 4096
+# keys of context (bench/staging_sweep.py): 4 x 4096 in 51.7 us (one program per 128-row page
+# of one tensor, as before: 57.4 us), 16 x 128 in 143.7 us (145.6); 16 rows on 2 warps and 64
+# on 4 within 3% of it.
 GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Largest workspace a call may allocate; above it prefill stays direct.
@@ -79,9 +81,9 @@ def _stage_rows(
 
 @triton.jit
 def _stage_kernel(
-    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, first_page_ptr,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, seq_of_slot_ptr,
     ws_k_ptr, ws_v_ptr, k_page_scales_ptr, v_page_scales_ptr,
-    head_size, page,
+    head_size, page, pages_per_slot,
     s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
     s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
     s_bt, s_wt, s_wh, s_wsp, s_wsh,
@@ -89,10 +91,13 @@ def _stage_kernel(
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """ROWS rows of one workspace page of one KV head, of K (even programs) or V (odd)."""
-    seq = tl.program_id(0)
+    slot = tl.program_id(0)
     chunk = tl.program_id(1)
     head = (tl.program_id(2) // 2).to(tl.int64)
     is_key = tl.program_id(2) % 2 == 0
+    seq = tl.load(seq_of_slot_ptr + slot)
+    if seq < 0:
+        return
     gather_len = tl.load(gather_lens_ptr + seq)
     if chunk * ROWS >= gather_len:
         return
@@ -110,7 +115,7 @@ def _stage_kernel(
     page_ok = page_pos < gather_len
     page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
     page_offset = (page_pos % page).to(tl.int64)
-    ws_page = tl.load(first_page_ptr + seq) + stage_page
+    ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
     if is_key:
@@ -177,7 +182,11 @@ def staged_problem(p: Attention) -> Attention:
     gathered = prefill & (slot < slots)
     slot = slot.clamp(0, slots - 1)
     gather_lens = torch.where(gathered, p.seq_lens, torch.zeros_like(p.seq_lens))
-    first_page = slot.to(torch.int64) * pages_per_seq
+    # The gather's grid runs over slots, not sequences: decodes beside a few prefills would
+    # each launch a sequence's worth of empty programs. Index `slots` takes the ungathered.
+    seq_of_slot = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
+    seq_of_slot.scatter_(0, torch.where(gathered, slot, slots).long(),
+                         torch.arange(p.num_seqs, dtype=torch.int32, device=device))
     dummy = p.seq_lens
     code = code_of(p.mode)
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
@@ -188,9 +197,9 @@ def staged_problem(p: Attention) -> Attention:
     k_scales, v_scales = (p.k_scale_cache, p.v_scale_cache) if per_token_head else (dummy, dummy)
     k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)
     no_strides = (0, 0, 0)
-    _stage_kernel[(p.num_seqs, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads * 2)](
-        k_codes, v_codes, k_scales, v_scales, p.block_tables, gather_lens, first_page, ws_k, ws_v, k_pages, v_pages,
-        dim, p.block_size, *k_codes.stride(), *v_codes.stride(),
+    _stage_kernel[(slots, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads * 2)](
+        k_codes, v_codes, k_scales, v_scales, p.block_tables, gather_lens, seq_of_slot, ws_k, ws_v, k_pages, v_pages,
+        dim, p.block_size, pages_per_seq, *k_codes.stride(), *v_codes.stride(),
         *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
         p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2), *(k_pages.stride() if per_token_head else (0, 0)),
         CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
