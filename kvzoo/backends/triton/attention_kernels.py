@@ -669,8 +669,8 @@ def staged_prefill_config(p: Attention) -> AttentionConfig:
     # Page scales are read once per key tile: a tile must not span two pages.
     assert _staging.STAGE_PAGE % block_n == 0, (block_n, _staging.STAGE_PAGE)
     # Longest first: attention on the workspace at 4 x 4096 took 2.2-2.6% less time than in grid
-    # order in two A/B runs on the H200 (bench/staging_sweep.py). The bf16 kernel on the paged
-    # cache took 1563 against 1540 us that way, so the direct tiles keep grid order.
+    # order in five A/B calls on the H200 (bench/staging_sweep.py, bench/RESULTS.md). The bf16
+    # kernel on the paged cache took 1563 against 1540 us that way, so direct tiles keep grid order.
     return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True,
                            longest_first=True)
 

@@ -39,9 +39,9 @@ from .write_kernels import code_of
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
 # Rows of a page one gather program converts (of K or of V), and its warps. H200, int8, 4096
-# keys of context (bench/staging_sweep.py): 4 x 4096 in 51.7 us (one program per 128-row page
-# of one tensor, as before: 57.4 us), 16 x 128 in 143.7 us (145.6); 16 rows on 2 warps and 64
-# on 4 within 3% of it.
+# keys of context (bench/staging_sweep.py, two calls): 4 x 4096 in 51.7-56.9 us against
+# 66.5-72.2 for one program per 128-row page, 16 x 128 in 143.7-151.5 against 197.9-203.7;
+# 16 rows on 2 warps and 64 on 4 within 3% of the table's.
 GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Largest workspace a call may allocate; above it prefill stays direct.
