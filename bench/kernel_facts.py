@@ -161,13 +161,6 @@ SWEEPS = {
         ("decode", 64, 4096, "fp8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 2048)]),
         ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(32, 1, 5, 2048), R(32, 1, 5, 4096)]),
     ],
-    # 10: quantized decode with keys as the MMA's rows (the table) against the group's query
-    # rows as its rows (fifth session; 917 -> 826 instructions per int8 tile offline).
-    "10": [
-        ("decode", seqs, length, mode, False, [None, "query rows as the MMA's rows"])
-        for seqs, length in ((64, 16384), (64, 4096), (8, 65536))
-        for mode in ("int8_per_token_head", "fp8_per_token_head")
-    ],
 }
 
 
@@ -181,16 +174,13 @@ def main():
             p = make(seqs, 1 if decode else length, length, mode, quantize_query=qq)
             table = K.decode_config(p, False) if decode else K.prefill_config(p)
             for cfg in cfgs:
-                if cfg == "query rows as the MMA's rows":
-                    cfg = dataclasses.replace(table, keys_as_rows=False)
                 cfg = cfg or table
                 if decode and cfg.split_keys == 0 and table.split_keys:
                     cfg = dataclasses.replace(cfg, split_keys=-(-table.split_keys // cfg.block_n) * cfg.block_n)
                 elif cfg.split_keys < 0:
                     cfg = dataclasses.replace(cfg, split_keys=0)
                 label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
-                         f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}"
-                         f"{' keys-as-rows' if cfg.keys_as_rows else ''}")
+                         f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}")
                 if name == "7":
                     shared = K.same_kv_strides
                     K.same_kv_strides = lambda p: False

@@ -285,81 +285,6 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_tile_keys_as_rows(
-    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh,
-    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-):
-    """_attend_tile for decode with the dots transposed: keys are the MMA's rows and the
-    group's query rows its columns (s^T = K q^T, acc^T += V^T p^T), so a group of 4 pads to
-    the MMA's 8 columns instead of its 16 rows. acc is [BLOCK_D, rows]."""
-    d = tl.arange(0, BLOCK_D)
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < kv_end
-    page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-    in_page = keys % PAGE
-    k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
-    kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
-    s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    if CODE_CONVERT >= 4:
-        s = s - q_offset[None, :]
-    if SCALE_MODE == 2:
-        ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
-        s = s * ks[:, None]
-    s = s * row_scale[None, :]
-    if HAS_SOFTCAP:
-        e2 = tl.exp(2.0 * (s / softcap))
-        s = (softcap * (1.0 - 2.0 / (e2 + 1.0))) * 1.4426950408889634
-    if MASKED:
-        visible = key_ok[:, None] & (keys[:, None] <= pos[None, :])
-        if HAS_WINDOW:
-            visible = visible & (keys[:, None] > pos[None, :] - window)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(s - m_use[None, :])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    m_i = m_new
-
-    if SAME_KV_STRIDES:
-        vc = _load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    else:
-        v_row = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
-        vc = _load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    v = _codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
-    if SCALE_MODE == 2:
-        if SAME_KV_STRIDES:
-            vs = _load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
-        else:
-            vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
-        pv = p * vs[:, None]
-        if MASKED:
-            pv = tl.where(visible, pv, 0.0)
-        w = tl.max(pv, axis=0)
-        pv = (pv * tl.where(w > 0.0, 1.0 / w, 0.0)[None, :]).to(DOT_DTYPE)
-        pv_v = tl.dot(tl.trans(v), pv, input_precision=DOT_PRECISION)
-        if CODE_CONVERT >= 4:
-            pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=0)[None, :]
-        acc = acc * alpha[None, :] + pv_v * w[None, :]
-    else:
-        p16 = p.to(DOT_DTYPE)
-        pv_v = tl.dot(tl.trans(v), p16, input_precision=DOT_PRECISION)
-        if CODE_CONVERT >= 4:
-            pv_v = pv_v - I8_OFFSET * tl.sum(p16.to(tl.float32), axis=0)[None, :]
-        acc = acc * alpha[None, :] + pv_v
-    return m_i, l_i, acc, v_unit
-
-
-@triton.jit
 def _attend_range(
     lo, hi, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
     k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
@@ -371,7 +296,7 @@ def _attend_range(
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
-    STAGED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, INTERPRETED: tl.constexpr,
+    STAGED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
@@ -380,53 +305,29 @@ def _attend_range(
         # the for loop, which Triton software-pipelines.
         start = lo
         while start < hi:
-            if KEYS_AS_ROWS:
-                m_i, l_i, acc, v_unit = _attend_tile_keys_as_rows(
-                    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                    stride_kb, stride_kt, stride_kh, stride_kd,
-                    stride_vb, stride_vt, stride_vh, stride_vd,
-                    stride_ksb, stride_kst, stride_ksh,
-                    stride_vsb, stride_vst, stride_vsh,
-                    BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                    HAS_SOFTCAP, HAS_WINDOW, MASKED, SAME_KV_STRIDES,
-                )
-            else:
-                m_i, l_i, acc, v_unit = _attend_tile(
-                    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                    stride_kb, stride_kt, stride_kh, stride_kd,
-                    stride_vb, stride_vt, stride_vh, stride_vd,
-                    stride_ksb, stride_kst, stride_ksh,
-                    stride_vsb, stride_vst, stride_vsh,
-                    BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                    HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
-                )
+            m_i, l_i, acc, v_unit = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
+            )
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            if KEYS_AS_ROWS:
-                m_i, l_i, acc, v_unit = _attend_tile_keys_as_rows(
-                    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                    stride_kb, stride_kt, stride_kh, stride_kd,
-                    stride_vb, stride_vt, stride_vh, stride_vd,
-                    stride_ksb, stride_kst, stride_ksh,
-                    stride_vsb, stride_vst, stride_vsh,
-                    BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                    HAS_SOFTCAP, HAS_WINDOW, MASKED, SAME_KV_STRIDES,
-                )
-            else:
-                m_i, l_i, acc, v_unit = _attend_tile(
-                    start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
-                    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
-                    stride_kb, stride_kt, stride_kh, stride_kd,
-                    stride_vb, stride_vt, stride_vh, stride_vd,
-                    stride_ksb, stride_kst, stride_ksh,
-                    stride_vsb, stride_vst, stride_vsh,
-                    BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-                    HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
-                )
+            m_i, l_i, acc, v_unit = _attend_tile(
+                start, q, row_scale, q_offset, pos, m_i, l_i, acc, v_unit, kv_end, bt_row, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, softcap, window,
+                stride_kb, stride_kt, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vh, stride_vd,
+                stride_ksb, stride_kst, stride_ksh,
+                stride_vsb, stride_vst, stride_vsh,
+                BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
+                HAS_SOFTCAP, HAS_WINDOW, MASKED, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
+            )
     return m_i, l_i, acc, v_unit
 
 
@@ -451,7 +352,7 @@ def _attention_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
     QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, INTERPRETED: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -541,10 +442,7 @@ def _attention_kernel(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    if KEYS_AS_ROWS:
-        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     v_unit = 1.0  # staged V: the scale acc is counted in (acc is zero until the first page)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -575,11 +473,9 @@ def _attention_kernel(
                 stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                 BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
                 HAS_SOFTCAP, HAS_WINDOW, phase != 1, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, STAGED,
-                KEYS_AS_ROWS, INTERPRETED,
+                INTERPRETED,
             )
 
-    if KEYS_AS_ROWS:
-        acc = tl.trans(acc)
     if SCALE_MODE == 1:
         acc = acc * tl.load(vs_ptr)
     if STAGED:
@@ -664,8 +560,6 @@ class AttentionConfig:
     # sequence's later blocks see more keys, and the GPU starts programs in grid order, so the
     # longest run first and the last wave holds short ones.
     longest_first: bool = False
-    # Decode only: transposed dots (_attend_tile_keys_as_rows), keys as the MMA's rows.
-    keys_as_rows: bool = False
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
@@ -750,10 +644,8 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and _code_kind(p) else 16
-    keys_as_rows = min_rows == 1
     if invariant:
-        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, min_rows=min_rows,
-                               keys_as_rows=keys_as_rows)
+        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, min_rows=min_rows)
     programs = p.num_seqs * p.num_kv_heads
     dev = p.query.device.index if p.query.device.type == "cuda" else None
     sms = _num_sms(dev)
@@ -767,7 +659,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
             split_keys = -(-split_keys // block_n) * block_n
-    return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows, keys_as_rows=keys_as_rows)
+    return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows)
 
 
 def staged_prefill_config(p: Attention) -> AttentionConfig:
@@ -918,7 +810,6 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
         SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
-        KEYS_AS_ROWS=cfg.keys_as_rows and per_seq and not p.quantize_query,
         INTERPRETED=_platform.interpreted(),
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
