@@ -516,3 +516,19 @@ def test_staged_prefill_never_reads_workspace_it_did_not_write(monkeypatch):
         shape, float("nan"), dtype=dtype, device=device))
     p = make_problem(**STAGED_BATCHES["mixed"], head_size=64, seed=5)
     check(p, prefill=_staged(p))
+
+
+def test_window_hidden_keys_with_nan_scales_leave_decode_finite():
+    # SPEC 8 allows NaN from a masked read, but the decode tile zeroes hidden keys' weighted
+    # scales on purpose (a poisoned row the window has passed must not end a sequence's output).
+    lens, window = [100, 70], 20
+    clean = make_problem([1, 1], lens, sliding_window=window, head_size=64, seed=3)
+    poisoned = dataclasses.replace(clean, out=torch.full_like(clean.out, float("nan")),
+                                   k_scale_cache=clean.k_scale_cache.clone(), v_scale_cache=clean.v_scale_cache.clone())
+    for s, n in enumerate(lens):
+        hidden = torch.arange(n - window - 16, n - window, device=DEVICE)  # shares a key tile with the window
+        blocks, offsets = poisoned.block_tables[s, hidden // poisoned.block_size].long(), hidden % poisoned.block_size
+        poisoned.k_scale_cache[blocks, offsets] = float("nan")
+        poisoned.v_scale_cache[blocks, offsets] = float("nan")
+    check(clean)
+    assert torch.equal(run(poisoned), clean.out)
