@@ -81,7 +81,7 @@ def _stage_rows(
 
 @triton.jit
 def _stage_kernel(
-    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, gather_lens_ptr, seq_of_slot_ptr,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, seq_of_slot_ptr,
     ws_k_ptr, ws_v_ptr, k_page_scales_ptr, v_page_scales_ptr,
     head_size, page, pages_per_slot,
     s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
@@ -96,15 +96,15 @@ def _stage_kernel(
     head = (tl.program_id(2) // 2).to(tl.int64)
     is_key = tl.program_id(2) % 2 == 0
     seq = tl.load(seq_of_slot_ptr + slot)
-    if seq < 0:
+    if seq < 0:  # a slot no prefill took
         return
-    gather_len = tl.load(gather_lens_ptr + seq)
-    if chunk * ROWS >= gather_len:
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if chunk * ROWS >= seq_len:
         return
     stage_page = chunk // (STAGE // ROWS)
     pos = chunk * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
-    t_ok = pos < gather_len
+    t_ok = pos < seq_len
     mask = t_ok[:, None] & (d < head_size)[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
     block = tl.load(bt_row + pos // page, mask=t_ok, other=0).to(tl.int64)
@@ -112,7 +112,7 @@ def _stage_kernel(
     # Every program of a page reads the page's scales for its largest (from cache: they are
     # 4 bytes a row); only the first stores it.
     page_pos = stage_page * STAGE + tl.arange(0, STAGE)
-    page_ok = page_pos < gather_len
+    page_ok = page_pos < seq_len
     page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
     page_offset = (page_pos % page).to(tl.int64)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
@@ -181,7 +181,6 @@ def staged_problem(p: Attention) -> Attention:
     # ungathered and their table rows clamped: wrong output, never an access out of bounds.
     gathered = prefill & (slot < slots)
     slot = slot.clamp(0, slots - 1)
-    gather_lens = torch.where(gathered, p.seq_lens, torch.zeros_like(p.seq_lens))
     # The gather's grid runs over slots, not sequences: decodes beside a few prefills would
     # each launch a sequence's worth of empty programs. Index `slots` takes the ungathered.
     seq_of_slot = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
@@ -198,7 +197,7 @@ def staged_problem(p: Attention) -> Attention:
     k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)
     no_strides = (0, 0, 0)
     _stage_kernel[(slots, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads * 2)](
-        k_codes, v_codes, k_scales, v_scales, p.block_tables, gather_lens, seq_of_slot, ws_k, ws_v, k_pages, v_pages,
+        k_codes, v_codes, k_scales, v_scales, p.block_tables, p.seq_lens, seq_of_slot, ws_k, ws_v, k_pages, v_pages,
         dim, p.block_size, pages_per_seq, *k_codes.stride(), *v_codes.stride(),
         *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
         p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2), *(k_pages.stride() if per_token_head else (0, 0)),
