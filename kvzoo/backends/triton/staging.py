@@ -48,8 +48,8 @@ GATHER_WARPS = 4
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context. H200, 4096
-# keys of context (bench/staging_sweep.py, two runs): staged/direct 0.93-0.97x at 64 query
-# tokens, 1.16-1.21x at 128, 1.43-1.49x at 4096.
+# keys of context (bench/staging_sweep.py, seven runs over two sessions): staged/direct
+# 0.87-0.97x at 64 query tokens, 1.08-1.21x at 128, 1.37-1.54x at 4096.
 STAGE_MIN_QUERY_LEN = 128
 
 
