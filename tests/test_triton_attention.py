@@ -428,6 +428,27 @@ def test_staged_prefill_with_a_num_prefills_hint():
     assert rel_err(short.out[68:], ref[68:]) > 1e-2  # the prefill that got no workspace
 
 
+@pytest.mark.parametrize("num_slots", [14, 9])  # every prefill; fewer slots than prefills
+def test_slot_kernel_places_prefills_in_batch_order_across_its_loop_steps(num_slots):
+    # 40 sequences in steps of 16: the running count must carry from step to step.
+    staging = _kernels()._staging
+    rng = np.random.default_rng(num_slots)
+    q_lens = rng.choice([1, 1, 2, 7], size=40)
+    q_lens[[0, 15, 16, 39]] = [5, 1, 3, 9]
+    num_prefills = int((q_lens > 1).sum())
+    assert num_prefills >= num_slots
+    pages_per_slot = 3
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
+    seq_of_slot = torch.full((num_slots + 1,), -7, dtype=torch.int32, device=DEVICE)
+    first_page = torch.full((40,), -7, dtype=torch.int32, device=DEVICE)
+    staging._slot_kernel[(1,)](qsl, 40, num_slots, pages_per_slot, seq_of_slot, first_page, BLOCK=16)
+    prefills = np.flatnonzero(q_lens > 1)
+    used = min(num_prefills, num_slots)
+    assert seq_of_slot.cpu().tolist() == prefills[:used].tolist() + [used]
+    slot = np.clip(np.cumsum(q_lens > 1) - 1, 0, num_slots - 1)
+    assert first_page.cpu().tolist() == (slot * pages_per_slot).tolist()
+
+
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor"])
 def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
     # The workspace is a cache of fp16 "codes" with one scale per page: decoded, it must give
@@ -440,7 +461,7 @@ def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
     w = k._staging.staged_problem(p)
     pos = torch.arange(75, device=DEVICE)
     blk, off = p.block_tables[1, pos // p.block_size].long(), pos % p.block_size
-    row = w.block_tables[1, pos // w.block_size].long(), pos % w.block_size
+    row = w.block_tables[1, 0].long() + pos // w.block_size, pos % w.block_size
     for cache, scales, ws, ws_scales in ((p.key_cache, p.k_scale_cache, w.key_cache, w.k_scale_cache),
                                          (p.value_cache, p.v_scale_cache, w.value_cache, w.v_scale_cache)):
         codes = cache[blk, off].to(torch.float64)

@@ -44,6 +44,8 @@ STAGE_PAGE = 128
 # 16 rows on 2 warps and 64 on 4 within 3% of the table's.
 GATHER_ROWS = 32
 GATHER_WARPS = 4
+# Sequences the slot kernel places per step of its loop (one step up to this batch size).
+SLOT_BLOCK = 1024
 # Largest workspace a call may allocate; above it prefill stays direct.
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
@@ -80,6 +82,29 @@ def _stage_rows(
 
 
 @triton.jit
+def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, first_page_ptr, BLOCK: tl.constexpr):
+    """Workspace slots, in batch order, for the sequences with more than one query token.
+    Writes each used slot's sequence, the count of used slots (at index num_slots), and every
+    sequence's first workspace page (a slot's pages are consecutive)."""
+    used = tl.program_id(0) * 0
+    start = used
+    # while, not range(): see the interpreter note in attention_kernels._attend_range.
+    while start < num_seqs:
+        seq = start + tl.arange(0, BLOCK)
+        ok = seq < num_seqs
+        q_len = tl.load(qsl_ptr + seq + 1, mask=ok, other=0) - tl.load(qsl_ptr + seq, mask=ok, other=0)
+        prefill = ok & (q_len > 1)
+        slot = used + tl.cumsum(prefill.to(tl.int32), axis=0) - 1
+        tl.store(seq_of_slot_ptr + slot, seq, mask=prefill & (slot < num_slots))
+        # Decodes, and prefills past a num_prefills hint below the truth (validate=False), get
+        # a clamped slot: wrong output for the latter, never an access out of bounds.
+        tl.store(first_page_ptr + seq, tl.minimum(tl.maximum(slot, 0), num_slots - 1) * pages_per_slot, mask=ok)
+        used += tl.sum(prefill.to(tl.int32), axis=0)
+        start += BLOCK
+    tl.store(seq_of_slot_ptr + num_slots, tl.minimum(used, num_slots))
+
+
+@triton.jit
 def _stage_kernel(
     k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, seq_of_slot_ptr,
     ws_k_ptr, ws_v_ptr, k_page_scales_ptr, v_page_scales_ptr,
@@ -95,9 +120,9 @@ def _stage_kernel(
     chunk = tl.program_id(1)
     head = (tl.program_id(2) // 2).to(tl.int64)
     is_key = tl.program_id(2) % 2 == 0
-    seq = tl.load(seq_of_slot_ptr + slot)
-    if seq < 0:  # a slot no prefill took
+    if slot >= tl.load(seq_of_slot_ptr + tl.num_programs(0)):  # a slot no prefill took
         return
+    seq = tl.load(seq_of_slot_ptr + slot)
     seq_len = tl.load(seq_lens_ptr + seq)
     if chunk * ROWS >= seq_len:
         return
@@ -164,7 +189,9 @@ def worth_staging(p: Attention) -> bool:
 
 def staged_problem(p: Attention) -> Attention:
     """Gathers the prefill sequences' context into a fresh workspace; returns `p` over it.
-    Decode tokens still read the codes, so callers run them on `p`."""
+    Its block_tables hold one column, each sequence's first workspace page: a slot's pages are
+    consecutive, and the STAGED kernel reads nothing else. Decode tokens still read the codes,
+    so callers run them on `p`."""
     shape = workspace_shape(p)
     pages, _, heads, dim = shape
     pages_per_seq = _pages_per_seq(p)
@@ -174,18 +201,13 @@ def staged_problem(p: Attention) -> Attention:
     ws_v = _allocate(shape, torch.float16, device)
     per_token_head = p.mode.per_token_head
     page_scales = _allocate((2, pages, heads), torch.float32, device) if per_token_head else None
-    q_lens = p.query_start_loc[1:] - p.query_start_loc[:-1]
-    prefill = q_lens > 1
-    slot = torch.cumsum(prefill.to(torch.int32), 0, dtype=torch.int32) - 1
-    # A num_prefills hint below the truth (validate=False) leaves the extra sequences
-    # ungathered and their table rows clamped: wrong output, never an access out of bounds.
-    gathered = prefill & (slot < slots)
-    slot = slot.clamp(0, slots - 1)
-    # The gather's grid runs over slots, not sequences: decodes beside a few prefills would
-    # each launch a sequence's worth of empty programs. Index `slots` takes the ungathered.
-    seq_of_slot = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
-    seq_of_slot.scatter_(0, torch.where(gathered, slot, slots).long(),
-                         torch.arange(p.num_seqs, dtype=torch.int32, device=device))
+    # One launch places the prefills (a dozen small torch ops did, each a graph node of its own:
+    # H200, bench/RESULTS.md). The gather's grid runs over slots, not sequences: decodes beside
+    # a few prefills would each launch a sequence's worth of empty programs.
+    seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
+    first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)
+    _slot_kernel[(1,)](p.query_start_loc, p.num_seqs, slots, pages_per_seq, seq_of_slot, first_page,
+                       BLOCK=SLOT_BLOCK, num_warps=4)
     dummy = p.seq_lens
     code = code_of(p.mode)
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
@@ -204,13 +226,12 @@ def staged_problem(p: Attention) -> Attention:
         CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=GATHER_WARPS,
     )
-    table = slot[:, None] * pages_per_seq + torch.arange(pages_per_seq, dtype=torch.int32, device=device)[None, :]
     scales = {}
     if per_token_head:
         # Every key of a page carries the page's scale: a stride-0 view, no copies.
         scales = dict(k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
                       v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads))
-    return dataclasses.replace(p, key_cache=ws_k, value_cache=ws_v, block_tables=table, **scales)
+    return dataclasses.replace(p, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales)
 
 
 __all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "stageable", "staged_problem", "workspace_bytes", "workspace_shape",
