@@ -174,7 +174,7 @@ def main():
             p = make(seqs, 1 if decode else length, length, mode, quantize_query=qq)
             table = K.decode_config(p, False) if decode else K.prefill_config(p)
             for cfg in cfgs:
-                cfg = cfg or table
+                cfg = dataclasses.replace(table, **cfg) if isinstance(cfg, dict) else cfg or table
                 if decode and cfg.split_keys == 0 and table.split_keys:
                     cfg = dataclasses.replace(cfg, split_keys=-(-table.split_keys // cfg.block_n) * cfg.block_n)
                 elif cfg.split_keys < 0:

@@ -1,7 +1,7 @@
 """Staged against direct quantized prefill on the GPU, by query tokens per sequence: where
 staging starts to pay (staging.STAGE_MIN_QUERY_LEN) and what its gather pass costs.
 
-    python3 bench/staging_sweep.py
+    python3 bench/staging_sweep.py [SEQSxQUERY ...]
 
 Every row checks the output against float64 attention first, then times CUDA-graph replays
 (median, triton.testing.do_bench_cudagraph) of: the direct kernel on the codes, the staged run
@@ -49,11 +49,15 @@ def timed(fn) -> float:
 
 
 def main() -> None:
+    # Optional: only these shapes, e.g. `python3 bench/staging_sweep.py 8x1024 4x4096`.
+    wanted = sys.argv[1:] or [f"{seqs}x{q}" for seqs, q in SHAPES]
     copy_bw, _ = ceilings()
     print(f"copy ceiling {copy_bw:.0f} GB/s; context {CONTEXT}; times in us (CUDA-graph medians)")
     print(f"{'mode':6} {'seqs x q':>10} {'direct':>9} {'staged':>9} {'gather':>8} {'gather GB/s':>11} "
           f"{'attend':>9} {'bf16':>9} {'staged/direct':>13} {'staged/bf16':>11} {'err direct':>10} {'err staged':>10}")
     for seqs, q in SHAPES:
+        if f"{seqs}x{q}" not in wanted:
+            continue
         bf16 = make(seqs, q, CONTEXT, "none", seed=q)
         t_bf16 = timed(lambda bf16=bf16: K.run(bf16, "cuda"))
         for mode in MODES:
