@@ -7,7 +7,10 @@
 3. Times with CUDA events, median over repetitions. Each timed unit runs the op once on each of
    several input sets (different tensors, together larger than L2) so caches do not flatter;
    the unit is captured in a CUDA graph when possible (kernel time without Python overhead;
-   "eager" in the table when capture failed). Reported time is per call.
+   "eager" in the table when capture failed). Reported time is per call. The quantized
+   decode rows also depend on how long the GPU has been busy before them: under sustained load
+   the board's power cap lowers the SM clock, which slows them and not the bf16 rows
+   (bench/sustained.py measures both ends).
 4. Prints one table: case, time, GB/s or TFLOP/s, % of the measured ceiling, and the ratio of
    each alternative's time to kvzoo's (> 1: kvzoo is faster).
 
