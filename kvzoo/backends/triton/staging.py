@@ -39,9 +39,9 @@ from .write_kernels import code_of
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
 # Rows of a page one gather program converts (of K or of V), and its warps. H200, int8, 4096
-# keys of context (bench/staging_sweep.py, two calls): 4 x 4096 in 51.7-56.9 us against
-# 66.5-72.2 for one program per 128-row page, 16 x 128 in 143.7-151.5 against 197.9-203.7;
-# 16 rows on 2 warps and 64 on 4 within 3% of the table's.
+# keys of context (bench/staging_sweep.py, three calls of the sixth session): 4 x 4096 in
+# 32.5-32.7 us against 46.0-46.3 for one program per 128-row page, 16 x 128 in 125.7 against
+# 178.1; 16 rows on 2 warps and 64 on 4 within 6% of the table's either way (int8 and fp8).
 GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Sequences the slot kernel places per step of its loop (one step up to this batch size).
@@ -50,7 +50,7 @@ SLOT_BLOCK = 1024
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context. H200, 4096
-# keys of context (bench/staging_sweep.py, seven runs over two sessions): staged/direct
+# keys of context (bench/staging_sweep.py, eight runs over three sessions): staged/direct
 # 0.87-0.97x at 64 query tokens, 1.08-1.21x at 128, 1.37-1.54x at 4096.
 STAGE_MIN_QUERY_LEN = 128
 
