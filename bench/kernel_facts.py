@@ -55,8 +55,8 @@ def R(block_n, warps, stages, split_keys=0):
     return C(1, block_n, warps, stages, split_keys, min_rows=1)
 
 # Sweeps: (kind, num_seqs, length, mode, quantize_query, configs); a config may be None (the
-# table's) or a dict of changes to the table's. Decode configs get the
-# table's split count re-rounded to their block_n unless they set split_keys themselves (-1).
+# table's) or a dict of changes to the table's. Decode configs get the table's split count
+# re-rounded to their block_n unless they set split_keys themselves (-1).
 SWEEPS = {
     # 1: register caps, smaller key tiles, warps (2026-11-30 run 2, bench/RESULTS.md).
     "1": [
