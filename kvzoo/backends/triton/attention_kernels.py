@@ -569,6 +569,8 @@ class AttentionConfig:
 # Decode: (block_n, num_warps, num_stages); one query token x the group's heads per tile.
 # Quantized decode is bound by the latency of each tile's dependent chain (conversion, two
 # dots, softmax), not by bytes: small tiles on one or two warps keep more programs resident.
+# So it slows with the SM clock, which the board's power cap lowers under sustained load
+# (H200: 91% of the copy ceiling at full clock, 77% under the cap; bench/sustained.py).
 # Their 5 stages are what gives the K/V copies two buffers: the page lookup takes a stage of
 # its own, and below 5 Triton 3.6 keeps one buffer and waits for each copy right after issuing
 # it (2026-11-30, bench/kernel_facts.py sweep 5: int8 703 -> 665 us, fp8 748 -> 675 us at
