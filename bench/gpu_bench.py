@@ -61,8 +61,9 @@ SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "f
          "fp8_per_token_head" + DIRECT: "fp8 direct"}
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
-# Seconds of untimed replays before each timing: the SM clock ramps up from idle over a few
-# milliseconds, and a short timing right after a quiet stretch (the write cases) catches it low.
+# Seconds of untimed replays before each timing. Each kvzoo row's host-side check leaves the
+# GPU idle for a moment, and timing straight after it ran slow (H200, same call: bf16 decode
+# 64 x 4096 268.7 us against 244.5 with the warm-up; bench/RESULTS.md, sixth session).
 WARM_S = 0.2
 MAX_SETS = 8
 ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw query, also for +qq)
