@@ -386,7 +386,7 @@ def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
 
 
 # ----------------------------------------------------------------------------------------
-# Staged prefill (staging.py): quantized context dequantized into a bf16 workspace.
+# Staged prefill (staging.py): quantized context converted once into a workspace of fp16 operands.
 
 STAGED_BATCHES = {
     # prompts only; chunks on context beside decodes; a window, softcap and sinks; ...
@@ -481,6 +481,18 @@ def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
         assert (w.k_scale_cache[1:, 0] == -1.0).all(), "scales of pages no prefill owns were written"
 
 
+def test_conformance_long_batches_reach_the_staged_path():
+    # The shared suite's "long" batches are what checks staged prefill on every Triton platform;
+    # raising STAGE_MIN_QUERY_LEN past their prompts would leave it unchecked without a failure.
+    from kvzoo.conformance.cases import AttentionCase
+    from kvzoo.conformance.checks import _batch
+
+    least = _kernels()._staging.STAGE_MIN_QUERY_LEN
+    for seed in range(50):
+        q_lens, _ = _batch(AttentionCase(mode="int8_per_token_head", batch="long"), np.random.default_rng(seed))
+        assert q_lens.max() >= least, (seed, q_lens)
+
+
 def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
     k = _kernels()
     least = k._staging.STAGE_MIN_QUERY_LEN
@@ -539,7 +551,7 @@ def test_staged_prefill_never_reads_workspace_it_did_not_write(monkeypatch):
     check(p, prefill=_staged(p))
 
 
-def test_window_hidden_keys_with_nan_scales_leave_decode_finite():
+def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():
     # SPEC 8 allows NaN from a masked read, but the decode tile zeroes hidden keys' weighted
     # scales on purpose (a poisoned row the window has passed must not end a sequence's output).
     lens, window = [100, 70], 20
