@@ -131,6 +131,14 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
+def _warm(step) -> None:
+    """Runs step (synchronised) for WARM_S seconds, untimed."""
+    until = time.perf_counter() + WARM_S
+    while time.perf_counter() < until:
+        step()
+        sync()
+
+
 def measure(run_set, n_sets: int, reps: int, graph: bool = True) -> tuple[float, str]:
     """Median seconds per call of run_set(i), i cycling over n_sets input sets."""
     for i in range(n_sets):  # compile, autotune, allocator warm-up
@@ -157,10 +165,7 @@ def measure(run_set, n_sets: int, reps: int, graph: bool = True) -> tuple[float,
                     run_set(i)
             g.replay()
             torch.cuda.synchronize()
-            warm_until = time.perf_counter() + WARM_S
-            while time.perf_counter() < warm_until:
-                g.replay()
-                torch.cuda.synchronize()
+            _warm(g.replay)
             times = []
             for _ in range(reps):
                 a, b = _events()
@@ -173,10 +178,7 @@ def measure(run_set, n_sets: int, reps: int, graph: bool = True) -> tuple[float,
         except Exception:  # not capturable (host sync inside): fall back to eager launches
             torch.cuda.synchronize()
             free()
-    warm_until = time.perf_counter() + WARM_S
-    while time.perf_counter() < warm_until:
-        run_set(0)
-        sync()
+    _warm(lambda: run_set(0))
     times = []
     for r in range(reps * n_sets):
         a, b = _events()

@@ -76,7 +76,9 @@ def meta_staged(p: Attention) -> Attention:
     if p.mode.per_token_head:
         page_scale = torch.empty((shape[0], 1, shape[2]), dtype=torch.float32, device="meta").expand(shape[:3])
         scales = dict(k_scale_cache=page_scale, v_scale_cache=page_scale)
-    table = torch.empty((p.num_seqs, -(-p.max_seq_len // staging.STAGE_PAGE)), dtype=torch.int32, device="meta")
+    # One column, each sequence's first page, as staged_problem builds it (its stride of 1 is
+    # specialised by Triton, so the shape matters for what compiles).
+    table = torch.empty((p.num_seqs, 1), dtype=torch.int32, device="meta")
     return dataclasses.replace(p, key_cache=cache, value_cache=cache, block_tables=table, **scales)
 
 

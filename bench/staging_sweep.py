@@ -79,7 +79,9 @@ def main() -> None:
             t_attend = timed(lambda w=w, cfg=staged_cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
             keys = seqs * CONTEXT * p.num_kv_heads * p.head_size * 2  # K and V elements
             scale_bytes = seqs * CONTEXT * p.num_kv_heads * 4 * 3 if p.k_scale_cache is not None else 0
-            gather_bytes = keys * (1 + 2) + scale_bytes  # codes in, bf16 out; 2 scales in, 1 out
+            # Codes in, fp16 out; K and V scales in, plus one counted out per row (an upper bound:
+            # a page scale is written once per 128 rows).
+            gather_bytes = keys * (1 + 2) + scale_bytes
             print(f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
                   f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
                   f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}")
