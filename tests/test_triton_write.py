@@ -335,6 +335,36 @@ def test_fused_qkv_views_into_inline_pages():
 
 
 @needs_gpu
+@pytest.mark.parametrize("mode", ["fp8_per_token_head", "int8_per_token_head"])
+def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
+    """Past FP8_ONE_WARP_TOKENS fp8 writes launch on one warp (write_kernels._write_warps): a
+    batch that large, bf16 rows into random slots of a paged cache, gives the NumPy
+    reference's bytes in every block, the unwritten ones left as poisoned."""
+    from kvzoo.backends.triton import write_kernels
+
+    tokens, heads, head_size, block_size = write_kernels.FP8_ONE_WARP_TOKENS + 3, 8, 128, 16
+    code = write_kernels.code_of(MODES[mode])
+    assert write_kernels._write_warps(heads * head_size, code, tokens) == (1 if mode.startswith("fp8") else 2)
+    num_blocks = 2 * -(-tokens // block_size)
+    gen = torch.Generator().manual_seed(tokens)
+    key = (torch.randn(tokens, heads, head_size, generator=gen) * 3).to(torch.bfloat16)
+    value = (torch.randn(tokens, heads, head_size, generator=gen) * 3).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    caches = []
+    for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
+        c = kvzoo.allocate_separate(num_blocks, block_size, heads, head_size, mode, model_dtype="bfloat16",
+                                    device=device)
+        tensors = (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)
+        for t in tensors:
+            t.view(torch.uint8).fill_(0x55)
+        kvzoo.reshape_and_cache(key.to(device), value.to(device), c.key_cache, c.value_cache, slots.to(device),
+                                mode=mode, k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl)
+        caches.append([t.cpu().view(torch.uint8) for t in tensors])
+    for got, want in zip(*caches):
+        assert torch.equal(got, want)
+
+
+@needs_gpu
 @pytest.mark.parametrize("mode", ["none", "int8_per_token_head"])
 def test_cache_over_4gib(mode):
     """A slot whose byte offset is past 2**32 (element offset past 2**31 for bf16) is written

@@ -348,9 +348,19 @@ def _num_warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
 
 
-def _write_warps(elements: int, code: int) -> int:
+# From this many tokens fp8 writes run one warp per program. Their encode issues more
+# instructions per code than int8's, and once the grid is many waves deep the issue rate
+# decides (H200, 2026-11-30, one warp against two, bench/RESULTS.md: 32768 tokens 53.0 against
+# 55.4 us, 16384 28.8 against 29.5); below it the shorter chain of two warps wins (8192: 16.3
+# against 16.1 us, 4096: 9.9 against 9.3). int8 timed the same or slower on one warp.
+FP8_ONE_WARP_TOKENS = 16384
+
+
+def _write_warps(elements: int, code: int, num_tokens: int) -> int:
     # A quantizing program spends per-warp instructions on the slot, addresses and each row's
     # scale; half the warps (16 codes a thread, one 16-byte store) issue fewer per token.
+    if code not in (CODE_COPY, CODE_INT8) and num_tokens >= FP8_ONE_WARP_TOKENS:
+        return 1
     return _num_warps(elements if code == CODE_COPY else elements // 2)
 
 
@@ -425,7 +435,7 @@ def reshape_and_cache(p, scale_floor: float) -> None:
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         EVEN_D=(block_d == head_size),
-        num_warps=_write_warps(block_h * block_d, code),
+        num_warps=_write_warps(block_h * block_d, code, num_tokens),
         enable_fp_fusion=False,
     )
 
