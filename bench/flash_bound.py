@@ -50,7 +50,7 @@ def _tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start, rows, logit_scale,
 @triton.jit
 def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, logit_scale,
                   LENGTH: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTED_Q: tl.constexpr):
     # Longest query blocks first: under the causal mask later blocks see more keys.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -61,6 +61,11 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, logit_scale,
     q_base = bh.to(tl.int64) * LENGTH * HEAD_D
     kv_base = kv.to(tl.int64) * LENGTH * HEAD_D
     q = tl.load(q_ptr + q_base + rows[:, None] * HEAD_D + d[None, :])
+    if COMPUTED_Q:
+        # An exact product, so only the operand's path changes: Triton keeps a computed A
+        # operand in registers and reloads it from shared memory on every key tile.
+        q = (q.to(tl.float32) * 2.0).to(q_ptr.dtype.element_ty)
+        logit_scale = logit_scale * 0.5
     k_ptrs = k_ptr + kv_base + n[None, :] * HEAD_D + d[:, None]  # K^T tile [HEAD_D, BLOCK_N]
     v_ptrs = v_ptr + kv_base + n[:, None] * HEAD_D + d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -74,15 +79,18 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, logit_scale,
     tl.store(o_ptr + q_base + rows[:, None] * HEAD_D + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
-def flash(q, k, v, out, block_m, block_n, warps, stages):
+def flash(q, k, v, out, block_m, block_n, warps, stages, computed_q=False):
     batch, heads, length, head_d = q.shape
     grid = (length // block_m, batch * heads)
     _flash_kernel[grid](q, k, v, out, head_d**-0.5 * 1.4426950408889634, LENGTH=length, NUM_Q_HEADS=heads,
                         GROUP=heads // k.shape[1], HEAD_D=head_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                        num_warps=warps, num_stages=stages)
+                        COMPUTED_Q=computed_q, num_warps=warps, num_stages=stages)
 
 
-CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)]
+# (block_m, block_n, warps, stages[, computed q]): the last row is the first with q computed
+# in the kernel (as kvzoo's prefill did with its fp16 rescale before staging the query).
+CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3),
+           (128, 128, 8, 3, True)]
 
 
 def main() -> None:

@@ -68,8 +68,9 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
     )
 
 
-def meta_staged(p: Attention) -> Attention:
-    """`p` over staging.py's workspace (fp16 codes, page scales as stride-0 views), in meta tensors."""
+def meta_staged(p: Attention) -> staging.Staged:
+    """`p` over staging.py's workspace (fp16 codes, page scales as stride-0 views, the fp16
+    query and its row factors), in meta tensors."""
     shape = staging.workspace_shape(p)
     cache = torch.empty(shape, dtype=torch.float16, device="meta")
     scales = {}
@@ -79,7 +80,10 @@ def meta_staged(p: Attention) -> Attention:
     # One column, each sequence's first page, as staged_problem builds it (its stride of 1 is
     # specialised by Triton, so the shape matters for what compiles).
     table = torch.empty((p.num_seqs, 1), dtype=torch.int32, device="meta")
-    return dataclasses.replace(p, key_cache=cache, value_cache=cache, block_tables=table, **scales)
+    query = torch.empty(p.query.shape, dtype=torch.float16, device="meta")
+    q_undo = torch.empty(p.query.shape[:2], dtype=torch.float32, device="meta")
+    return staging.Staged(dataclasses.replace(p, query=query, key_cache=cache, value_cache=cache, block_tables=table,
+                                              **scales), q_undo)
 
 
 def compile_call(call: K.KernelCall):
@@ -155,8 +159,8 @@ def main() -> None:
         if cfg.stage_kv:  # and the direct kernel it replaced
             variants.append((K.direct_prefill_config(p), True))
         for c, shared in variants:
-            target = meta_staged(p) if c.stage_kv else p
-            call = K.kernel_call(target, "cuda", c, per_seq=decode, skip_decode=c.stage_kv)
+            target, q_undo = meta_staged(p) if c.stage_kv else (p, None)
+            call = K.kernel_call(target, "cuda", c, per_seq=decode, skip_decode=c.stage_kv, q_undo=q_undo)
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "

@@ -75,13 +75,17 @@ def main() -> None:
             t_direct = timed(lambda p=p, cfg=direct_cfg: K.run(p, "cuda", prefill=cfg))
             t_staged = timed(lambda p=p, cfg=staged_cfg: K.run(p, "cuda", prefill=cfg))
             t_gather = timed(lambda p=p: staging.staged_problem(p))
-            w = staging.staged_problem(p)
-            t_attend = timed(lambda w=w, cfg=staged_cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
+            staged = staging.staged_problem(p)
+            w, undo = staged
+            t_attend = timed(lambda w=w, cfg=staged_cfg, undo=undo: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True,
+                                                                  q_undo=undo))
             keys = seqs * CONTEXT * p.num_kv_heads * p.head_size * 2  # K and V elements
             scale_bytes = seqs * CONTEXT * p.num_kv_heads * 4 * 3 if p.k_scale_cache is not None else 0
             # Codes in, fp16 out; K and V scales in, plus one counted out per row (an upper bound:
-            # a page scale is written once per 128 rows).
-            gather_bytes = keys * (1 + 2) + scale_bytes
+            # a page scale is written once per 128 rows); the query in bf16, out in fp16 with
+            # one fp32 factor a row.
+            query_rows = seqs * q * p.num_q_heads
+            gather_bytes = keys * (1 + 2) + scale_bytes + query_rows * (p.head_size * (2 + 2) + 4)
             print(f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
                   f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
                   f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}")
@@ -89,15 +93,17 @@ def main() -> None:
                 for label, change in VARIANTS.items():
                     cfg = dataclasses.replace(staged_cfg, **change)
                     w.out.fill_(float("nan"))
-                    K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True)
+                    K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True, q_undo=undo)
                     e = err(p, last)  # w shares p.out; ref_seq decodes p's cache
-                    t = timed(lambda w=w, cfg=cfg: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True))
+                    t = timed(lambda w=w, cfg=cfg, undo=undo: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True,
+                                                             q_undo=undo))
                     print(f"       attend on the workspace, {label:28}: {t:9.1f} us (table {t_attend:.1f}), err {e:.1e}")
             if q >= staging.STAGE_MIN_QUERY_LEN:
                 table = staging.GATHER_ROWS, staging.GATHER_WARPS
                 for staging.GATHER_ROWS, staging.GATHER_WARPS in GATHER_VARIANTS:
                     p.out.fill_(float("nan"))
-                    K._launch(staging.staged_problem(p), "cuda", staged_cfg, per_seq=False, skip_decode=True)
+                    again = staging.staged_problem(p)
+                    K._launch(again.problem, "cuda", staged_cfg, per_seq=False, skip_decode=True, q_undo=again.q_undo)
                     e = err(p, last)
                     t = timed(lambda p=p: staging.staged_problem(p))
                     print(f"       gather, {staging.GATHER_ROWS:3d} rows {staging.GATHER_WARPS} warps a program: "

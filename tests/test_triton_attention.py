@@ -419,7 +419,10 @@ def test_staged_prefill_with_a_num_prefills_hint():
     k = _kernels()
     q_lens, lens = [1, 66, 1, 70], [150, 200, 17, 100]
     exact = dataclasses.replace(make_problem(q_lens, lens), num_prefills=2)
-    assert k._staging.workspace_bytes(exact) * 2 == k._staging.workspace_bytes(dataclasses.replace(exact, num_prefills=None))
+    # K/V slots scale with the count; the fp16 query and its row factors cover every token.
+    query_bytes = exact.query.shape[0] * exact.num_q_heads * (2 * exact.head_size + 4)
+    unhinted = dataclasses.replace(exact, num_prefills=None)
+    assert (k._staging.workspace_bytes(exact) - query_bytes) * 2 == k._staging.workspace_bytes(unhinted) - query_bytes
     check(exact, prefill=_staged(exact))
     short = dataclasses.replace(make_problem(q_lens, lens), num_prefills=1)
     run(short, prefill=_staged(short))
@@ -449,6 +452,32 @@ def test_slot_kernel_places_prefills_in_batch_order_across_its_loop_steps(num_sl
     assert first_page.cpu().tolist() == (slot * pages_per_slot).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype, monkeypatch):
+    # The query rows staged in fp16 (rows of any magnitude its dtype holds, and a zero row)
+    # times their power-of-two undo factors: exactly the query for bf16 and fp16 rows, the
+    # query to fp16's precision for fp32 rows. Every row and factor is written.
+    k = _kernels()
+    monkeypatch.setattr(k._staging, "_allocate", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+    p = make_problem([3, 40, 1], [30, 75, 20], dtype=dtype, head_size=48, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    span = 4.0 if dtype == torch.float16 else 30.0
+    magnitudes = 10.0 ** (torch.rand(p.query.shape[:2], generator=gen, dtype=torch.float64) * 2 * span - span)
+    query = (p.query.double() * magnitudes[..., None].to(p.query.device)).to(dtype)
+    query[1, 2] = 0.0
+    p = dataclasses.replace(p, query=query)
+    staged = k._staging.staged_problem(p)
+    undo = staged.q_undo.double()
+    assert torch.equal(torch.exp2(torch.log2(undo).round()), undo), "undo factors are powers of two"
+    back = staged.problem.query.double() * undo[..., None]
+    assert staged.problem.query.abs().max() < 2.0**15
+    if dtype == torch.float32:
+        assert torch.allclose(back, query.double(), rtol=2.0**-11, atol=0)
+    else:
+        assert torch.equal(back, query.double())
+
+
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor"])
 def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
     # The workspace is a cache of fp16 "codes" with one scale per page: decoded, it must give
@@ -458,7 +487,7 @@ def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
     monkeypatch.setattr(k._staging, "_allocate", lambda shape, dtype, device: torch.full(
         shape, poison[dtype], dtype=dtype, device=device))
     p = make_problem([1, 40, 1], [30, 75, 50], mode=mode, head_size=48)
-    w = k._staging.staged_problem(p)
+    w = k._staging.staged_problem(p).problem
     pos = torch.arange(75, device=DEVICE)
     blk, off = p.block_tables[1, pos // p.block_size].long(), pos % p.block_size
     row = w.block_tables[1, 0].long() + pos // w.block_size, pos % w.block_size

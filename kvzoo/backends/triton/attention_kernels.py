@@ -19,8 +19,8 @@ max_query_len / max_seq_len), so a decode step can be captured in a CUDA graph, 
 uses atomics, so results are identical run to run.
 
 Prefill on a quantized cache with long query runs is staged (staging.py): the codes are
-converted once per key into a workspace of fp16 operands, which the same kernel streams with
-STAGED set.
+converted once per key into a workspace of fp16 operands, and the query rows into fp16 once per
+row, which the same kernel streams with STAGED and Q_STAGED set.
 """
 
 from __future__ import annotations
@@ -183,14 +183,24 @@ def _attend_tile(
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
     if STAGED:
-        # The workspace gives each sequence consecutive pages (staging.py) and a tile never
-        # spans two: one page (and one K and V scale) per tile, found without a lookup per key.
-        page = tl.load(bt_row).to(tl.int64) + start // PAGE
+        # The workspace gives each sequence consecutive pages of one contiguous buffer
+        # (staging.py), so its keys sit at one stride: a tile's addresses are one scalar plus
+        # offsets the compiler hoists out of the loop (a page lookup per key cost ~70 more
+        # instructions per tile, sm_90a). A tile never spans two pages: one K and V scale per
+        # tile. With the query staged too, int8 4 x 4096 went from 1510-1513 to 1449-1452 us on
+        # the H200; either change alone was slower (1525-1538 and 1618-1620 us), the compiler
+        # scheduling each differently (bench/RESULTS.md, seventh session).
+        tl.static_assert(SAME_KV_STRIDES, "the staged K and V workspaces share one layout")
+        first_page = tl.load(bt_row).to(tl.int64)
+        page = first_page + start // PAGE
+        tile_off = first_page * stride_kb + start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        in_tile = tl.arange(0, BLOCK_N)[:, None] * stride_kt + d[None, :] * stride_kd
+        kc = _load_rows(k_ptr + tile_off + in_tile, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     else:
         page = _load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-    in_page = keys % PAGE
-    k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
-    kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+        in_page = keys % PAGE
+        k_row = page * stride_kb + in_page * stride_kt + kv_head * stride_kh
+        kc = _load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if SCALE_MODE == 2 and not STAGED:
         ks = _load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh,
                         key_ok, MASKED)
@@ -236,7 +246,9 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     m_i = m_new
 
-    if SAME_KV_STRIDES:
+    if STAGED:
+        vc = _load_rows(v_ptr + tile_off + in_tile, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    elif SAME_KV_STRIDES:
         # V (and its scales) sit at K's offsets: one address computation serves both.
         vc = _load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     else:
@@ -335,7 +347,7 @@ def _attend_range(
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr, q_undo_ptr,
     num_seqs, softmax_scale, softcap, window, split_keys, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -348,7 +360,7 @@ def _attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr, Q_STAGED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
     QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
@@ -395,7 +407,7 @@ def _attention_kernel(
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(tl.float32)
+    )
     # Logit scale per row in log2 units (exp2 below); softcap needs natural units first.
     if HAS_SOFTCAP:
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * softmax_scale
@@ -403,22 +415,25 @@ def _attention_kernel(
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (softmax_scale * 1.4426950408889634)
     if SCALE_MODE == 1:
         row_scale = row_scale * tl.load(ks_ptr)
-    if Q_RESCALE:
-        # Power-of-two factor putting each row's absmax in [2^14, 2^15): the fp16 cast keeps
-        # every bf16 bit and cannot overflow. Undone exactly in row_scale.
-        amax = tl.max(tl.abs(q), axis=1)
-        expo = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        k = tl.minimum(tl.maximum(141 - expo, -100), 100)
-        factor = ((127 + k) << 23).to(tl.float32, bitcast=True)
-        q = q * factor[:, None]
-        row_scale = row_scale * ((127 - k) << 23).to(tl.float32, bitcast=True)
-    if QK_INT8:
-        # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
-        q_scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), 127.0, SCALE_FLOOR)
-        q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], 1, 0, False).to(tl.int8)
-        row_scale = row_scale * q_scale
+    if Q_STAGED:
+        # staging.py rescaled the rows into fp16 already: q meets the dot as loaded, which lets
+        # Triton keep it in shared memory for wgmma. A computed operand stays in registers and
+        # is reloaded from shared memory on every key tile (sm_90a), with a barrier more.
+        row_scale = row_scale * tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
     else:
-        q = q.to(DOT_DTYPE)
+        q = q.to(tl.float32)
+        if Q_RESCALE:
+            # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow.
+            factor, undo = _encode.fp16_row_factors(tl.max(tl.abs(q), axis=1))
+            q = q * factor[:, None]
+            row_scale = row_scale * undo
+        if QK_INT8:
+            # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
+            q_scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), 127.0, SCALE_FLOOR)
+            q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], 1, 0, False).to(tl.int8)
+            row_scale = row_scale * q_scale
+        else:
+            q = q.to(DOT_DTYPE)
     # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
     q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
 
@@ -758,7 +773,10 @@ class KernelCall:
     merge: tuple | None
 
 
-def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
+def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool,
+                q_undo: torch.Tensor | None = None) -> KernelCall:
+    """The launch of `p` under `cfg`. q_undo: the query is staging.py's fp16 rows, and these
+    factors undo their rescaling (staged prefill)."""
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
@@ -797,7 +815,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         p.query, k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
         p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
-        num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
+        q_undo if q_undo is not None else dummy, num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
         max(cfg.split_keys, 1), num_splits,
         *p.query.stride(), *p.out.stride(), *k.stride(), *v.stride(), *kss, *vss,
         p.block_tables.stride(0),
@@ -807,7 +825,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         BLOCK_Q=cfg.block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
         SCALE_MODE=scale_mode, CODE_CONVERT=convert, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        Q_RESCALE=q_rescale, HAS_SOFTCAP=p.softcap is not None,
+        Q_RESCALE=q_rescale, Q_STAGED=q_undo is not None, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
@@ -820,9 +838,10 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, merge)
 
 
-def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool):
+def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool,
+            q_undo: torch.Tensor | None = None):
     """Launches the attention kernel (and the split merge); returns the compiled attention kernel."""
-    call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+    call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, q_undo=q_undo)
     kernel = _attention_kernel[call.grid](*call.args, **call.constexprs, **call.options)
     if call.merge is not None:
         grid, args, constexprs = call.merge
@@ -855,4 +874,5 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
         if p.num_prefills is None or p.num_prefills < p.num_seqs:
             # Decode tokens read the codes directly: staging their context would only add bytes.
             _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
-        _launch(_staging.staged_problem(p), platform, cfg, per_seq=False, skip_decode=True)
+        staged = _staging.staged_problem(p)
+        _launch(staged.problem, platform, cfg, per_seq=False, skip_decode=True, q_undo=staged.q_undo)

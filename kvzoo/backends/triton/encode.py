@@ -83,6 +83,16 @@ def row_scale(absmax_bits, QMAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def fp16_row_factors(amax):
+    """Powers of two (factor, undo) per row for a row of absmax `amax` (float32): x * factor
+    puts the row's absmax in [2^14, 2^15), so its fp16 cast keeps every bf16 bit and cannot
+    overflow, and factor * undo == 1 exactly (exponents clamped to +-100: both stay normal)."""
+    expo = (float_bits(amax) >> 23) & 0xFF
+    k = tl.minimum(tl.maximum(141 - expo, -100), 100)
+    return bits_float((127 + k) << 23), bits_float((127 - k) << 23)
+
+
+@triton.jit
 def reciprocal(scale):
     """1 / scale, correctly rounded (+Inf -> 0, NaN -> NaN)."""
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)

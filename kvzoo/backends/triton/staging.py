@@ -10,7 +10,9 @@ scale is constant over each page of STAGE_PAGE keys, so the attention kernel str
 bf16 cache and applies one scale per key tile (STAGED).
 
 The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 the same way,
-the query rescaled into fp16 the same way. Rounding to bf16 instead (an earlier version) added
+the query rescaled into fp16 the same way (here by _stage_query_kernel, once per row: a query
+the kernel computes itself stays a register operand, reloaded from shared memory on every key
+tile, while rows it loads as they are go to wgmma from shared memory). Rounding to bf16 instead (an earlier version) added
 a logit error that grows with the logit: 7e-3 against 2e-3 on the H200 benchmark's fp8 data.
 One difference in range: the kernel counts its fp32 accumulator in units of the current page's
 V scale (a factor per row when the page changes, not a product per element), so a sequence
@@ -26,6 +28,7 @@ can be captured in a CUDA graph. Configs stage only under STAGE_MAX_BYTES.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,7 +36,7 @@ import triton.language as tl
 
 from ...problem import Attention
 from . import platform as _platform
-from .encode import decode_codes
+from .encode import decode_codes, fp16_row_factors
 from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
@@ -155,6 +158,23 @@ def _stage_kernel(
                     CODE, HW_CONVERT, PER_TOKEN_HEAD)
 
 
+@triton.jit
+def _stage_query_kernel(q_ptr, ws_ptr, undo_ptr, num_heads, head_size, s_qt, s_qh, s_qd,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's query rows, rescaled by powers of two into fp16 (exact for bf16 and fp16
+    rows); the attention multiplies each row's logits by the row's undo factor."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < num_heads
+    mask = h_ok[:, None] & (d < head_size)[None, :]
+    q = tl.load(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, mask=mask, other=0.0).to(tl.float32)
+    factor, undo = fp16_row_factors(tl.max(tl.abs(q), axis=1))
+    row = token * num_heads + h
+    tl.store(ws_ptr + row[:, None] * head_size + d[None, :], (q * factor[:, None]).to(tl.float16), mask=mask)
+    tl.store(undo_ptr + row, undo, mask=h_ok)
+
+
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     # One seam for the workspace's memory (tests poison it to see what the gather writes).
     return torch.empty(shape, dtype=dtype, device=device)
@@ -172,9 +192,11 @@ def workspace_shape(p: Attention) -> tuple[int, int, int, int]:
 
 
 def workspace_bytes(p: Attention) -> int:
-    """Bytes a staged run of `p` allocates: fp16 K and V (+ fp32 page scales)."""
+    """Bytes a staged run of `p` allocates: fp16 K and V (+ fp32 page scales), and the fp16
+    query with an fp32 factor per row."""
     pages, page, heads, dim = workspace_shape(p)
-    return pages * heads * (page * 2 * 2 * dim + (2 * 4 if p.mode.per_token_head else 0))
+    query_rows = p.query.shape[0] * p.num_q_heads
+    return pages * heads * (page * 2 * 2 * dim + (2 * 4 if p.mode.per_token_head else 0)) + query_rows * (2 * dim + 4)
 
 
 def stageable(p: Attention) -> bool:
@@ -187,11 +209,19 @@ def worth_staging(p: Attention) -> bool:
     return stageable(p) and p.max_query_len >= STAGE_MIN_QUERY_LEN and workspace_bytes(p) <= STAGE_MAX_BYTES
 
 
-def staged_problem(p: Attention) -> Attention:
-    """Gathers the prefill sequences' context into a fresh workspace; returns `p` over it.
-    Its block_tables hold one column, each sequence's first workspace page: a slot's pages are
-    consecutive, and the STAGED kernel reads nothing else. Decode tokens still read the codes,
-    so callers run them on `p`."""
+class Staged(NamedTuple):
+    """A staged run: `problem` is `p` over the workspace, whose query is the fp16 rows of
+    _stage_query_kernel; `q_undo` [tokens, num_q_heads] undoes their factors in the logits."""
+
+    problem: Attention
+    q_undo: torch.Tensor
+
+
+def staged_problem(p: Attention) -> Staged:
+    """Gathers the prefill sequences' context into a fresh workspace, and the query into fp16.
+    The problem's block_tables hold one column, each sequence's first workspace page: a slot's
+    pages are consecutive, and the STAGED kernel reads nothing else. Decode tokens still read
+    the codes, so callers run them on `p`."""
     shape = workspace_shape(p)
     pages, _, heads, dim = shape
     pages_per_seq = _pages_per_seq(p)
@@ -232,8 +262,16 @@ def staged_problem(p: Attention) -> Attention:
         # Every key of a page carries the page's scale: a stride-0 view, no copies.
         scales = dict(k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
                       v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads))
-    return dataclasses.replace(p, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales)
+    tokens, q_heads = p.query.shape[0], p.num_q_heads
+    ws_q = _allocate((tokens, q_heads, dim), torch.float16, device)
+    q_undo = _allocate((tokens, q_heads), torch.float32, device)
+    _stage_query_kernel[(tokens,)](p.query, ws_q, q_undo, q_heads, dim, *p.query.stride(),
+                                   BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
+                                   num_warps=4)
+    staged = dataclasses.replace(p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None],
+                                 **scales)
+    return Staged(staged, q_undo)
 
 
-__all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "stageable", "staged_problem", "workspace_bytes", "workspace_shape",
+__all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "Staged", "stageable", "staged_problem", "workspace_bytes", "workspace_shape",
            "worth_staging"]
