@@ -12,8 +12,9 @@ bf16 cache and applies one scale per key tile (STAGED).
 The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 the same way,
 the query rescaled into fp16 the same way (here by _stage_query_kernel, once per row: a query
 the kernel computes itself stays a register operand, reloaded from shared memory on every key
-tile, while rows it loads as they are go to wgmma from shared memory). Rounding to bf16 instead (an earlier version) added
-a logit error that grows with the logit: 7e-3 against 2e-3 on the H200 benchmark's fp8 data.
+tile, while rows it loads as they are go to wgmma from shared memory). Rounding to bf16
+instead (an earlier version) added a logit error that grows with the logit: 7e-3 against 2e-3
+on the H200 benchmark's fp8 data.
 One difference in range: the kernel counts its fp32 accumulator in units of the current page's
 V scale (a factor per row when the page changes, not a product per element), so a sequence
 whose V page scales span more than about 2^90 (V rows above 1e24 beside rows at the scale
@@ -195,8 +196,8 @@ def workspace_bytes(p: Attention) -> int:
     """Bytes a staged run of `p` allocates: fp16 K and V (+ fp32 page scales), and the fp16
     query with an fp32 factor per row."""
     pages, page, heads, dim = workspace_shape(p)
-    query_rows = p.query.shape[0] * p.num_q_heads
-    return pages * heads * (page * 2 * 2 * dim + (2 * 4 if p.mode.per_token_head else 0)) + query_rows * (2 * dim + 4)
+    kv = pages * heads * (page * 2 * 2 * dim + (2 * 4 if p.mode.per_token_head else 0))
+    return kv + p.query.shape[0] * p.num_q_heads * (2 * dim + 4)
 
 
 def stageable(p: Attention) -> bool:
