@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_probe import ceilings, decode_bytes, err, make, prefill_flops  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.backends.triton import staging  # noqa: E402
 
 
 def facts(kernel) -> str:
@@ -30,15 +31,19 @@ def facts(kernel) -> str:
 
 
 def one(p, cfg, decode: bool, copy_bw, mm):
-    kw = dict(per_seq=decode, skip_decode=False)
+    """A staged config times the attention on the workspace, the gather staged once before."""
+    kw = dict(per_seq=decode, skip_decode=cfg.stage_kv)
+    target = p
+    if cfg.stage_kv:
+        target, kw["q_undo"] = staging.staged_problem(p)
     try:
         p.out.fill_(float("nan"))
-        kernel = K._launch(p, "cuda", cfg, **kw)
+        kernel = K._launch(target, "cuda", cfg, **kw)
         torch.cuda.synchronize()
     except Exception as exc:  # one config failing must not end the run
         return f"FAILED {type(exc).__name__}: {str(exc)[:100]}"
     e = err(p, [0])
-    ms = triton.testing.do_bench(lambda: K._launch(p, "cuda", cfg, **kw), warmup=25, rep=150, return_mode="median")
+    ms = triton.testing.do_bench(lambda: K._launch(target, "cuda", cfg, **kw), warmup=25, rep=150, return_mode="median")
     if decode:
         speed = f"{decode_bytes(p) / ms / 1e6:6.0f} GB/s {100 * decode_bytes(p) / ms / 1e6 / copy_bw:5.1f}%"
     else:

@@ -452,6 +452,21 @@ def test_slot_kernel_places_prefills_in_batch_order_across_its_loop_steps(num_sl
     assert first_page.cpu().tolist() == (slot * pages_per_slot).tolist()
 
 
+def test_staged_tiles_launch_only_with_the_staged_query_factors():
+    # A staged config on the paged problem (or the factors beside a direct config) would run
+    # and give wrong numbers; the launch builder refuses both.
+    k = _kernels()
+    p = make_problem([1, 130], [40, 200])
+    with pytest.raises(ValueError, match="stage_kv"):
+        k.kernel_call(p, "cuda", k.staged_prefill_config(p), per_seq=False, skip_decode=True)
+    staged = k._staging.staged_problem(p)
+    with pytest.raises(ValueError, match="stage_kv"):
+        k.kernel_call(p, "cuda", k.direct_prefill_config(p), per_seq=False, skip_decode=False, q_undo=staged.q_undo)
+    call = k.kernel_call(staged.problem, "cuda", k.staged_prefill_config(p), per_seq=False, skip_decode=True,
+                         q_undo=staged.q_undo)
+    assert call.constexprs["Q_STAGED"] and call.constexprs["STAGED"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype, monkeypatch):
     # The query rows staged in fp16 (rows of any magnitude its dtype holds, and a zero row)

@@ -416,9 +416,8 @@ def _attention_kernel(
     if SCALE_MODE == 1:
         row_scale = row_scale * tl.load(ks_ptr)
     if Q_STAGED:
-        # staging.py rescaled the rows into fp16 already: q meets the dot as loaded, which lets
-        # Triton keep it in shared memory for wgmma. A computed operand stays in registers and
-        # is reloaded from shared memory on every key tile (sm_90a), with a barrier more.
+        # staging.py rescaled the rows into fp16 already: q meets the dot as loaded, so wgmma
+        # reads it from shared memory (why that matters: staging.py's docstring).
         row_scale = row_scale * tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
     else:
         q = q.to(tl.float32)
@@ -727,8 +726,8 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig):
     k, v = p.key_cache, p.value_cache
     table = None
     if cfg.stage_kv:
-        # fp16 operands already (staging.py); the query rescaled into fp16 as for codes.
-        return k, v, table, tl.float16, "tf32", _CONVERT_CAST, True
+        # fp16 operands already, the query too (staging.py): nothing to convert or rescale.
+        return k, v, table, tl.float16, "tf32", _CONVERT_CAST, False
     if p.mode.code_dtype is None:
         same = k.dtype == p.query.dtype and k.dtype != torch.float32
         # The interpreter carries bf16 as raw integers in dots: widen to fp32 there.
@@ -775,8 +774,12 @@ class KernelCall:
 
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool,
                 q_undo: torch.Tensor | None = None) -> KernelCall:
-    """The launch of `p` under `cfg`. q_undo: the query is staging.py's fp16 rows, and these
-    factors undo their rescaling (staged prefill)."""
+    """The launch of `p` under `cfg`. A staged config (stage_kv) takes staging.py's problem and
+    its q_undo, the factors that undo the fp16 query rows' rescaling; nothing else takes q_undo."""
+    if cfg.stage_kv != (q_undo is not None):
+        # A staged tile on the paged cache, or the staged rows without their factors, would give
+        # wrong numbers, not an error.
+        raise ValueError("stage_kv: pass staging.staged_problem(p).problem with its q_undo (and q_undo only then)")
     k, v, table, dot_dtype, precision, convert, q_rescale = _operands(p, platform, cfg)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
@@ -826,7 +829,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         BLOCK_Q=cfg.block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
         SCALE_MODE=scale_mode, CODE_CONVERT=convert, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        Q_RESCALE=q_rescale, Q_STAGED=q_undo is not None, HAS_SOFTCAP=p.softcap is not None,
+        Q_RESCALE=q_rescale, Q_STAGED=cfg.stage_kv, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
