@@ -5,7 +5,7 @@ staging starts to pay (staging.STAGE_MIN_QUERY_LEN) and what its gather pass cos
 
 Every row checks the output against float64 attention first, then times CUDA-graph replays
 (median, triton.testing.do_bench_cudagraph) of: the direct kernel on the codes, the staged run
-(gather + attention), the gather alone, the attention on the workspace alone, and mode "none"
+(gather + attention), the gather alone (K/V codes and the query rows), the attention on the workspace alone, and mode "none"
 on a bf16 cache of the same shape. Where staging applies it also times other gather programs,
 and from 1024 query tokens other attention configs.
 """
@@ -75,8 +75,7 @@ def main() -> None:
             t_direct = timed(lambda p=p, cfg=direct_cfg: K.run(p, "cuda", prefill=cfg))
             t_staged = timed(lambda p=p, cfg=staged_cfg: K.run(p, "cuda", prefill=cfg))
             t_gather = timed(lambda p=p: staging.staged_problem(p))
-            staged = staging.staged_problem(p)
-            w, undo = staged
+            w, undo = staging.staged_problem(p)
             t_attend = timed(lambda w=w, cfg=staged_cfg, undo=undo: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True,
                                                                   q_undo=undo))
             keys = seqs * CONTEXT * p.num_kv_heads * p.head_size * 2  # K and V elements
