@@ -19,33 +19,46 @@ from .problem import Attention, CacheWrite, Dequantize
 from .validate import (
     FLOAT_INPUTS,
     INDEX_DTYPES,
+    INT32_MAX,
+    as_code_storage,
+    check_aliasing,
     code_dtypes,
     fail,
+    float32_scalar,
     forbid,
     host_ints,
+    int_scalar,
+    normal_float32_scalar,
     require_dtype,
     require_finite,
     require_ndim,
     require_no_negative_strides,
     require_same_device,
     require_shape,
+    require_sizes,
+    require_writable,
     static_scale,
+    unit_index_strides,
 )
 
 Array = Any
 
 
 def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> None:
+    check_aliasing(problem)
     chosen = _registry.default().select(problem, op, impl)
     convert = as_numpy if chosen.array_kind == "numpy" else as_torch
-    chosen.run(problem.map_arrays(convert))
+    problem = problem.map_arrays(convert)
+    if chosen.index_strides == "unit":
+        problem = unit_index_strides(problem)
+    chosen.run(problem)
 
 
 def _cache_dtypes(mode: QuantMode, model_dtype: str) -> tuple[str, ...]:
     return (model_dtype,) if mode.code_dtype is None else code_dtypes(mode)
 
 
-def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, validate):
+def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, validate, written=False):
     """Checks scale caches / static scales against the mode; returns static scales as arrays."""
     for name, sc in named_caches.items():
         if mode.per_token_head:
@@ -55,6 +68,8 @@ def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, va
             require_dtype(name, sc, ("float32",))
             require_shape(name, sc, cache_shape3, "[num_blocks, block_size, num_kv_heads]")
             require_no_negative_strides(name, sc)
+            if written:
+                require_writable(name, sc)
         else:
             forbid(name, sc, mode, "only per-token-head modes keep a scale per row")
     statics = {}
@@ -104,7 +119,10 @@ def reshape_and_cache(
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
         require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size]")
         require_dtype(name, cache, _cache_dtypes(mode, dtype_name(key)))
-        require_no_negative_strides(name, cache)
+        require_writable(name, cache)
+    require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                  head_size=head_size)
+    key_cache, value_cache = as_code_storage(key_cache, mode), as_code_storage(value_cache, mode)
     require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
     require_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
@@ -118,7 +136,7 @@ def reshape_and_cache(
     )
     statics = _check_scale_inputs(
         mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
-        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
+        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate, written=True,
     )
     if validate and num_tokens:
         slots = host_ints(slot_mapping).astype(np.int64)
@@ -147,6 +165,9 @@ def _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate
     require_dtype("seq_lens", seq_lens, INDEX_DTYPES)
     num_seqs, max_blocks = int(block_tables.shape[0]), int(block_tables.shape[1])
     require_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs] (one per block_tables row)")
+    if max_blocks * block_size > INT32_MAX:
+        fail(f"block_tables: {max_blocks} blocks per sequence x block_size {block_size} is more positions than "
+             f"the kernels' int32 ({INT32_MAX})")
     if not validate or num_seqs == 0:
         return
     lens = host_ints(seq_lens).astype(np.int64)
@@ -185,6 +206,9 @@ def dequantize(
     require_dtype("cache", cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
     require_no_negative_strides("cache", cache)
     num_blocks, block_size, num_heads, head_size = (int(s) for s in cache.shape)
+    require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads,
+                  head_size=head_size)
+    cache = as_code_storage(cache, mode)
     statics = _check_scale_inputs(
         mode, cache, {"scale_cache": scale_cache}, (num_blocks, block_size, num_heads),
         {"scale": scale}, validate,
@@ -268,24 +292,35 @@ def paged_attention(
     require_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     num_blocks, block_size, num_kv_heads = (int(s) for s in key_cache.shape[:3])
     cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    cache_dtypes = FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
         require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size(query)]")
-        require_dtype(name, cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
+        require_dtype(name, cache, cache_dtypes)
         require_no_negative_strides(name, cache)
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+    if mode.code_dtype is None:
+        require_dtype("value_cache", value_cache, (dtype_name(key_cache),))
+    require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                  head_size=head_size)
+    require_sizes("query", num_q_heads=num_q_heads)
+    if num_q_heads % num_kv_heads:
         fail(f"query: num_q_heads {num_q_heads} must be a multiple of the cache's num_kv_heads {num_kv_heads}")
+    key_cache, value_cache = as_code_storage(key_cache, mode), as_code_storage(value_cache, mode)
     require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
     require_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
     require_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
     num_seqs = int(seq_lens.shape[0])
     require_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        fail(f"sliding_window: expected an int >= 1 or None, got {sliding_window!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        fail(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_size)
+    require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    if sliding_window is not None:
+        sliding_window = int_scalar("sliding_window", sliding_window, 1)
+        # A window no shorter than the longest sequence the tables can hold masks nothing.
+        if sliding_window >= int(block_tables.shape[1]) * block_size:
+            sliding_window = None
+    if softcap is not None:
+        softcap = normal_float32_scalar("softcap", softcap)
+    softmax_scale = (1.0 / math.sqrt(head_size) if softmax_scale is None
+                     else float32_scalar("softmax_scale", softmax_scale))
     if sinks is not None:
         require_ndim("sinks", sinks, 1, "[num_q_heads]")
         require_dtype("sinks", sinks, ("float32",))
@@ -296,6 +331,7 @@ def paged_attention(
         require_ndim("out", out, 3, "[num_tokens, num_q_heads, head_size]")
         require_shape("out", out, tuple(query.shape), "(same as query)")
         require_dtype("out", out, (dtype_name(query),))
+        require_writable("out", out)
     require_same_device({"query": query, "key_cache": key_cache, "value_cache": value_cache,
                          "block_tables": block_tables, "seq_lens": seq_lens,
                          "query_start_loc": query_start_loc, "k_scale_cache": k_scale_cache,
@@ -320,18 +356,20 @@ def paged_attention(
         max_query_len = int(q_lens.max()) if num_seqs else 0
         max_seq_len = int(lens.max()) if num_seqs else 0
         num_prefills = int((q_lens > 1).sum())
-    elif num_prefills is not None and not 0 <= int(num_prefills) <= num_seqs:
-        fail(f"num_prefills: expected an int in [0, num_seqs={num_seqs}] or None, got {num_prefills!r}")
+    else:
+        max_query_len = int_scalar("max_query_len", max_query_len, 0, INT32_MAX)
+        max_seq_len = int_scalar("max_seq_len", max_seq_len, 0, INT32_MAX)
+        if num_prefills is not None:
+            num_prefills = int_scalar("num_prefills", num_prefills, 0, num_seqs, "num_seqs")
     problem = Attention(
         mode=mode, query=query, key_cache=key_cache, value_cache=value_cache,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, out=out,
-        max_query_len=int(max_query_len), max_seq_len=int(max_seq_len),
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
         softmax_scale=float(softmax_scale), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
         k_scale=statics["k_scale"], v_scale=statics["v_scale"],
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        softcap=None if softcap is None else float(softcap), sinks=sinks,
-        batch_invariant=batch_invariant, quantize_query=bool(quantize_query),
-        num_prefills=None if num_prefills is None else int(num_prefills),
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        batch_invariant=bool(batch_invariant), quantize_query=bool(quantize_query),
+        num_prefills=num_prefills,
     )
     if num_tokens:
         _run("paged_attention", problem, impl)

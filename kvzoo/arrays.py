@@ -6,6 +6,7 @@ views let a write through the backend's array land in the caller's storage.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import ml_dtypes
@@ -91,6 +92,20 @@ def as_torch(x: Any) -> Any:
     if is_torch(x):
         return x
     x = np.asarray(x)
+    if any(s < 0 for s in x.strides):
+        # torch has no negative strides. Only arrays a call reads get here (the API refuses
+        # written ones with negative strides), so a copy loses nothing.
+        x = np.ascontiguousarray(x)
+    if not x.flags.writeable:
+        # Likewise read-only: only read arrays get here. torch would warn that it cannot
+        # mark the tensor read-only; nothing writes through it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return _from_numpy(x)
+    return _from_numpy(x)
+
+
+def _from_numpy(x: np.ndarray) -> Any:
     name = x.dtype.name
     if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"):
         carrier = _CARRIER[x.dtype.itemsize]

@@ -7,10 +7,13 @@ from typing import Any
 from . import api
 from .layout import KVCacheTensors, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
+from .validate import fail
 
 
 class PagedKVCache:
     """Codes and scales for one attention layer, in the separate or the inline layout.
+
+    The cache starts zero-filled, so `read()` of a slot never written gives 0.
 
     >>> cache = PagedKVCache(num_blocks=64, block_size=16, num_kv_heads=8, head_size=128,
     ...                      mode="int8_per_token_head", device="cpu")
@@ -32,7 +35,7 @@ class PagedKVCache:
         elif layout == "inline":
             self.tensors = allocate_inline(num_blocks, block_size, num_kv_heads, head_size, self.mode, device=device)
         else:
-            raise ValueError(f"layout: expected 'separate' or 'inline', got {layout!r}")
+            fail(f"layout: expected 'separate' or 'inline', got {layout!r}")
         self.layout = layout
         self.k_scale, self.v_scale = k_scale, v_scale
 
@@ -48,7 +51,7 @@ class PagedKVCache:
     def read(self, which: str = "key", *, block_tables: Any = None, seq_lens: Any = None, **options: Any) -> Any:
         """Decoded float32 keys or values (whole cache, or the tokens of given sequences)."""
         if which not in ("key", "value"):
-            raise ValueError(f"which: expected 'key' or 'value', got {which!r}")
+            fail(f"which: expected 'key' or 'value', got {which!r}")
         t = self.tensors
         cache, scale_cache = (t.key_cache, t.k_scale_cache) if which == "key" else (t.value_cache, t.v_scale_cache)
         scale = self.k_scale if which == "key" else self.v_scale

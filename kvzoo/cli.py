@@ -31,7 +31,13 @@ def _check(args: argparse.Namespace) -> int:
     from . import registry
     from .conformance import SEED, NotApplicable, matrix
 
-    checks = [c for c in matrix(registry.default()) if c.impl.available]
+    reg = registry.default()
+    if args.impl:
+        problem = _impl_problem(reg, args.impl)
+        if problem:
+            print(f"kvzoo check: {problem}", file=sys.stderr)
+            return 2
+    checks = [c for c in matrix(reg) if c.impl.available]
     if args.impl:
         checks = [c for c in checks if c.impl.name in args.impl]
     if args.op:
@@ -60,9 +66,40 @@ def _check(args: argparse.Namespace) -> int:
         if args.verbose:
             traceback.print_exception(exc)
     total_failed = sum(f for _, f, _ in counts.values())
-    print(f"\n{sum(p for p, _, _ in counts.values())} passed, {total_failed} failed, "
+    total_passed = sum(p for p, _, _ in counts.values())
+    print(f"\n{total_passed} passed, {total_failed} failed, "
           f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s")
+    if not total_passed and not total_failed:
+        print("kvzoo check: no check ran, so nothing was verified", file=sys.stderr)
+        return 1
     return 1 if total_failed else 0
+
+
+def _impl_problem(reg, names: list[str]) -> str:
+    """Why an implementation named on the command line cannot be checked here ('' if all can)."""
+    known = sorted({i.name for i in reg.implementations()})
+    for name in names:
+        if name not in known:
+            return f"no implementation named {name!r}; registered: {', '.join(known)}"
+        why = sorted({w for i in reg.implementations() if i.name == name for w in i.unavailable()})
+        if why:
+            hint = " (`kvzoo check --interpret` sets it)" if "TRITON_INTERPRET" in " ".join(why) else ""
+            return f"{name} is unavailable here: {'; '.join(why)}{hint}"
+    return ""
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from .backends import numba_cpu
+
+    why = numba_cpu.unavailable()
+    if why:
+        print(f"kvzoo warmup: nothing to compile: {'; '.join(why)}", file=sys.stderr)
+        return 1
+    start = time.perf_counter()
+    numba_cpu.warmup()
+    print(f"kvzoo warmup: numba kernels compiled or loaded for every mode and input dtype in "
+          f"{time.perf_counter() - start:.1f}s")
+    return 0
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:
@@ -86,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     check.add_argument("-v", "--verbose", action="store_true", help="tracebacks for failures")
+    sub.add_parser("warmup", help="compile the numba CPU kernels ahead of the first call (cached on disk)")
     args = parser.parse_args(argv)
     if getattr(args, "interpret", False):
         # Must be set before triton decorates the kernels, i.e. before the registry loads.
         os.environ["TRITON_INTERPRET"] = "1"
-    return _list(args) if args.command == "list" else _check(args)
+    return {"list": _list, "check": _check, "warmup": _warmup}[args.command](args)
 
 
 if __name__ == "__main__":

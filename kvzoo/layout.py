@@ -16,6 +16,7 @@ import numpy as np
 
 from .arrays import is_torch, numpy_dtype, torch_dtype
 from .modes import QuantMode, get_kv_quant_mode
+from .validate import FLOAT_INPUTS, fail, int_scalar
 
 SCALE_BYTES = 4
 
@@ -30,35 +31,50 @@ class KVCacheTensors:
     buffer: Any | None = None
 
 
-def _empty(shape, dtype: str, device: str | None):
+def _zeros(shape, dtype: str, device: str | None):
+    # Zero-filled, not uninitialised: a slot never written decodes to 0 (codes 0, scale 0),
+    # never to whatever bytes the allocator left there.
     if device is None:
-        return np.empty(shape, numpy_dtype(dtype))
+        return np.zeros(shape, numpy_dtype(dtype))
     import torch
 
-    return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+    return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+
+
+def _check_geometry(num_blocks: Any, block_size: Any, num_kv_heads: Any, head_size: Any) -> None:
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+        int_scalar(name, value, 1)
 
 
 def allocate_separate(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
     mode: str | QuantMode, *, model_dtype: str = "bfloat16", device: str | None = "cpu",
 ) -> KVCacheTensors:
-    """Uninitialised separate-layout tensors (device=None gives NumPy arrays)."""
+    """Zero-filled separate-layout tensors (device=None gives NumPy arrays).
+
+    model_dtype is the cache dtype of mode "none" ("bfloat16", "float16" or "float32")."""
     mode = get_kv_quant_mode(mode)
+    _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
+    if model_dtype not in FLOAT_INPUTS:
+        fail(f"model_dtype: expected one of {list(FLOAT_INPUTS)}, got {model_dtype!r}")
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     dtype = mode.code_dtype or model_dtype
     scales = (
-        (_empty(shape[:3], "float32", device), _empty(shape[:3], "float32", device))
+        (_zeros(shape[:3], "float32", device), _zeros(shape[:3], "float32", device))
         if mode.per_token_head else (None, None)
     )
-    return KVCacheTensors(_empty(shape, dtype, device), _empty(shape, dtype, device), *scales)
+    return KVCacheTensors(_zeros(shape, dtype, device), _zeros(shape, dtype, device), *scales)
 
 
 def allocate_inline(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
     mode: str | QuantMode, *, device: str | None = "cpu",
 ) -> KVCacheTensors:
+    """A zero-filled inline-layout page buffer and its four views (device=None gives NumPy)."""
     mode = get_kv_quant_mode(mode)
-    buffer = _empty((num_blocks, 2, block_size, num_kv_heads, head_size + SCALE_BYTES), "uint8", device)
+    _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
+    buffer = _zeros((num_blocks, 2, block_size, num_kv_heads, head_size + SCALE_BYTES), "uint8", device)
     return inline_views(buffer, head_size, mode)
 
 
@@ -66,11 +82,11 @@ def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheT
     """Code and scale views of an inline-layout byte buffer."""
     mode = get_kv_quant_mode(mode)
     if not mode.per_token_head:
-        raise ValueError(f"mode: the inline layout stores per-row scales; {mode.name!r} has none")
+        fail(f"mode: the inline layout stores per-row scales; {mode.name!r} has none")
     if head_size % SCALE_BYTES:
-        raise ValueError(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
+        fail(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
     if tuple(buffer.shape[1:2]) != (2,) or buffer.shape[-1] != head_size + SCALE_BYTES or len(buffer.shape) != 5:
-        raise ValueError(f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}")
+        fail(f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}")
     code_dtype = mode.code_dtype
     if is_torch(buffer):
         codes = buffer[..., :head_size].view(torch_dtype(code_dtype))

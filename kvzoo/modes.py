@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 
+from .errors import fail
+
 Granularity = Literal["none", "per_tensor", "per_token_head"]
 Rounding = Literal["nearest", "trunc"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "trunc")
@@ -93,8 +95,8 @@ def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
     if isinstance(name, QuantMode):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"mode: expected a str or QuantMode, got {type(name).__name__}")
+        fail(f"mode: expected a str or QuantMode, got {type(name).__name__}")
     key = name.strip().lower()
     if key not in _ALIASES:
-        raise ValueError(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
+        fail(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
     return MODES[_ALIASES[key]]

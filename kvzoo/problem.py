@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .modes import QuantMode
 
@@ -29,6 +29,10 @@ def _field_names(cls: type) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class _Problem:
     mode: QuantMode
+    # Array fields the operation writes, and its index tensors (reference/SPEC.md section 11:
+    # written arrays may alias nothing; index tensors may have any strides).
+    WRITTEN: ClassVar[tuple[str, ...]] = ()
+    INDICES: ClassVar[tuple[str, ...]] = ()
 
     @property
     def device(self) -> str:
@@ -38,6 +42,15 @@ class _Problem:
 
     def _device_array(self) -> Array:
         raise NotImplementedError
+
+    def array_fields(self) -> tuple[str, ...]:
+        """Names of the fields that hold arrays (None where an optional one is absent)."""
+        from .arrays import is_array
+
+        return tuple(n for n in _field_names(type(self)) if is_array(getattr(self, n)))
+
+    def replace(self, **changes: Any) -> _Problem:
+        return dataclasses.replace(self, **changes)
 
     def map_arrays(self, convert: Callable[[Array], Array]) -> _Problem:
         """The same problem with every array field passed through `convert` (self when that
@@ -72,6 +85,9 @@ class CacheWrite(_Problem):
     k_scale: Array | None = None
     v_scale: Array | None = None
     rounding: str = "nearest"
+
+    WRITTEN = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+    INDICES = ("slot_mapping",)
 
     def _device_array(self) -> Array:
         return self.key_cache
@@ -111,6 +127,9 @@ class Dequantize(_Problem):
     out: Array
     scale_cache: Array | None = None
     scale: Array | None = None
+
+    WRITTEN = ("out",)
+    INDICES = ("block_tables", "seq_lens", "cu_seq_lens")
 
     def _device_array(self) -> Array:
         return self.cache
@@ -155,6 +174,9 @@ class Attention(_Problem):
     # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
     quantize_query: bool = False
     num_prefills: int | None = None
+
+    WRITTEN = ("out",)
+    INDICES = ("block_tables", "seq_lens", "query_start_loc", "sinks")
 
     def _device_array(self) -> Array:
         return self.query

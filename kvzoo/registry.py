@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import KVZooInputError
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import OPS
 
@@ -63,6 +64,10 @@ class Implementation:
     # Largest ||out - ref|| / ||ref|| against a float64 reference on the same quantized cache
     # (attention only): reflects the precision of its dot products.
     attention_rtol: float = 1e-5
+    # How it reads index tensors (slot_mapping, block_tables, seq_lens, query_start_loc, sinks):
+    # "any" through their strides; "unit" needs stride 1 along each 1-D tensor and along a
+    # block-table row, and the API hands it contiguous copies of others (SPEC.md section 11).
+    index_strides: str = "any"
     # Options it honours exactly (e.g. "rounding=trunc", "inline_layout"); informational.
     notes: str = ""
 
@@ -84,8 +89,8 @@ class Implementation:
         return not self.unavailable()
 
 
-class NoImplementationError(RuntimeError):
-    pass
+class NoImplementationError(KVZooInputError, RuntimeError):
+    """No implementation takes the call (or the one named cannot): raised before any write."""
 
 
 @dataclass
@@ -123,7 +128,7 @@ class Registry:
             if i.op == op and i.name == name:
                 return i
         known = sorted({i.name for i in self._impls if i.op == op})
-        raise ValueError(f"impl: no implementation named {name!r} for {op}; registered: {known}")
+        raise KVZooInputError(f"impl: no implementation named {name!r} for {op}; registered: {known}")
 
     def candidates(self, op: str, mode: str | QuantMode, device: str) -> list[Implementation]:
         """Available implementations of op for mode on device, fastest first."""

@@ -8,29 +8,47 @@ host synchronisation and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .arrays import as_numpy, device_type, dtype_name, is_array, is_torch, same_kind_empty, torch
+from .arrays import as_numpy, device_type, dtype_name, is_array, is_torch, numpy_dtype, same_kind_empty, torch, torch_dtype
+from . import memory
+from .errors import KVZooInputError, fail
 from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
 
 
-class KVZooInputError(ValueError):
-    """A public call got an argument it cannot take; nothing was written."""
-
-
-def fail(message: str) -> None:
-    raise KVZooInputError(message)
+_DEVICE_TYPES = ("cpu", "cuda")
 
 
 def require_array(name: str, x: Any) -> None:
-    if not is_array(x):
+    """A tensor or array kvzoo can address: on the CPU or a GPU, not tracking gradients, in
+    native byte order (reference/SPEC.md section 11)."""
+    if is_torch(x):
+        if x.device.type not in _DEVICE_TYPES:
+            fail(f"{name}: on device {x.device}; kvzoo runs on {' and '.join(_DEVICE_TYPES)} tensors "
+                 "(ROCm tensors are cuda in torch)")
+        if x.requires_grad:
+            fail(f"{name}: requires_grad=True; kvzoo's operations are not differentiable "
+                 f"(pass {name}.detach(), or call under torch.no_grad())")
+    elif isinstance(x, np.ndarray):
+        if not x.dtype.isnative:
+            fail(f"{name}: byte order {x.dtype.str!r} is not this machine's; expected native order "
+                 f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
+    else:
         fail(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def require_writable(name: str, x: Any) -> None:
+    """An array the call writes: writeable, and no negative strides (checked before any write)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        fail(f"{name}: the NumPy array is read-only, and this call writes it (pass a writeable array)")
+    require_no_negative_strides(name, x)
 
 
 def require_ndim(name: str, x: Any, ndim: int, layout: str) -> None:
@@ -81,6 +99,56 @@ def code_dtypes(mode: QuantMode) -> tuple[str, ...]:
     return (mode.code_dtype, "uint8")
 
 
+def as_code_storage(x: Any, mode: QuantMode) -> Any:
+    """A cache of raw bytes (uint8) viewed as the mode's code dtype, so that no implementation
+    ever meets uint8 storage (SPEC.md section 11); other caches as they are."""
+    if mode.code_dtype is None or dtype_name(x) != "uint8":
+        return x
+    if is_torch(x):
+        return x.view(torch_dtype(mode.code_dtype))
+    return x.view(numpy_dtype(mode.code_dtype))
+
+
+# Largest value of the kernels' int32 positions, slots and lengths.
+INT32_MAX = 2**31 - 1
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _real(name: str, value: Any, expected: str) -> float:
+    # bool is an int to Python, never a scale or a length to a caller.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        fail(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def float32_scalar(name: str, value: Any, *, smallest: float = 0.0) -> float:
+    """A real number whose float32 value is finite and > 0 (and >= smallest), returned as given.
+    Checked in float32, the precision the kernels use: 1e39 is +Inf there and 1e-50 is 0."""
+    expected = "a finite float > 0" if not smallest else f"a finite float >= {smallest:g}"
+    number = _real(name, value, expected)
+    with np.errstate(over="ignore"):
+        as_f32 = float(np.float32(number))
+    if not (math.isfinite(as_f32) and as_f32 > 0 and as_f32 >= smallest):
+        fail(f"{name}: expected {expected} in float32 (the precision the kernels use), got {value!r}"
+             + ("" if math.isnan(number) else f" (float32 {as_f32:g})"))
+    return number
+
+
+def normal_float32_scalar(name: str, value: Any) -> float:
+    return float32_scalar(name, value, smallest=_FLOAT32_TINY)
+
+
+def int_scalar(name: str, value: Any, low: int, high: int | None = None, high_name: str = "") -> int:
+    """An integer (Python or NumPy, not bool, not float) in [low, high]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        fail(f"{name}: expected an int, got {value!r} ({type(value).__name__})")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bound = f"in [{low}, {high_name + '=' if high_name else ''}{high}]" if high is not None else f">= {low}"
+        fail(f"{name}: expected an int {bound}, got {number}")
+    return number
+
+
 def host_ints(x: Any) -> np.ndarray:
     """Values of a small index tensor on the host (synchronises a GPU tensor)."""
     if is_torch(x):
@@ -93,6 +161,7 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
     if value is None:
         fail(f"{name}: required for fp8_per_tensor (the caller's static scale)")
     if is_array(value):
+        require_array(name, value)
         if int(np.prod(value.shape)) != 1:
             fail(f"{name}: expected one element, got shape {tuple(value.shape)}")
         require_dtype(name, value, ("float32",))
@@ -100,15 +169,12 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
             fail(f"{name}: on {device_type(value)}, expected {device_type(like)} like the cache")
         array = value.reshape(1)
     else:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            fail(f"{name}: expected a positive float or float32 [1] tensor, got {type(value).__name__}")
+        number = float32_scalar(name, value)
         array = same_kind_empty(like, (1,), "float32")
         array[0] = number
     if validate:
         s = float(host_ints(array)[0])
-        if not (np.isfinite(s) and s > 0):
+        if not (np.isfinite(s) and s > 0):  # a float32 already
             fail(f"{name}: expected a finite scale > 0, got {s}")
     return array
 
@@ -125,3 +191,58 @@ def require_finite(name: str, x: Any) -> None:
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         fail(f"{name}: holds {int(bad.sum())} non-finite values (first at index {where}: {a[where]})")
+
+
+def require_sizes(name: str, **sizes: int) -> None:
+    """Every named dimension of `name` at least 1 (a cache of no heads or no blocks holds nothing)."""
+    for dim, size in sizes.items():
+        if size < 1:
+            fail(f"{name}: {dim} must be at least 1, got {size}")
+    if "num_blocks" in sizes and sizes["num_blocks"] * sizes["block_size"] > INT32_MAX:
+        fail(f"{name}: {sizes['num_blocks']} blocks x block_size {sizes['block_size']} is more slots than the "
+             f"kernels' int32 ({INT32_MAX})")
+
+
+def check_aliasing(problem: Any) -> None:
+    """Refuse a written array that overlaps itself, another written array or an array the call
+    reads (SPEC.md section 11). Metadata only: no device read, so it runs unvalidated too."""
+    arrays = [(name, getattr(problem, name)) for name in problem.array_fields()]
+    arrays = [(name, x) for name, x in arrays if x is not None]
+    written = [(name, x) for name, x in arrays if name in problem.WRITTEN]
+    for i, (name, x) in enumerate(written):
+        if memory.self_overlap(x):
+            fail(f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
+                 f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element")
+        for other, y in arrays:
+            if other == name or (other in problem.WRITTEN and _index(written, other) < i):
+                continue
+            if memory.overlap(x, y):
+                role = "written" if other in problem.WRITTEN else "read"
+                fail(f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
+                     "(non-overlapping) arrays")
+
+
+def _index(named: list[tuple[str, Any]], name: str) -> int:
+    return next(i for i, (n, _) in enumerate(named) if n == name)
+
+
+def _strides(x: Any) -> tuple[int, ...]:
+    return tuple(x.stride()) if is_torch(x) else tuple(s // x.itemsize for s in x.strides)
+
+
+def _unit_strided(x: Any) -> bool:
+    strides = _strides(x)
+    # A block table may step any distance between rows; along a row (and along a 1-D tensor)
+    # the kernels step by one element.
+    return len(x.shape) == 0 or x.shape[-1] <= 1 or strides[-1] == 1
+
+
+def unit_index_strides(problem: Any) -> Any:
+    """The problem with every index tensor that is not unit-strided replaced by a contiguous
+    copy, for implementations declaring index_strides="unit" (SPEC.md section 11)."""
+    changes = {}
+    for name in problem.INDICES:
+        x = getattr(problem, name)
+        if x is not None and not _unit_strided(x):
+            changes[name] = x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
+    return problem.replace(**changes) if changes else problem

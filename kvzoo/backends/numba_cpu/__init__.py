@@ -5,12 +5,15 @@ cached on disk (numba cache=True), so later processes load them instead of compi
 
 Setting the environment variable KVZOO_DISABLE_NUMBA=1 makes the backend report itself
 unavailable (as if numba were not installed), so the registry falls back to NumPy; tests use it.
+The first use on a machine compiles for about a minute (each input dtype once): a one-line
+notice says so, and `kvzoo warmup` (warmup() here) compiles everything ahead.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -41,10 +44,37 @@ def unavailable() -> list[str]:
     return []
 
 
+_ENTRY_POINTS = ("write_plain", "write_quantized", "dequantize", "attention")
+_announced = False
+
+
+def _cold_cache(kernels: Any) -> bool:
+    """Whether an entry point has no compiled code on disk yet (its first call compiles)."""
+    try:
+        return any(not os.path.exists(getattr(kernels, name)._cache._cache_file._index_path)
+                   for name in _ENTRY_POINTS)
+    except AttributeError:  # numba's cache internals moved: say nothing rather than guess
+        return False
+
+
 def _kernels() -> Any:
+    global _announced
     from . import kernels
 
+    if not _announced:
+        _announced = True
+        if _cold_cache(kernels):
+            print("kvzoo: compiling the numba CPU kernels; the first use on this machine takes about a "
+                  "minute (cached on disk after that). `kvzoo warmup` compiles them ahead; "
+                  f"{DISABLE_ENV}=1 uses NumPy instead.", file=sys.stderr, flush=True)
     return kernels
+
+
+def warmup() -> None:
+    """Compile (or load from the disk cache) every numba kernel for every mode and input dtype."""
+    from .warmup import run_every_signature
+
+    run_every_signature()
 
 
 def _f32(x: Any) -> np.float32:

@@ -56,6 +56,9 @@ def register(registry: Registry) -> None:
                 modes=platform.PLATFORM_MODES[name],
                 run=_runner(name),
                 array_kind="torch",
+                # The kernels step through index tensors one element at a time (rows of
+                # block_tables by their stride).
+                index_strides="unit",
                 devices=platform.devices(),
                 priority=platform.priority(),
                 unavailable=lambda name=name: list(platform.unavailable_reasons(name)),

@@ -47,6 +47,8 @@ def register(registry: Registry) -> None:
                     modes=platform.PLATFORM_MODES[plat],
                     run=run,
                     array_kind="torch",
+                    # The kernels step through index tensors one element at a time.
+                    index_strides="unit",
                     devices=platform.devices(),
                     priority=platform.priority(),
                     unavailable=unavailable,

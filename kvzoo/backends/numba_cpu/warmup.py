@@ -1,0 +1,34 @@
+"""Runs every numba kernel once per mode and input dtype on tiny inputs, so that each compiled
+signature is on disk before a user's first real call (`kvzoo warmup`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import api
+from ...arrays import numpy_dtype
+from ...layout import allocate_separate
+from ...modes import MODES
+
+_BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, _TOKENS = 2, 4, 1, 8, 3
+INPUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def run_every_signature(impl: str = "numba") -> int:
+    """The number of calls made (each op x mode x input dtype)."""
+    rng = np.random.default_rng(0)
+    calls = 0
+    for mode in MODES.values():
+        static = 0.5 if mode.per_tensor else None
+        for dtype in INPUT_DTYPES:
+            rows = rng.standard_normal((_TOKENS, _HEADS, _HEAD_SIZE)).astype(np.float32).astype(numpy_dtype(dtype))
+            t = allocate_separate(_BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, mode, model_dtype=dtype, device=None)
+            scales = dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=static, v_scale=static)
+            api.reshape_and_cache(rows, rows.copy(), t.key_cache, t.value_cache, np.arange(_TOKENS), mode=mode,
+                                  impl=impl, **scales)
+            api.dequantize(t.key_cache, t.k_scale_cache, mode=mode, scale=static, impl=impl)
+            api.paged_attention(rows, t.key_cache, t.value_cache, mode=mode, impl=impl,
+                                block_tables=np.array([[0]], np.int32), seq_lens=np.array([_TOKENS], np.int32),
+                                query_start_loc=np.array([0, _TOKENS], np.int32), **scales)
+            calls += 3
+    return calls
