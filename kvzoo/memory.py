@@ -45,12 +45,27 @@ def layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
 
 def byte_extent(x: Any) -> tuple[int, int] | None:
     """[first, end) bytes any element of x occupies; None for an empty array."""
-    pointer, shape, strides, itemsize = layout(x)
-    if any(n == 0 for n in shape):
-        return None
-    low = pointer + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    high = pointer + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + itemsize
-    return low, high
+    # Runs for every array of every call: loops, not generators, and contiguous tensors
+    # answered from their byte count.
+    if is_torch(x):
+        if x.numel() == 0:
+            return None
+        pointer = x.data_ptr()
+        if x.is_contiguous():
+            return pointer, pointer + x.nbytes
+        itemsize, shape, strides = x.element_size(), x.shape, x.stride()
+    else:
+        if x.size == 0:
+            return None
+        pointer, itemsize, shape = int(x.__array_interface__["data"][0]), 1, x.shape
+        strides = x.strides
+    low = high = 0
+    for n, s in zip(shape, strides):
+        if s > 0:
+            high += (n - 1) * s
+        else:
+            low += (n - 1) * s
+    return pointer + low * itemsize, pointer + high * itemsize + (x.element_size() if is_torch(x) else x.itemsize)
 
 
 def _same_memory_space(a: Any, b: Any) -> bool:
@@ -80,6 +95,8 @@ def self_overlap(x: Any) -> bool:
     """Whether two elements of x may share a byte: true unless its dimensions nest (sorted by
     stride, each stride spans all smaller dimensions), which every layout kvzoo allocates does.
     A stride-0 (broadcast) dimension of more than one element always overlaps."""
+    if x.is_contiguous() if is_torch(x) else x.flags.c_contiguous:
+        return False
     _, shape, strides, itemsize = layout(x)
     span = itemsize
     for n, s in sorted(((n, abs(s)) for n, s in zip(shape, strides) if n > 1), key=lambda d: d[1]):

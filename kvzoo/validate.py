@@ -206,24 +206,31 @@ def require_sizes(name: str, **sizes: int) -> None:
 def check_aliasing(problem: Any) -> None:
     """Refuse a written array that overlaps itself, another written array or an array the call
     reads (SPEC.md section 11). Metadata only: no device read, so it runs unvalidated too."""
-    arrays = [(name, getattr(problem, name)) for name in problem.array_fields()]
-    arrays = [(name, x) for name, x in arrays if x is not None]
-    written = [(name, x) for name, x in arrays if name in problem.WRITTEN]
-    for i, (name, x) in enumerate(written):
+    names = problem.array_fields()
+    # Runs on every call: each extent is computed once, and only arrays whose extents meet
+    # (views of one buffer) go on to the exact test.
+    extents = {name: memory.byte_extent(getattr(problem, name)) for name in names}
+    for n, name in enumerate(names):
+        if name not in problem.WRITTEN:
+            continue
+        x = getattr(problem, name)
         if memory.self_overlap(x):
             fail(f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
                  f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element")
-        for other, y in arrays:
-            if other == name or (other in problem.WRITTEN and _index(written, other) < i):
+        mine = extents[name]
+        if mine is None:
+            continue
+        for m, other in enumerate(names):
+            # A pair of written arrays is tested once, from the first of the two.
+            if other == name or (other in problem.WRITTEN and m < n):
                 continue
-            if memory.overlap(x, y):
+            theirs = extents[other]
+            if theirs is None or mine[1] <= theirs[0] or theirs[1] <= mine[0]:
+                continue
+            if memory.overlap(x, getattr(problem, other)):
                 role = "written" if other in problem.WRITTEN else "read"
                 fail(f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
                      "(non-overlapping) arrays")
-
-
-def _index(named: list[tuple[str, Any]], name: str) -> int:
-    return next(i for i, (n, _) in enumerate(named) if n == name)
 
 
 def _strides(x: Any) -> tuple[int, ...]:
