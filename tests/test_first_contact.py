@@ -1,0 +1,81 @@
+"""What a new user meets first: the README example, `kvzoo check` on a wrong name, the numba notice."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvzoo
+from kvzoo import cli
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md has no python example"
+    return blocks[0]
+
+
+def test_readme_example_runs_and_reads_no_garbage():
+    scope: dict = {}
+    exec(compile(_readme_example(), "README.md", "exec"), scope)
+    keys, out = scope["keys"], scope["out"]
+    assert out.shape == (40, 32, 128) and bool(torch.isfinite(out.float()).all())
+    assert bool(torch.isfinite(keys).all()), "unwritten slots must read back as 0, not uninitialised scales"
+    flat = keys.reshape(-1, 8, 128)
+    assert bool((flat[40:] == 0).all()) and bool((flat[:40] != 0).any())
+
+
+@pytest.mark.parametrize("layout", ["separate", "inline"])
+def test_new_cache_is_zero_filled(layout):
+    cache = kvzoo.PagedKVCache(3, 4, 2, 8, "fp8_per_token_head", layout=layout, device=None)
+    for which in ("key", "value"):
+        decoded = cache.read(which)
+        assert isinstance(decoded, np.ndarray) and not np.any(decoded)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["check", "--impl", "nosuch"], ["nosuch", "registered"]),
+    (["check", "--impl", "numba", "--impl", "nosuch2"], ["nosuch2"]),
+])
+def test_check_refuses_an_unknown_impl(argv, words, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_check_refuses_an_unavailable_impl(capsys, monkeypatch):
+    monkeypatch.setenv("KVZOO_DISABLE_NUMBA", "1")
+    assert cli.main(["check", "--impl", "numba", "-q"]) == 2
+    assert "KVZOO_DISABLE_NUMBA" in capsys.readouterr().err
+
+
+def test_check_fails_when_nothing_ran(capsys, monkeypatch):
+    # A matrix that runs no check verifies nothing: that is not a pass.
+    import kvzoo.conformance
+
+    monkeypatch.setattr(kvzoo.conformance, "matrix", lambda reg=None: [])
+    assert cli.main(["check", "-q"]) == 1
+    assert "no check ran" in capsys.readouterr().err
+
+
+def test_numba_notice_before_a_cold_compile(tmp_path):
+    # A fresh process with an empty cache directory: the notice comes before the first call.
+    script = (
+        "import numpy as np, kvzoo\n"
+        "from kvzoo.backends import numba_cpu\n"
+        "numba_cpu._cold_cache = lambda kernels: True\n"
+        "kvzoo.dequantize(np.zeros((1, 1, 1, 4), np.int8), np.ones((1, 1, 1), np.float32),"
+        " mode='int8_per_token_head', impl='numba')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "kvzoo warmup" in done.stderr and "KVZOO_DISABLE_NUMBA" in done.stderr
+    assert done.stderr.count("kvzoo: compiling") == 1
