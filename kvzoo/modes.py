@@ -80,6 +80,10 @@ MODES: dict[str, QuantMode] = {
 _ALIASES: dict[str, str] = {
     "auto": "none",
     "none": "none",
+    # vLLM's --kv-cache-dtype names the model dtype for an unquantized cache.
+    "bfloat16": "none",
+    "float16": "none",
+    "float32": "none",
     "fp8": "fp8_per_tensor",
     "fp8_e4m3": "fp8_per_tensor",
     "fp8_per_tensor": "fp8_per_tensor",
@@ -90,6 +94,12 @@ _ALIASES: dict[str, str] = {
 }
 
 
+# Engine kv-cache dtypes kvzoo knows of but does not implement.
+NOT_IMPLEMENTED: frozenset[str] = frozenset(
+    {"fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int4_per_token_head", "int8_per_tensor"}
+)
+
+
 def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
     """Parse an engine's kv-cache dtype string ("auto", "fp8", "int8_per_token_head", ...)."""
     if isinstance(name, QuantMode):
@@ -97,6 +107,9 @@ def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
     if not isinstance(name, str):
         fail(f"mode: expected a str or QuantMode, got {type(name).__name__}")
     key = name.strip().lower()
+    if key in NOT_IMPLEMENTED:
+        fail(f"mode: {name!r} is an engine kv-cache dtype that kvzoo does not implement yet; "
+             f"implemented: {', '.join(sorted(_ALIASES))}")
     if key not in _ALIASES:
         fail(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
     return MODES[_ALIASES[key]]

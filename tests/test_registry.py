@@ -150,3 +150,18 @@ def test_an_option_one_backend_lacks_goes_to_one_that_has_it():
             cache.attention(q, impl="numba", **args)
     auto = cache.attention(q, **args)
     assert torch.equal(auto, cache.attention(q, impl="numpy", **args))
+
+
+@pytest.mark.parametrize("engine, mode", [
+    ("auto", "none"), ("bfloat16", "none"), ("float16", "none"), ("float32", "none"), ("fp8", "fp8_per_tensor"),
+    ("fp8_e4m3", "fp8_per_tensor"), (" INT8_PER_TOKEN_HEAD ", "int8_per_token_head"),
+    ("fp8_per_token_head", "fp8_per_token_head"),
+])
+def test_engine_kv_cache_dtype_strings(engine, mode):
+    assert kvzoo.get_kv_quant_mode(engine).name == mode
+
+
+@pytest.mark.parametrize("engine", sorted(kvzoo.modes.NOT_IMPLEMENTED))
+def test_engine_strings_kvzoo_lacks_are_named_not_implemented(engine):
+    with pytest.raises(kvzoo.KVZooInputError, match="does not implement"):
+        kvzoo.get_kv_quant_mode(engine)
