@@ -3,23 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 import os
 import sys
 import time
 import traceback
 from collections import defaultdict
 
+from . import __version__
+from .modes import get_kv_quant_mode
+
 
 def _list(args: argparse.Namespace) -> int:
     from . import registry
+    from .modes import MODES
 
     reg = registry.default()
-    rows = [("implementation", "operation", "platform", "modes", "status")]
-    for impl in reg.implementations():
+    # Mode names are long: a short code per mode keeps the table within 100 columns.
+    short = {name: str(n) for n, name in enumerate(MODES)}
+    rows = [("implementation", "operation", "platform", "prio", "modes", "status")]
+    reasons: dict[str, list[str]] = {}
+    for impl in sorted(reg.implementations(), key=lambda i: (i.op, -i.priority, i.name)):
         why = impl.unavailable()
-        rows.append((impl.name, impl.op, impl.platform, ",".join(sorted(impl.modes)),
-                     "available" if not why else "unavailable: " + "; ".join(why)))
+        if why:
+            reasons[impl.name] = why
+        rows.append((impl.name, impl.op, impl.platform, str(impl.priority),
+                     ",".join(short[m] for m in MODES if m in impl.modes),
+                     "available" if not why else "unavailable (below)"))
     _print_table(rows)
+    notes = ["modes: " + ", ".join(f"{code} {name}" for name, code in short.items())]
+    notes += [f"{name} unavailable: " + "; ".join(w.removeprefix(f"{name}: ") for w in why)
+              for name, why in reasons.items()]
+    print()
+    for note in notes:
+        print(textwrap.fill(note, width=100, subsequent_indent="  "))
     for module, error in reg.import_errors.items():
         print(f"backend {module} failed to import: {error}")
     return 0
@@ -42,17 +59,22 @@ def _check(args: argparse.Namespace) -> int:
         checks = [c for c in checks if c.impl.name in args.impl]
     if args.op:
         checks = [c for c in checks if c.op in args.op]
+    if args.mode:
+        modes = {get_kv_quant_mode(m).name for m in args.mode}
+        checks = [c for c in checks if modes & set(c.case_id.split("-"))]
     print(f"kvzoo check: {len(checks)} checks, seed {SEED} (replay with KVZOO_SEED={SEED})")
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     failures = []
+    skips = []
     start = time.perf_counter()
     for check in tqdm(checks, unit="check", file=sys.stderr, disable=args.quiet):
         key = (check.impl.name, check.op)
         try:
             check.run()
             counts[key][0] += 1
-        except NotApplicable:
+        except NotApplicable as why:
             counts[key][2] += 1
+            skips.append((check, why))
         except Exception as exc:  # a failing check is reported, the matrix goes on
             counts[key][1] += 1
             failures.append((check, exc))
@@ -61,6 +83,9 @@ def _check(args: argparse.Namespace) -> int:
     rows = [("implementation", "operation", "passed", "failed", "skipped")]
     rows += [(impl, op, str(p), str(f), str(s)) for (impl, op), (p, f, s) in sorted(counts.items())]
     _print_table(rows)
+    if args.verbose:
+        for check, why in skips:
+            print(f"SKIPPED {check.op} {check.id}: {why}")
     for check, exc in failures[:20]:
         print(f"\nFAILED {check.op} {check.id}: {type(exc).__name__}: {exc}"[:2000])
         if args.verbose:
@@ -112,17 +137,19 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvzoo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
     check = sub.add_parser("check", help="run the conformance matrix on every available implementation")
     check.add_argument("--impl", action="append", help="only this implementation (repeatable)")
     check.add_argument("--op", action="append",
                        choices=["reshape_and_cache", "dequantize", "paged_attention", "golden"])
+    check.add_argument("--mode", action="append", help="only cases of this mode (repeatable; engine names too)")
     check.add_argument("--interpret", action="store_true",
                        help="also check the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (slow)")
     check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    check.add_argument("-v", "--verbose", action="store_true", help="tracebacks for failures")
+    check.add_argument("-v", "--verbose", action="store_true", help="skip reasons, and tracebacks for failures")
     sub.add_parser("warmup", help="compile the numba CPU kernels ahead of the first call (cached on disk)")
     args = parser.parse_args(argv)
     if getattr(args, "interpret", False):

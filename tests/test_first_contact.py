@@ -79,3 +79,16 @@ def test_numba_notice_before_a_cold_compile(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "kvzoo warmup" in done.stderr and "KVZOO_DISABLE_NUMBA" in done.stderr
     assert done.stderr.count("kvzoo: compiling") == 1
+
+
+def test_list_fits_100_columns_and_shows_priority(capsys):
+    assert cli.main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "prio" in text.splitlines()[0]
+
+
+def test_check_filters_by_mode(capsys):
+    assert cli.main(["check", "--impl", "numpy", "--op", "dequantize", "--mode", "fp8", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 failed" in out and "numpy" in out
