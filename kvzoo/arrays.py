@@ -95,7 +95,7 @@ def as_torch(x: Any) -> Any:
     if any(s < 0 for s in x.strides):
         # torch has no negative strides. Only arrays a call reads get here (the API refuses
         # written ones with negative strides), so a copy loses nothing.
-        x = np.ascontiguousarray(x)
+        x = x.copy()  # not ascontiguousarray: a negative stride on a length-1 dim stays there
     if not x.flags.writeable:
         # Likewise read-only: only read arrays get here. torch would warn that it cannot
         # mark the tensor read-only; nothing writes through it.

@@ -1,0 +1,706 @@
+"""Helpers for tests/test_hostile_inputs.py: guarded buffers, hostile index views, the oracle.
+
+Every array a hostile test hands to kvzoo is a view into a larger buffer of random bytes: a
+guard region before and after, gaps between rows and heads. After a call the test compares
+every byte of that buffer with its value before (raw bytes), so a kernel that reads or writes
+past a view, into a gap, or through the wrong strides is caught. Expected results come from
+reference/oracle.py only (never from another kvzoo implementation).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import kvzoo
+from kvzoo import KVZooInputError, registry
+from kvzoo.arrays import numpy_dtype, torch_dtype
+from kvzoo.modes import MODES
+from reference import oracle
+
+from support import SEED, rng_for  # noqa: F401
+
+OPS = ("reshape_and_cache", "dequantize", "paged_attention")
+INDEX_DTYPES = ("int32", "int64")
+_CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_BOOL = "bool"
+
+
+def np_dtype(name: str) -> np.dtype:
+    if name == _BOOL:
+        return np.dtype(np.bool_)
+    return numpy_dtype(name)
+
+
+def th_dtype(name: str) -> Any:
+    return torch.bool if name == _BOOL else torch_dtype(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations, as the conformance suite iterates them
+
+
+def impls(op: str) -> list[Any]:
+    return list(registry.implementations(op))
+
+
+def impl_params(op: str) -> list[Any]:
+    return [pytest.param(i, id=i.name) for i in impls(op)]
+
+
+def require_usable(impl: Any, mode: str | None = None) -> None:
+    """Skip only where the implementation says it cannot run here, or does not register the mode."""
+    reasons = impl.unavailable()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    if mode is not None and mode not in impl.modes:
+        pytest.skip(f"{impl.name} does not register mode {mode}")
+
+
+def impl_modes(impl: Any, candidates: Sequence[str]) -> list[str]:
+    return [m for m in candidates if m in impl.modes]
+
+
+def expected_decline(impl: Any, *, quantize_query: bool = False, head_size: int = 16) -> str | None:
+    """Where the battery expects an implementation to decline a valid call through the registry.
+
+    Numba does not implement quantize_query (README, SPEC 8.1: "NumPy and Triton implement it,
+    Numba declines it"); the Triton attention tiles head sizes up to 256. Nothing else.
+    """
+    if quantize_query and impl.name == "numba":
+        return "numba does not implement quantize_query (README)"
+    if head_size > 256 and impl.name.startswith("triton"):
+        return "the Triton attention tiles head sizes up to 256"
+    return None
+
+
+def call_accepted(impl: Any, fn: Callable, *args: Any, decline_ok: str | None = None, **kw: Any) -> Any:
+    """Run a call the spec accepts: a refusal fails; a registry decline skips only if expected."""
+    try:
+        return fn(*args, impl=impl.name, **kw)
+    except registry.NoImplementationError as e:
+        if decline_ok:
+            pytest.skip(f"expected decline ({decline_ok}): {e}")
+        pytest.fail(f"{impl.name} declined a call the spec defines (NoImplementationError): {e}")
+    except KVZooInputError as e:
+        pytest.fail(f"{impl.name}: a call the spec accepts was refused: {e}")
+
+
+def _names_pattern(names: Sequence[str]) -> str:
+    return "|".join(re.escape(n) for n in names)
+
+
+def call_refused(impl: Any, fn: Callable, names: Sequence[str], guards: Sequence[Any], *args: Any,
+                 words: Sequence[str] = (), **kw: Any) -> KVZooInputError:
+    """Run a call the spec refuses: KVZooInputError whose message starts with one of `names`;
+    every guarded byte unchanged afterwards, whatever happened."""
+    outcome = None
+    error = None
+    try:
+        fn(*args, impl=impl.name, **kw)
+        outcome = f"accepted; expected KVZooInputError starting with one of {list(names)}"
+    except registry.NoImplementationError as e:
+        outcome = f"declined through the registry instead of refusing the argument: {e}"
+    except KVZooInputError as e:
+        error = e
+        msg = str(e)
+        if not re.match(rf"({_names_pattern(names)})\b", msg):
+            outcome = f"KVZooInputError does not start with the argument's name {list(names)}: {msg!r}"
+        else:
+            missing = [w for w in words if w.lower() not in msg.lower()]
+            if missing:
+                outcome = f"message {msg!r} lacks {missing}"
+    except Exception as e:  # noqa: BLE001 - any other exception is the defect being reported
+        outcome = f"raised {type(e).__name__} instead of KVZooInputError: {e}"
+    changed = [g.label for g in guards if not g.unchanged()]
+    problems = ([outcome] if outcome else []) + ([f"bytes changed in {changed}"] if changed else [])
+    if problems:
+        pytest.fail(f"{impl.name}: " + "; ".join(problems))
+    return error
+
+
+# ---------------------------------------------------------------------------------------------
+# guarded buffers
+
+
+class Region:
+    """A view of `shape` into a buffer of random bytes (guards before/after, gaps between rows).
+
+    `array` is what the test passes (NumPy view or torch view of the same memory); `index`
+    maps every element of the view to its element index in the buffer, so the test reads and
+    compares bytes without going through kvzoo.
+    """
+
+    parent: Region | None = None
+
+    def __init__(self, rng: np.random.Generator, shape: Sequence[int], dtype: str, kind: str, *,
+                 label: str = "", gaps: bool = True, steps: Sequence[int] | None = None,
+                 flip: Sequence[int] = (), guard: int = 8, align: int = 1):
+        """align: every stride, the view's first element and the guards are multiples of
+        `align` elements (the inline page needs its float32 scales 4-byte aligned)."""
+        shape = tuple(int(s) for s in shape)
+        nd = len(shape)
+        self.label, self.dtype, self.kind, self.shape = label, dtype, kind, shape
+        self.np_dtype = np_dtype(dtype)
+        self.itemsize = self.np_dtype.itemsize
+        steps = list(steps) if steps is not None else [1] * nd
+        pads = [int(rng.integers(1, 3)) if gaps else 0 for _ in range(nd)]
+        if gaps and nd:
+            pads[-1] = int(rng.integers(1, 4)) * align
+        padded = [max(1, n * s + p) for n, s, p in zip(shape, steps, pads)]
+        if nd and align > 1:
+            padded[-1] = -(-padded[-1] // align) * align
+        starts = [int(rng.integers(0, p + 1)) for p in pads]
+        if nd and align > 1:
+            starts[-1] = starts[-1] // align * align
+        lo = (int(rng.integers(1, guard + 1)) if gaps else guard) * align
+        hi = (int(rng.integers(1, guard + 1)) if gaps else guard) * align
+        body = int(np.prod(padded))
+        total = lo + body + hi
+        self.buf = rng.integers(0, 256, total * self.itemsize, dtype=np.uint8)
+        sl = tuple(slice(a, a + n * s, s) for a, n, s in zip(starts, shape, steps))
+        index = np.arange(lo, lo + body, dtype=np.int64).reshape(padded)[sl]
+        flips = tuple(slice(None, None, -1) if d in flip else slice(None) for d in range(nd))
+        self.index = index[flips]
+        if kind == "numpy":
+            typed = self.buf.view(self.np_dtype)
+            view = typed[lo:lo + body].reshape(padded)[sl][flips]
+        else:
+            assert not flip, "torch has no negative strides"
+            typed_t = torch.from_numpy(self.buf).view(th_dtype(dtype))
+            view = typed_t[lo:lo + body].reshape(padded)[sl]
+        self.array = view
+        self.before = self.buf.copy()
+
+    def sub(self, label: str, array: Any, index: np.ndarray, dtype: str) -> Region:
+        """Another view of this region's buffer: `index` counts elements of `dtype` in it."""
+        r = Region.__new__(Region)
+        r.label, r.dtype, r.kind, r.shape = label, dtype, self.kind, tuple(index.shape)
+        r.np_dtype = np_dtype(dtype)
+        r.itemsize = r.np_dtype.itemsize
+        r.buf, r.index, r.array, r.parent = self.buf, index, array, self.root
+        return r
+
+    @property
+    def root(self) -> Region:
+        return self.parent.root if self.parent is not None else self
+
+    @property
+    def before(self) -> np.ndarray:
+        return self.root._before
+
+    @before.setter
+    def before(self, value: np.ndarray) -> None:
+        self.root._before = value
+
+    # -- contents
+    def set_values(self, values: np.ndarray) -> None:
+        """Store values (of this dtype, or raw uint8 bytes per element) in the view's elements."""
+        values = np.asarray(values)
+        carrier = self.buf.view(_CARRIER[self.itemsize]) if self.dtype != _BOOL else self.buf.view(np.uint8)
+        if values.dtype != self.np_dtype and values.dtype == np.uint8 and self.itemsize == 1:
+            carrier[self.index] = values
+        else:
+            carrier[self.index] = np.ascontiguousarray(values.astype(self.np_dtype)).view(carrier.dtype)
+        self.before = self.buf.copy()
+
+    def values(self, which: str = "now") -> np.ndarray:
+        buf = self.buf if which == "now" else self.before
+        return buf.view(self.np_dtype)[self.index]
+
+    def element_bytes(self, which: str = "now") -> np.ndarray:
+        buf = self.buf if which == "now" else self.before
+        raw = buf.view(_CARRIER[self.itemsize])[self.index]
+        return raw.view(np.uint8).reshape(*self.shape, self.itemsize)
+
+    def footprint(self) -> np.ndarray:
+        mask = np.zeros(self.buf.size, dtype=bool)
+        starts = self.index.reshape(-1) * self.itemsize
+        for b in range(self.itemsize):
+            mask[starts + b] = True
+        return mask
+
+    # -- checks
+    def unchanged(self) -> bool:
+        return bool(np.array_equal(self.buf, self.before))
+
+    def assert_unchanged(self, what: str) -> None:
+        assert self.unchanged(), f"{what}: {self.label} changed ({_diff_report(self.buf, self.before)})"
+
+    def assert_outside_unchanged(self, what: str, others: Sequence[Region] = (), only_others: bool = False) -> None:
+        """Bytes outside this view (and `others`, views of the same buffer) unchanged;
+        only_others: outside `others` only (this view is a read array: its bytes stay too)."""
+        inside = np.zeros(self.buf.size, dtype=bool) if only_others else self.footprint()
+        for o in others:
+            if o.buf is self.buf:
+                inside |= o.footprint()
+        bad = ~inside & (self.buf != self.before)
+        assert not bad.any(), (
+            f"{what}: {int(bad.sum())} bytes of {self.label}'s buffer outside the view changed "
+            f"(first at byte {int(np.argmax(bad))} of {self.buf.size}; guard/gaps written)")
+
+
+def _diff_report(a: np.ndarray, b: np.ndarray) -> str:
+    d = np.flatnonzero(a != b)
+    return f"{d.size} bytes differ, first at {d[:5].tolist()}"
+
+
+@dataclass
+class Guard:
+    """Byte snapshot of any array's memory (a whole torch/NumPy buffer), for refusals."""
+
+    label: str
+    buf: np.ndarray
+    before: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.before = self.buf.copy()
+
+    def unchanged(self) -> bool:
+        return bool(np.array_equal(self.buf, self.before))
+
+
+def guard_of(label: str, x: Any) -> Guard:
+    """A snapshot of the whole storage behind x (torch tensor or NumPy array)."""
+    if isinstance(x, Region):
+        g = Guard(label, x.buf)
+        g.before = x.before.copy()
+        return g
+    if isinstance(x, torch.Tensor):
+        st = x.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+        return Guard(label, flat.numpy())
+    base = x
+    while isinstance(base, np.ndarray) and base.base is not None and isinstance(base.base, np.ndarray):
+        base = base.base
+    raw = np.ndarray(base.nbytes, np.uint8, buffer=base) if base.flags.c_contiguous else np.asarray(base).view(np.uint8)
+    return Guard(label, raw.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile index views
+
+
+ONE_D_LAYOUTS = ("contiguous", "offset", "stride2", "stride3", "negative", "expand")
+TWO_D_LAYOUTS = ("contiguous", "offset", "stride2", "fortran", "fortran-offset", "colstride",
+                 "negative", "negative-rows", "expand-rows", "expand-cols")
+
+
+def layout_fits(layout: str, values: np.ndarray) -> bool:
+    """Whether values can be shown in this layout (stride 0 needs equal values along it)."""
+    v = np.asarray(values)
+    if layout == "expand":
+        return v.size == 0 or bool((v == v.reshape(-1)[0]).all())
+    if layout == "expand-rows":
+        return v.shape[0] == 0 or bool((v == v[:1]).all())
+    if layout == "expand-cols":
+        return v.shape[1] == 0 or bool((v == v[:, :1]).all())
+    return True
+
+
+def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.random.Generator,
+               junk: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> tuple[Any, Guard]:
+    """`values` (1-D or 2-D) as an array of `dtype` in a hostile layout, plus a guard of its
+    buffer. Elements of the buffer outside the view hold `junk` (plausible wrong values), so a
+    kernel that reads the view as contiguous reads wrong indices."""
+    values = np.asarray(values)
+    dt = np_dtype(dtype)
+    junk = junk or (lambda shape: rng.integers(0, 3, shape))
+
+    def fill(shape):
+        with np.errstate(all="ignore"):
+            return np.asarray(junk(shape)).astype(dt)
+
+    def cast(v):
+        with np.errstate(all="ignore"):
+            return np.asarray(v).astype(dt)
+
+    if kind == "torch" and layout.startswith("negative"):
+        raise ValueError("torch tensors have no negative strides")
+    if values.ndim == 1:
+        n = values.shape[0]
+        if layout == "contiguous":
+            buf = cast(values).copy()
+            view = lambda b: b  # noqa: E731
+        elif layout == "offset":
+            buf = fill((n + 7,))
+            buf[3:3 + n] = cast(values)
+            view = lambda b: b[3:3 + n]  # noqa: E731
+        elif layout in ("stride2", "stride3"):
+            k = int(layout[-1])
+            buf = fill((k * n + 3,))
+            buf[1:1 + k * n:k] = cast(values)
+            view = lambda b: b[1:1 + k * n:k]  # noqa: E731
+        elif layout == "negative":
+            buf = fill((2 * n + 3,))
+            buf[1:1 + 2 * n:2] = cast(values[::-1])
+            view = lambda b: b[1:1 + 2 * n:2][::-1]  # noqa: E731
+        elif layout == "expand":
+            assert layout_fits(layout, values)
+            buf = fill((3,))
+            buf[1] = cast(values[:1])[0] if n else buf[1]
+            if kind == "torch":
+                view = lambda b: b[1:2].expand(n)  # noqa: E731
+            else:
+                view = lambda b: np.broadcast_to(b[1:2], (n,))  # noqa: E731
+        else:
+            raise ValueError(layout)
+    else:
+        r, c = values.shape
+        if layout == "contiguous":
+            buf = cast(values).copy()
+            view = lambda b: b  # noqa: E731
+        elif layout == "offset":
+            buf = fill((r + 3, c + 4))
+            buf[1:1 + r, 2:2 + c] = cast(values)
+            view = lambda b: b[1:1 + r, 2:2 + c]  # noqa: E731
+        elif layout == "stride2":
+            buf = fill((2 * r + 1, 2 * c + 1))
+            buf[1:1 + 2 * r:2, 0:2 * c:2] = cast(values)
+            view = lambda b: b[1:1 + 2 * r:2, 0:2 * c:2]  # noqa: E731
+        elif layout == "fortran":
+            buf = cast(values.T).copy()
+            view = lambda b: b.T  # noqa: E731
+        elif layout == "fortran-offset":
+            buf = fill((c + 2, r + 3))
+            buf[1:1 + c, 2:2 + r] = cast(values.T)
+            view = lambda b: b[1:1 + c, 2:2 + r].T  # noqa: E731
+        elif layout == "colstride":
+            buf = fill((r, 3 * c + 1))
+            buf[:, 1:1 + 3 * c:3] = cast(values)
+            view = lambda b: b[:, 1:1 + 3 * c:3]  # noqa: E731
+        elif layout == "negative":
+            buf = fill((2 * r + 2, 2 * c + 2))
+            buf[1:1 + 2 * r:2, 1:1 + 2 * c:2] = cast(values[::-1, ::-1])
+            view = lambda b: b[1:1 + 2 * r:2, 1:1 + 2 * c:2][::-1, ::-1]  # noqa: E731
+        elif layout == "negative-rows":  # np.flipud: rows backwards, each row contiguous
+            buf = fill((r + 2, c))
+            buf[1:1 + r] = cast(values[::-1])
+            view = lambda b: b[1:1 + r][::-1]  # noqa: E731
+        elif layout == "expand-rows":
+            assert layout_fits(layout, values)
+            buf = fill((c + 2,))
+            if r:
+                buf[1:1 + c] = cast(values[0])
+            if kind == "torch":
+                view = lambda b: b[1:1 + c].expand(r, c)  # noqa: E731
+            else:
+                view = lambda b: np.broadcast_to(b[1:1 + c], (r, c))  # noqa: E731
+        elif layout == "expand-cols":
+            assert layout_fits(layout, values)
+            buf = fill((r + 2, 1))
+            if c:
+                buf[1:1 + r, 0] = cast(values[:, 0])
+            if kind == "torch":
+                view = lambda b: b[1:1 + r].expand(r, c)  # noqa: E731
+            else:
+                view = lambda b: np.broadcast_to(b[1:1 + r], (r, c))  # noqa: E731
+        else:
+            raise ValueError(layout)
+    buf = np.ascontiguousarray(buf)
+    guard = Guard(f"index buffer ({layout})", buf.reshape(-1).view(np.uint8))
+    arr = view(torch.from_numpy(buf)) if kind == "torch" else view(buf)
+    got = arr.numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
+    assert got.shape == values.shape and np.array_equal(got, cast(values)), "index_view built wrong values"
+    return arr, guard
+
+
+def layouts_for(kind: str, ndim: int) -> tuple[str, ...]:
+    names = ONE_D_LAYOUTS if ndim == 1 else TWO_D_LAYOUTS
+    return tuple(n for n in names if not (kind == "torch" and n.startswith("negative")))
+
+
+# ---------------------------------------------------------------------------------------------
+# realistic cache contents (for attention) and the oracle's view of them
+
+
+def fill_codes(mode_name: str, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str = "bfloat16"):
+    """Cache values as (codes uint8 or model-dtype values, per-row scales or None): no NaN."""
+    mode = MODES[mode_name]
+    if mode.code_dtype is None:
+        return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
+    if mode.is_int8:
+        codes = rng.integers(-127, 128, shape).astype(np.int8).view(np.uint8)
+    else:
+        fmt = getattr(ml_dtypes, mode.code_dtype)
+        y = np.clip(rng.standard_normal(shape) * mode.qmax / 3, mode.qmin, mode.qmax).astype(np.float32)
+        codes = y.astype(fmt).view(np.uint8)
+    if not mode.per_token_head:
+        return codes, None
+    return codes, rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)
+
+
+def static_scale(rng: np.random.Generator) -> float:
+    # Codes spread over about +-150 (fill_codes): decoded values of order 1, logits of order 1.
+    return float(np.float32(rng.uniform(0.004, 0.02)))
+
+
+def cache_dtype(mode_name: str, model_dtype: str, storage: str = "code") -> str:
+    mode = MODES[mode_name]
+    if mode.code_dtype is None:
+        return model_dtype
+    return "uint8" if storage == "uint8" else mode.code_dtype
+
+
+@dataclass
+class Caches:
+    """Guarded key/value caches (and scale caches) in one mode."""
+
+    mode: str
+    key: Region
+    value: Region
+    k_scale: Region | None
+    v_scale: Region | None
+    k_static: float | None = None
+    v_static: float | None = None
+
+    @property
+    def regions(self) -> list[Region]:
+        return [r for r in (self.key, self.value, self.k_scale, self.v_scale) if r is not None]
+
+    def api_kwargs(self) -> dict[str, Any]:
+        return dict(
+            mode=self.mode,
+            k_scale_cache=None if self.k_scale is None else self.k_scale.array,
+            v_scale_cache=None if self.v_scale is None else self.v_scale.array,
+            k_scale=self.k_static, v_scale=self.v_static,
+        )
+
+    def oracle_codes(self, which: str, when: str = "now"):
+        """(codes uint8 or model-dtype values, float32 scales or None) as the oracle takes them."""
+        r = self.key if which == "key" else self.value
+        s = self.k_scale if which == "key" else self.v_scale
+        codes = r.values(when) if MODES[self.mode].code_dtype is None else r.element_bytes(when)[..., 0]
+        scales = None if s is None else s.values(when)
+        return codes, scales
+
+    def decoded(self, which: str, when: str = "now") -> np.ndarray:
+        codes, scales = self.oracle_codes(which, when)
+        static = self.k_static if which == "key" else self.v_static
+        return oracle.decode_cache(codes, scales, self.mode, static)
+
+
+def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, model_dtype: str = "bfloat16",
+                storage: str = "code", realistic: bool = True, gaps: bool = True, layout: str = "separate") -> Caches:
+    """layout "separate": four guarded buffers; "inline": one guarded, 4-byte aligned page
+    buffer [NB, 2, BS, H, D + 4] with gaps, viewed through kvzoo.layout.inline_views (SPEC 5);
+    "interleaved": separate codes, the two scale caches interleaved in one float32 buffer."""
+    mode = MODES[mode_name]
+    dt = cache_dtype(mode_name, model_dtype, storage)
+    if layout == "inline":
+        from kvzoo.layout import inline_views
+
+        nb, bs, h, d = shape
+        page = Region(rng, (nb, 2, bs, h, d + 4), "uint8", kind, label="inline page", gaps=gaps, align=4)
+        views = inline_views(page.array, d, mode_name)
+        idx = page.index
+        key = page.sub("key_cache", views.key_cache, idx[:, 0, ..., :d], mode.code_dtype)
+        value = page.sub("value_cache", views.value_cache, idx[:, 1, ..., :d], mode.code_dtype)
+        ks = page.sub("k_scale_cache", views.k_scale_cache, idx[:, 0, ..., d] // 4, "float32")
+        vs = page.sub("v_scale_cache", views.v_scale_cache, idx[:, 1, ..., d] // 4, "float32")
+    else:
+        key = Region(rng, shape, dt, kind, label="key_cache", gaps=gaps)
+        value = Region(rng, shape, dt, kind, label="value_cache", gaps=gaps)
+        ks = vs = None
+        if mode.per_token_head and layout == "interleaved":
+            both = Region(rng, (*shape[:3], 2), "float32", kind, label="k/v scale buffer", gaps=gaps)
+            ks = both.sub("k_scale_cache", both.array[..., 0], both.index[..., 0], "float32")
+            vs = both.sub("v_scale_cache", both.array[..., 1], both.index[..., 1], "float32")
+        elif mode.per_token_head:
+            ks = Region(rng, shape[:3], "float32", kind, label="k_scale_cache", gaps=gaps)
+            vs = Region(rng, shape[:3], "float32", kind, label="v_scale_cache", gaps=gaps)
+    if realistic:
+        for codes_r, scale_r in ((key, ks), (value, vs)):
+            codes, scales = fill_codes(mode_name, rng, shape, model_dtype)
+            codes_r.set_values(codes if mode.code_dtype is None else codes)
+            if scale_r is not None:
+                scale_r.set_values(scales)
+    statics = (static_scale(rng), static_scale(rng)) if mode.per_tensor else (None, None)
+    return Caches(mode_name, key, value, ks, vs, *statics)
+
+
+def same_bytes_caches(rng_seed_key: Any, mode_name: str, shape, kind: str, storage: str, **kw) -> Caches:
+    """Caches whose bytes depend only on the key (so two storages can be compared)."""
+    return make_caches(rng_for(*rng_seed_key), mode_name, shape, kind, storage=storage, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def float_rows(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Fresh random rows (varied magnitudes, never zeros) in dtype."""
+    scale = rng.choice([0.05, 1.0, 30.0], size=(*shape[:-1], 1))
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return x.astype(np.float32).astype(numpy_dtype(dtype))
+
+
+def data_region(rng, values: np.ndarray, dtype: str, kind: str, label: str, *, flip: Sequence[int] = (),
+                gaps: bool = True) -> Region:
+    r = Region(rng, values.shape, dtype, kind, label=label, flip=flip, gaps=gaps)
+    r.set_values(values)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# oracle checks
+
+
+def expected_write(caches: Caches, key_vals: np.ndarray, value_vals: np.ndarray, slots: np.ndarray,
+                   rounding: str = "nearest"):
+    """The oracle's caches after the write, from the caches' bytes before it."""
+    kc, ks = caches.oracle_codes("key", "before")
+    vc, vs = caches.oracle_codes("value", "before")
+    nb, bs = caches.key.shape[:2]
+    return oracle.reshape_and_cache(
+        key_vals, value_vals, np.asarray(slots, np.int64), mode_name=caches.mode, num_blocks=nb, block_size=bs,
+        rounding=rounding, k_scale=caches.k_static, v_scale=caches.v_static,
+        key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
+    )
+
+
+def _raw(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint8).reshape(*x.shape, x.dtype.itemsize)
+
+
+def assert_write_matches(impl_name: str, caches: Caches, key_vals, value_vals, slots, rounding: str = "nearest"):
+    """Nothing outside the views changed; exactly the named (slot, head) rows changed; the
+    views equal the oracle's caches byte for byte."""
+    what = f"{impl_name} reshape_and_cache"
+    for r in caches.regions:
+        r.assert_outside_unchanged(what, caches.regions)
+    slots = np.asarray(slots, np.int64)
+    nb, bs, h = caches.key.shape[:3]
+    named = np.zeros((nb, bs), dtype=bool)
+    written = slots[slots >= 0]
+    named.reshape(-1)[written] = True
+    for r in caches.regions:
+        diff = (r.element_bytes() != r.element_bytes("before")).reshape(nb, bs, h, -1).any(axis=(2, 3))
+        stray = diff & ~named
+        assert not stray.any(), (
+            f"{what}: {r.label} rows of slots {np.flatnonzero(stray.reshape(-1))[:8].tolist()} changed, "
+            f"which slot_mapping does not name")
+    want = expected_write(caches, key_vals, value_vals, slots, rounding)
+    for r, w in zip((caches.key, caches.value, caches.k_scale, caches.v_scale), want):
+        if r is None:
+            continue
+        got = r.element_bytes()
+        exp = _raw(w)
+        bad = (got != exp).reshape(got.shape[:-1] + (-1,)).any(axis=-1)
+        assert not bad.any(), (
+            f"{what}: {r.label}: {int(bad.sum())} of {bad.size} elements differ from the oracle "
+            f"(seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}")
+
+
+def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bitwise equality of float32 arrays, any NaN equal to any NaN."""
+    g = np.asarray(got, np.float32)
+    w = np.asarray(want, np.float32)
+    assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
+    nan = np.isnan(g) & np.isnan(w)
+    g = np.where(nan, np.float32(0), g)
+    w = np.where(nan, np.float32(0), w)
+    bad = g.view(np.uint32) != w.view(np.uint32)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} values differ (seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}"
+
+
+def to_host_float32(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x).astype(np.float32)
+
+
+OUT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
+
+
+def assert_attention_close(impl: Any, got: np.ndarray, ref: np.ndarray, qsl: np.ndarray, query_dtype: str,
+                           what: str = "") -> None:
+    """kvzoo/conformance/checks.py's comparison: per sequence, relative Frobenius error within
+    the implementation's attention_rtol plus the output dtype's rounding; finite where ref is."""
+    got = np.asarray(got, np.float64)
+    poisoned = ~np.isfinite(ref)
+    assert not np.isfinite(got[poisoned]).any(), f"{impl.name}{what}: a poisoned key gave finite output"
+    unwritten = ~np.isfinite(got) & ~poisoned
+    assert not unwritten.any(), f"{impl.name}{what}: {int(unwritten.sum())} output elements not finite/unwritten"
+    got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
+    tol = impl.attention_rtol + OUT_ROUNDOFF[query_dtype]
+    qsl = np.asarray(qsl, np.int64)
+    for s in range(len(qsl) - 1):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        if rows.stop == rows.start:
+            continue
+        err = np.linalg.norm(got[rows] - ref[rows]) / max(np.linalg.norm(ref[rows]), 1e-30)
+        assert math.isfinite(err) and err <= tol, (
+            f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})")
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class Batch:
+    q_lens: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray  # [S, max_blocks], unused entries hold other valid block ids
+    num_blocks: int
+    block_size: int
+
+    @property
+    def qsl(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+
+def make_batch(rng: np.random.Generator, kind: str = "mixed", block_size: int = 4) -> Batch:
+    """Small varlen batches: 'decode', 'prefill', 'mixed' (decodes, a chunk on earlier context,
+    a fresh prefill, sequences ending mid-block)."""
+    if kind == "decode":
+        seq_lens = rng.integers(1, 14, 3)
+        q_lens = np.ones(3, np.int64)
+    elif kind == "prefill":
+        seq_lens = rng.integers(1, 10, 2)
+        q_lens = seq_lens.copy()
+    elif kind == "mixed":
+        seq_lens = np.array([rng.integers(1, 12), rng.integers(6, 14), rng.integers(1, 8)])
+        q_lens = np.array([1, rng.integers(2, 5), seq_lens[2]])
+    else:
+        raise ValueError(kind)
+    blocks = -(-seq_lens // block_size)
+    num_blocks = int(blocks.sum()) + 2
+    max_blocks = int(blocks.max()) + 1
+    order = rng.permutation(num_blocks)
+    tables = rng.integers(0, num_blocks, (len(seq_lens), max_blocks))
+    start = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = order[start:start + n]
+        start += n
+    return Batch(q_lens.astype(np.int64), seq_lens.astype(np.int64), tables.astype(np.int64), num_blocks, block_size)
+
+
+def reference_attention(caches: Caches, query_vals: np.ndarray, tables, seq_lens, qsl, *,
+                        quantize_query: bool = False, **options) -> np.ndarray:
+    k_deq = caches.decoded("key", "before")
+    v_deq = caches.decoded("value", "before")
+    q = query_vals
+    if quantize_query:
+        d = q.shape[-1]
+        rows = oracle.widen_to_float32(q).reshape(-1, d)
+        q = oracle.decode_rows(*oracle.quantize_rows(rows, caches.mode), caches.mode).reshape(q.shape)
+    return oracle.attention_f64(q, k_deq, v_deq, np.asarray(tables), np.asarray(seq_lens), np.asarray(qsl),
+                                **options)
+
+
+__all__ = [n for n in dir() if not n.startswith("_")] + ["kvzoo"]
