@@ -144,6 +144,36 @@ def dequantize(cache, block_tables, seq_lens, cu_seq_lens, out, codec, scale_cac
     out[...] = _gather_decoded(cache, scale_cache, scale, block_tables, seq_lens, codec)
 
 
+# Power-of-two row factors (_unit_rows): the largest exponent whose factor and undo are both
+# normal float32.
+_MAX_FACTOR_EXPONENT = 126
+
+
+def _unit_rows(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q * 2^k, 2^-k) per row (last axis), k chosen from the row's absmax so that the scaled
+    row's absmax lies in [0.5, 1) (rows below 2^-126, subnormal ones included, stop at 2^126).
+    Exact: a scaled element is rounded only where it falls below float32's normals, at 2^-125
+    of the row's absmax or less. Zero rows give k = 0; NaN and Inf stay."""
+    _, expo = np.frexp(np.max(np.abs(q), axis=-1, keepdims=True))
+    k = np.clip(-expo, -_MAX_FACTOR_EXPONENT, _MAX_FACTOR_EXPONENT)
+    return np.ldexp(q, k), np.ldexp(np.float32(1.0), -k)
+
+
+def _logit_operands(q, k_scales, sm_scale, codec):
+    """(query operand, scales) whose q . codes times the scales are the logits, for query rows
+    q [Hkv, rows, D] and key scales k_scales [Hkv, 1, L].
+
+    q . codes grows with the query row while the codes' size is fixed (1e36 x 127 x D
+    overflows float32 before the key scale could bring it back), so each row is scaled to an
+    absmax near 1 by a power of two (exact) and softmax_scale is folded into it; the row's undo
+    meets the key scale first, as the logit's own scale, in range wherever the logit is (SPEC.md
+    section 11). Mode none keeps q: there q . k is the logit over softmax_scale."""
+    if codec.granularity == "none":
+        return q, sm_scale
+    q, undo = _unit_rows(q)
+    return q * sm_scale, undo * k_scales
+
+
 def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     """Codes [L, H, D] as float32 and per-key scales [L, H] (ones when not per-token-head)."""
     block_size = cache.shape[1]
@@ -213,7 +243,8 @@ def paged_attention(
             if sliding_window is not None:
                 visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
             with np.errstate(all="ignore"):
-                logits = np.matmul(q, k_codes) * k_scales * sm_scale
+                q, logit_scales = _logit_operands(q, k_scales, sm_scale, codec)
+                logits = np.matmul(q, k_codes) * logit_scales
                 if softcap is not None:
                     logits = np.float32(softcap) * np.tanh(logits / np.float32(softcap))
                 logits = np.where(visible[None], logits, -np.inf)

@@ -813,10 +813,10 @@ def _exp_nonpositive(x):
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _scale_visible(sc, s0, kscale, n):
-    """sc[s0+kk] *= kscale[kk]; returns the max, NaN if any is NaN (branch-free)."""
+def _scale_visible(sc, s0, kscale, undo, n):
+    """sc[s0+kk] *= kscale[kk] * undo; returns the max, NaN if any is NaN (branch-free)."""
     for kk in range(n):
-        sc[_u(s0 + kk)] *= kscale[_u(kk)]
+        sc[_u(s0 + kk)] *= kscale[_u(kk)] * undo
     top = _NEG_INF
     nan = _i32(0)
     for kk in range(n):
@@ -868,10 +868,10 @@ def _prefetch_tile(
 @njit(**_LEAF)
 def _tile_keys(
     kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
-    softmax_scale, krow, vrow, kscale, vscale,
+    key_unit, krow, vrow, kscale, vscale,
 ):  # fmt: skip
     """For the n keys from page index bi, offset off: where their K and V code rows start
-    (krow, vrow) and, with per-token-head scales, kscale = K scale * softmax_scale and vscale =
+    (krow, vrow) and, with per-token-head scales, kscale = K scale * key_unit and vscale =
     V scale. One page lookup per page run, not per key."""
     kk = 0
     while kk < n:
@@ -886,11 +886,32 @@ def _tile_keys(
             ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
             va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
             for i in range(run):
-                kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * softmax_scale
+                kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * key_unit
                 vscale[_u(kk + i)] = f32_from_bits(vsc[_u(va + i * vscs[2])])
         kk += run
         off = 0
         bi += 1
+
+
+_MAX_FACTOR_EXPONENT = 126  # _unit_row: the largest 2^k whose 2^-k is also a normal float32
+
+
+@njit(inline="always")
+def _unit_row(q, q0, n, unit):
+    """Scales the query row q[q0:q0+n] by a power of two 2^k that takes its absmax into [1, 2)
+    (k within +-126, so rows below 2^-126, subnormal ones included, stop at 2^126), then by
+    unit (one rounding); returns 2^-k. The power of two is exact (an element is rounded only
+    below 2^-125 of the row's absmax), so q . codes has the same size whatever the row's, and
+    2^-k goes into the logit's scale beside the key scale instead (SPEC.md section 11)."""
+    amax = _i32(0)
+    for d in range(n):
+        b = _i32(i32_from_f32(q[_u(q0 + d)]) & _i32(0x7FFFFFFF))
+        amax = b if b > amax else amax
+    k = min(max(_i32(127) - (amax >> _i32(23)), -_MAX_FACTOR_EXPONENT), _MAX_FACTOR_EXPONENT)
+    factor = f32_from_bits((_i32(127) + k) << _i32(23))
+    for d in range(n):
+        q[_u(q0 + d)] = (q[_u(q0 + d)] * factor) * unit
+    return f32_from_bits((_i32(127) - k) << _i32(23))
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
@@ -917,8 +938,17 @@ def _attention_item(
     first_pos = seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
     rows = nq * group
 
+    # The dot meets codes, whose size is fixed while the key's sits in its scale: q . codes
+    # grows with the query row (1e36 x 127 x D overflows) where the logit need not. Such rows
+    # are scaled to unit size by a power of two with softmax_scale folded in, and each row's
+    # undo meets the key scale before the dot does (kscale * undo: the logit's own scale, in
+    # range wherever the logit is). Mode none's q . k is the logit's size already: kept as is.
+    codes = kv_kind == I8 or kv_kind == E4M3FN or kv_kind == E4M3FNUZ
+    key_unit = _ONE if codes else softmax_scale
+
     # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
     q = np.empty(rows * hd, dtype=np.float32)
+    undo = np.empty(rows, dtype=np.float32)
     pos = np.empty(rows, dtype=np.int64)
     m = np.empty(rows, dtype=np.float32)
     l_sum = np.empty(rows, dtype=np.float32)
@@ -934,6 +964,7 @@ def _attention_item(
             _load_row(query, q0, qs[3], F16, q[r * hd :], hd)
         else:
             _load_row(query, q0, qs[3], F32, q[r * hd :], hd)
+        undo[r] = _unit_row(q, r * hd, hd, softmax_scale) if codes else _ONE
         if has_sinks:
             m[r] = sinks[h]
             l_sum[r] = _ONE
@@ -954,10 +985,7 @@ def _attention_item(
     vrow = np.empty(TILE, dtype=np.int64)
     # Few rows (decode): the products read the codes in the cache and decode them in registers.
     # Otherwise decode each K/V tile once into kt/vt for all the rows.
-    fused = (
-        (kv_kind == I8 or kv_kind == E4M3FN or kv_kind == E4M3FNUZ)
-        and rows <= _FUSED_ROWS and kcs[4] == 1 and vcs[4] == 1
-    )  # fmt: skip
+    fused = codes and rows <= _FUSED_ROWS and kcs[4] == 1 and vcs[4] == 1
     kt = np.empty(0 if fused else TILE * hd, dtype=np.float32)
     vt = np.empty(0 if fused else TILE * hd, dtype=np.float32)
     tile_rows = np.arange(TILE) * hd
@@ -978,11 +1006,11 @@ def _attention_item(
             )  # fmt: skip
         _tile_keys(
             kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
-            softmax_scale, krow, vrow, kscale, vscale,
+            key_unit, krow, vrow, kscale, vscale,
         )  # fmt: skip
         if not has_scales and k0 == lo:
             for kk in range(TILE):
-                kscale[kk] = k_tscale * softmax_scale
+                kscale[kk] = k_tscale * key_unit
                 vscale[kk] = v_tscale
         if fused:
             _fused_scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
@@ -999,7 +1027,7 @@ def _attention_item(
                     sc[s0 + kk] = _ZERO  # the whole tile is in this row's future
                 continue
             if softcap == 0 and k0 + n - 1 <= p and (window == 0 or k0 > p - window):
-                tile_max = _scale_visible(sc, s0, kscale, n)  # every key visible: no mask
+                tile_max = _scale_visible(sc, s0, kscale, undo[r], n)  # every key visible: no mask
             else:
                 tile_max = _NEG_INF
                 for kk in range(n):
@@ -1007,7 +1035,7 @@ def _attention_item(
                     if kp > p or (window > 0 and kp <= p - window):
                         sc[s0 + kk] = _NEG_INF
                         continue
-                    x = sc[s0 + kk] * kscale[kk]
+                    x = sc[s0 + kk] * (kscale[kk] * undo[r])
                     if softcap > 0:
                         x = softcap * math.tanh(x / softcap)
                     sc[s0 + kk] = x

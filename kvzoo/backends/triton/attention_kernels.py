@@ -10,7 +10,9 @@ Per-token-head modes keep the dots on the codes: q . codes is scaled by the key'
 the dot, and the probabilities are scaled by the value's scale before P . V. Codes are exact in
 fp16 (int8 and e4m3 both), so quantized modes dot in fp16 on any query dtype; the query rows
 are rescaled by a power of two into fp16's range first (exact), which keeps bf16 and fp32
-queries safe. Mode "none" dots in the cache dtype (fp32 for fp32 caches).
+queries safe, and the row's undo factor meets the key's scale before the dot's result does, so
+rows of any magnitude give finite logits wherever the logits are (SPEC.md section 11). Mode
+"none" dots in the cache dtype (fp32 for fp32 caches).
 
 Long contexts with few sequences use split-KV: each program covers `split_keys` keys of one
 decode token and writes its partial (max, sum, acc); a second kernel merges the splits in a
@@ -45,10 +47,18 @@ _CONVERT_CAST = 0  # .to(dot dtype)
 _CONVERT_I8_ASM = 1  # int8 -> fp16 with byte permutes (CUDA): the cast is an I2F per code
 _CONVERT_TABLE = 2  # fp8 byte -> float32 through a 256-entry table (the interpreter has no fp8 math)
 _CONVERT_E4M3_ASM = 3  # e4m3 -> fp16 (CUDA), as inline asm so it stays in the load layout
-_CONVERT_I8_OFFSET = 4  # int8 -> fp16 1152 + c (CUDA); dots corrected per row (decode)
-_CONVERT_I8_OFFSET_CAST = 5  # the same values through a cast and an add (interpreter)
+_CONVERT_BF16_BITS = 4  # bf16 caches as int16 bits, widened by hand (interpreter: encode.bf16_as_bits)
+# The offset conversions come last: kernels test CODE_CONVERT >= 5 for them.
+_CONVERT_I8_OFFSET = 5  # int8 -> fp16 1152 + c (CUDA); dots corrected per row (decode)
+_CONVERT_I8_OFFSET_CAST = 6  # the same values through a cast and an add (interpreter)
 # fp16 value of an int8 code c under the offset conversions.
 I8_OFFSET = tl.constexpr(1152.0)
+
+# Smallest K of a tensor-core dot on NVIDIA GPUs (Triton's min_dot_size): 16 for 16-bit
+# operands, 32 for int8 (quantize_query's q . codes; Triton refuses to compile a smaller one).
+# The head dimension is padded up to it with masked loads of zeros, which add nothing.
+_MIN_DOT_K = 16
+_MIN_DOT_K_INT8 = 32
 
 # Scale kinds (SCALE_MODE).
 _SCALE_NONE = 0
@@ -107,16 +117,28 @@ def _codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.conste
     # keys, strided in memory) turns every code into a 1-byte shared-memory load.
     if CODE_CONVERT == 1:
         return _int8x4_to_fp16_offset(x, PURE) - 1152.0
-    elif CODE_CONVERT == 4:
-        return _int8x4_to_fp16_offset(x, PURE)
     elif CODE_CONVERT == 5:
+        return _int8x4_to_fp16_offset(x, PURE)
+    elif CODE_CONVERT == 6:
         return x.to(tl.float16) + 1152.0
     elif CODE_CONVERT == 3:
         return _e4m3x4_to_fp16(x, PURE)
     elif CODE_CONVERT == 2:
         return tl.load(table_ptr + x.to(tl.uint8, bitcast=True).to(tl.int32)).to(DOT_DTYPE)
+    elif CODE_CONVERT == 4:
+        return _encode.widen_bf16_bits(x)
     else:
         return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def _unit_ratios(scales):
+    """(scales / unit, unit) for a tile's per-key scales, unit their largest: 16-bit operands
+    normalised so that they cannot overflow. The unit is at least the smallest normal float32,
+    so 1 / unit stays finite and a tile of subnormal scales (keys near 1e-37, the ones that
+    meet query rows near 1e37 at logits of O(1)) gets ratios below 1 instead of Inf."""
+    unit = tl.maximum(tl.max(scales, axis=0), _encode.SMALLEST_NORMAL)
+    return scales * (1.0 / unit), unit
 
 
 @triton.jit
@@ -211,24 +233,31 @@ def _attend_tile(
         else:
             s = s * row_scale[:, None]
     elif QK_INT8:
+        # s is an integer and row_scale at least SCALE_FLOOR times the logit unit, so s * ks
+        # first overflows only where the logit does too (for any softmax_scale above 1e-13),
+        # and an exact 0 stays 0 (the product of the two scales first could be Inf there).
         s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
     elif SCALE_IN_CODES and SCALE_MODE == 2:
         k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
-        k_max = tl.max(ks, axis=0)
-        k_ratio = ks * tl.where(k_max > 0.0, 1.0 / k_max, 0.0)
+        k_ratio, k_unit = _unit_ratios(ks)
         k = k * k_ratio.to(DOT_DTYPE)[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_max)[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_unit)[:, None]
     else:
         if SCALE_IN_CODES:
             k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
         else:
             k = _codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if CODE_CONVERT >= 4:
+        if CODE_CONVERT >= 5:
             s = s - q_offset[:, None]
         if SCALE_MODE == 2:
-            s = s * ks[None, :]
-        s = s * row_scale[:, None]
+            # s is the dot of the rescaled row (absmax near 2^14) with the codes, so its size is
+            # fixed; the row's undo (the query's magnitude) and the key's scale meet first, as
+            # the logit's own scale: s * ks alone overflows for huge keys beside tiny query
+            # rows, s * row_scale alone for huge query rows. Two products either way.
+            s = s * (row_scale[:, None] * ks[None, :])
+        else:
+            s = s * row_scale[:, None]
     if HAS_SOFTCAP:
         # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
         e2 = tl.exp(2.0 * (s / softcap))
@@ -270,6 +299,8 @@ def _attend_tile(
             vs = _load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh,
                             key_ok, MASKED)
         if SCALE_IN_CODES:
+            # (Unlike K's, V's tile scale is not floored: that cost 8 bytes of spills in fp8
+            # prefill on sm_90a, and no query magnitude needs subnormal V scales.)
             v_max = tl.max(vs, axis=0)
             v_ratio = vs * tl.where(v_max > 0.0, 1.0 / v_max, 0.0)
             v = v * v_ratio.to(DOT_DTYPE)[:, None]
@@ -280,17 +311,20 @@ def _attend_tile(
             if MASKED:
                 # Hidden keys may hold a NaN scale (a poisoned row): zero them after the product.
                 pv = tl.where(visible, pv, 0.0)
-            # Normalise each row by its largest weight so the fp16 operand cannot overflow.
-            w = tl.max(pv, axis=1)
-            pv = (pv * tl.where(w > 0.0, 1.0 / w, 0.0)[:, None]).to(DOT_DTYPE)
+            # Normalise each row by its largest weight so the fp16 operand cannot overflow. The
+            # weight is floored at the smallest normal float32: a tile whose keys all sit ~90
+            # below the row's largest logit (log2 units) has subnormal weights, whose reciprocal
+            # would be Inf (and NaN in the output).
+            w = tl.maximum(tl.max(pv, axis=1), _encode.SMALLEST_NORMAL)
+            pv = (pv * (1.0 / w)[:, None]).to(DOT_DTYPE)
             pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
-            if CODE_CONVERT >= 4:
+            if CODE_CONVERT >= 5:
                 pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
             acc = acc * alpha[:, None] + pv_v * w[:, None]
     else:
         p16 = p.to(DOT_DTYPE)
         pv_v = tl.dot(p16, v, input_precision=DOT_PRECISION)
-        if CODE_CONVERT >= 4:
+        if CODE_CONVERT >= 5:
             pv_v = pv_v - I8_OFFSET * tl.sum(p16.to(tl.float32), axis=1)[:, None]
         acc = acc * alpha[:, None] + pv_v
     return m_i, l_i, acc, v_unit
@@ -404,37 +438,44 @@ def _attention_kernel(
     d_ok = d < HEAD_D
     token = (q_start + q_idx).to(tl.int64)
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
-    # Logit scale per row in log2 units (exp2 below); softcap needs natural units first.
-    if HAS_SOFTCAP:
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * softmax_scale
-    else:
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (softmax_scale * 1.4426950408889634)
-    if SCALE_MODE == 1:
-        row_scale = row_scale * tl.load(ks_ptr)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    # Logit scale per row: what carries the row's magnitude (the undo of its power-of-two
+    # rescaling, or its int8 scale), times a static key scale, times the logit unit last (log2
+    # units for exp2 below; softcap needs natural units first). Magnitudes meet first, so a
+    # huge query row and a tiny static scale cancel before anything else can overflow.
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if Q_STAGED:
         # staging.py rescaled the rows into fp16 already: q meets the dot as loaded, so wgmma
         # reads it from shared memory (why that matters: staging.py's docstring).
-        row_scale = row_scale * tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+        row_scale = tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
     else:
-        q = q.to(tl.float32)
+        q = _encode.load_f32(q_ptrs, q_ok)
         if Q_RESCALE:
-            # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow.
+            # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow, and
+            # q . codes has the same size whatever the row's (SPEC.md section 11).
             factor, undo = _encode.fp16_row_factors(tl.max(tl.abs(q), axis=1))
             q = q * factor[:, None]
-            row_scale = row_scale * undo
+            row_scale = undo
         if QK_INT8:
             # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
             q_scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), 127.0, SCALE_FLOOR)
             q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], 1, 0, False).to(tl.int8)
-            row_scale = row_scale * q_scale
+            row_scale = q_scale
         else:
             q = q.to(DOT_DTYPE)
-    # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
-    q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
+    if SCALE_MODE == 1:
+        row_scale = row_scale * tl.load(ks_ptr)
+    if HAS_SOFTCAP:
+        row_scale = row_scale * softmax_scale
+    else:
+        row_scale = row_scale * (softmax_scale * 1.4426950408889634)
+    if CODE_CONVERT >= 5:
+        # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
+        q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
+    else:
+        q_offset = tl.zeros([BLOCK_M], tl.float32)  # unused (and a raw sum could overflow)
 
     # Keys this tile needs: up to its last row's position; from the window of its first row.
     tile_first = context + q_block * BLOCK_Q
@@ -730,8 +771,11 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig):
         return k, v, table, tl.float16, "tf32", _CONVERT_CAST, False
     if p.mode.code_dtype is None:
         same = k.dtype == p.query.dtype and k.dtype != torch.float32
-        # The interpreter carries bf16 as raw integers in dots: widen to fp32 there.
-        if same and not (interpreted and k.dtype == torch.bfloat16):
+        if interpreted and k.dtype == torch.bfloat16:
+            # The interpreter carries bf16 as raw integers in dots, and its cast to fp32 breaks
+            # subnormals: fp32 dots on values widened from the bits.
+            return k.view(torch.int16), v.view(torch.int16), table, tl.float32, "ieee", _CONVERT_BF16_BITS, False
+        if same:
             return k, v, table, _TORCH_TO_TL[k.dtype], "tf32", _CONVERT_CAST, False
         return k, v, table, tl.float32, "ieee", _CONVERT_CAST, False
     convert = _CONVERT_CAST
@@ -784,7 +828,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
     block_m = max(cfg.min_rows, cfg.block_q * g_pad)
-    block_d = max(16, _pow2(p.head_size))
+    block_d = max(_MIN_DOT_K_INT8 if p.quantize_query else _MIN_DOT_K, _pow2(p.head_size))
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
     num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
@@ -815,7 +859,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     else:
         part_m = part_l = part_acc = p.out
     args = (
-        p.query, k, v, ks, vs, p.out,
+        _encode.bf16_as_bits(p.query), k, v, ks, vs, p.out,
         part_m, part_l, part_acc,
         p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
         q_undo if q_undo is not None else dummy,

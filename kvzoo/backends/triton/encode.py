@@ -9,7 +9,9 @@ Things deliberately avoided, each measured to differ from the spec somewhere:
   available to the interpreter);
 - float -> fp8 conversion (the interpreter mis-rounds ties and subnormals; sm_89 rounds twice),
   except CODE_E4M3FN_CVT below, which compiled kernels on sm_90+ may choose;
-- `tl.max` for NaN detection (max.f32 drops NaN).
+- `tl.max` for NaN detection (max.f32 drops NaN);
+- bf16 -> fp32 casts under the interpreter (triton 3.6 turns bf16 subnormals into wrong
+  values): `bf16_as_bits` and `load_f32` widen bf16 there from its bits instead.
 
 Contraction: the only multiply whose result later meets an add is x * inv, and a min/max (the
 clamp, or encode_row_codes' max) or an abs sits between them, so no FMA can form whatever the
@@ -18,12 +20,17 @@ kernel's fp-fusion setting (tests/test_triton_write.py reads the PTX with fusion
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from . import platform as _platform
 
 # 1.5 * 2**23: adding then subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # half to even (the addition's own RNE does the work).
 RNE_MAGIC = tl.constexpr(12582912.0)
+# The smallest normal float32 (2^-126): a floor for divisors, whose reciprocals then stay finite.
+SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 CANONICAL_NAN_BITS = tl.constexpr(0x7FC00000)
 # Code formats, passed as the constexpr CODE of the kernels (host-side ints).
 CODE_COPY = 0
@@ -51,6 +58,21 @@ def bits_float(b):
 def widen_bf16_bits(raw16):
     """bf16 bit patterns (int16) -> the exact fp32 values; bf16 is the top half of an fp32."""
     return bits_float(raw16.to(tl.int32) << 16)
+
+
+def bf16_as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A model-dtype tensor as `load_f32` reads it exactly: bf16 as its int16 bits under the
+    interpreter, anything else (and everything on a GPU, where the cast is exact) as it is."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 and _platform.interpreted() else t
+
+
+@triton.jit
+def load_f32(ptrs, mask):
+    """Model-dtype elements widened to fp32 exactly (0 where masked); an int16 tensor is bf16
+    bits (`bf16_as_bits`)."""
+    if ptrs.dtype.element_ty == tl.int16:
+        return widen_bf16_bits(tl.load(ptrs, mask=mask, other=0))
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -82,13 +104,25 @@ def row_scale(absmax_bits, QMAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
     return bits_float(scale_bits), scale_bits
 
 
+# fp16_row_factors: the biased float32 exponent that a row's absmax is moved to (2^14: below
+# fp16's largest finite value, 28 binades above its smallest normal), and the largest factor
+# exponent whose factor and undo are both normal float32.
+FP16_ROW_EXPONENT = tl.constexpr(127 + 14)
+MAX_FACTOR_EXPONENT = tl.constexpr(126)
+
+
 @triton.jit
 def fp16_row_factors(amax):
     """Powers of two (factor, undo) per row for a row of absmax `amax` (float32): x * factor
     puts the row's absmax in [2^14, 2^15), so its fp16 cast keeps every bf16 bit and cannot
-    overflow, and factor * undo == 1 exactly (exponents clamped to +-100: both stay normal)."""
+    overflow, and factor * undo == 1 exactly, both normal.
+
+    Every finite absmax reaches that range (the factor for FLT_MAX is 2^-113), except rows
+    below 2^-112, subnormal ones included: their factor stops at 2^126, which still takes a
+    float32 subnormal to 2^-23 or more (fp16 holds it; a 1e-38 row lands near 0.85). A zero row
+    keeps zeros, and Inf/NaN rows stay Inf/NaN."""
     expo = (float_bits(amax) >> 23) & 0xFF
-    k = tl.minimum(tl.maximum(141 - expo, -100), 100)
+    k = tl.minimum(tl.maximum(FP16_ROW_EXPONENT - expo, -MAX_FACTOR_EXPONENT), MAX_FACTOR_EXPONENT)
     return bits_float((127 + k) << 23), bits_float((127 - k) << 23)
 
 

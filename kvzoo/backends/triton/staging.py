@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ...problem import Attention
 from . import platform as _platform
-from .encode import decode_codes, fp16_row_factors
+from .encode import SMALLEST_NORMAL, bf16_as_bits, decode_codes, fp16_row_factors, load_f32
 from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
@@ -77,8 +77,11 @@ def _stage_rows(
         page_scales = tl.load(scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0)
         # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
         page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
+        # Floored at the smallest normal float32 so that 1 / page_max stays finite: a page of
+        # subnormal scales (keys near 1e-37, for query rows near 1e37) keeps ratios below 1.
+        page_max = tl.maximum(page_max, SMALLEST_NORMAL)
         scale = tl.load(scales_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0.0)
-        ratio = scale * tl.where(page_max > 0.0, 1.0 / page_max, 0.0)
+        ratio = scale * (1.0 / page_max)
         x = x * ratio.to(tl.float16)[:, None]
         if store_page_scale:
             tl.store(page_scale_ptr, page_max)
@@ -169,7 +172,7 @@ def _stage_query_kernel(q_ptr, ws_ptr, undo_ptr, num_heads, head_size, s_qt, s_q
     d = tl.arange(0, BLOCK_D)
     h_ok = h < num_heads
     mask = h_ok[:, None] & (d < head_size)[None, :]
-    q = tl.load(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, mask=mask, other=0.0).to(tl.float32)
+    q = load_f32(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, mask)
     factor, undo = fp16_row_factors(tl.max(tl.abs(q), axis=1))
     row = token * num_heads + h
     tl.store(ws_ptr + row[:, None] * head_size + d[None, :], (q * factor[:, None]).to(tl.float16), mask=mask)
@@ -266,7 +269,7 @@ def staged_problem(p: Attention) -> Staged:
     tokens, q_heads = p.query.shape[0], p.num_q_heads
     ws_q = _allocate((tokens, q_heads, dim), torch.float16, device)
     q_undo = _allocate((tokens, q_heads), torch.float32, device)
-    _stage_query_kernel[(tokens,)](p.query, ws_q, q_undo, q_heads, dim, *p.query.stride(),
+    _stage_query_kernel[(tokens,)](bf16_as_bits(p.query), ws_q, q_undo, q_heads, dim, *p.query.stride(),
                                    BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
                                    num_warps=4)
     staged = dataclasses.replace(p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None],
