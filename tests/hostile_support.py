@@ -5,11 +5,19 @@ guard region before and after, gaps between rows and heads. After a call the tes
 every byte of that buffer with its value before (raw bytes), so a kernel that reads or writes
 past a view, into a gap, or through the wrong strides is caught. Expected results come from
 reference/oracle.py only (never from another kvzoo implementation).
+
+Torch tensors live where the implementation under test takes them (kvzoo.conformance's
+device_for: "cuda" for a GPU backend, "cpu" otherwise). The bytes are always drawn on the host;
+to_case_device places a buffer and to_host reads one back, and nothing else crosses between
+host and device, so KVZOO_HOSTILE_FORCE_COPY=1 (below) exercises the GPU path's copies on a
+CPU-only machine.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +30,8 @@ import torch
 
 import kvzoo
 from kvzoo import KVZooInputError, registry
-from kvzoo.arrays import numpy_dtype, torch_dtype
+from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
+from kvzoo.conformance.inputs import device_for
 from kvzoo.modes import MODES
 from reference import oracle
 
@@ -45,6 +54,83 @@ def th_dtype(name: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# where a case's tensors live
+
+
+# Test-only: on the CPU too, give the implementation copies of the host buffers and check
+# through copies read back, as on a GPU. Without it a CPU run views the host bytes directly,
+# and a check that forgot to read the device back would still pass here.
+FORCE_COPY = os.environ.get("KVZOO_HOSTILE_FORCE_COPY", "0") not in ("", "0")
+
+# Storages to_case_device made in this test (FORCE_COPY runs), by address; holding the tensors
+# keeps an address from being reused by a tensor built some other way.
+_PLACED: dict[int, Any] = {}
+
+
+def case_device(impl: Any) -> str:
+    """The device of every torch tensor of a case run against impl (None: no implementation)."""
+    return "cpu" if impl is None else device_for(impl)
+
+
+def to_case_device(t: Any, impl: Any) -> Any:
+    """CPU tensor t where impl takes its tensors. The plain CPU run keeps t itself, so views of
+    it stay views of the host bytes, as the battery always had them. Take views after placing:
+    the copy of an expanded view is the whole tensor."""
+    device = case_device(impl)
+    if device == "cpu" and not FORCE_COPY:
+        return t
+    placed = t.to(device) if device != "cpu" else t.clone()
+    if FORCE_COPY:
+        _PLACED[placed.untyped_storage().data_ptr()] = placed
+    return placed
+
+
+def to_host(t: Any) -> np.ndarray:
+    """Tensor t's values as a NumPy array on the host, for the byte comparisons. The plain CPU
+    run gets a view of t's memory; elsewhere it is a copy, which writing to changes nothing."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    elif FORCE_COPY:
+        t = t.clone()
+    return as_numpy(t)
+
+
+def case_tensor(x: Any, impl: Any) -> Any:
+    """x (a NumPy array or a CPU tensor) as a tensor on impl's case device."""
+    return to_case_device(torch.from_numpy(x) if isinstance(x, np.ndarray) else x, impl)
+
+
+def case_array(x: np.ndarray, kind: str, impl: Any) -> Any:
+    return case_tensor(x, impl) if kind == "torch" else x
+
+
+def case_kind(kind: str, impl: Any) -> str:
+    """The kind a case's arrays take for impl: "torch" where impl takes device tensors, for
+    cases in which NumPy only varies the dtype or layout and a device tensor can carry it."""
+    return "torch" if kind == "numpy" and case_device(impl) != "cpu" else kind
+
+
+def placement_checked(fn: Callable) -> Callable:
+    """fn, failing first (FORCE_COPY runs) if a tensor argument is not memory to_case_device
+    made: built beside it, that tensor would stay on the CPU of a GPU machine."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kw: Any) -> Any:
+        named = [*((f"argument {i}", x) for i, x in enumerate(args)), *kw.items()]
+        stray = [name for name, x in named if isinstance(x, torch.Tensor) and x.device.type != "meta"
+                 and x.untyped_storage().data_ptr() not in _PLACED]
+        assert not stray, f"{fn.__name__}: tensors not placed through to_case_device: {stray}"
+        return fn(*args, **kw)
+
+    return checked
+
+
+def forget_placed() -> None:
+    _PLACED.clear()
+
+
+# ---------------------------------------------------------------------------------------------
 # implementations, as the conformance suite iterates them
 
 
@@ -56,13 +142,17 @@ def impl_params(op: str) -> list[Any]:
     return [pytest.param(i, id=i.name) for i in impls(op)]
 
 
-def require_usable(impl: Any, mode: str | None = None) -> None:
-    """Skip only where the implementation says it cannot run here, or does not register the mode."""
+def require_usable(impl: Any, mode: str | None = None, *, kind: str = "torch") -> None:
+    """Skip only where the implementation says it cannot run here, does not register the mode,
+    or (kind "numpy") takes device tensors, which NumPy arrays are not."""
     reasons = impl.unavailable()
     if reasons:
         pytest.skip("; ".join(reasons))
     if mode is not None and mode not in impl.modes:
         pytest.skip(f"{impl.name} does not register mode {mode}")
+    device = case_device(impl)
+    if kind == "numpy" and device != "cpu":
+        pytest.skip(f"numpy arrays are CPU memory; {impl.name} takes {device} tensors")
 
 
 def impl_modes(impl: Any, candidates: Sequence[str]) -> list[str]:
@@ -134,17 +224,20 @@ def call_refused(impl: Any, fn: Callable, names: Sequence[str], guards: Sequence
 class Region:
     """A view of `shape` into a buffer of random bytes (guards before/after, gaps between rows).
 
-    `array` is what the test passes (NumPy view or torch view of the same memory); `index`
-    maps every element of the view to its element index in the buffer, so the test reads and
-    compares bytes without going through kvzoo.
+    `array` is what the test passes (NumPy view or torch view of the buffer); `index` maps
+    every element of the view to its element index in the buffer, so the test reads and
+    compares bytes without going through kvzoo. The bytes are drawn on the host (`host`);
+    `memory` is the buffer the views are taken of: `host` itself for NumPy views and the plain
+    CPU run, else its copy on impl's case device. Checks read it through now().
     """
 
     parent: Region | None = None
 
-    def __init__(self, rng: np.random.Generator, shape: Sequence[int], dtype: str, kind: str, *,
+    def __init__(self, rng: np.random.Generator, shape: Sequence[int], dtype: str, kind: str, *, impl: Any,
                  label: str = "", gaps: bool = True, steps: Sequence[int] | None = None,
                  flip: Sequence[int] = (), guard: int = 8, align: int = 1):
-        """align: every stride, the view's first element and the guards are multiples of
+        """impl: the implementation under test, which decides the device (None: the host).
+        align: every stride, the view's first element and the guards are multiples of
         `align` elements (the inline page needs its float32 scales 4-byte aligned)."""
         shape = tuple(int(s) for s in shape)
         nd = len(shape)
@@ -165,20 +258,25 @@ class Region:
         hi = (int(rng.integers(1, guard + 1)) if gaps else guard) * align
         body = int(np.prod(padded))
         total = lo + body + hi
-        self.buf = rng.integers(0, 256, total * self.itemsize, dtype=np.uint8)
+        self.host = rng.integers(0, 256, total * self.itemsize, dtype=np.uint8)
+        self.impl = impl
         sl = tuple(slice(a, a + n * s, s) for a, n, s in zip(starts, shape, steps))
         index = np.arange(lo, lo + body, dtype=np.int64).reshape(padded)[sl]
         flips = tuple(slice(None, None, -1) if d in flip else slice(None) for d in range(nd))
         self.index = index[flips]
         if kind == "numpy":
-            typed = self.buf.view(self.np_dtype)
+            self.memory, self.copied = self.host, False
+            typed = self.host.view(self.np_dtype)
             view = typed[lo:lo + body].reshape(padded)[sl][flips]
         else:
             assert not flip, "torch has no negative strides"
-            typed_t = torch.from_numpy(self.buf).view(th_dtype(dtype))
+            staged = torch.from_numpy(self.host)
+            self.memory = to_case_device(staged, impl)
+            self.copied = self.memory is not staged
+            typed_t = self.memory.view(th_dtype(dtype))
             view = typed_t[lo:lo + body].reshape(padded)[sl]
         self.array = view
-        self.before = self.buf.copy()
+        self.before = self.host.copy()
 
     def sub(self, label: str, array: Any, index: np.ndarray, dtype: str) -> Region:
         """Another view of this region's buffer: `index` counts elements of `dtype` in it."""
@@ -186,7 +284,8 @@ class Region:
         r.label, r.dtype, r.kind, r.shape = label, dtype, self.kind, tuple(index.shape)
         r.np_dtype = np_dtype(dtype)
         r.itemsize = r.np_dtype.itemsize
-        r.buf, r.index, r.array, r.parent = self.buf, index, array, self.root
+        r.host, r.memory, r.copied, r.impl = self.host, self.memory, self.copied, self.impl
+        r.index, r.array, r.parent = index, array, self.root
         return r
 
     @property
@@ -202,27 +301,35 @@ class Region:
         self.root._before = value
 
     # -- contents
+    def now(self) -> np.ndarray:
+        """The buffer's bytes as they are now, on the host (the host buffer itself where the
+        views are of it, else a copy read back)."""
+        return to_host(self.memory) if self.copied else self.host
+
     def set_values(self, values: np.ndarray) -> None:
         """Store values (of this dtype, or raw uint8 bytes per element) in the view's elements."""
         values = np.asarray(values)
-        carrier = self.buf.view(_CARRIER[self.itemsize]) if self.dtype != _BOOL else self.buf.view(np.uint8)
+        raw = self.now()
+        carrier = raw.view(_CARRIER[self.itemsize]) if self.dtype != _BOOL else raw.view(np.uint8)
         if values.dtype != self.np_dtype and values.dtype == np.uint8 and self.itemsize == 1:
             carrier[self.index] = values
         else:
             carrier[self.index] = np.ascontiguousarray(values.astype(self.np_dtype)).view(carrier.dtype)
-        self.before = self.buf.copy()
+        if self.copied:  # raw was a copy: the views see nothing until it is written back
+            self.memory.copy_(to_case_device(torch.from_numpy(raw), self.impl))
+        self.before = raw.copy()
 
     def values(self, which: str = "now") -> np.ndarray:
-        buf = self.buf if which == "now" else self.before
+        buf = self.now() if which == "now" else self.before
         return buf.view(self.np_dtype)[self.index]
 
     def element_bytes(self, which: str = "now") -> np.ndarray:
-        buf = self.buf if which == "now" else self.before
+        buf = self.now() if which == "now" else self.before
         raw = buf.view(_CARRIER[self.itemsize])[self.index]
         return raw.view(np.uint8).reshape(*self.shape, self.itemsize)
 
     def footprint(self) -> np.ndarray:
-        mask = np.zeros(self.buf.size, dtype=bool)
+        mask = np.zeros(self.host.size, dtype=bool)
         starts = self.index.reshape(-1) * self.itemsize
         for b in range(self.itemsize):
             mask[starts + b] = True
@@ -230,22 +337,23 @@ class Region:
 
     # -- checks
     def unchanged(self) -> bool:
-        return bool(np.array_equal(self.buf, self.before))
+        return bool(np.array_equal(self.now(), self.before))
 
     def assert_unchanged(self, what: str) -> None:
-        assert self.unchanged(), f"{what}: {self.label} changed ({_diff_report(self.buf, self.before)})"
+        now = self.now()
+        assert np.array_equal(now, self.before), f"{what}: {self.label} changed ({_diff_report(now, self.before)})"
 
     def assert_outside_unchanged(self, what: str, others: Sequence[Region] = (), only_others: bool = False) -> None:
         """Bytes outside this view (and `others`, views of the same buffer) unchanged;
         only_others: outside `others` only (this view is a read array: its bytes stay too)."""
-        inside = np.zeros(self.buf.size, dtype=bool) if only_others else self.footprint()
+        inside = np.zeros(self.host.size, dtype=bool) if only_others else self.footprint()
         for o in others:
-            if o.buf is self.buf:
+            if o.root is self.root:
                 inside |= o.footprint()
-        bad = ~inside & (self.buf != self.before)
+        bad = ~inside & (self.now() != self.before)
         assert not bad.any(), (
             f"{what}: {int(bad.sum())} bytes of {self.label}'s buffer outside the view changed "
-            f"(first at byte {int(np.argmax(bad))} of {self.buf.size}; guard/gaps written)")
+            f"(first at byte {int(np.argmax(bad))} of {self.host.size}; guard/gaps written)")
 
 
 def _diff_report(a: np.ndarray, b: np.ndarray) -> str:
@@ -255,29 +363,34 @@ def _diff_report(a: np.ndarray, b: np.ndarray) -> str:
 
 @dataclass
 class Guard:
-    """Byte snapshot of any array's memory (a whole torch/NumPy buffer), for refusals."""
+    """Byte snapshot of any array's memory (a whole torch/NumPy buffer), for refusals; a
+    tensor is read back (to_host) at every check."""
 
     label: str
-    buf: np.ndarray
+    buf: Any  # a contiguous np.ndarray or torch.Tensor
     before: np.ndarray = field(init=False)
 
+    def now(self) -> np.ndarray:
+        host = to_host(self.buf) if isinstance(self.buf, torch.Tensor) else self.buf
+        return host.reshape(-1).view(np.uint8)
+
     def __post_init__(self):
-        self.before = self.buf.copy()
+        self.before = self.now().copy()
 
     def unchanged(self) -> bool:
-        return bool(np.array_equal(self.buf, self.before))
+        return bool(np.array_equal(self.now(), self.before))
 
 
 def guard_of(label: str, x: Any) -> Guard:
     """A snapshot of the whole storage behind x (torch tensor or NumPy array)."""
     if isinstance(x, Region):
-        g = Guard(label, x.buf)
+        g = Guard(label, x.memory)
         g.before = x.before.copy()
         return g
     if isinstance(x, torch.Tensor):
         st = x.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
-        return Guard(label, flat.numpy())
+        flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st, 0, (st.nbytes(),), (1,))
+        return Guard(label, flat)
     base = x
     while isinstance(base, np.ndarray) and base.base is not None and isinstance(base.base, np.ndarray):
         base = base.base
@@ -307,10 +420,11 @@ def layout_fits(layout: str, values: np.ndarray) -> bool:
 
 
 def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.random.Generator,
-               junk: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> tuple[Any, Guard]:
-    """`values` (1-D or 2-D) as an array of `dtype` in a hostile layout, plus a guard of its
-    buffer. Elements of the buffer outside the view hold `junk` (plausible wrong values), so a
-    kernel that reads the view as contiguous reads wrong indices."""
+               junk: Callable[[tuple[int, ...]], np.ndarray] | None = None, *, impl: Any) -> tuple[Any, Guard]:
+    """`values` (1-D or 2-D) as an array of `dtype` in a hostile layout (a tensor on impl's
+    case device), plus a guard of its buffer. Elements of the buffer outside the view hold
+    `junk` (plausible wrong values), so a kernel that reads the view as contiguous reads wrong
+    indices."""
     values = np.asarray(values)
     dt = np_dtype(dtype)
     junk = junk or (lambda shape: rng.integers(0, 3, shape))
@@ -406,9 +520,15 @@ def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.r
         else:
             raise ValueError(layout)
     buf = np.ascontiguousarray(buf)
-    guard = Guard(f"index buffer ({layout})", buf.reshape(-1).view(np.uint8))
-    arr = view(torch.from_numpy(buf)) if kind == "torch" else view(buf)
-    got = arr.numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
+    if kind == "torch":
+        memory = to_case_device(torch.from_numpy(buf), impl)
+        guard = Guard(f"index buffer ({layout})", memory)
+        arr = view(memory)
+        got = to_host(arr)
+    else:
+        guard = Guard(f"index buffer ({layout})", buf)
+        arr = view(buf)
+        got = np.asarray(arr)
     assert got.shape == values.shape and np.array_equal(got, cast(values)), "index_view built wrong values"
     return arr, guard
 
@@ -488,7 +608,7 @@ class Caches:
         return oracle.decode_cache(codes, scales, self.mode, static)
 
 
-def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, model_dtype: str = "bfloat16",
+def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, impl: Any, model_dtype: str = "bfloat16",
                 storage: str = "code", realistic: bool = True, gaps: bool = True, layout: str = "separate") -> Caches:
     """layout "separate": four guarded buffers; "inline": one guarded, 4-byte aligned page
     buffer [NB, 2, BS, H, D + 4] with gaps, viewed through kvzoo.layout.inline_views (SPEC 5);
@@ -499,7 +619,8 @@ def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, model
         from kvzoo.layout import inline_views
 
         nb, bs, h, d = shape
-        page = Region(rng, (nb, 2, bs, h, d + 4), "uint8", kind, label="inline page", gaps=gaps, align=4)
+        page = Region(rng, (nb, 2, bs, h, d + 4), "uint8", kind, impl=impl, label="inline page", gaps=gaps,
+                      align=4)
         views = inline_views(page.array, d, mode_name)
         idx = page.index
         key = page.sub("key_cache", views.key_cache, idx[:, 0, ..., :d], mode.code_dtype)
@@ -507,16 +628,16 @@ def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, model
         ks = page.sub("k_scale_cache", views.k_scale_cache, idx[:, 0, ..., d] // 4, "float32")
         vs = page.sub("v_scale_cache", views.v_scale_cache, idx[:, 1, ..., d] // 4, "float32")
     else:
-        key = Region(rng, shape, dt, kind, label="key_cache", gaps=gaps)
-        value = Region(rng, shape, dt, kind, label="value_cache", gaps=gaps)
+        key = Region(rng, shape, dt, kind, impl=impl, label="key_cache", gaps=gaps)
+        value = Region(rng, shape, dt, kind, impl=impl, label="value_cache", gaps=gaps)
         ks = vs = None
         if mode.per_token_head and layout == "interleaved":
-            both = Region(rng, (*shape[:3], 2), "float32", kind, label="k/v scale buffer", gaps=gaps)
+            both = Region(rng, (*shape[:3], 2), "float32", kind, impl=impl, label="k/v scale buffer", gaps=gaps)
             ks = both.sub("k_scale_cache", both.array[..., 0], both.index[..., 0], "float32")
             vs = both.sub("v_scale_cache", both.array[..., 1], both.index[..., 1], "float32")
         elif mode.per_token_head:
-            ks = Region(rng, shape[:3], "float32", kind, label="k_scale_cache", gaps=gaps)
-            vs = Region(rng, shape[:3], "float32", kind, label="v_scale_cache", gaps=gaps)
+            ks = Region(rng, shape[:3], "float32", kind, impl=impl, label="k_scale_cache", gaps=gaps)
+            vs = Region(rng, shape[:3], "float32", kind, impl=impl, label="v_scale_cache", gaps=gaps)
     if realistic:
         for codes_r, scale_r in ((key, ks), (value, vs)):
             codes, scales = fill_codes(mode_name, rng, shape, model_dtype)
@@ -543,9 +664,9 @@ def float_rows(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> 
     return x.astype(np.float32).astype(numpy_dtype(dtype))
 
 
-def data_region(rng, values: np.ndarray, dtype: str, kind: str, label: str, *, flip: Sequence[int] = (),
+def data_region(rng, values: np.ndarray, dtype: str, kind: str, label: str, *, impl: Any, flip: Sequence[int] = (),
                 gaps: bool = True) -> Region:
-    r = Region(rng, values.shape, dtype, kind, label=label, flip=flip, gaps=gaps)
+    r = Region(rng, values.shape, dtype, kind, impl=impl, label=label, flip=flip, gaps=gaps)
     r.set_values(values)
     return r
 
@@ -615,7 +736,7 @@ def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 def to_host_float32(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        return x.detach().float().cpu().numpy()
+        return to_host(x.detach().float())
     return np.asarray(x).astype(np.float32)
 
 

@@ -11,6 +11,12 @@ with the argument's name, with every cache, scale cache and output byte unchange
 Expected outcomes are written from SPEC.md section 11, not from the code. A call that an
 implementation declines through the registry is a skip only where `expected_decline` says so
 (numba and quantize_query); anywhere else it fails, so a backend cannot pass by running nothing.
+
+Every torch tensor of a case lives on the device the implementation takes (a GPU backend: its
+GPU, with the compiled kernels). NumPy arrays are host memory, which such a backend does not
+take: a case about NumPy itself (negative strides, byte order, read-only arrays, the "numpy"
+kind of a case that also runs as "torch") is skipped there; a case that uses NumPy only to vary
+an index dtype or layout runs with device tensors instead (case_kind).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from hostile_support import (
+    FORCE_COPY,
     INDEX_DTYPES,
     ONE_D_LAYOUTS,
     TWO_D_LAYOUTS,
@@ -32,19 +39,27 @@ from hostile_support import (
     assert_write_matches,
     call_accepted,
     call_refused,
+    case_array,
+    case_device,
+    case_kind,
+    case_tensor,
     data_region,
     expected_decline,
     float_rows,
+    forget_placed,
     guard_of,
     impl_params,
     impls,
     index_view,
     layout_fits,
+    layouts_for,
     make_batch,
     make_caches,
+    placement_checked,
     reference_attention,
     require_usable,
     rng_for,
+    to_host,
     to_host_float32,
 )
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -69,6 +84,17 @@ FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                                        HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 
 
+@pytest.fixture(autouse=True)
+def _tensors_on_the_case_device(monkeypatch):
+    """KVZOO_HOSTILE_FORCE_COPY=1: every tensor a case hands kvzoo must come from
+    to_case_device, so a CPU run catches the tensor a GPU run would leave on the host."""
+    if FORCE_COPY:
+        for op in ("reshape_and_cache", "dequantize", "paged_attention"):
+            monkeypatch.setattr(kvzoo, op, placement_checked(getattr(kvzoo, op)))
+    yield
+    forget_placed()
+
+
 def pick_mode(impl, *key, candidates=ALL_MODES) -> str:
     """A mode the implementation registers, varied (deterministically) across cases."""
     modes = [m for m in candidates if m in impl.modes]
@@ -82,9 +108,10 @@ def pick_mode(impl, *key, candidates=ALL_MODES) -> str:
 
 
 class WriteSetup:
-    """Guarded caches and key/value regions for one reshape_and_cache call."""
+    """Guarded caches and key/value regions for one reshape_and_cache call (tensors on the
+    device `impl` takes)."""
 
-    def __init__(self, rng, mode: str, kind: str, *, T: int = 7, dtype: str = "bfloat16", storage: str = "code",
+    def __init__(self, rng, mode: str, kind: str, *, impl, T: int = 7, dtype: str = "bfloat16", storage: str = "code",
                  num_blocks: int | None = None, key_flip=(), value_flip=(), heads: int = H, head_size: int = D,
                  block_size: int = BS, layout: str = "separate", kv_gaps: bool = True):
         self.mode, self.kind, self.T = mode, kind, T
@@ -92,10 +119,10 @@ class WriteSetup:
         self.block_size = block_size
         shape = (self.num_blocks, block_size, heads, head_size)
         self.caches = make_caches(rng, mode, shape, kind, model_dtype=dtype, storage=storage, realistic=False,
-                                  layout=layout)
-        self.key = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "key", flip=key_flip,
-                               gaps=kv_gaps)
-        self.value = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "value",
+                                  layout=layout, impl=impl)
+        self.key = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "key", impl=impl,
+                               flip=key_flip, gaps=kv_gaps)
+        self.value = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "value", impl=impl,
                                  flip=value_flip, gaps=kv_gaps)
 
     @property
@@ -132,25 +159,26 @@ def slot_junk(capacity):
 
 
 class AttentionSetup:
-    """Guarded caches (realistic contents), query and out regions for a batch."""
+    """Guarded caches (realistic contents), query and out regions for a batch (tensors, index
+    tensors included, on the device `impl` takes)."""
 
-    def __init__(self, rng, mode: str, kind: str, batch: Batch, *, qdtype: str = "bfloat16",
+    def __init__(self, rng, mode: str, kind: str, batch: Batch, *, impl, qdtype: str = "bfloat16",
                  model_dtype: str = "bfloat16", storage: str = "code", heads_q: int = HQ, heads_kv: int = H,
                  head_size: int = D, query_flip=(), cache_gaps: bool = True, layout: str = "separate",
                  query_gaps: bool = True):
-        self.mode, self.kind, self.batch, self.qdtype = mode, kind, batch, qdtype
+        self.mode, self.kind, self.batch, self.qdtype, self.impl = mode, kind, batch, qdtype, impl
         shape = (batch.num_blocks, batch.block_size, heads_kv, head_size)
         self.caches = make_caches(rng, mode, shape, kind, model_dtype=model_dtype, storage=storage, gaps=cache_gaps,
-                                  layout=layout)
+                                  layout=layout, impl=impl)
         T = batch.num_tokens
         q = rng.standard_normal((T, heads_q, head_size)).astype(np.float32)
-        self.query = data_region(rng, q.astype(np.float32).astype(_np(qdtype)), qdtype, kind, "query", flip=query_flip,
-                                 gaps=query_gaps)
-        self.out = Region(rng, (T, heads_q, head_size), qdtype, kind, label="out")
+        self.query = data_region(rng, q.astype(np.float32).astype(_np(qdtype)), qdtype, kind, "query", impl=impl,
+                                 flip=query_flip, gaps=query_gaps)
+        self.out = Region(rng, (T, heads_q, head_size), qdtype, kind, label="out", impl=impl)
         self.sinks_values = None
 
     def index_tensors(self, kind: str, dtype: str, rng, layouts: dict | None = None):
-        return batch_index_tensors(self.batch, kind, dtype, rng, layouts)
+        return batch_index_tensors(self.batch, kind, dtype, rng, layouts, impl=self.impl)
 
     def sinks(self, kind: str, layout: str, rng):
         values = (rng.standard_normal(self.query.shape[1]) * 2).astype(np.float32)
@@ -158,7 +186,7 @@ class AttentionSetup:
             values[:] = values[0]
         self.sinks_values = values
         return index_view(values, "float32", "numpy" if layout.startswith("negative") else kind, layout, rng,
-                          lambda shape: np.full(shape, 50.0))
+                          lambda shape: np.full(shape, 50.0), impl=self.impl)
 
     def call(self, impl, block_tables, seq_lens, qsl, *, out="region", query=None, key_cache=None,
              value_cache=None, **kw):
@@ -209,7 +237,7 @@ class AttentionSetup:
         assert np.array_equal(returned, got, equal_nan=True), f"{what}: the returned array is not `out`"
 
 
-def batch_index_tensors(b: Batch, kind: str, dtype: str, rng, layouts: dict | None = None):
+def batch_index_tensors(b: Batch, kind: str, dtype: str, rng, layouts: dict | None = None, *, impl):
     """(block_tables, seq_lens, query_start_loc, guards) of a batch, each in the layout asked
     for (NumPy for negative strides); the buffers' other elements hold plausible wrong values."""
     layouts = layouts or {}
@@ -221,7 +249,8 @@ def batch_index_tensors(b: Batch, kind: str, dtype: str, rng, layouts: dict | No
     for values, name, junk in ((b.tables, "block_tables", jt), (b.seq_lens, "seq_lens", js),
                                (b.qsl, "query_start_loc", jq)):
         layout = layouts.get(name, "contiguous")
-        arr, g = index_view(values, dtype, "numpy" if layout.startswith("negative") else kind, layout, rng, junk)
+        arr, g = index_view(values, dtype, "numpy" if layout.startswith("negative") else kind, layout, rng, junk,
+                            impl=impl)
         out.append(arr)
         guards.append(g)
     return (*out, guards)
@@ -299,10 +328,10 @@ WRITE_LAYOUTS = [(layout, dtype, kind) for layout in ONE_D_LAYOUTS for dtype in 
 @pytest.mark.parametrize("layout,dtype,kind", [pytest.param(*p, id="-".join(p)) for p in WRITE_LAYOUTS])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_slot_mapping_layout(impl, layout, dtype, kind, validate):
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "write-layout", layout, dtype, kind)
     rng = rng_for("hostile-write-layout", impl.name, layout, dtype, kind, validate)
-    w = WriteSetup(rng, mode, kind, T=7)
+    w = WriteSetup(rng, mode, kind, T=7, impl=impl)
     if layout == "expand":
         # torch.tensor([-1]).expand(T): every token skipped, nothing written.
         slots = np.full(w.T, -1 if dtype == "int32" else -(2**40), np.int64)
@@ -310,11 +339,20 @@ def test_write_slot_mapping_layout(impl, layout, dtype, kind, validate):
         slots = w.valid_slots(rng)
         if dtype == "int64":
             slots[slots < 0] = -(2**40)  # negative beyond int32: still a skip
-    sm, g = index_view(slots, dtype, kind, layout, rng, slot_junk(w.capacity))
+    sm, g = index_view(slots, dtype, kind, layout, rng, slot_junk(w.capacity), impl=impl)
     w.run_accepted(impl, sm, slots, extra_guards=[g], validate=validate)
     if layout == "expand":
         for r in w.caches.regions:
             r.assert_unchanged(f"{impl.name}: all slots negative")
+
+
+def layout_kind(impl, dtype: str, layout: str) -> str:
+    """The kind of a layout case's arrays: int64 as NumPy arrays, int32 as torch tensors (so
+    both kinds see every layout); negative strides exist in NumPy only. A device implementation
+    gets int64 device tensors, and no negative strides."""
+    negative = layout.startswith("negative")
+    require_usable(impl, kind="numpy" if negative else "torch")
+    return case_kind("numpy" if (dtype == "int64" or negative) else "torch", impl)
 
 
 ATTN_LAYOUTS = ([("block_tables", lay) for lay in TWO_D_LAYOUTS]
@@ -326,12 +364,11 @@ ATTN_LAYOUTS = ([("block_tables", lay) for lay in TWO_D_LAYOUTS]
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_index_layout(impl, tensor, layout, dtype):
     """One index tensor hostile (int32: torch tensors, int64: NumPy arrays), the rest plain."""
-    require_usable(impl)
-    kind = "numpy" if (dtype == "int64" or layout.startswith("negative")) else "torch"
+    kind = layout_kind(impl, dtype, layout)
     mode = pick_mode(impl, "attn-layout", tensor, layout, dtype)
     rng = rng_for("hostile-attn-layout", impl.name, tensor, layout, dtype)
     batch = batch_for_layout(rng, tensor, layout)
-    a = AttentionSetup(rng, mode, kind, batch)
+    a = AttentionSetup(rng, mode, kind, batch, impl=impl)
     layouts = {tensor: layout} if tensor != "sinks" else {}
     bt, sl, qsl, guards = a.index_tensors(kind, dtype, rng, layouts)
     sinks = None
@@ -357,12 +394,14 @@ ALL_HOSTILE = [  # (block_tables layout, 1-D layout, kind)
 def test_attention_every_index_tensor_hostile(impl, bt_layout, layout, kind, batch_kind, validate):
     """All four index tensors hostile at once, decode and prefill paths, with and without
     validation (validate=False: the kernels alone must honour the strides)."""
-    require_usable(impl)
+    negative = any(lay.startswith("negative") for lay in (bt_layout, layout))
+    require_usable(impl, kind="numpy" if negative else "torch")
     mode = pick_mode(impl, "attn-all", bt_layout, layout, kind, batch_kind)
     rng = rng_for("hostile-attn-all", impl.name, bt_layout, layout, kind, batch_kind, validate)
     batch = make_batch(rng, "mixed" if batch_kind == "invariant" else batch_kind)
-    a = AttentionSetup(rng, mode, kind, batch, qdtype="float16" if kind == "numpy" else "bfloat16")
-    dtype = "int32" if kind == "torch" else "int64"
+    qdtype, dtype = ("float16", "int64") if kind == "numpy" else ("bfloat16", "int32")
+    kind = case_kind(kind, impl)  # int64 indices and a float16 query: device tensors carry them too
+    a = AttentionSetup(rng, mode, kind, batch, qdtype=qdtype, impl=impl)
     bt, sl, qsl, guards = a.index_tensors(kind, dtype, rng, {"block_tables": bt_layout, "seq_lens": layout,
                                                            "query_start_loc": layout})
     sinks, g = a.sinks(kind, layout, rng)
@@ -385,7 +424,7 @@ def test_attention_unused_table_entries_hold_anything(impl):
     tables = batch.tables.copy()
     tables[~used] = rng.choice([-1, 2**31 - 1, -(2**31)], int((~used).sum()))
     batch.tables = tables
-    a = AttentionSetup(rng, mode, "torch", batch)
+    a = AttentionSetup(rng, mode, "torch", batch, impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng, {"block_tables": "offset"})
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
@@ -397,15 +436,14 @@ DEQ_LAYOUTS = ([("block_tables", lay) for lay in TWO_D_LAYOUTS] + [("seq_lens", 
 @pytest.mark.parametrize("tensor,layout", [pytest.param(t, lay, id=f"{t}-{lay}") for t, lay in DEQ_LAYOUTS])
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_index_layout(impl, tensor, layout, dtype):
-    require_usable(impl)
-    kind = "numpy" if (dtype == "int64" or layout.startswith("negative")) else "torch"
+    kind = layout_kind(impl, dtype, layout)
     mode = pick_mode(impl, "deq-layout", tensor, layout, dtype)
     rng = rng_for("hostile-deq-layout", impl.name, tensor, layout, dtype)
     batch = batch_for_layout(rng, tensor, layout)
     if tensor == "seq_lens" and layout != "expand":
         batch = batch_for(rng, [0, 0, 0, 0], [5, 0, 9, 4])
-    caches = make_caches(rng, mode, (batch.num_blocks, BS, H, D), kind, realistic=False)
-    bt, sl, _, guards = batch_index_tensors(batch, kind, dtype, rng, {tensor: layout})
+    caches = make_caches(rng, mode, (batch.num_blocks, BS, H, D), kind, realistic=False, impl=impl)
+    bt, sl, _, guards = batch_index_tensors(batch, kind, dtype, rng, {tensor: layout}, impl=impl)
     check_dequantize(impl, caches, bt, sl, batch.tables, batch.seq_lens, guards)
 
 
@@ -434,10 +472,10 @@ def check_dequantize(impl, caches, bt, sl, tables, seq_lens, guards=(), cache_ar
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_whole_strided_cache(impl, kind):
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "deq-whole", kind)
     rng = rng_for("hostile-deq-whole", impl.name, kind)
-    caches = make_caches(rng, mode, (3, BS, H, D), kind, realistic=False)
+    caches = make_caches(rng, mode, (3, BS, H, D), kind, realistic=False, impl=impl)
     check_dequantize(impl, caches, None, None, None, None)
 
 
@@ -447,11 +485,11 @@ def test_attention_single_element_negative_strides(impl, which):
     """One decode: seq_lens [1] and block_tables [1, 1] ("index"), one table row [1, M] read
     backwards along its size-1 row axis ("table-row"), or the query's size-1 token dimension,
     with negative NumPy strides. NumPy flags such arrays contiguous; their strides are negative."""
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "one-neg", which)
     rng = rng_for("hostile-one-neg", impl.name, which)
     a = AttentionSetup(rng, mode, "numpy", batch_for(rng, [1], [3 if which == "index" else 9]),
-                       query_flip=(0,) if which == "query" else (), query_gaps=which != "query")
+                       query_flip=(0,) if which == "query" else (), query_gaps=which != "query", impl=impl)
     layout = {"index": "negative", "table-row": "contiguous", "query": "contiguous"}[which]
     bt, sl, qsl, guards = a.index_tensors("numpy", "int64", rng, {
         "block_tables": "negative-rows" if which == "table-row" else layout, "seq_lens": layout,
@@ -462,13 +500,13 @@ def test_attention_single_element_negative_strides(impl, which):
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_single_element_negative_strides(impl):
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "one-neg-deq")
     rng = rng_for("hostile-one-neg-deq", impl.name)
-    caches = make_caches(rng, mode, (3, BS, H, D), "numpy", realistic=False)
+    caches = make_caches(rng, mode, (3, BS, H, D), "numpy", realistic=False, impl=impl)
     tables, seq_lens = np.array([[2]]), np.array([3])
-    bt, g1 = index_view(tables, "int32", "numpy", "negative", rng)
-    sl, g2 = index_view(seq_lens, "int64", "numpy", "negative", rng)
+    bt, g1 = index_view(tables, "int32", "numpy", "negative", rng, impl=impl)
+    sl, g2 = index_view(seq_lens, "int64", "numpy", "negative", rng, impl=impl)
     check_dequantize(impl, caches, bt, sl, tables, seq_lens, [g1, g2])
 
 
@@ -476,14 +514,14 @@ def test_dequantize_single_element_negative_strides(impl):
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_single_element_negative_strides(impl, which):
     """T = 1: slot_mapping [1], or key's token dimension (size 1), with a negative NumPy stride."""
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "one-neg-write", which)
     rng = rng_for("hostile-one-neg-write", impl.name, which)
     # No gaps in key: otherwise contiguous, NumPy flags it C-contiguous despite the negative stride.
-    w = WriteSetup(rng, mode, "numpy", T=1, key_flip=(0,) if which == "key" else (), kv_gaps=which != "key")
+    w = WriteSetup(rng, mode, "numpy", T=1, key_flip=(0,) if which == "key" else (), kv_gaps=which != "key", impl=impl)
     slots = w.valid_slots(rng, 0.0)
     layout = "negative" if which == "slot_mapping" else "contiguous"
-    sm, g = index_view(slots, "int32", "numpy", layout, rng, slot_junk(w.capacity))
+    sm, g = index_view(slots, "int32", "numpy", layout, rng, slot_junk(w.capacity), impl=impl)
     w.run_accepted(impl, sm, slots, extra_guards=[g])
 
 
@@ -494,7 +532,7 @@ def test_attention_long_prefill_hostile_indices(impl, mode):
     every index tensor strided."""
     require_usable(impl, mode)
     rng = rng_for("hostile-long", impl.name, mode)
-    a = AttentionSetup(rng, mode, "torch", batch_for(rng, [130, 1], [133, 7], block_size=16))
+    a = AttentionSetup(rng, mode, "torch", batch_for(rng, [130, 1], [133, 7], block_size=16), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng, {"block_tables": "fortran-offset",
                                                                 "seq_lens": "stride2", "query_start_loc": "stride3"})
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
@@ -503,21 +541,21 @@ def test_attention_long_prefill_hostile_indices(impl, mode):
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_read_arrays_negative_strides(impl):
     """SPEC 11: read arrays (key, value) may have any strides, negative included (NumPy)."""
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "neg-kv")
     rng = rng_for("hostile-neg-kv", impl.name)
-    w = WriteSetup(rng, mode, "numpy", T=6, key_flip=(0, 2), value_flip=(1,))
+    w = WriteSetup(rng, mode, "numpy", T=6, key_flip=(0, 2), value_flip=(1,), impl=impl)
     slots = w.valid_slots(rng)
-    sm, g = index_view(slots, "int64", "numpy", "negative", rng, slot_junk(w.capacity))
+    sm, g = index_view(slots, "int64", "numpy", "negative", rng, slot_junk(w.capacity), impl=impl)
     w.run_accepted(impl, sm, slots, extra_guards=[g])
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_query_negative_strides(impl):
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "neg-q")
     rng = rng_for("hostile-neg-q", impl.name)
-    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), qdtype="float32", query_flip=(1, 2))
+    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), qdtype="float32", query_flip=(1, 2), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("numpy", "int32", rng)
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
@@ -530,14 +568,14 @@ def test_attention_query_negative_strides(impl):
 @pytest.mark.parametrize("mode", QUANTIZED)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_uint8_storage_write(impl, mode, kind):
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind=kind)
     results = []
     for storage in ("code", "uint8"):
         rng = rng_for("hostile-u8-write", impl.name, mode, kind)  # same bytes for both storages
-        w = WriteSetup(rng, mode, kind, T=7, storage=storage)
+        w = WriteSetup(rng, mode, kind, T=7, storage=storage, impl=impl)
         slots = w.valid_slots(rng)
-        w.run_accepted(impl, torch.from_numpy(slots) if kind == "torch" else slots, slots)
-        results.append([r.buf.copy() for r in w.caches.regions])
+        w.run_accepted(impl, case_array(slots, kind, impl), slots)
+        results.append([r.now().copy() for r in w.caches.regions])
     for a, b in zip(*results):
         assert np.array_equal(a, b), f"{impl.name} {mode}: uint8 storage wrote other bytes than {mode}'s code dtype"
 
@@ -549,10 +587,10 @@ def test_uint8_storage_dequantize(impl, mode):
     outs = []
     for storage in ("code", "uint8"):
         rng = rng_for("hostile-u8-deq", impl.name, mode)
-        caches = make_caches(rng, mode, (5, BS, H, D), "torch", storage=storage, realistic=False)
+        caches = make_caches(rng, mode, (5, BS, H, D), "torch", storage=storage, realistic=False, impl=impl)
         tables = np.array([[3, 1, 0], [4, 2, 2]])
         seq_lens = np.array([10, 6])
-        bt, sl = torch.from_numpy(tables.astype(np.int32)), torch.from_numpy(seq_lens.astype(np.int32))
+        bt, sl = case_tensor(tables.astype(np.int32), impl), case_tensor(seq_lens.astype(np.int32), impl)
         outs.append(to_host_float32(check_dequantize(impl, caches, bt, sl, tables, seq_lens)))
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"{impl.name}: uint8 storage decoded differently"
 
@@ -565,7 +603,7 @@ def test_uint8_storage_attention(impl, mode, quantize_query):
     outs = []
     for storage in ("code", "uint8"):
         rng = rng_for("hostile-u8-attn", impl.name, mode, quantize_query)
-        a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), storage=storage)
+        a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), storage=storage, impl=impl)
         bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
         a.run_accepted(impl, bt, sl, qsl, guards=guards, quantize_query=quantize_query)
         outs.append(a.out.element_bytes().copy())
@@ -588,9 +626,9 @@ BE_WRITE = ["key", "value", "k_scale_cache", "v_scale_cache", "slot_mapping", "k
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_big_endian_refused(impl, arg):
     mode = "none" if arg == "key_cache(none)" else "int8_per_token_head"
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-write", impl.name, arg)
-    w = WriteSetup(rng, mode, "numpy", T=5, dtype="float32" if mode == "int8_per_token_head" else "float16")
+    w = WriteSetup(rng, mode, "numpy", T=5, dtype="float32" if mode == "int8_per_token_head" else "float16", impl=impl)
     slots = w.valid_slots(rng).astype(np.int64)
     kw = w.caches.api_kwargs()
     args = list(w.args(slots))
@@ -615,9 +653,9 @@ BE_ATTN = ["query", "out", "k_scale_cache", "block_tables", "seq_lens", "query_s
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_big_endian_refused(impl, arg):
     mode = "none" if arg == "key_cache(none)" else "int8_per_token_head"
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-attn", impl.name, arg)
-    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), qdtype="float32", model_dtype="float32")
+    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), qdtype="float32", model_dtype="float32", impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
     sinks = a.sinks("numpy", "contiguous", rng)[0]
     name = arg.split("(")[0]
@@ -645,9 +683,9 @@ def test_attention_big_endian_refused(impl, arg):
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_big_endian_refused(impl, arg):
     mode = "none" if arg == "cache(none)" else "int8_per_token_head"
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-deq", impl.name, arg)
-    caches = make_caches(rng, mode, (4, BS, H, D), "numpy", model_dtype="float16", realistic=False)
+    caches = make_caches(rng, mode, (4, BS, H, D), "numpy", model_dtype="float16", realistic=False, impl=impl)
     args = dict(cache=caches.key.array, scale_cache=None if caches.k_scale is None else caches.k_scale.array,
                 block_tables=np.array([[0, 2], [3, 1]], np.int32), seq_lens=np.array([5, 8], np.int32))
     name = arg.split("(")[0]
@@ -671,9 +709,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("arg", ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_read_only_cache_refused(impl, arg):
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-ro-write", impl.name, arg)
-    w = WriteSetup(rng, "int8_per_token_head", "numpy", T=5)
+    w = WriteSetup(rng, "int8_per_token_head", "numpy", T=5, impl=impl)
     slots = w.valid_slots(rng)
     args = list(w.args(slots))
     kw = w.caches.api_kwargs()
@@ -686,10 +724,10 @@ def test_write_read_only_cache_refused(impl, arg):
 
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_read_only_inputs_accepted(impl):
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "ro-inputs")
     rng = rng_for("hostile-ro-inputs", impl.name)
-    w = WriteSetup(rng, mode, "numpy", T=6)
+    w = WriteSetup(rng, mode, "numpy", T=6, impl=impl)
     slots = w.valid_slots(rng)
     w.key.array = _read_only(w.key.array)
     w.value.array = _read_only(w.value.array)
@@ -698,9 +736,9 @@ def test_write_read_only_inputs_accepted(impl):
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_read_only_out_refused(impl):
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-ro-out", impl.name)
-    a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, out=_read_only(a.out.array)), ["out"],
                  a.caches.regions + [a.out])
@@ -708,11 +746,11 @@ def test_attention_read_only_out_refused(impl):
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_read_only_reads_accepted(impl):
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "ro-reads", candidates=("int8_per_token_head", "fp8_per_token_head",
                                                    "fp8_e4m3fnuz_per_token_head"))
     rng = rng_for("hostile-ro-reads", impl.name)
-    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("numpy", "int64", rng)
     sinks = a.sinks("numpy", "stride2", rng)[0]
     a.query.array = _read_only(a.query.array)
@@ -725,10 +763,10 @@ def test_attention_read_only_reads_accepted(impl):
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_read_only_accepted(impl):
-    require_usable(impl)
+    require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "ro-deq")
     rng = rng_for("hostile-ro-deq", impl.name)
-    caches = make_caches(rng, mode, (4, BS, H, D), "numpy", realistic=False)
+    caches = make_caches(rng, mode, (4, BS, H, D), "numpy", realistic=False, impl=impl)
     tables, seq_lens = np.array([[0, 2], [3, 1]]), np.array([5, 8])
     sc = None if caches.k_scale is None else _read_only(caches.k_scale.array)
     check_dequantize(impl, caches, _read_only(tables.astype(np.int32)), _read_only(seq_lens.astype(np.int64)),
@@ -747,9 +785,9 @@ def _strided(x, shape, strides_elems, offset=0):
     return as_strided(x, shape, tuple(s * x.itemsize for s in strides_elems), writeable=True)
 
 
-def _byte_buffer(rng, nbytes, kind):
-    raw = rng.integers(1, 256, nbytes, dtype=np.uint8)
-    return raw, (torch.from_numpy(raw) if kind == "torch" else raw)
+def _byte_buffer(rng, nbytes, kind, impl):
+    """A buffer of random bytes (a tensor on impl's case device, or a NumPy array)."""
+    return case_array(rng.integers(1, 256, nbytes, dtype=np.uint8), kind, impl)
 
 
 def _as_dtype(buf, start, count, dtype, kind, shape):
@@ -779,13 +817,13 @@ WRITE_ALIASES = [
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_aliasing_refused(impl, case, kind):
     mode = "none" if "(none)" in case else "int8_per_token_head"
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-alias-write", impl.name, case, kind)
     T, NB = 5, 4
     dtype = "float32"
-    w = WriteSetup(rng, mode, kind, T=T, dtype=dtype, num_blocks=NB)
+    w = WriteSetup(rng, mode, kind, T=T, dtype=dtype, num_blocks=NB, impl=impl)
     slots = w.valid_slots(rng, 0.0)
-    sm = torch.from_numpy(slots) if kind == "torch" else slots
+    sm = case_array(slots, kind, impl)
     c = w.caches
     args = list(w.args(sm))
     kw = c.api_kwargs()
@@ -808,17 +846,17 @@ def test_write_aliasing_refused(impl, case, kind):
         kw["k_scale_cache"] = _strided(base, shape[:3], (st_[0], st_[1], 0))
         names = ["k_scale_cache"]
     elif case == "k_scale_cache overlaps key_cache":
-        raw, buf = _byte_buffer(rng, NB * BS * H * D + 64, kind)
+        buf = _byte_buffer(rng, NB * BS * H * D + 64, kind, impl)
         args[2] = _as_dtype(buf, 0, NB * BS * H * D, code, kind, shape)
         kw["k_scale_cache"] = _as_dtype(buf, 32, NB * BS * H, "float32", kind, shape[:3])
-        guards.append(Guard("shared code/scale buffer", raw))
+        guards.append(Guard("shared code/scale buffer", buf))
         names = ["k_scale_cache", "key_cache"]
     elif case == "value_cache overlaps key_cache":
         n = NB * BS * H * D
-        raw, buf = _byte_buffer(rng, n + n // 2, kind)
+        buf = _byte_buffer(rng, n + n // 2, kind, impl)
         args[2] = _as_dtype(buf, 0, n, code, kind, shape)
         args[3] = _as_dtype(buf, n // 2, n, code, kind, shape)
-        guards.append(Guard("shared cache buffer", raw))
+        guards.append(Guard("shared cache buffer", buf))
         names = ["value_cache", "key_cache"]
     elif case == "key_cache overlaps itself":
         base = c.key.array
@@ -831,14 +869,11 @@ def test_write_aliasing_refused(impl, case, kind):
         args[0] = _strided(base, (T, H, D), (st_[1], st_[2], st_[3]))  # the first T slots of block 0
         names = ["key", "value_cache"]
     elif case == "v_scale_cache overlaps key":
-        raw, buf = _byte_buffer(rng, 4 * (T * H * D + NB * BS * H), kind)
+        buf = _byte_buffer(rng, 4 * (T * H * D + NB * BS * H), kind, impl)
         args[0] = _as_dtype(buf, 0, T * H * D, "float32", kind, (T, H, D))
-        if kind == "torch":
-            args[0].copy_(torch.from_numpy(w.key.values().astype(np.float32)))
-        else:
-            args[0][...] = w.key.values()
+        args[0][...] = case_array(w.key.values().astype(np.float32), kind, impl)
         kw["v_scale_cache"] = _as_dtype(buf, 4 * (T * H * D // 2), NB * BS * H, "float32", kind, shape[:3])
-        guards.append(Guard("key/scale buffer", raw))
+        guards.append(Guard("key/scale buffer", buf))
         names = ["v_scale_cache", "key"]
     else:
         raise AssertionError(case)
@@ -866,10 +901,10 @@ ATTN_ALIASES = [
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_aliasing_refused(impl, case, kind):
     mode = "none" if "(none)" in case else "int8_per_token_head"
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-alias-attn", impl.name, case, kind)
     batch = make_batch(rng, "mixed")
-    a = AttentionSetup(rng, mode, kind, batch, qdtype="float32", model_dtype="float32")
+    a = AttentionSetup(rng, mode, kind, batch, qdtype="float32", model_dtype="float32", impl=impl)
     bt, sl, qsl, _ = a.index_tensors(kind, "int32", rng)
     T = batch.num_tokens
     guards = list(a.caches.regions) + [a.query, a.out]
@@ -878,12 +913,11 @@ def test_attention_aliasing_refused(impl, case, kind):
         extra["out"] = a.query.array
         names = ["out", "query"]
     elif case == "out overlaps query":
-        raw, buf = _byte_buffer(rng, 4 * (T + 1) * HQ * D, kind)
+        buf = _byte_buffer(rng, 4 * (T + 1) * HQ * D, kind, impl)
         q = _as_dtype(buf, 0, (T + 1) * HQ * D, "float32", kind, (T + 1, HQ, D))
-        fresh = rng.standard_normal((T + 1, HQ, D)).astype(np.float32)
-        q[...] = torch.from_numpy(fresh) if kind == "torch" else fresh
+        q[...] = case_array(rng.standard_normal((T + 1, HQ, D)).astype(np.float32), kind, impl)
         extra["query"], extra["out"] = q[1:], q[:-1]
-        guards.append(Guard("query/out buffer", raw))
+        guards.append(Guard("query/out buffer", buf))
         names = ["out", "query"]
     elif case == "out overlaps key_cache (none)":
         base = a.caches.key.array
@@ -913,22 +947,22 @@ def test_attention_aliasing_refused(impl, case, kind):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_key_is_value_accepted(impl, kind):
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "key-is-value", kind)
     rng = rng_for("hostile-key-is-value", impl.name, kind)
-    w = WriteSetup(rng, mode, kind, T=6)
+    w = WriteSetup(rng, mode, kind, T=6, impl=impl)
     w.value = w.key
     slots = w.valid_slots(rng)
-    w.run_accepted(impl, torch.from_numpy(slots) if kind == "torch" else slots, slots)
+    w.run_accepted(impl, case_array(slots, kind, impl), slots)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_key_cache_is_value_cache_accepted(impl, kind):
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "kc-is-vc", kind)
     rng = rng_for("hostile-kc-is-vc", impl.name, kind)
-    a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"), impl=impl)
     a.caches.value = a.caches.key
     a.caches.v_scale = a.caches.k_scale
     a.caches.v_static = a.caches.k_static
@@ -942,7 +976,7 @@ def test_attention_read_arrays_alias_each_other_accepted(impl):
     require_usable(impl, "none")
     rng = rng_for("hostile-read-alias", impl.name)
     batch = batch_for(rng, [1, 2, 1], [3, 6, 5])
-    a = AttentionSetup(rng, "none", "torch", batch, qdtype="bfloat16", model_dtype="bfloat16", heads_q=H)
+    a = AttentionSetup(rng, "none", "torch", batch, qdtype="bfloat16", model_dtype="bfloat16", heads_q=H, impl=impl)
     T = batch.num_tokens
     kc = a.caches.key.array
     st_ = _elem_strides(kc)
@@ -952,11 +986,11 @@ def test_attention_read_arrays_alias_each_other_accepted(impl):
     # One int32 buffer behind block_tables, seq_lens and query_start_loc.
     S, M = batch.tables.shape
     flat = np.concatenate([batch.tables.reshape(-1), batch.seq_lens, batch.qsl]).astype(np.int32)
-    shared = torch.from_numpy(flat)
+    shared = case_tensor(flat, impl)
     bt = shared[:S * M].view(S, M)
     sl = shared[S * M:S * M + S]
     qsl = shared[S * M + S:]
-    a.run_accepted(impl, bt, sl, qsl, guards=[Guard("shared index buffer", flat.view(np.uint8))])
+    a.run_accepted(impl, bt, sl, qsl, guards=[Guard("shared index buffer", shared)])
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
@@ -966,7 +1000,7 @@ def test_attention_stride0_read_cache_accepted(impl):
     mode = pick_mode(impl, "stride0-cache", candidates=QUANTIZED)
     rng = rng_for("hostile-stride0-cache", impl.name)
     batch = make_batch(rng, "mixed")
-    a = AttentionSetup(rng, mode, "torch", batch)
+    a = AttentionSetup(rng, mode, "torch", batch, impl=impl)
     c = a.caches
     NB = batch.num_blocks
     views = {}
@@ -987,14 +1021,14 @@ def test_dequantize_stride0_cache_accepted(impl):
     require_usable(impl)
     mode = pick_mode(impl, "stride0-deq")
     rng = rng_for("hostile-stride0-deq", impl.name)
-    caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False)
+    caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, impl=impl)
     for r in caches.regions:
         st_ = _elem_strides(r.array)
         r.array = _strided(r.array, r.shape, (0, *st_[1:]))
         r.index = np.broadcast_to(r.index[:1], r.index.shape)
     tables, seq_lens = np.array([[0, 2], [3, 1]]), np.array([5, 8])
-    check_dequantize(impl, caches, torch.from_numpy(tables.astype(np.int32)),
-                     torch.from_numpy(seq_lens.astype(np.int32)), tables, seq_lens)
+    check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
+                     case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1004,20 +1038,20 @@ def test_write_views_of_one_buffer_accepted(impl, layout, kind):
     """Disjoint views of one buffer are not aliases: the inline page (SPEC 5, here with gaps
     between rows) and scale caches interleaved in one float32 buffer."""
     mode = pick_mode(impl, "one-buffer", layout, kind, candidates=QUANTIZED[:3])
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-one-buffer", impl.name, layout, kind)
-    w = WriteSetup(rng, mode, kind, T=7, layout=layout)
+    w = WriteSetup(rng, mode, kind, T=7, layout=layout, impl=impl)
     slots = w.valid_slots(rng)
-    w.run_accepted(impl, torch.from_numpy(slots) if kind == "torch" else slots, slots)
+    w.run_accepted(impl, case_array(slots, kind, impl), slots)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_inline_page_with_gaps(impl, kind):
     mode = pick_mode(impl, "inline-attn", kind, candidates=QUANTIZED[:3])
-    require_usable(impl, mode)
+    require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-inline-attn", impl.name, kind)
-    a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"), layout="inline")
+    a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"), layout="inline", impl=impl)
     bt, sl, qsl, guards = a.index_tensors(kind, "int32", rng, {"block_tables": "stride2"})
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
@@ -1027,23 +1061,23 @@ def test_dequantize_inline_page_with_gaps(impl):
     mode = pick_mode(impl, "inline-deq", candidates=QUANTIZED[:3])
     require_usable(impl, mode)
     rng = rng_for("hostile-inline-deq", impl.name)
-    caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, layout="inline")
+    caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, layout="inline", impl=impl)
     tables, seq_lens = np.array([[3, 0], [1, 2]]), np.array([7, 5])
-    check_dequantize(impl, caches, torch.from_numpy(tables.astype(np.int32)),
-                     torch.from_numpy(seq_lens.astype(np.int32)), tables, seq_lens)
+    check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
+                     case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_query_and_out_disjoint_in_one_buffer_accepted(impl, kind):
     """query and out as the two halves of one buffer do not overlap: accepted."""
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "q-out-one-buffer", kind)
     rng = rng_for("hostile-q-out-one-buffer", impl.name, kind)
     batch = make_batch(rng, "mixed")
-    a = AttentionSetup(rng, mode, kind, batch, qdtype="float32")
+    a = AttentionSetup(rng, mode, kind, batch, qdtype="float32", impl=impl)
     T = batch.num_tokens
-    both = Region(rng, (2, T, HQ, D), "float32", kind, label="query/out buffer")
+    both = Region(rng, (2, T, HQ, D), "float32", kind, label="query/out buffer", impl=impl)
     both.set_values(np.stack([a.query.values(), rng.standard_normal((T, HQ, D)).astype(np.float32)]))
     a.query = both.sub("query", both.array[0], both.index[0], "float32")
     a.out = both.sub("out", both.array[1], both.index[1], "float32")
@@ -1058,9 +1092,9 @@ NEGATIVE_WRITTEN = ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_negative_stride_cache_refused(impl, arg):
     """SPEC 11: written arrays with negative strides are refused."""
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-neg-written", impl.name, arg)
-    w = WriteSetup(rng, "int8_per_token_head", "numpy", T=5)
+    w = WriteSetup(rng, "int8_per_token_head", "numpy", T=5, impl=impl)
     args = list(w.args(w.valid_slots(rng)))
     kw = w.caches.api_kwargs()
     if arg in ("key_cache", "value_cache"):
@@ -1073,9 +1107,9 @@ def test_write_negative_stride_cache_refused(impl, arg):
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_negative_stride_out_refused(impl):
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-neg-out", impl.name)
-    a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, out=a.out.array[::-1]), ["out"],
                  a.caches.regions + [a.out])
@@ -1085,45 +1119,47 @@ def test_attention_negative_stride_out_refused(impl):
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_slot_mapping_inside_scale_cache_refused(impl, kind):
     """A read array (slot_mapping, valid values) stored in the elements of a written one."""
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind=kind)
     rng = rng_for("hostile-slots-in-scales", impl.name, kind)
-    w = WriteSetup(rng, "int8_per_token_head", kind, T=5, num_blocks=8)
+    w = WriteSetup(rng, "int8_per_token_head", kind, T=5, num_blocks=8, impl=impl)
     slots = w.valid_slots(rng, 0.0)
     ks = w.caches.k_scale
     words = ks.index[: w.T, 0, 0]  # k_scale_cache[0:T, 0, 0]: one word per block, one stride apart
-    ks.buf.view(np.int32)[words] = slots.astype(np.int32)
-    ks.before = ks.buf.copy()
-    sm = _words_view(ks.buf, words[:, None], kind)[:, 0]
-    assert np.array_equal(np.asarray(sm), slots)
+    sm = _words_view(ks, words[:, None], kind)[:, 0]
+    ks.sub("slot_mapping", sm, words, "int32").set_values(slots)
+    assert np.array_equal(_host_values(sm), slots)
     call_refused(impl, kvzoo.reshape_and_cache, ["slot_mapping", "k_scale_cache"], w.guards(), *w.args(sm),
                  **w.caches.api_kwargs())
 
 
-def _words_view(buf: np.ndarray, words: np.ndarray, kind: str):
-    """int32 view [r, c] of a byte buffer at element indices `words` (an arithmetic grid)."""
+def _words_view(region: Region, words: np.ndarray, kind: str):
+    """int32 view [r, c] of a region's buffer at element indices `words` (an arithmetic grid)."""
     r, c = words.shape
     rs = int(words[1, 0] - words[0, 0]) if r > 1 else 1
     cs = int(words[0, 1] - words[0, 0]) if c > 1 else 1
     assert np.array_equal(words, words[0, 0] + rs * np.arange(r)[:, None] + cs * np.arange(c)[None, :])
     if kind == "torch":
-        return torch.as_strided(torch.from_numpy(buf).view(torch.int32), (r, c), (rs, cs), int(words[0, 0]))
-    return as_strided(buf.view(np.int32)[int(words[0, 0]):], (r, c), (rs * 4, cs * 4), writeable=False)
+        return torch.as_strided(region.memory.view(torch.int32), (r, c), (rs, cs), int(words[0, 0]))
+    return as_strided(region.memory.view(np.int32)[int(words[0, 0]):], (r, c), (rs * 4, cs * 4), writeable=False)
+
+
+def _host_values(x) -> np.ndarray:
+    return to_host(x) if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_block_tables_inside_out_refused(impl, kind):
     """A read array (block_tables, valid ids) stored in the elements of the written out."""
-    require_usable(impl, "int8_per_token_head")
+    require_usable(impl, "int8_per_token_head", kind=kind)
     rng = rng_for("hostile-tables-in-out", impl.name, kind)
     batch = make_batch(rng, "mixed")
-    a = AttentionSetup(rng, "int8_per_token_head", kind, batch, qdtype="float32")
+    a = AttentionSetup(rng, "int8_per_token_head", kind, batch, qdtype="float32", impl=impl)
     S, M = batch.tables.shape
     words = a.out.index[:S, 0, :M]  # out[0:S, 0, 0:M]
-    a.out.buf.view(np.int32)[words] = batch.tables.astype(np.int32)
-    a.out.before = a.out.buf.copy()
-    bt = _words_view(a.out.buf, words, kind)
-    assert np.array_equal(np.asarray(bt), batch.tables)
+    bt = _words_view(a.out, words, kind)
+    a.out.sub("block_tables", bt, words, "int32").set_values(batch.tables)
+    assert np.array_equal(_host_values(bt), batch.tables)
     _, sl, qsl, _ = a.index_tensors(kind, "int32", rng)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), ["out", "block_tables"], a.caches.regions + [a.out])
 
@@ -1131,19 +1167,21 @@ def test_attention_block_tables_inside_out_refused(impl, kind):
 @pytest.mark.parametrize("op", ["reshape_and_cache", "dequantize", "paged_attention"])
 def test_unknown_impl_refused(op):
     rng = rng_for("hostile-unknown-impl", op)
-    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch")
+    # No implementation to take the tensors: they stay on the host.
+    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", impl=None)
     c = caches.api_kwargs()
+    t = lambda x: case_tensor(x, None)  # noqa: E731
     if op == "reshape_and_cache":
         call = lambda impl: kvzoo.reshape_and_cache(  # noqa: E731
-            torch.randn(2, H, D), torch.randn(2, H, D), caches.key.array, caches.value.array, torch.tensor([0, 5]),
-            impl=impl, **c)
+            t(torch.randn(2, H, D)), t(torch.randn(2, H, D)), caches.key.array, caches.value.array,
+            t(torch.tensor([0, 5])), impl=impl, **c)
     elif op == "dequantize":
         call = lambda impl: kvzoo.dequantize(caches.key.array, c["k_scale_cache"], mode=c["mode"],  # noqa: E731
                                              impl=impl)
     else:
         call = lambda impl: kvzoo.paged_attention(  # noqa: E731
-            torch.randn(1, HQ, D), caches.key.array, caches.value.array, block_tables=torch.tensor([[0]]),
-            seq_lens=torch.tensor([3]), query_start_loc=torch.tensor([0, 1]), impl=impl, **c)
+            t(torch.randn(1, HQ, D)), caches.key.array, caches.value.array, block_tables=t(torch.tensor([[0]])),
+            seq_lens=t(torch.tensor([3])), query_start_loc=t(torch.tensor([0, 1])), impl=impl, **c)
     fake = type("Fake", (), {"name": "no-such-impl"})()
     err = call_refused(fake, call, ["impl"], caches.regions)
     assert "no-such-impl" in str(err)
@@ -1155,7 +1193,7 @@ def test_impl_that_cannot_take_the_call_refused(impl):
     impl, with the reasons). Where the battery expects none, the call must simply run."""
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-incapable", impl.name)
-    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     if expected_decline(impl, quantize_query=True) is None:
         a.run_accepted(impl, bt, sl, qsl, guards=guards, quantize_query=True)
@@ -1179,19 +1217,19 @@ def test_impl_that_cannot_take_the_call_refused(impl):
 def test_write_none_mixed_cache_dtypes_refused(impl):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-mixed-write", impl.name)
-    w = WriteSetup(rng, "none", "torch", T=5, dtype="float16")
-    other = Region(rng, w.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)")
+    w = WriteSetup(rng, "none", "torch", T=5, dtype="float16", impl=impl)
+    other = Region(rng, w.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)", impl=impl)
     slots = w.valid_slots(rng)
     call_refused(impl, kvzoo.reshape_and_cache, ["value_cache", "key_cache"], w.guards() + [other],
-                 *w.args(torch.from_numpy(slots), value_cache=other.array), mode="none")
+                 *w.args(case_tensor(slots, impl), value_cache=other.array), mode="none")
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_none_mixed_cache_dtypes_refused(impl):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-mixed-attn", impl.name)
-    a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype="float16")
-    other = Region(rng, a.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)")
+    a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype="float16", impl=impl)
+    other = Region(rng, a.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)", impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, value_cache=other.array),
                  ["value_cache", "key_cache"], a.caches.regions + [a.out, other])
@@ -1202,7 +1240,8 @@ def test_attention_none_mixed_cache_dtypes_refused(impl):
 def test_attention_none_cache_dtype_other_than_query_accepted(impl, model_dtype):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-other-dtype", impl.name, model_dtype)
-    a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype=model_dtype, qdtype="bfloat16")
+    a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype=model_dtype, qdtype="bfloat16",
+                       impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
@@ -1220,7 +1259,7 @@ HUGE_WINDOW = [2**63, 2**64 + 5, 10**30]
 def _attention_for_scalars(impl, key):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-scalars", impl.name, key)
-    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     return a, bt, sl, qsl, guards
 
@@ -1290,10 +1329,10 @@ BAD_STATIC = [1e39, float("inf"), float("nan"), 0.0, -1.0, "abc"]
 def test_write_static_scale_refused(impl, value, which):
     require_usable(impl, "fp8_per_tensor")
     rng = rng_for("hostile-static-write", impl.name, repr(value), which)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5)
+    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
     kw[which] = value
-    call_refused(impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(torch.from_numpy(w.valid_slots(rng))),
+    call_refused(impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
                  **kw)
 
 
@@ -1302,11 +1341,11 @@ def test_write_static_scale_refused(impl, value, which):
 def test_write_static_scale_tensor_refused(impl, value):
     require_usable(impl, "fp8_per_tensor")
     rng = rng_for("hostile-static-tensor", impl.name, value)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5)
+    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
-    kw["k_scale"] = {"tensor-inf": torch.tensor([float("inf")]), "tensor-two": torch.tensor([0.5, 0.5]),
-                     "tensor-float64": torch.tensor([0.5], dtype=torch.float64)}[value]
-    call_refused(impl, kvzoo.reshape_and_cache, ["k_scale"], w.guards(), *w.args(torch.from_numpy(w.valid_slots(rng))),
+    kw["k_scale"] = case_tensor({"tensor-inf": torch.tensor([float("inf")]), "tensor-two": torch.tensor([0.5, 0.5]),
+                                 "tensor-float64": torch.tensor([0.5], dtype=torch.float64)}[value], impl)
+    call_refused(impl, kvzoo.reshape_and_cache, ["k_scale"], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
                  **kw)
 
 
@@ -1315,14 +1354,14 @@ def test_write_static_scale_tensor_refused(impl, value):
 def test_write_static_scale_forms_accepted(impl, form):
     require_usable(impl, "fp8_per_tensor")
     rng = rng_for("hostile-static-forms", impl.name, form)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5)
+    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
     k = w.caches.k_static
     slots = w.valid_slots(rng)
     kw = w.caches.api_kwargs()
-    kw["k_scale"] = {"float32-tensor": torch.tensor([k], dtype=torch.float32),
-                     "offset-view": torch.tensor([9.0, k, 7.0], dtype=torch.float32)[1:2],
-                     "numpy-float32": np.float32(k)}[form]
-    call_accepted(impl, kvzoo.reshape_and_cache, *w.args(torch.from_numpy(slots)), **kw)
+    kw["k_scale"] = {"float32-tensor": case_tensor(torch.tensor([k], dtype=torch.float32), impl),
+                     "offset-view": case_tensor(torch.tensor([9.0, k, 7.0], dtype=torch.float32), impl)[1:2],
+                     "numpy-float32": np.float32(k)}[form]  # a number, not an array: fine on any device
+    call_accepted(impl, kvzoo.reshape_and_cache, *w.args(case_tensor(slots, impl)), **kw)
     assert_write_matches(impl.name, w.caches, w.key.values(), w.value.values(), slots)
 
 
@@ -1330,7 +1369,7 @@ def test_write_static_scale_forms_accepted(impl, form):
 def test_attention_static_scale_refused(impl):
     require_usable(impl, "fp8_per_tensor")
     rng = rng_for("hostile-static-attn", impl.name)
-    a = AttentionSetup(rng, "fp8_per_tensor", "torch", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "fp8_per_tensor", "torch", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     a.caches.k_static = 1e39
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), ["k_scale"], a.caches.regions + [a.out])
@@ -1340,7 +1379,7 @@ def test_attention_static_scale_refused(impl):
 def test_dequantize_static_scale_refused(impl):
     require_usable(impl, "fp8_per_tensor")
     rng = rng_for("hostile-static-deq", impl.name)
-    caches = make_caches(rng, "fp8_per_tensor", (3, BS, H, D), "torch", realistic=False)
+    caches = make_caches(rng, "fp8_per_tensor", (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, mode="fp8_per_tensor", scale=1e39, impl=impl),
                  ["scale"], caches.regions)
 
@@ -1363,8 +1402,9 @@ def test_write_zero_sizes_refused(impl, case):
     require_usable(impl, "int8_per_token_head")
     heads, hs, nb, bs = WRITE_SIZES[case]
     rng = rng_for("hostile-size-write", impl.name, case)
-    w = WriteSetup(rng, "int8_per_token_head", "torch", T=3, num_blocks=nb, heads=heads, head_size=hs, block_size=bs)
-    slots = torch.full((3,), -1, dtype=torch.int64)
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=3, num_blocks=nb, heads=heads, head_size=hs, block_size=bs,
+                   impl=impl)
+    slots = case_tensor(torch.full((3,), -1, dtype=torch.int64), impl)
     names = ["key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "slot_mapping",
              "head_size", "num_kv_heads", "num_blocks", "block_size"]
     call_refused(impl, kvzoo.reshape_and_cache, names, w.guards(), *w.args(slots), **w.caches.api_kwargs())
@@ -1386,7 +1426,7 @@ def test_attention_zero_sizes_refused(impl, case):
     hq, hkv, hs, nb, bs = ATTN_SIZES[case]
     rng = rng_for("hostile-size-attn", impl.name, case)
     batch = Batch(np.array([1]), np.array([1]), np.array([[0]]), nb, bs)
-    a = AttentionSetup(rng, "int8_per_token_head", "torch", batch, heads_q=hq, heads_kv=hkv, head_size=hs)
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", batch, heads_q=hq, heads_kv=hkv, head_size=hs, impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     names = ["query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out", "block_tables",
              "head_size", "num_kv_heads", "num_q_heads", "num_blocks", "block_size"]
@@ -1399,7 +1439,7 @@ def test_dequantize_zero_sizes_refused(impl, case):
     require_usable(impl, "int8_per_token_head")
     heads, hs, nb, bs = WRITE_SIZES[case]
     rng = rng_for("hostile-size-deq", impl.name, case)
-    caches = make_caches(rng, "int8_per_token_head", (nb, bs, heads, hs), "torch", realistic=False)
+    caches = make_caches(rng, "int8_per_token_head", (nb, bs, heads, hs), "torch", realistic=False, impl=impl)
     names = ["cache", "scale_cache", "head_size", "num_kv_heads", "num_heads", "num_blocks", "block_size"]
     call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array,
                                                      mode="int8_per_token_head", impl=impl), names, caches.regions)
@@ -1408,12 +1448,12 @@ def test_dequantize_zero_sizes_refused(impl, case):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_zero_tokens_accepted(impl, kind):
-    require_usable(impl)
+    require_usable(impl, kind=kind)
     mode = pick_mode(impl, "zero-tokens", kind)
     rng = rng_for("hostile-zero-tokens", impl.name, kind)
-    w = WriteSetup(rng, mode, kind, T=0, num_blocks=2)
+    w = WriteSetup(rng, mode, kind, T=0, num_blocks=2, impl=impl)
     empty = np.zeros(0, np.int64)
-    w.run_accepted(impl, torch.from_numpy(empty) if kind == "torch" else empty, empty)
+    w.run_accepted(impl, case_array(empty, kind, impl), empty)
     for r in w.caches.regions:
         r.assert_unchanged(f"{impl.name}: zero tokens")
 
@@ -1429,7 +1469,7 @@ def test_attention_empty_accepted(impl, case, validate):
         batch = batch_for(rng, [0, 0], [5, 3])
     else:
         batch = Batch(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2), np.int64), 3, BS)
-    a = AttentionSetup(rng, mode, "torch", batch)
+    a = AttentionSetup(rng, mode, "torch", batch, impl=impl)
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     kw = {} if validate else dict(validate=False, max_query_len=0, max_seq_len=int(batch.seq_lens.max(initial=0)))
     a.run_accepted(impl, bt, sl, qsl, guards=guards, **kw)
@@ -1441,11 +1481,11 @@ def test_dequantize_empty_accepted(impl):
     require_usable(impl)
     mode = pick_mode(impl, "empty-deq")
     rng = rng_for("hostile-empty-deq", impl.name)
-    caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False)
+    caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False, impl=impl)
     for tables, seq_lens in ((np.zeros((0, 2), np.int64), np.zeros(0, np.int64)),
                              (np.array([[0], [1]]), np.array([0, 0]))):
-        got = check_dequantize(impl, caches, torch.from_numpy(tables.astype(np.int32)),
-                               torch.from_numpy(seq_lens.astype(np.int32)), tables, seq_lens)
+        got = check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
+                               case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
         assert tuple(got.shape) == (0, H, D)
 
 
@@ -1468,15 +1508,17 @@ def test_positions_over_int32_refused(impl):
     arrays here, so stride-0 views make the shape cheap; so is a stride-0 block table."""
     require_usable(impl, "int8_per_token_head")
     bs = 2**12
-    kc = torch.zeros(1, 1, H, D, dtype=torch.int8).expand(2, bs, H, D)
-    sc = torch.full((1, 1, H), 0.01).expand(2, bs, H)
-    bt = torch.zeros(1, 1, dtype=torch.int32).expand(1, 2**19 + 1)
-    q = torch.randn(1, HQ, D, dtype=torch.bfloat16)
-    out = torch.full_like(q, 7.0)
+    t = lambda x: case_tensor(x, impl)  # noqa: E731
+    # Expanded after placing: a copy of the expanded view would be the whole cache.
+    kc = t(torch.zeros(1, 1, H, D, dtype=torch.int8)).expand(2, bs, H, D)
+    sc = t(torch.full((1, 1, H), 0.01)).expand(2, bs, H)
+    bt = t(torch.zeros(1, 1, dtype=torch.int32)).expand(1, 2**19 + 1)
+    q = t(torch.randn(1, HQ, D, dtype=torch.bfloat16))
+    out = t(torch.full((1, HQ, D), 7.0, dtype=torch.bfloat16))
     before = out.clone()
     call_refused(impl, lambda impl: kvzoo.paged_attention(
         q, kc, kc, mode="int8_per_token_head", k_scale_cache=sc, v_scale_cache=sc, block_tables=bt,
-        seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=t(torch.tensor([1], dtype=torch.int32)), query_start_loc=t(torch.tensor([0, 1], dtype=torch.int32)),
         out=out, impl=impl), ["block_tables", "seq_lens", "key_cache", "block_size"], [guard_of("out", out)])
     assert torch.equal(out, before)
 
@@ -1486,11 +1528,12 @@ def test_dequantize_slots_over_int32_refused(impl):
     """num_blocks * block_size at most 2^31 - 1 (a stride-0 read cache of 2^20 x 2^11 + 1 slots)."""
     require_usable(impl, "int8_per_token_head")
     nb, bs = 2**20, 2**11 + 1
-    cache = torch.zeros(1, 1, 1, 4, dtype=torch.int8).expand(nb, bs, 1, 4)
-    sc = torch.full((1, 1, 1), 0.01).expand(nb, bs, 1)
+    t = lambda x: case_tensor(x, impl)  # noqa: E731
+    cache = t(torch.zeros(1, 1, 1, 4, dtype=torch.int8)).expand(nb, bs, 1, 4)
+    sc = t(torch.full((1, 1, 1), 0.01)).expand(nb, bs, 1)
     call_refused(impl, lambda impl: kvzoo.dequantize(
-        cache, sc, mode="int8_per_token_head", block_tables=torch.tensor([[0]], dtype=torch.int32),
-        seq_lens=torch.tensor([1], dtype=torch.int32), impl=impl),
+        cache, sc, mode="int8_per_token_head", block_tables=t(torch.tensor([[0]], dtype=torch.int32)),
+        seq_lens=t(torch.tensor([1], dtype=torch.int32)), impl=impl),
         ["cache", "scale_cache", "num_blocks", "block_size"], [])
 
 
@@ -1508,8 +1551,8 @@ def test_write_requires_grad_refused(impl, arg):
     require_usable(impl, mode)
     name = arg.split("(")[0]
     rng = rng_for("hostile-grad-write", impl.name, arg)
-    w = WriteSetup(rng, mode, "torch", T=5, dtype="float32")
-    args = list(w.args(torch.from_numpy(w.valid_slots(rng))))
+    w = WriteSetup(rng, mode, "torch", T=5, dtype="float32", impl=impl)
+    args = list(w.args(case_tensor(w.valid_slots(rng), impl)))
     kw = w.caches.api_kwargs()
     pos = {"key": 0, "value": 1, "key_cache": 2}
     if name in pos:
@@ -1529,7 +1572,7 @@ def test_attention_requires_grad_refused(impl, arg):
     require_usable(impl, mode)
     name = arg.split("(")[0]
     rng = rng_for("hostile-grad-attn", impl.name, arg)
-    a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), qdtype="float32", model_dtype="float32")
+    a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), qdtype="float32", model_dtype="float32", impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     sinks = a.sinks("torch", "contiguous", rng)[0]
     extra = {"sinks": sinks}
@@ -1551,7 +1594,7 @@ def test_attention_requires_grad_refused(impl, arg):
 def test_dequantize_requires_grad_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-grad-deq", impl.name)
-    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False)
+    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array.requires_grad_(),
                                                      mode="int8_per_token_head", impl=impl),
                  ["scale_cache"], caches.regions, words=["grad"])
@@ -1565,8 +1608,8 @@ WRITE_NAMES = ["key", "value", "key_cache", "value_cache", "slot_mapping", "k_sc
 def test_write_meta_refused(impl, which):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-write", impl.name, which)
-    w = WriteSetup(rng, "int8_per_token_head", "torch", T=5)
-    args = list(w.args(torch.from_numpy(w.valid_slots(rng))))
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=5, impl=impl)
+    args = list(w.args(case_tensor(w.valid_slots(rng), impl)))
     kw = w.caches.api_kwargs()
     if which == "key_cache":
         args[2] = torch.empty(tuple(args[2].shape), dtype=torch.int8, device="meta")
@@ -1587,7 +1630,7 @@ ATTN_NAMES = ["query", "key_cache", "value_cache", "block_tables", "seq_lens", "
 def test_attention_meta_refused(impl, which):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-attn", impl.name, which)
-    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     if which == "query":
         fn = lambda impl: a.call(impl, bt, sl, qsl, query=a.query.array.to("meta"))  # noqa: E731
@@ -1609,7 +1652,7 @@ def test_attention_meta_refused(impl, which):
 def test_dequantize_meta_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-deq", impl.name)
-    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False)
+    caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array.to("meta"), caches.k_scale.array.to("meta"),
                                                      mode="int8_per_token_head", impl=impl),
                  ["cache", "scale_cache"], caches.regions)
@@ -1620,7 +1663,7 @@ def test_write_list_slot_mapping_refused(impl):
     """SPEC 11 'kind': a torch.Tensor or a numpy.ndarray; a Python list is refused."""
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-list-slots", impl.name)
-    w = WriteSetup(rng, "int8_per_token_head", "torch", T=4)
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
     call_refused(impl, kvzoo.reshape_and_cache, ["slot_mapping"], w.guards(), *w.args(w.valid_slots(rng).tolist()),
                  **w.caches.api_kwargs())
 
@@ -1629,7 +1672,7 @@ def test_write_list_slot_mapping_refused(impl):
 def test_attention_list_block_tables_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-list-tables", impl.name)
-    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"))
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
     _, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     call_refused(impl, lambda impl: a.call(impl, a.batch.tables.tolist(), sl, qsl), ["block_tables"],
                  a.caches.regions + [a.out])
@@ -1645,9 +1688,9 @@ def test_attention_list_block_tables_refused(impl):
 def test_write_bad_strings_refused(impl, kw):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-strings", impl.name, repr(kw))
-    w = WriteSetup(rng, "int8_per_token_head", "torch", T=4)
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
     api_kw = {**w.caches.api_kwargs(), **kw}
-    call_refused(impl, kvzoo.reshape_and_cache, list(kw), w.guards(), *w.args(torch.from_numpy(w.valid_slots(rng))),
+    call_refused(impl, kvzoo.reshape_and_cache, list(kw), w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
                  **api_kw)
 
 
@@ -1688,8 +1731,10 @@ def test_paged_kv_cache_refused(case):
 FUZZ_DTYPES = ["int32", "int64", "int32", "int64", "float32", "int16", "uint8", "bool"]
 
 
-def _draw_layout(data, ndim: int, values: np.ndarray, kind: str) -> tuple[str, str]:
-    choices = [lay for lay in (ONE_D_LAYOUTS if ndim == 1 else TWO_D_LAYOUTS) if layout_fits(lay, values)]
+def _draw_layout(data, ndim: int, values: np.ndarray, kind: str, impl) -> tuple[str, str]:
+    # Negative strides need NumPy arrays, which a device implementation does not take.
+    shown_as = "numpy" if case_device(impl) == "cpu" else "torch"
+    choices = [lay for lay in layouts_for(shown_as, ndim) if layout_fits(lay, values)]
     layout = data.draw(st.sampled_from(choices), label="layout")
     if layout.startswith("negative"):
         kind = "numpy"
@@ -1707,20 +1752,21 @@ def _int_range(dtype: str):
 @given(data=st.data())
 def test_fuzz_slot_mapping(impl, data):
     """Random slot_mapping values, dtypes, lengths and layouts: refused exactly when the values
-    (or dtype, or length) break SPEC 6/11; otherwise byte-equal to the oracle."""
+    (or dtype, or length) break SPEC 6/11; otherwise byte-equal to the oracle. (A device
+    implementation gets the "numpy" examples as device tensors, and no negative strides.)"""
     require_usable(impl)
     mode = data.draw(st.sampled_from(sorted(impl.modes)), label="mode")
     T = data.draw(st.integers(0, 8), label="T")
     bs = data.draw(st.sampled_from([4, 8, 16]), label="block_size")
     nb = data.draw(st.integers(1, 3), label="num_blocks")
     hs = data.draw(st.sampled_from([16, 32]), label="head_size")
-    kind = data.draw(st.sampled_from(["torch", "numpy"]), label="kind")
+    kind = case_kind(data.draw(st.sampled_from(["torch", "numpy"]), label="kind"), impl)
     # About half the examples are valid calls (the oracle still judges each from its values).
     valid_intent = data.draw(st.booleans(), label="valid call intended")
     dtype = data.draw(st.sampled_from(INDEX_DTYPES if valid_intent else FUZZ_DTYPES), label="dtype")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     rng = rng_for("hostile-fuzz-write", impl.name, seed)
-    w = WriteSetup(rng, mode, kind, T=T, num_blocks=nb, block_size=bs, head_size=hs,
+    w = WriteSetup(rng, mode, kind, T=T, num_blocks=nb, block_size=bs, head_size=hs, impl=impl,
                    dtype=data.draw(st.sampled_from(["bfloat16", "float16", "float32"]), label="input dtype"))
     cap = nb * bs
     lo, hi = _int_range(dtype)
@@ -1750,8 +1796,8 @@ def test_fuzz_slot_mapping(impl, data):
     values = np.array(values, np.int64)
     length = T + data.draw(st.sampled_from([0, 0, 1, -1]), label="length change") if T and not valid_intent else T
     shown = values[:length] if length <= T else np.concatenate([values, [0]])
-    layout, kind_idx = _draw_layout(data, 1, shown, kind)
-    sm, g = index_view(shown, dtype, kind_idx, layout, rng, slot_junk(cap))
+    layout, kind_idx = _draw_layout(data, 1, shown, kind, impl)
+    sm, g = index_view(shown, dtype, kind_idx, layout, rng, slot_junk(cap), impl=impl)
     nonneg = values[values >= 0]
     valid = (dtype in INDEX_DTYPES and length == T and (values < cap).all()
              and len(np.unique(nonneg)) == len(nonneg))
@@ -1876,15 +1922,15 @@ def test_fuzz_attention_index_tensors(impl, data):
         if dtypes["block_tables"] == "int64":
             tables = tables.copy()
             tables[0, 0] = -(2**40)
-    kind = data.draw(st.sampled_from(["torch", "numpy"]), label="kind")
+    kind = case_kind(data.draw(st.sampled_from(["torch", "numpy"]), label="kind"), impl)
     batch = Batch(q_lens, np.asarray(seq_lens), np.asarray(tables), nb, bs)
-    a = AttentionSetup(rng, mode, kind, batch, qdtype=data.draw(st.sampled_from(["bfloat16", "float32"])))
+    a = AttentionSetup(rng, mode, kind, batch, impl=impl, qdtype=data.draw(st.sampled_from(["bfloat16", "float32"])))
     arrays, guards = {}, []
     junk = {"block_tables": lambda s: rng.integers(0, nb, s), "seq_lens": lambda s: rng.integers(1, 11, s),
             "query_start_loc": lambda s: rng.integers(0, T + 1, s)}
     for name, values in (("block_tables", tables), ("seq_lens", seq_lens), ("query_start_loc", qsl)):
-        layout, k = _draw_layout(data, np.asarray(values).ndim, np.asarray(values), kind)
-        arr, g = index_view(np.asarray(values), dtypes[name], k, layout, rng, junk[name])
+        layout, k = _draw_layout(data, np.asarray(values).ndim, np.asarray(values), kind, impl)
+        arr, g = index_view(np.asarray(values), dtypes[name], k, layout, rng, junk[name], impl=impl)
         arrays[name] = arr
         guards.append(g)
     valid, names = _attention_validity(np.asarray(tables), seq_lens, qsl, T, nb, bs, dtypes, shapes_ok)
@@ -1930,12 +1976,12 @@ def test_fuzz_dequantize_index_tensors(impl, data):
     elif fault == "length":
         seq_lens = np.concatenate([seq_lens, [1]])
         shapes_ok = False
-    kind = data.draw(st.sampled_from(["torch", "numpy"]), label="kind")
-    caches = make_caches(rng, mode, (nb, bs, H, D), kind, realistic=False)
+    kind = case_kind(data.draw(st.sampled_from(["torch", "numpy"]), label="kind"), impl)
+    caches = make_caches(rng, mode, (nb, bs, H, D), kind, realistic=False, impl=impl)
     arrays, guards = {}, []
     for name, values in (("block_tables", tables), ("seq_lens", seq_lens)):
-        layout, k = _draw_layout(data, values.ndim, values, kind)
-        arr, g = index_view(values, dtypes[name], k, layout, rng, lambda s: rng.integers(0, nb, s))
+        layout, k = _draw_layout(data, values.ndim, values, kind, impl)
+        arr, g = index_view(values, dtypes[name], k, layout, rng, lambda s: rng.integers(0, nb, s), impl=impl)
         arrays[name] = arr
         guards.append(g)
     qsl_dummy = np.zeros(len(seq_lens) + 1, np.int64)  # dequantize has no query
