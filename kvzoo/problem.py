@@ -22,8 +22,9 @@ OPS: tuple[str, ...] = ("reshape_and_cache", "dequantize", "paged_attention")
 
 
 @functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _array_field_names(cls: type) -> tuple[str, ...]:
+    # Array fields are the ones annotated Array (possibly | None); the rest are host values.
+    return tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Array"))
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,8 @@ class _Problem:
         raise NotImplementedError
 
     def array_fields(self) -> tuple[str, ...]:
-        """Names of the fields that hold arrays (None where an optional one is absent)."""
-        from .arrays import is_array
-
-        return tuple(n for n in _field_names(type(self)) if is_array(getattr(self, n)))
+        """Names of the fields that hold arrays (leaving out optional ones that are None)."""
+        return tuple(n for n in _array_field_names(type(self)) if getattr(self, n) is not None)
 
     def replace(self, **changes: Any) -> _Problem:
         return dataclasses.replace(self, **changes)
@@ -58,7 +57,7 @@ class _Problem:
         from .arrays import is_array
 
         changes = {}
-        for name in _field_names(type(self)):
+        for name in _array_field_names(type(self)):
             value = getattr(self, name)
             if is_array(value) and (converted := convert(value)) is not value:
                 changes[name] = converted
