@@ -60,7 +60,11 @@ def _check(args: argparse.Namespace) -> int:
     if args.op:
         checks = [c for c in checks if c.op in args.op]
     if args.mode:
-        modes = {get_kv_quant_mode(m).name for m in args.mode}
+        try:
+            modes = {get_kv_quant_mode(m).name for m in args.mode}
+        except ValueError as bad:
+            print(f"kvzoo check: --{bad}", file=sys.stderr)
+            return 2
         checks = [c for c in checks if modes & set(c.case_id.split("-"))]
     print(f"kvzoo check: {len(checks)} checks, seed {SEED} (replay with KVZOO_SEED={SEED})")
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -94,8 +98,14 @@ def _check(args: argparse.Namespace) -> int:
     total_passed = sum(p for p, _, _ in counts.values())
     print(f"\n{total_passed} passed, {total_failed} failed, "
           f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s")
-    if not total_passed and not total_failed:
+    if not counts:
         print("kvzoo check: no check ran, so nothing was verified", file=sys.stderr)
+        return 1
+    # An implementation that declined every case it was given verified nothing: not a pass.
+    idle = [f"{impl} {op}" for (impl, op), (p, f, _) in sorted(counts.items()) if not p and not f]
+    if idle and not args.exitfirst:
+        print(f"kvzoo check: ran no check of: {', '.join(idle)} (every case was declined; -v says why)",
+              file=sys.stderr)
         return 1
     return 1 if total_failed else 0
 

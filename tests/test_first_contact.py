@@ -92,3 +92,16 @@ def test_check_filters_by_mode(capsys):
     assert cli.main(["check", "--impl", "numpy", "--op", "dequantize", "--mode", "fp8", "-q"]) == 0
     out = capsys.readouterr().out
     assert " 0 failed" in out and "numpy" in out
+
+
+def test_check_fails_when_an_implementation_declines_every_case(capsys, monkeypatch):
+    import kvzoo.conformance
+    from kvzoo import registry
+    from kvzoo.conformance.checks import matrix
+
+    reg = registry.Registry()
+    reg.add(registry.Implementation("refuses-all", "paged_attention", "any", frozenset(kvzoo.MODES),
+                                    run=lambda p: None, problem_reasons=lambda p: ["refuses-all: takes nothing"]))
+    monkeypatch.setattr(kvzoo.conformance, "matrix", lambda r=None: matrix(reg))
+    assert cli.main(["check", "-q"]) == 1
+    assert "ran no check of: refuses-all paged_attention" in capsys.readouterr().err

@@ -478,3 +478,17 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
     if ops is not None:
         checks = [c for c in checks if c.op in ops]
     return checks
+
+
+def runs_something(checks: list[Check]) -> tuple[bool, list[str]]:
+    """Whether one implementation's checks of one operation include one it takes and passes;
+    with the reasons it gave for the ones it declined. A backend that declines every case must
+    fail the suite, not pass it with skips."""
+    declined = []
+    for check in checks:
+        try:
+            check.run()
+            return True, declined
+        except NotApplicable as why:
+            declined.append(str(why))
+    return False, declined
