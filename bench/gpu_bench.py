@@ -63,7 +63,7 @@ SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "f
 ROTATE_BYTES = 256 << 20
 # Seconds of untimed replays before each timing. Each kvzoo row's host-side check leaves the
 # GPU idle for a moment, and timing straight after it ran slow (H200, same call: bf16 decode
-# 64 x 4096 268.7 us against 244.5 with the warm-up; bench/RESULTS.md, sixth session).
+# 64 x 4096 268.7 us against 244.5 with the warm-up; bench/archive/RESULTS-history.md).
 WARM_S = 0.2
 MAX_SETS = 8
 ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw query, also for +qq)

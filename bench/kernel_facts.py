@@ -63,7 +63,7 @@ def R(block_n, warps, stages, split_keys=0):
 # table's) or a dict of changes to the table's. Decode configs get the table's split count
 # re-rounded to their block_n unless they set split_keys themselves (-1).
 SWEEPS = {
-    # 1: register caps, smaller key tiles, warps (2026-11-30 run 2, bench/RESULTS.md).
+    # 1: register caps, smaller key tiles, warps (bench/archive/RESULTS-history.md).
     "1": [
         ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2)]),
         ("decode", 64, 16384, "int8_per_token_head", False, [

@@ -207,11 +207,10 @@ def _attend_tile(
     if STAGED:
         # The workspace gives each sequence consecutive pages of one contiguous buffer
         # (staging.py), so its keys sit at one stride: a tile's addresses are one scalar plus
-        # offsets the compiler hoists out of the loop (a page lookup per key cost ~70 more
-        # instructions per tile, sm_90a). A tile never spans two pages: one K and V scale per
-        # tile. With the query staged too, int8 4 x 4096 went from 1510-1513 to 1449-1452 us on
-        # the H200; either change alone was slower (1525-1538 and 1618-1620 us), the compiler
-        # scheduling each differently (bench/RESULTS.md, seventh session).
+        # offsets the compiler hoists out of the loop, where a page lookup per key would cost
+        # dozens of instructions per tile. A tile never spans two pages: one K and V scale per
+        # tile. This pays only together with the staged query (staging.py): the compiler
+        # schedules either change alone worse.
         tl.static_assert(SAME_KV_STRIDES, "the staged K and V workspaces share one layout")
         first_page = tl.load(bt_row).to(tl.int64)
         page = first_page + start // PAGE
@@ -618,20 +617,16 @@ class AttentionConfig:
 
 
 # Tables keyed by (padded head size, quantized cache). Entries for head size 128 are the best
-# of the variants timed on the H200 (bench/attention_probe.py, bench/RESULTS.md); the others
+# of the variants timed on the GPU (bench/attention_probe.py, bench/kernel_facts.py); the others
 # are scaled from them (smaller key tiles where a row is wider) and only checked for
 # correctness.
 # Decode: (block_n, num_warps, num_stages); one query token x the group's heads per tile.
 # Quantized decode is bound by the latency of each tile's dependent chain (conversion, two
 # dots, softmax), not by bytes: small tiles on one or two warps keep more programs resident.
 # So it slows with the SM clock, which the board's power cap lowers under sustained load
-# (H200: 91% of the copy ceiling at full clock, 77% under the cap; bench/sustained.py).
-# Their 5 stages are what gives the K/V copies two buffers: the page lookup takes a stage of
-# its own, and below 5 Triton 3.6 keeps one buffer and waits for each copy right after issuing
-# it (2026-11-30, bench/kernel_facts.py sweep 5: int8 703 -> 665 us, fp8 748 -> 675 us at
-# 64 x 16384). The bf16 tile gained nothing from it (985 -> 1145 us) and keeps 2. fp8 then
-# moved to int8's 1-warp tiles, split like them (sweep 9: 654 -> 617 us at 64 x 16384,
-# 342 -> 311-315 us at 8 x 65536).
+# (bench/sustained.py). Their 5 stages are what gives the K/V copies two buffers: the page
+# lookup takes a stage of its own, and below 5 Triton 3.6 keeps one buffer and waits for each
+# copy right after issuing it. The bf16 tile, bound by DRAM, is slower with 5 and keeps 2.
 _DECODE_TABLE = {
     (64, False): (64, 4, 2), (128, False): (64, 4, 2), (256, False): (32, 4, 2),
     (64, "int8"): (32, 1, 5), (128, "int8"): (32, 1, 5), (256, "int8"): (64, 4, 2),
@@ -639,8 +634,7 @@ _DECODE_TABLE = {
 }
 # Prefill: (rows = query tokens x padded group, block_n, num_warps, num_stages), keyed by
 # (padded head size, K operand): False the model dtype, True converted codes, "int8" codes as
-# loaded (quantize_query; 64 rows on 4 warps took 2039 us against 2643 for the codes' tile on
-# the H200, bench/kernel_facts.py sweep 2).
+# loaded (quantize_query: the int8 dot wants a smaller tile than the converted codes' one).
 _PREFILL_TABLE = {
     (64, False): (128, 128, 8, 3), (128, False): (128, 128, 8, 3), (256, False): (64, 32, 4, 2),
     (64, True): (128, 128, 8, 2), (128, True): (128, 128, 8, 2), (256, True): (64, 32, 8, 2),
@@ -650,12 +644,9 @@ _PREFILL_TABLE = {
 # on its own length only.
 INVARIANT_SPLIT_KEYS = 4096
 # Split-KV heuristic: a decode grid under `below` programs per SM leaves SMs idle or its last
-# wave ragged; split each sequence so the grid reaches about `target` per SM. Measured on the
-# H200 (bench/RESULTS.md): bf16 8 x 65536 went from 750 us (5 splits) to 500 us (16), while
-# splitting bf16 64 x 16384 cost 5%; int8 64 x 16384 took 766 us unsplit and 665-670 us in 2
-# or 4 splits; at 8 x 65536 int8 took 391 us in 25 splits and 337 us in 32. fp8 on the same
-# 1-warp tiles: 64 x 16384 in 4 or 2 splits 617-619 us, 8 x 65536 in 32 or 16 311-315 us.
-# (below, target) per code type (False: the model dtype):
+# wave ragged; split each sequence so the grid reaches about `target` per SM. The quantized
+# 1-warp tiles need more programs per SM than the bf16 ones to hide their latency, so they
+# split sooner and further. (below, target) per code type (False: the model dtype):
 _SPLIT_PER_SM = {False: (2, 8), "fp8": (8, 16), "int8": (8, 16)}
 _MIN_SPLIT_KEYS = 1024
 _MAX_SPLITS = 64
@@ -693,11 +684,11 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     block_n, warps, stages = _DECODE_TABLE[_size_class(p.head_size), _code_kind(p)]
     block_n, stages = _fit_wide_cache(p, block_n, stages)
     if platform != "cuda":
-        # The 5-stage depth answers CUDA's pipeliner (measured on the H200 only); ROCm's own
+        # The 5-stage depth answers CUDA's pipeliner (measured on NVIDIA only); ROCm's own
         # pipeliner keeps the 2 stages every decode tile had before it.
         stages = min(stages, 2)
-    # Quantized tiles of the group's real rows run fewer instructions per key tile (int8 at 5
-    # stages: 917 against 1090, bench/offline_facts.py) in less shared memory; the bf16 tile
+    # Quantized tiles of the group's real rows run fewer instructions per key tile
+    # (bench/offline_facts.py counts them) in less shared memory; the bf16 tile
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and _code_kind(p) else 16
@@ -710,8 +701,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     below, target = _SPLIT_PER_SM[_code_kind(p)]
     if programs < below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
         want = target * sms
-        # Rounded down: one program over the target starts a ragged wave (int8 64 x 16384 took
-        # 733 us in 5 splits against 665 in 4 on the H200).
+        # Rounded down: one program over the target starts a ragged wave.
         splits = min(_MAX_SPLITS, want // max(programs, 1), p.max_seq_len // _MIN_SPLIT_KEYS)
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
@@ -725,9 +715,8 @@ def staged_prefill_config(p: Attention) -> AttentionConfig:
     g_pad = _pow2(p.num_q_heads // p.num_kv_heads)
     # Page scales are read once per key tile: a tile must not span two pages.
     assert _staging.STAGE_PAGE % block_n == 0, (block_n, _staging.STAGE_PAGE)
-    # Longest first: attention on the workspace at 4 x 4096 took 2.2-2.6% less time than in grid
-    # order in five A/B calls on the H200 (bench/staging_sweep.py, bench/RESULTS.md). The bf16
-    # kernel on the paged cache took 1563 against 1540 us that way, so direct tiles keep grid order.
+    # Longest first pays on the workspace's short tiles and not on the paged cache's (measured
+    # both ways with bench/staging_sweep.py), so direct tiles keep grid order.
     return AttentionConfig(max(1, rows // g_pad), block_n, warps, stages, 0, False, stage_kv=True,
                            longest_first=True)
 

@@ -1,8 +1,8 @@
 """Prefill on a quantized cache through a workspace of fp16 operands ("staged" prefill).
 
 A prefill query tile reads every key before it, so the direct kernel converts each key's codes
-once per query tile, in the warps that issue the tensor-core dots: 1094 instructions per key
-tile against bf16's 696 on the H200 (bench/RESULTS.md). Staging converts each key once. One
+once per query tile, in the warps that issue the tensor-core dots, which makes its key tile
+about half again as long as bf16's. Staging converts each key once. One
 gather pass writes, for every sequence with more than one query token, the fp16 operands the
 direct kernel builds per tile (SCALE_IN_CODES): codes x (scale / the page's largest scale),
 with that largest scale kept per page. The workspace is itself a per-token-head cache whose
@@ -13,8 +13,7 @@ The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 t
 the query rescaled into fp16 the same way (here by _stage_query_kernel, once per row: a query
 the kernel computes itself stays a register operand, reloaded from shared memory on every key
 tile, while rows it loads as they are go to wgmma from shared memory). Rounding to bf16
-instead (an earlier version) added a logit error that grows with the logit: 7e-3 against 2e-3
-on the H200 benchmark's fp8 data.
+instead would add a logit error that grows with the logit (bf16 keeps 3 fewer bits).
 One difference in range: the kernel counts its fp32 accumulator in units of the current page's
 V scale (a factor per row when the page changes, not a product per element), so a sequence
 whose V page scales span more than about 2^90 (V rows above 1e24 beside rows at the scale
@@ -42,10 +41,9 @@ from .write_kernels import code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
-# Rows of a page one gather program converts (of K or of V), and its warps. H200, int8, 4096
-# keys of context (bench/staging_sweep.py, three calls of the sixth session): 4 x 4096 in
-# 32.5-32.7 us against 46.0-46.3 for one program per 128-row page, 16 x 128 in 125.7 against
-# 178.1; 16 rows on 2 warps and 64 on 4 within 6% of the table's either way (int8 and fp8).
+# Rows of a page one gather program converts (of K or of V), and its warps: a quarter page
+# per program gives the gather enough programs to fill the GPU on short batches; the
+# neighbouring choices time within a few percent (bench/staging_sweep.py).
 GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Sequences the slot kernel places per step of its loop (one step up to this batch size).
@@ -53,9 +51,8 @@ SLOT_BLOCK = 1024
 # Largest workspace a call may allocate; above it prefill stays direct.
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
-# kernel repeats per query tile outweighs staging's extra pass over their context. H200, 4096
-# keys of context (bench/staging_sweep.py, eight runs over three sessions): staged/direct
-# 0.87-0.97x at 64 query tokens, 1.08-1.21x at 128, 1.37-1.54x at 4096.
+# kernel repeats per query tile outweighs staging's extra pass over their context: at 64
+# query tokens staging loses, from 128 it wins (bench/staging_sweep.py).
 STAGE_MIN_QUERY_LEN = 128
 
 
@@ -235,9 +232,8 @@ def staged_problem(p: Attention) -> Staged:
     ws_v = _allocate(shape, torch.float16, device)
     per_token_head = p.mode.per_token_head
     page_scales = _allocate((2, pages, heads), torch.float32, device) if per_token_head else None
-    # One launch places the prefills. The dozen small torch ops it replaced were a graph node
-    # each: on the H200, prefill int8 4 x 4096 took 1499-1512 us against 1531 with them in the
-    # same call (bench/RESULTS.md). The gather's grid runs over slots, not sequences: decodes
+    # One launch places the prefills: a dozen small torch ops would each be a node of the
+    # step's CUDA graph, and cost measurable time. The gather's grid runs over slots, not sequences: decodes
     # beside a few prefills would each launch a sequence's worth of empty programs.
     seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
     first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)

@@ -350,9 +350,8 @@ def _num_warps(elements: int) -> int:
 
 # From this many tokens fp8 writes run one warp per program. Their encode issues more
 # instructions per code than int8's, and once the grid is many waves deep the issue rate
-# decides (H200, 2026-11-30, one warp against two, bench/RESULTS.md: 32768 tokens 53.0 against
-# 55.4 us, 16384 28.8 against 29.5); below it the shorter chain of two warps wins (8192: 16.3
-# against 16.1 us, 4096: 9.9 against 9.3). int8 timed the same or slower on one warp.
+# decides; below it the shorter chain of two warps wins. int8 gains nothing from one warp.
+# (Timings: bench/archive/RESULTS-history.md.)
 FP8_ONE_WARP_TOKENS = 16384
 
 
