@@ -7,9 +7,9 @@ chosen by kvzoo.registry; semantics are defined in reference/SPEC.md.
 from . import registry
 from .api import dequantize, paged_attention, reshape_and_cache
 from .cache import PagedKVCache
+from .errors import KVZooInputError
 from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
 from .modes import MODES, QuantMode, get_kv_quant_mode
-from .validate import KVZooInputError
 
 __version__ = "0.1.0"
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import textwrap
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections import defaultdict

@@ -14,9 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import as_numpy, device_type, dtype_name, is_array, is_torch, numpy_dtype, same_kind_empty, torch, torch_dtype
 from . import memory
-from .errors import KVZooInputError, fail
+from .arrays import (
+    as_numpy,
+    device_type,
+    dtype_name,
+    is_array,
+    is_torch,
+    numpy_dtype,
+    same_kind_empty,
+    torch,
+    torch_dtype,
+)
+from .errors import fail
 from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")

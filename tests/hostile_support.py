@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -31,6 +30,7 @@ import torch
 import kvzoo
 from kvzoo import KVZooInputError, registry
 from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
+from kvzoo.conformance.checks import fill_quantized
 from kvzoo.conformance.inputs import device_for
 from kvzoo.modes import MODES
 from reference import oracle
@@ -544,18 +544,7 @@ def layouts_for(kind: str, ndim: int) -> tuple[str, ...]:
 
 def fill_codes(mode_name: str, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str = "bfloat16"):
     """Cache values as (codes uint8 or model-dtype values, per-row scales or None): no NaN."""
-    mode = MODES[mode_name]
-    if mode.code_dtype is None:
-        return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
-    if mode.is_int8:
-        codes = rng.integers(-127, 128, shape).astype(np.int8).view(np.uint8)
-    else:
-        fmt = getattr(ml_dtypes, mode.code_dtype)
-        y = np.clip(rng.standard_normal(shape) * mode.qmax / 3, mode.qmin, mode.qmax).astype(np.float32)
-        codes = y.astype(fmt).view(np.uint8)
-    if not mode.per_token_head:
-        return codes, None
-    return codes, rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)
+    return fill_quantized(MODES[mode_name], rng, shape, model_dtype)
 
 
 def static_scale(rng: np.random.Generator) -> float:

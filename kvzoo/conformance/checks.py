@@ -247,7 +247,7 @@ def _batch(case: AttentionCase, rng):
     return q_lens.astype(np.int64), seq_lens.astype(np.int64)
 
 
-def _fill_quantized(mode, rng, shape, model_dtype):
+def fill_quantized(mode, rng, shape, model_dtype):
     """Random but realistic cache contents: (codes or values, per-row scales or None)."""
     if mode.code_dtype is None:
         return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
@@ -280,7 +280,7 @@ def check_paged_attention(impl, case: AttentionCase):
         tables[s, :n] = order[start:start + n]
         start += n
     shape = (num_blocks, BS, Hkv, D)
-    (kc, ks), (vc, vs) = (_fill_quantized(mode, rng, shape, case.query_dtype) for _ in range(2))
+    (kc, ks), (vc, vs) = (fill_quantized(mode, rng, shape, case.query_dtype) for _ in range(2))
     static = (_static_scale(rng), _static_scale(rng)) if mode.per_tensor else (None, None)
     if case.poison:
         # Poison the key that sequence 0's last query attends to, in KV head 0: every output
