@@ -1,7 +1,7 @@
 """kvzoo: per-token-head INT8/FP8 quantization of the paged KV cache.
 
 Operations (kvzoo.api): reshape_and_cache, dequantize, paged_attention. Implementations are
-chosen by kvzoo.registry; semantics are defined in reference/SPEC.md.
+chosen by kvzoo.registry; semantics are defined in kvzoo_spec/SPEC.md.
 """
 
 from . import registry

@@ -1,4 +1,4 @@
-"""The one error kvzoo raises for bad arguments (reference/SPEC.md section 11)."""
+"""The one error kvzoo raises for bad arguments (kvzoo_spec/SPEC.md section 11)."""
 
 from __future__ import annotations
 

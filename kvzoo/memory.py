@@ -1,7 +1,7 @@
 """Where an array's elements lie in memory, and whether two arrays share any byte.
 
 The public operations refuse a written array that overlaps itself or any other array of the
-call (reference/SPEC.md section 11): a kernel writing through such a view races with itself
+call (kvzoo_spec/SPEC.md section 11): a kernel writing through such a view races with itself
 or reads what it has just written. Everything here reads metadata only (addresses, shapes,
 strides), never device memory, so it runs with validate=False too.
 """

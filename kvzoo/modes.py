@@ -1,6 +1,6 @@
 """Quantization modes: what a cache stores and the constants of its encoding.
 
-The arithmetic these constants feed is written down in reference/SPEC.md; this module only
+The arithmetic these constants feed is written down in kvzoo_spec/SPEC.md; this module only
 names the modes and parses the strings engines pass around.
 """
 

@@ -30,7 +30,7 @@ def _array_field_names(cls: type) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class _Problem:
     mode: QuantMode
-    # Array fields the operation writes, and its index tensors (reference/SPEC.md section 11:
+    # Array fields the operation writes, and its index tensors (kvzoo_spec/SPEC.md section 11:
     # written arrays may alias nothing; index tensors may have any strides).
     WRITTEN: ClassVar[tuple[str, ...]] = ()
     INDICES: ClassVar[tuple[str, ...]] = ()

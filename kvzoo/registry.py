@@ -23,7 +23,7 @@ from .problem import OPS
 
 # Backend modules, imported on first use of the default registry. Each has register(reg).
 BACKEND_MODULES: tuple[str, ...] = (
-    "kvzoo.backends.numpy_backend",
+    "kvzoo.backends.numpy_vectorized",
     "kvzoo.backends.numba_cpu",
     "kvzoo.backends.triton.write_ops",
     "kvzoo.backends.triton.attention_ops",

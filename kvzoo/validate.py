@@ -38,7 +38,7 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 def require_array(name: str, x: Any) -> None:
     """A tensor or array kvzoo can address: on the CPU or a GPU, not tracking gradients, in
-    native byte order (reference/SPEC.md section 11)."""
+    native byte order (kvzoo_spec/SPEC.md section 11)."""
     if is_torch(x):
         if x.device.type not in _DEVICE_TYPES:
             fail(f"{name}: on device {x.device}; kvzoo runs on {' and '.join(_DEVICE_TYPES)} tensors "

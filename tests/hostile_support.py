@@ -4,7 +4,7 @@ Every array a hostile test hands to kvzoo is a view into a larger buffer of rand
 guard region before and after, gaps between rows and heads. After a call the test compares
 every byte of that buffer with its value before (raw bytes), so a kernel that reads or writes
 past a view, into a gap, or through the wrong strides is caught. Expected results come from
-reference/oracle.py only (never from another kvzoo implementation).
+kvzoo_spec/oracle.py only (never from another kvzoo implementation).
 
 Torch tensors live where the implementation under test takes them (kvzoo.conformance's
 device_for: "cuda" for a GPU backend, "cpu" otherwise). The bytes are always drawn on the host;
@@ -33,7 +33,7 @@ from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
 from kvzoo.conformance.checks import fill_quantized
 from kvzoo.conformance.inputs import device_for
 from kvzoo.modes import MODES
-from reference import oracle
+from kvzoo_spec import oracle
 
 from support import SEED, rng_for  # noqa: F401
 

@@ -8,7 +8,7 @@ import torch
 
 import kvzoo
 from kvzoo.arrays import as_numpy
-from reference import oracle
+from kvzoo_spec import oracle
 
 from support import assert_same_bytes, rng_for
 

@@ -27,7 +27,7 @@ import kvzoo
 from kvzoo import registry
 from kvzoo.conformance.inputs import SEED, device_for, host_float32, rng_for, tensor, to_dtype_exact
 from kvzoo.modes import MODES
-from reference import oracle
+from kvzoo_spec import oracle
 
 try:
     from kvzoo.backends.triton import staging

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import kvzoo
 from kvzoo import KVZooInputError
-from reference import oracle
+from kvzoo_spec import oracle
 
 from support import assert_same_bytes, host_bytes, random_bytes, rng_for
 

@@ -4,7 +4,7 @@ Every case runs on every implementation the registry lists for its operation (co
 import time: registering a backend puts it here with no test edits), through the public API
 with impl=<name>. Arrays are views into buffers of random bytes with guards and gaps; after
 every call each byte of those buffers is compared with its value before. Accepted calls are
-compared with reference/oracle.py (raw bytes for the cache and dequantize, the conformance
+compared with kvzoo_spec/oracle.py (raw bytes for the cache and dequantize, the conformance
 tolerance for attention); refused calls must raise kvzoo.KVZooInputError whose message starts
 with the argument's name, with every cache, scale cache and output byte unchanged.
 
@@ -69,7 +69,7 @@ from numpy.lib.stride_tricks import as_strided
 import kvzoo
 from kvzoo import KVZooInputError
 from kvzoo.modes import MODES
-from reference import oracle
+from kvzoo_spec import oracle
 
 H, HQ, D, BS = 2, 4, 16, 4
 QUANTIZED = ("int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor")

@@ -1,6 +1,6 @@
 """Tests of the oracle itself, against facts that do not come from the oracle.
 
-The conformance suite holds every implementation to reference/oracle.py; this file holds the
+The conformance suite holds every implementation to kvzoo_spec/oracle.py; this file holds the
 oracle to the formats' definitions (codes decoded from their bits by formula), to ml_dtypes,
 to the round-half-even rule written out by hand, to the special-value table of SPEC.md §4, and
 to its own golden vectors.
@@ -17,11 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from reference import oracle
+from kvzoo_spec import oracle
 
 from support import rng_for
 
-GOLDEN = Path(__file__).resolve().parents[1] / "reference" / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "kvzoo_spec" / "golden"
 FLOOR = np.float32(1e-6)
 NAN_BITS = 0x7FC00000
 

@@ -64,7 +64,7 @@ def test_duplicate_and_unknown_names_rejected():
 
 
 def test_broken_backend_is_recorded_not_raised():
-    reg = Registry().load(["kvzoo.backends.numpy_backend", "kvzoo.backends.does_not_exist"])
+    reg = Registry().load(["kvzoo.backends.numpy_vectorized", "kvzoo.backends.does_not_exist"])
     assert [i.name for i in reg.implementations("paged_attention")] == ["numpy"]
     assert "does_not_exist" in next(iter(reg.import_errors))
 

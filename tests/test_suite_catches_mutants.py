@@ -12,14 +12,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvzoo.backends import numpy_backend
+from kvzoo.backends import numpy_vectorized
 from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.registry import Registry
 
 
 def _reference(op: str):
     reg = Registry()
-    numpy_backend.register(reg)
+    numpy_vectorized.register(reg)
     return reg.get(op, "numpy")
 
 

@@ -212,7 +212,7 @@ def test_split_kv_matches_single_pass(mode, extra):
 
 def _round_trip_query(p: Attention) -> Attention:
     """p with its query replaced by the int8 per-token-head round trip (SPEC.md 8.1)."""
-    from reference import oracle
+    from kvzoo_spec import oracle
 
     rows = _f64(p.query).to(torch.float32).reshape(-1, p.head_size).numpy()
     q_hat = oracle.decode_rows(*oracle.quantize_rows(rows, "int8_per_token_head"), "int8_per_token_head")

@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-import reference
-from reference import oracle
+import kvzoo_spec
+from kvzoo_spec import oracle
 
 from .. import api, registry
 from ..arrays import as_numpy, as_torch, numpy_dtype
@@ -40,7 +40,7 @@ from .inputs import (
     tensor,
 )
 
-GOLDEN_DIR = Path(reference.__file__).parent / "golden"
+GOLDEN_DIR = Path(kvzoo_spec.__file__).parent / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.npz"))
 
 
@@ -363,7 +363,7 @@ def check_paged_attention(impl, case: AttentionCase):
 
 
 # ---------------------------------------------------------------------------------------------
-# golden vectors (reference/golden, SPEC.md section 9)
+# golden vectors (kvzoo_spec/golden, SPEC.md section 9)
 
 
 def _load(path: Path):

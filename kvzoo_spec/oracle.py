@@ -1,6 +1,6 @@
-"""The oracle: a deliberately plain statement of reference/SPEC.md in code.
+"""The oracle: a deliberately plain statement of kvzoo_spec/SPEC.md in code.
 
-It imports nothing from kvzoo and shares no code with reference/vectorized.py, so a bug in
+It imports nothing from kvzoo and shares no code with kvzoo/backends/numpy_vectorized/kernels.py, so a bug in
 either cannot hide behind the other. Every rounding is done by rules written out here:
 quantization uses numpy.float32 scalar / elementwise arithmetic (IEEE binary32, round to
 nearest even), int8 rounding uses Python's round() (half to even), and the fp8 encoders pick

@@ -1,8 +1,8 @@
 """Vectorized NumPy implementation of every kvzoo operation (registered as impl "numpy").
 
-Runs anywhere NumPy does; the conformance suite holds it against reference/oracle.py, which
-is written independently. Encoding constants arrive as arguments (`Codec`), so this module
-imports nothing from kvzoo. Arrays are NumPy views of the caller's storage: writes land there.
+Runs anywhere NumPy does; the conformance suite holds it against kvzoo_spec/oracle.py, which
+is written independently. Encoding constants arrive as arguments (`Codec`); arrays are NumPy
+views of the caller's storage: writes land there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Registers reference/vectorized.py, the NumPy implementation, for every mode (platform "any")."""
+"""Registers the vectorized NumPy implementation (kernels.py) for every mode (platform "any")."""
 
 from __future__ import annotations
 
-from reference import vectorized
+from . import kernels as vectorized
 
-from ..modes import MODES, SCALE_FLOOR, QuantMode
-from ..problem import Attention, CacheWrite, Dequantize
-from ..registry import Implementation, Registry
+from ...modes import MODES, SCALE_FLOOR, QuantMode
+from ...problem import Attention, CacheWrite, Dequantize
+from ...registry import Implementation, Registry
 
 NAME = "numpy"
 PRIORITY = 10

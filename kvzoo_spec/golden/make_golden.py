@@ -1,9 +1,9 @@
 """Generate (or, with --check, verify) the golden vectors in this folder from the oracle.
 
-    python reference/golden/make_golden.py           # rewrite every file
-    python reference/golden/make_golden.py --check   # fail unless regenerating gives the same bytes
+    python kvzoo_spec/golden/make_golden.py           # rewrite every file
+    python kvzoo_spec/golden/make_golden.py --check   # fail unless regenerating gives the same bytes
 
-The file format is described in reference/SPEC.md §9. Each file draws from its own generator,
+The file format is described in kvzoo_spec/SPEC.md §9. Each file draws from its own generator,
 seeded from its name, so adding a file never changes another. The .npz files are written
 uncompressed with fixed zip metadata, so the same arrays always give the same bytes.
 """
@@ -25,7 +25,7 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from reference import oracle  # noqa: E402
+from kvzoo_spec import oracle  # noqa: E402
 
 D_ROWS = 16
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
