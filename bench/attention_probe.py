@@ -59,7 +59,7 @@ def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
     if m.code_dtype is None:
         kc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
         vc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
-    elif m.is_int8:
+    elif m.code_dtype == "int8":
         kc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
         vc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
     else:

@@ -432,7 +432,7 @@ def _paged_cache(mode: str, seq_lens: list[int], gen: torch.Generator):
             x = torch.randn(part.shape, device=DEVICE, generator=cuda_gen)
             if m.code_dtype is None:
                 part.copy_(x.to(torch.bfloat16))
-            elif m.is_int8:
+            elif m.code_dtype == "int8":
                 part.copy_((x * 40).round().clamp(-127, 127).to(torch.int8))
             else:
                 part.view(torch.uint8).copy_(

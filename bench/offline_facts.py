@@ -52,7 +52,7 @@ _TRITON_TYPES = {
 def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_query: bool = False) -> Attention:
     m = get_kv_quant_mode(mode)
     blocks = num_seqs * seq_len // BS
-    code = torch.bfloat16 if m.code_dtype is None else torch.int8 if m.is_int8 else torch.float8_e4m3fn
+    code = torch.bfloat16 if m.code_dtype is None else torch.int8 if m.code_dtype == "int8" else torch.float8_e4m3fn
 
     def t(shape, dtype):
         return torch.empty(shape, dtype=dtype, device="meta")

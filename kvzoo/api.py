@@ -14,7 +14,8 @@ import numpy as np
 
 from . import registry as _registry
 from .arrays import as_numpy, as_torch, dtype_name, is_torch, same_kind_empty
-from .modes import ROUNDINGS, QuantMode, get_kv_quant_mode
+from .formats import INT8
+from .modes import MODES, ROUNDINGS, QuantMode, get_kv_quant_mode
 from .problem import Attention, CacheWrite, Dequantize
 from .validate import (
     FLOAT_INPUTS,
@@ -114,10 +115,10 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_size = (int(s) for s in key.shape)
     require_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     num_blocks, block_size = int(key_cache.shape[0]), int(key_cache.shape[1])
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    cache_shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
-        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size]")
+        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size]")
         require_dtype(name, cache, _cache_dtypes(mode, dtype_name(key)))
         require_writable(name, cache)
     require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -128,8 +129,10 @@ def reshape_and_cache(
     require_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
     if rounding not in ROUNDINGS:
         fail(f"rounding: expected one of {list(ROUNDINGS)}, got {rounding!r}")
-    if rounding == "trunc" and not mode.is_int8:
-        fail(f"rounding: 'trunc' applies to int8 modes only, not {mode.name!r}")
+    if rounding not in mode.roundings:
+        takers = [m.name for m in MODES.values() if rounding in m.roundings]
+        fail(f"rounding: mode {mode.name!r} defines {list(mode.roundings)}, not {rounding!r} "
+             f"(modes with {rounding!r}: {takers})")
     require_same_device(
         {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
          "slot_mapping": slot_mapping, "k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache}
@@ -205,7 +208,8 @@ def dequantize(
     require_ndim("cache", cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     require_dtype("cache", cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
     require_no_negative_strides("cache", cache)
-    num_blocks, block_size, num_heads, head_size = (int(s) for s in cache.shape)
+    num_blocks, block_size, num_heads, width = (int(s) for s in cache.shape)
+    head_size = width if mode.format is None else mode.format.head_size_of(width)
     require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads,
                   head_size=head_size)
     cache = as_code_storage(cache, mode)
@@ -234,7 +238,7 @@ def dequantize(
         scale_cache=scale_cache, scale=statics["scale"],
     )
     _run("dequantize", problem, impl)
-    return out.reshape(cache.shape) if whole_cache else out
+    return out.reshape(num_blocks, block_size, num_heads, head_size) if whole_cache else out
 
 
 def _index_like(like: Any, values: np.ndarray) -> Any:
@@ -284,18 +288,18 @@ def paged_attention(
     faster, with the query's rounding added to the error (SPEC.md section 8.1).
     """
     mode = get_kv_quant_mode(mode)
-    if quantize_query and not (mode.is_int8 and mode.per_token_head):
+    if quantize_query and not (mode.format is INT8 and mode.per_token_head):
         fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
     require_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     require_dtype("query", query, FLOAT_INPUTS)
     num_tokens, num_q_heads, head_size = (int(s) for s in query.shape)
     require_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     num_blocks, block_size, num_kv_heads = (int(s) for s in key_cache.shape[:3])
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    cache_shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
     cache_dtypes = FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
-        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, head_size(query)]")
+        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size(query)]")
         require_dtype(name, cache, cache_dtypes)
         require_no_negative_strides(name, cache)
     if mode.code_dtype is None:

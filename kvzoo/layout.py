@@ -58,7 +58,7 @@ def allocate_separate(
     _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
     if model_dtype not in FLOAT_INPUTS:
         fail(f"model_dtype: expected one of {list(FLOAT_INPUTS)}, got {model_dtype!r}")
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
     dtype = mode.code_dtype or model_dtype
     scales = (
         (_zeros(shape[:3], "float32", device), _zeros(shape[:3], "float32", device))

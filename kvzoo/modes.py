@@ -1,7 +1,7 @@
 """Quantization modes: what a cache stores and the constants of its encoding.
 
-The arithmetic these constants feed is written down in kvzoo_spec/SPEC.md; this module only
-names the modes and parses the strings engines pass around.
+The arithmetic is written down in kvzoo_spec/SPEC.md; a mode's code format (kvzoo.formats)
+holds the constants. This module names the modes and parses the strings engines pass around.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import fail
+from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, INT8, CodeFormat
 
 Granularity = Literal["none", "per_tensor", "per_token_head"]
 Rounding = Literal["nearest", "trunc"]
@@ -27,17 +28,17 @@ CANONICAL_NAN_BITS = 0x7FC00000
 
 @dataclass(frozen=True)
 class QuantMode:
-    """One way of storing K/V rows in the cache."""
+    """One way of storing K/V rows in the cache: (name, granularity, code format, roundings).
+
+    format is None for mode "none" (the cache holds the model dtype). The properties below
+    ask the format, so no layer keeps its own copy of a format's constants.
+    """
 
     name: str
     granularity: Granularity
-    # Storage dtype of the codes, or None when the cache holds the model dtype (mode "none").
-    code_dtype: str | None
-    qmax: float = 0.0
-    qmin: float = 0.0
-    # Byte value stored for a non-finite y (the format's NaN; int8 has none, the scale
-    # carries the poison instead).
-    nan_code: int = 0
+    format: CodeFormat | None = None
+    # Roundings of y to a code the mode defines ("trunc" only for integer formats).
+    roundings: tuple[str, ...] = ("nearest",)
 
     @property
     def per_token_head(self) -> bool:
@@ -48,28 +49,51 @@ class QuantMode:
         return self.granularity == "per_tensor"
 
     @property
-    def is_int8(self) -> bool:
-        return self.code_dtype == "int8"
+    def code_kind(self) -> str | None:
+        """"int" or "float" (the format's kind), None for mode "none"."""
+        return None if self.format is None else self.format.kind
 
     @property
-    def is_fp8(self) -> bool:
-        return self.code_dtype is not None and self.code_dtype.startswith("float8")
+    def code_dtype(self) -> str | None:
+        """Storage dtype of the codes, or None when the cache holds the model dtype."""
+        return None if self.format is None else self.format.storage_dtype
+
+    @property
+    def qmax(self) -> float:
+        return 0.0 if self.format is None else self.format.qmax
+
+    @property
+    def qmin(self) -> float:
+        return 0.0 if self.format is None else self.format.qmin
+
+    @property
+    def nan_code(self) -> int:
+        return 0 if self.format is None else self.format.nan_code
+
+    @property
+    def scale_floor(self) -> np.float32:
+        return SCALE_FLOOR
+
+    def cache_width(self, head_size: int) -> int:
+        """Last-axis length of a cache holding rows of head_size elements."""
+        return head_size if self.format is None else self.format.storage_width(head_size)
+
+    def scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...] | None:
+        """Shape of the float32 scale storage of one cache (K or V): a scale per row for
+        per-token-head, one static [1] scale per tensor, none for mode "none"."""
+        if self.per_token_head:
+            return (num_blocks, block_size, num_kv_heads)
+        return (1,) if self.per_tensor else None
 
     def __str__(self) -> str:
         return self.name
 
 
-NONE = QuantMode("none", "none", None)
-FP8_PER_TENSOR = QuantMode("fp8_per_tensor", "per_tensor", "float8_e4m3fn", 448.0, -448.0, 0x7F)
-INT8_PER_TOKEN_HEAD = QuantMode("int8_per_token_head", "per_token_head", "int8", 127.0, -128.0, 0)
-FP8_PER_TOKEN_HEAD = QuantMode(
-    "fp8_per_token_head", "per_token_head", "float8_e4m3fn", 448.0, -448.0, 0x7F
-)
-# ROCm MI300 variant. 224 rather than the format's 240 follows vLLM, whose ROCm path reported
-# accuracy problems at 240.
-FP8_E4M3FNUZ_PER_TOKEN_HEAD = QuantMode(
-    "fp8_e4m3fnuz_per_token_head", "per_token_head", "float8_e4m3fnuz", 224.0, -224.0, 0x80
-)
+NONE = QuantMode("none", "none")
+FP8_PER_TENSOR = QuantMode("fp8_per_tensor", "per_tensor", FLOAT8_E4M3FN)
+INT8_PER_TOKEN_HEAD = QuantMode("int8_per_token_head", "per_token_head", INT8, ROUNDINGS)
+FP8_PER_TOKEN_HEAD = QuantMode("fp8_per_token_head", "per_token_head", FLOAT8_E4M3FN)
+FP8_E4M3FNUZ_PER_TOKEN_HEAD = QuantMode("fp8_e4m3fnuz_per_token_head", "per_token_head", FLOAT8_E4M3FNUZ)
 
 MODES: dict[str, QuantMode] = {
     m.name: m

@@ -133,6 +133,10 @@ class Dequantize(_Problem):
     def _device_array(self) -> Array:
         return self.cache
 
+    @property
+    def head_size(self) -> int:
+        return int(self.out.shape[2])
+
 
 @dataclass(frozen=True)
 class Attention(_Problem):

@@ -107,8 +107,8 @@ def require_no_negative_strides(name: str, x: Any) -> None:
 def code_dtypes(mode: QuantMode) -> tuple[str, ...]:
     """Cache dtypes accepted for a quantized mode: the code dtype or raw bytes (vLLM keeps
     fp8 caches as uint8)."""
-    assert mode.code_dtype is not None
-    return (mode.code_dtype, "uint8")
+    assert mode.format is not None
+    return mode.format.accepted_dtypes
 
 
 def as_code_storage(x: Any, mode: QuantMode) -> Any:

@@ -173,7 +173,7 @@ def _random_cache(mode, rng, shape, sizes):
     deviation sizes[block, offset, head]; per-tensor codes take their static scale instead."""
     if mode.code_dtype is None:
         return np.clip(rng.standard_normal(shape), -4, 4) * sizes[..., None], None
-    if mode.is_int8:
+    if mode.code_dtype == "int8":
         codes = rng.integers(-127, 128, shape).astype(np.int8).view(np.uint8)
         code_std = 127 / math.sqrt(3)
     else:

@@ -30,10 +30,15 @@ FP8_FORMATS = {
 }
 
 
+# The byte the spec stores for a non-finite y, per format code (int8: 0; its scale is NaN).
+_NONFINITE_CODE = {bits.I8: 0, bits.E4M3FN: 0x7F, bits.E4M3FNUZ: 0x80}
+
+
 def _encode(y: np.ndarray, fmt: int, qmax: float, qmin: float, trunc: bool = False) -> np.ndarray:
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.full(y.shape, POISON, dtype=np.uint8)
-    kernels.encode_codes_array(y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin))
+    kernels.encode_codes_array(y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin),
+                               np.int32(_NONFINITE_CODE[fmt]))
     return out
 
 
@@ -196,7 +201,7 @@ def test_byte_exact_llvm_has_no_fast_math_flags():
     fresh = numba.njit(**options, cache=False)(kernels.encode_codes_array.py_func)
     y = np.float32([1.0, -0.0, np.nan])
     out = np.empty(y.shape, np.uint8)
-    fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0))
+    fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0), np.int32(0x7F))
     irs = list(fresh.inspect_llvm().values())
     assert irs and all("fmul" in ir and "fcmp" in ir for ir in irs), "no compiled IR to inspect"
     for ir in irs:

@@ -59,7 +59,7 @@ def make_problem(
         x = torch.randn(shape, generator=gen)
         if m.code_dtype is None:
             return x.to(dtype)
-        if m.is_int8:
+        if m.code_dtype == "int8":
             return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
         return (x * 64).clamp(-m.qmax, m.qmax).to(CODE_DTYPES[m.code_dtype])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ..capabilities import Requirements
 from ..modes import MODES
 
 HEAD_SIZES = (64, 80, 96, 128, 256, 67)
@@ -41,9 +42,15 @@ class WriteCase:
                                   ("wild", self.wild_slots)) if on]
         return "-".join(parts)
 
+    def requirements(self) -> Requirements:
+        options = {"trunc_rounding"} if self.rounding == "trunc" else set()
+        if self.layout == "inline":
+            options.add("inline_layout")
+        return Requirements(self.head_size, self.dtype, frozenset(options))
+
 
 def _roundings(mode: str) -> tuple[str, ...]:
-    return ("nearest", "trunc") if MODES[mode].is_int8 else ("nearest",)
+    return MODES[mode].roundings
 
 
 def write_cases() -> list[WriteCase]:
@@ -86,6 +93,9 @@ class DequantCase:
     def id(self) -> str:
         return "-".join([self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
                         + (["whole"] if self.whole_cache else []) + (["inline"] if self.layout == "inline" else []))
+
+    def requirements(self) -> Requirements:
+        return Requirements(self.head_size, None, frozenset({"inline_layout"} if self.layout == "inline" else ()))
 
 
 def dequant_cases() -> list[DequantCase]:
@@ -132,6 +142,14 @@ class AttentionCase:
         if self.quantize_query:
             parts.append("qint8")
         return "-".join(parts)
+
+    def requirements(self) -> Requirements:
+        options = {name for name, on in (
+            ("sliding_window", self.sliding_window is not None), ("softcap", self.softcap is not None),
+            ("sinks", self.sinks), ("inline_layout", self.layout == "inline"),
+            ("quantize_query", self.quantize_query),
+        ) if on}
+        return Requirements(self.head_size, self.query_dtype, frozenset(options))
 
 
 def attention_cases() -> list[AttentionCase]:

@@ -249,14 +249,15 @@ def _batch(case: AttentionCase, rng):
 
 def fill_quantized(mode, rng, shape, model_dtype):
     """Random but realistic cache contents: (codes or values, per-row scales or None)."""
-    if mode.code_dtype is None:
+    fmt = mode.format
+    if fmt is None:
         return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
-    if mode.is_int8:
-        codes = rng.integers(-127, 128, shape).astype(np.int8).view(np.uint8)
-    else:
-        fmt = getattr(ml_dtypes, mode.code_dtype)
-        y = np.clip(rng.standard_normal(shape) * mode.qmax / 3, mode.qmin, mode.qmax).astype(np.float32)
-        codes = y.astype(fmt).view(np.uint8)
+    # Values spread over the format's range as rows scaled by absmax / qmax are, snapped to codes.
+    values = fmt.representable()
+    y = np.clip(rng.standard_normal(shape) * fmt.qmax / 3, fmt.qmin, fmt.qmax)
+    i = np.clip(np.searchsorted(values, y), 1, len(values) - 1)
+    nearer_below = (y - values[i - 1]) < (values[i] - y)
+    codes = fmt.codes_of(np.where(nearer_below, values[i - 1], values[i]))
     if not mode.per_token_head:
         return codes, None
     scales = rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)

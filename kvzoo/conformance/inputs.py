@@ -23,7 +23,6 @@ SEED = int(os.environ.get("KVZOO_SEED", secrets.randbits(32)))
 DISTRIBUTIONS = ("normal", "outliers", "tiny", "midpoints", "specials")
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
 
-_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
 _DTYPE_LIMITS = {  # (largest finite, smallest subnormal)
     "float32": (float(np.finfo(np.float32).max), float(np.finfo(np.float32).smallest_subnormal)),
     "float16": (65504.0, 2.0**-24),
@@ -36,21 +35,9 @@ def rng_for(*key: Any) -> np.random.Generator:
     return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
 
 
-def _format_values(code_dtype: str, qmax: float) -> np.ndarray:
-    """Sorted non-negative finite values of an fp8 format up to qmax."""
-    values = np.arange(256, dtype=np.uint8).view(_FP8[code_dtype]).astype(np.float64)
-    values = values[np.isfinite(values) & (values >= 0) & (values <= qmax)]
-    return np.unique(values)
-
-
 def midpoint_targets(mode: QuantMode, rng: np.random.Generator, n: int) -> np.ndarray:
     """Values of y = x / scale lying exactly halfway between two codes (and beside them)."""
-    if mode.code_dtype == "int8":
-        mids = rng.integers(-128, 127, n) + 0.5
-    else:
-        values = _format_values(mode.code_dtype, mode.qmax)
-        i = rng.integers(0, len(values) - 1, n)
-        mids = (values[i] + values[i + 1]) / 2 * rng.choice([-1.0, 1.0], n)
+    mids = rng.choice(mode.format.midpoints(), n)
     nudge = rng.choice([0.0, 0.0, 1.0, -1.0], n)
     mids32 = mids.astype(np.float32)
     toward = np.where(nudge > 0, np.float32(np.inf), np.float32(-np.inf))

@@ -33,7 +33,10 @@ _PREFILL_ROWS = 64
 # fp32 dot products and online softmax over up to ~100K keys: measured ~1e-6; bound loosely.
 ATTENTION_RTOL = 2e-5
 
-_CODE_FORMATS = {"int8": I8, "float8_e4m3fn": E4M3FN, "float8_e4m3fnuz": E4M3FNUZ}
+# The backend's table: kvzoo.formats name -> the element kind its kernels dispatch on. A
+# format missing here is a mode the registration leaves out (a declared refusal).
+FORMAT_KINDS = {"int8": I8, "float8_e4m3fn": E4M3FN, "float8_e4m3fnuz": E4M3FNUZ}
+_MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in FORMAT_KINDS)
 
 
 def unavailable() -> list[str]:
@@ -133,8 +136,9 @@ def run_reshape_and_cache(p: Any) -> None:
         key, kst, value, vst, np.int64(kind), slots, num_slots,
         kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
         bs, heads, hsize,
-        np.int64(_CODE_FORMATS[mode.code_dtype]), p.rounding == "trunc",
-        np.float32(mode.qmax), np.float32(mode.qmin), mode.per_tensor, kts, vts,
+        np.int64(FORMAT_KINDS[mode.format.name]), p.rounding == "trunc",
+        np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code), np.float32(mode.scale_floor),
+        mode.per_tensor, kts, vts,
     )  # fmt: skip
 
 
@@ -151,7 +155,7 @@ def write_reasons(p: Any) -> list[str]:
 def _cache_kind(mode: Any, cache: np.ndarray) -> tuple[int, type]:
     if mode.code_dtype is None:
         return KINDS[np.dtype(cache.dtype).name]
-    return _CODE_FORMATS[mode.code_dtype], np.uint8
+    return FORMAT_KINDS[mode.format.name], np.uint8
 
 
 def run_dequantize(p: Any) -> None:
@@ -263,7 +267,7 @@ def attention_reasons(p: Any) -> list[str]:
 
 
 def register(registry: Any) -> None:
-    modes = frozenset(MODES)
+    modes = _MODES
     common = dict(
         platform="cpu",
         modes=modes,

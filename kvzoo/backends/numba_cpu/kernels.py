@@ -198,7 +198,6 @@ _i32 = np.int32
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 _NEG_INF = np.float32(-np.inf)
-_SCALE_FLOOR = np.float32(1e-6)
 _CANONICAL_NAN = 0x7FC00000
 # (y + 1.5 * 2^23) - 1.5 * 2^23 rounds fp32 y to an integer, half to even, for |y| < 2^22.
 _RNE_MAGIC = np.float32(12582912.0)
@@ -224,15 +223,11 @@ def _finite_code(y, fmt, trunc, qmax, qmin):
 
 
 @njit(inline="always")
-def _code(y, fmt, trunc, qmax, qmin):
-    """Code of y = x * inv (or x / s): non-finite -> the format's NaN code, else clamp + round."""
+def _code(y, fmt, trunc, qmax, qmin, nan_code):
+    """Code of y = x * inv (or x / s): non-finite -> nan_code (the format's), else clamp + round."""
     finite = (i32_from_f32(y) & _i32(0x7FFFFFFF)) < _i32(0x7F800000)
     c = _finite_code(y, fmt, trunc, qmax, qmin)
-    if fmt == I8:
-        return c if finite else _i32(0)
-    if fmt == E4M3FN:
-        return c if finite else _i32(0x7F)
-    return c if finite else _i32(0x80)
+    return c if finite else nan_code
 
 
 @njit(inline="always")
@@ -277,7 +272,7 @@ def _load_row_absmax_overload(src, s0, sd, kind, xf, n):
 
 
 @njit(inline="always")
-def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
+def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, checked):
     if not checked and dd == 1:
         # Finite scale, so every x is finite and |x * inv| <= ~qmax: no y can be non-finite.
         # Contiguous codes (both layouts): a unit-stride loop LLVM can vectorize. Strided codes
@@ -286,10 +281,10 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
             dst[_u(d0 + d)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
     elif div:
         for d in range(n):
-            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin)
+            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin, nan_code)
     else:
         for d in range(n):
-            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
+            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin, nan_code)
 
 
 # A compiled function rather than inlined: inlining both calls into _write_tokens tripled the
@@ -297,7 +292,7 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, checked):
 # refcount updates of its array arguments, which otherwise cost an atomic increment and
 # decrement per array per row, on counters both threads share (measured ~30% of the write).
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, per_tensor, tscale):
+def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, tscale):
     """Quantize one row of n elements; returns the bits to store as its scale."""
     amax = _load_row_absmax(src, s0, sd, kind, xf, n)
     if per_tensor:
@@ -308,20 +303,20 @@ def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin,
         if scale != scale:
             mul = scale
         else:
-            scale = max(scale, _SCALE_FLOOR)
+            scale = max(scale, floor)
             mul = _ONE / scale
     # Rows holding NaN/Inf (non-finite scale) and static scales (x / s may overflow) take the
     # loop that checks every y; the common row cannot produce a non-finite y.
     checked = per_tensor or not ((i32_from_f32(scale) & _i32(0x7FFFFFFF)) < _i32(0x7F800000))
     if fmt == I8:
         if trunc:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin, checked)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin, nan_code, checked)
         else:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin, checked)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin, nan_code, checked)
     elif fmt == E4M3FN:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin, checked)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin, nan_code, checked)
     else:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin, checked)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin, nan_code, checked)
     return _i32(_CANONICAL_NAN) if scale != scale else i32_from_f32(scale)
 
 
@@ -332,7 +327,7 @@ def _write_tokens(
     t_lo, t_hi, xf, key, ks_, value, vs_, kind, slots, num_slots,
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
     block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, per_tensor, k_tscale, v_tscale,
+    fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
 ):  # fmt: skip
     """The write of tokens t_lo..t_hi-1 (see write_quantized)."""
     for t in range(t_lo, t_hi):
@@ -347,12 +342,12 @@ def _write_tokens(
             kbits = _quantize_row(
                 key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
                 kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
-                head_size, fmt, trunc, qmax, qmin, per_tensor, k_tscale,
+                head_size, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale,
             )  # fmt: skip
             vbits = _quantize_row(
                 value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
                 vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
-                head_size, fmt, trunc, qmax, qmin, per_tensor, v_tscale,
+                head_size, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, v_tscale,
             )  # fmt: skip
             if not per_tensor:
                 ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
@@ -364,7 +359,7 @@ def write_quantized(
     key, ks_, value, vs_, kind, slots, num_slots,
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
     block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, per_tensor, k_tscale, v_tscale,
+    fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
 ):  # fmt: skip
     """reshape_and_cache for quantized modes; parallel over chunks of tokens, heads inside.
 
@@ -379,7 +374,7 @@ def write_quantized(
             key, ks_, value, vs_, kind, slots, num_slots,
             kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
             block_size, num_heads, head_size,
-            fmt, trunc, qmax, qmin, per_tensor, k_tscale, v_tscale,
+            fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
         )  # fmt: skip
 
 
@@ -1097,18 +1092,18 @@ def attention(
 
 
 @njit(**_OPTS)
-def encode_codes_array(x, out, fmt, trunc, qmax, qmin):
+def encode_codes_array(x, out, fmt, trunc, qmax, qmin, nan_code):
     """The write path's encoder on already-scaled values y: non-finite -> the format's NaN
     code, else clamp to [qmin, qmax] and round (int8 half-even or trunc; fp8 RNE)."""
     if fmt == I8:
         if trunc:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin, True)
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin, nan_code, True)
         else:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin, True)
+            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin, nan_code, True)
     elif fmt == E4M3FN:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin, True)
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin, nan_code, True)
     else:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin, True)
+        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin, nan_code, True)
 
 
 @njit(**_OPTS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import kernels as vectorized
 
-from ...modes import MODES, SCALE_FLOOR, QuantMode
+from ...modes import MODES, QuantMode
 from ...problem import Attention, CacheWrite, Dequantize
 from ...registry import Implementation, Registry
 
@@ -14,13 +14,7 @@ PRIORITY = 10
 
 def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
     return vectorized.Codec(
-        granularity=mode.granularity,
-        code_dtype=mode.code_dtype,
-        qmax=mode.qmax,
-        qmin=mode.qmin,
-        nan_code=mode.nan_code,
-        scale_floor=float(SCALE_FLOOR),
-        rounding=rounding,
+        granularity=mode.granularity, format=mode.format, scale_floor=float(mode.scale_floor), rounding=rounding,
     )
 
 
@@ -48,6 +42,10 @@ def _paged_attention(p: Attention) -> None:
     )
 
 
+# Modes whose format kernels.py encodes (mode "none" has none).
+_MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in vectorized.ENCODERS)
+
+
 def register(registry: Registry) -> None:
     for op, run in (
         ("reshape_and_cache", _reshape_and_cache),
@@ -56,7 +54,7 @@ def register(registry: Registry) -> None:
     ):
         registry.add(
             Implementation(
-                name=NAME, op=op, platform="any", modes=frozenset(MODES), run=run,
+                name=NAME, op=op, platform="any", modes=_MODES, run=run,
                 array_kind="numpy", devices=frozenset({"cpu"}), priority=PRIORITY,
                 attention_rtol=1e-5,
             )

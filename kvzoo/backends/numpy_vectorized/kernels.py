@@ -12,10 +12,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-_FP8 = {
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-}
+from ...formats import CodeFormat
+
 _CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
 # Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
 _QUERY_CHUNK = 128
@@ -26,10 +24,7 @@ class Codec:
     """How rows are encoded: granularity "none" | "per_tensor" | "per_token_head"."""
 
     granularity: str
-    code_dtype: str | None = None
-    qmax: float = 0.0
-    qmin: float = 0.0
-    nan_code: int = 0
+    format: CodeFormat | None = None
     scale_floor: float = 1e-6
     rounding: str = "nearest"
 
@@ -40,22 +35,38 @@ def _widen(x: np.ndarray) -> np.ndarray:
 
 def encode(y: np.ndarray, codec: Codec) -> np.ndarray:
     """fp32 values (already divided by the scale) -> code bytes (uint8), clamping semantics."""
+    fmt = codec.format
     finite = np.isfinite(y)
     with np.errstate(invalid="ignore"):
-        clamped = np.clip(np.where(finite, y, 0), np.float32(codec.qmin), np.float32(codec.qmax))
-    if codec.code_dtype == "int8":
-        integral = np.rint(clamped) if codec.rounding == "nearest" else np.trunc(clamped)
-        codes = integral.astype(np.int8).view(np.uint8)
-    else:
-        codes = clamped.astype(_FP8[codec.code_dtype]).view(np.uint8)
-    return np.where(finite, codes, np.uint8(codec.nan_code))
+        clamped = np.clip(np.where(finite, y, 0), np.float32(fmt.qmin), np.float32(fmt.qmax))
+    codes = ENCODERS[fmt.name](clamped, codec.rounding)
+    return np.where(finite, codes, np.uint8(fmt.nan_code))
+
+
+def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
+    integral = np.rint(clamped) if rounding == "nearest" else np.trunc(clamped)
+    return integral.astype(np.int8).view(np.uint8)
+
+
+def _minifloat_encoder(storage: type):
+    # ml_dtypes' cast rounds to nearest, ties to even: SPEC.md's rounding of the fp8 formats.
+    return lambda clamped, rounding: clamped.astype(storage).view(np.uint8)
+
+
+# The formats this backend encodes (kvzoo.formats.FORMATS names): its table, read by the
+# registration, so a format missing here is a mode the backend declines.
+ENCODERS = {
+    "int8": _encode_int8,
+    "float8_e4m3fn": _minifloat_encoder(ml_dtypes.float8_e4m3fn),
+    "float8_e4m3fnuz": _minifloat_encoder(ml_dtypes.float8_e4m3fnuz),
+}
 
 
 def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
     with np.errstate(all="ignore"):
         absmax = np.max(np.abs(xf), axis=-1)  # NaN propagates, as the spec requires
-        scale = np.maximum(absmax / np.float32(codec.qmax), np.float32(codec.scale_floor))
+        scale = np.maximum(absmax / np.float32(codec.format.qmax), np.float32(codec.scale_floor))
         inv = np.float32(1.0) / scale
         y = xf * inv[..., None]
     scale = np.where(np.isnan(scale), _CANONICAL_NAN, scale)
@@ -101,19 +112,16 @@ def reshape_and_cache(
         cache.view(np.uint8)[block, offset] = codes
 
 
-def _decode_table(code_dtype: str) -> np.ndarray:
-    """float32 value of each of the 256 code bytes."""
-    codes = np.arange(256, dtype=np.uint8)
-    if code_dtype == "int8":
-        return codes.view(np.int8).astype(np.float32)
-    return codes.view(_FP8[code_dtype]).astype(np.float32)
+def _decode_table(fmt: CodeFormat) -> np.ndarray:
+    """float32 value of each code byte (the format's own table: exact in float32)."""
+    return fmt.code_values().astype(np.float32)
 
 
 def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> np.ndarray:
     """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32."""
     if codec.granularity == "none":
         return _widen(codes)
-    values = _decode_table(codec.code_dtype)[codes.view(np.uint8)]
+    values = _decode_table(codec.format)[codes.view(np.uint8)]
     with np.errstate(invalid="ignore", over="ignore"):
         if np.ndim(scales) == 0:
             return values * np.float32(scales)
@@ -183,7 +191,7 @@ def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     raw = cache[block, offset]
     if codec.granularity == "none":
         return _widen(raw), np.ones(raw.shape[:2], np.float32)
-    values = _decode_table(codec.code_dtype)[raw.view(np.uint8)]
+    values = _decode_table(codec.format)[raw.view(np.uint8)]
     if codec.granularity == "per_tensor":
         return values, np.full(raw.shape[:2], np.float32(static.reshape(-1)[0]))
     return values, scale_cache[block, offset].astype(np.float32)

@@ -37,6 +37,7 @@ import triton.language as tl
 from ...modes import SCALE_FLOOR
 from ...problem import Attention
 from . import encode as _encode
+from .formats import CODE_COPY, CODE_E4M3FN, CODE_INT8, code_of
 from . import platform as _platform
 from . import staging as _staging
 
@@ -668,9 +669,10 @@ def _num_sms(device_index: int | None) -> int:
 
 
 def _code_kind(p: Attention):
-    if p.mode.code_dtype is None:
+    code = code_of(p.mode)
+    if code == CODE_COPY:
         return False
-    return "int8" if p.mode.is_int8 else "fp8"
+    return "int8" if code == CODE_INT8 else "fp8"
 
 
 def _fit_wide_cache(p: Attention, block_n: int, stages: int) -> tuple[int, int]:
@@ -742,12 +744,9 @@ _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.fl
 
 
 @functools.cache
-def _fp8_table(dtype_name: str) -> torch.Tensor:
-    import ml_dtypes
-    import numpy as np
-
-    values = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, dtype_name)).astype(np.float32)
-    return torch.from_numpy(values)
+def _code_table(fmt) -> torch.Tensor:
+    # Value of every code byte, for the interpreter's table lookup (the format's own table).
+    return torch.from_numpy(fmt.code_values().astype("float32"))
 
 
 def _operands(p: Attention, platform: str, cfg: AttentionConfig):
@@ -768,17 +767,18 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig):
             return k, v, table, _TORCH_TO_TL[k.dtype], "tf32", _CONVERT_CAST, False
         return k, v, table, tl.float32, "ieee", _CONVERT_CAST, False
     convert = _CONVERT_CAST
-    if p.mode.is_int8:
+    code = code_of(p.mode)
+    if code == CODE_INT8:
         # Offset codes for decode tiles (few rows: conversion dominates); exact codes where
         # per-key scales are folded into the tiles (the offset would not factor out).
         if platform == "cuda" and not interpreted:
             convert = _CONVERT_I8_ASM if cfg.scale_in_codes else _CONVERT_I8_OFFSET
         elif not cfg.scale_in_codes:
             convert = _CONVERT_I8_OFFSET_CAST
-    elif platform == "cuda" and not interpreted and p.mode.code_dtype == "float8_e4m3fn":
+    elif platform == "cuda" and not interpreted and code == CODE_E4M3FN:
         convert = _CONVERT_E4M3_ASM
     elif interpreted:
-        table = _fp8_table(p.mode.code_dtype)
+        table = _code_table(p.mode.format)
         k, v = k.view(torch.uint8), v.view(torch.uint8)
         convert = _CONVERT_TABLE
     return k, v, table, tl.float16, "tf32", convert, not p.quantize_query

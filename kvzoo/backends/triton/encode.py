@@ -26,22 +26,15 @@ import triton.language as tl
 
 from . import platform as _platform
 
+# The kernels' constexpr CODE values (host-side ints) live with the format table.
+from .formats import CODE_COPY, CODE_E4M3FN, CODE_E4M3FN_CVT, CODE_E4M3FNUZ, CODE_INT8  # noqa: F401
+
 # 1.5 * 2**23: adding then subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # half to even (the addition's own RNE does the work).
 RNE_MAGIC = tl.constexpr(12582912.0)
 # The smallest normal float32 (2^-126): a floor for divisors, whose reciprocals then stay finite.
 SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 CANONICAL_NAN_BITS = tl.constexpr(0x7FC00000)
-# Code formats, passed as the constexpr CODE of the kernels (host-side ints).
-CODE_COPY = 0
-CODE_INT8 = 1
-CODE_E4M3FN = 2
-CODE_E4M3FNUZ = 3
-# e4m3fn through the GPU's own cvt.rn.satfinite.e4m3x2.f32 (one instruction per two codes):
-# RNE that saturates at +-448, so after the clamp the same bytes as CODE_E4M3FN's integer
-# rounding (DESIGN.md section 6, and the conformance suite on the GPU). sm_90+ only, never
-# under the interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
-CODE_E4M3FN_CVT = 4
 
 
 @triton.jit

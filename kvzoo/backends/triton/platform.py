@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import os
 
+from .formats import platform_modes
+
 PLATFORMS = ("cuda", "rocm")
-# Modes each platform's kernels register: fp8 is e4m3fn on CUDA, e4m3fnuz on ROCm (MI300).
-PLATFORM_MODES: dict[str, frozenset[str]] = {
-    "cuda": frozenset({"none", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head"}),
-    "rocm": frozenset({"none", "int8_per_token_head", "fp8_e4m3fnuz_per_token_head"}),
-}
+# Modes each platform's kernels register, from the backend's format table (formats.py).
+PLATFORM_MODES: dict[str, frozenset[str]] = {p: platform_modes(p) for p in PLATFORMS}
 
 PRIORITY_GPU = 100
 # Under the interpreter the kernels are checked, not used: any CPU backend is preferred.

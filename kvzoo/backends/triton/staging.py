@@ -37,7 +37,7 @@ import triton.language as tl
 from ...problem import Attention
 from . import platform as _platform
 from .encode import SMALLEST_NORMAL, bf16_as_bits, decode_codes, fp16_row_factors, load_f32
-from .write_kernels import code_of
+from .formats import CODE_E4M3FN, CODE_INT8, code_of
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
@@ -243,8 +243,8 @@ def staged_problem(p: Attention) -> Staged:
     code = code_of(p.mode)
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
     # ROCm's fnuz codes take the integer decoder.
-    hw_convert = not _platform.interpreted() and (p.mode.is_int8 or p.mode.code_dtype == "float8_e4m3fn")
-    kind = torch.int8 if p.mode.is_int8 else torch.uint8
+    hw_convert = not _platform.interpreted() and code in (CODE_INT8, CODE_E4M3FN)
+    kind = torch.int8 if code == CODE_INT8 else torch.uint8
     k_codes, v_codes = p.key_cache.view(kind), p.value_cache.view(kind)
     k_scales, v_scales = (p.k_scale_cache, p.v_scale_cache) if per_token_head else (dummy, dummy)
     k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)

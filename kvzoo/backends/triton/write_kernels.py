@@ -37,15 +37,11 @@ from .encode import (
     row_scale,
     widen_bf16_bits,
 )
+from .formats import code_of
 from .platform import interpreted
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
 _TILE_ELEMENTS = 2048
-_CODE_OF_DTYPE = {
-    "int8": CODE_INT8,
-    "float8_e4m3fn": CODE_E4M3FN,
-    "float8_e4m3fnuz": CODE_E4M3FNUZ,
-}
 # Integer carriers: the kernels move model-dtype and fp8 data as bits.
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # Input dtype classes (constexpr IN_KIND): how a loaded row becomes fp32.
@@ -361,10 +357,6 @@ def _write_warps(elements: int, code: int, num_tokens: int) -> int:
     if code not in (CODE_COPY, CODE_INT8) and num_tokens >= FP8_ONE_WARP_TOKENS:
         return 1
     return _num_warps(elements if code == CODE_COPY else elements // 2)
-
-
-def code_of(mode) -> int:
-    return CODE_COPY if mode.code_dtype is None else _CODE_OF_DTYPE[mode.code_dtype]
 
 
 @functools.cache

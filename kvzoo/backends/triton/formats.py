@@ -1,0 +1,42 @@
+"""The Triton backend's table of code formats (a plain module: importable without triton).
+
+Kernels dispatch on the constexpr CODE; FORMAT_CODES maps each kvzoo.formats name the kernels
+implement to it. A format missing here, or from a platform's set, is a mode the registration
+leaves out for that platform: a declared refusal, never a KeyError inside a launch.
+"""
+
+from __future__ import annotations
+
+from ...modes import MODES
+
+CODE_COPY = 0  # mode "none": rows are copied as bits
+CODE_INT8 = 1
+CODE_E4M3FN = 2
+CODE_E4M3FNUZ = 3
+# e4m3fn through the GPU's own cvt.rn.satfinite.e4m3x2.f32 (one instruction per two codes):
+# RNE that saturates at +-448, so after the clamp the same bytes as CODE_E4M3FN's integer
+# rounding (the conformance suite checks it on the GPU). sm_90+ only, never under the
+# interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
+CODE_E4M3FN_CVT = 4
+
+FORMAT_CODES: dict[str, int] = {
+    "int8": CODE_INT8,
+    "float8_e4m3fn": CODE_E4M3FN,
+    "float8_e4m3fnuz": CODE_E4M3FNUZ,
+}
+
+# fp8 is e4m3fn on CUDA GPUs and e4m3fnuz on ROCm's MI300.
+PLATFORM_FORMATS: dict[str, frozenset[str]] = {
+    "cuda": frozenset({"int8", "float8_e4m3fn"}),
+    "rocm": frozenset({"int8", "float8_e4m3fnuz"}),
+}
+
+
+def code_of(mode) -> int:
+    """The kernels' CODE for a mode's format."""
+    return CODE_COPY if mode.format is None else FORMAT_CODES[mode.format.name]
+
+
+def platform_modes(platform: str) -> frozenset[str]:
+    formats = PLATFORM_FORMATS[platform] & FORMAT_CODES.keys()
+    return frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in formats)

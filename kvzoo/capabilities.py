@@ -1,0 +1,100 @@
+"""What an implementation declares it takes, and what a call asks for.
+
+Each Implementation carries a Capabilities record. `Implementation.supports()` compares it with
+what a problem requires (`required`), and the conformance suite compares it with what a case
+requires before running it: a case outside the declaration is skipped with the reason, a
+refusal of a case inside it is a failure. `problem_reasons` is left for what truly depends on
+the call (a NumPy view whose strides are not a multiple of its itemsize, say).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .arrays import dtype_name, is_torch
+
+# Options a call may ask for, and the operations that have them.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "trunc_rounding": ("reshape_and_cache",),  # rounding="trunc" (int8 modes)
+    "inline_layout": ("reshape_and_cache", "dequantize", "paged_attention"),  # codes and scales in one page buffer
+    "quantize_query": ("paged_attention",),
+    "batch_invariant": ("paged_attention",),
+    "sinks": ("paged_attention",),
+    "softcap": ("paged_attention",),
+    "sliding_window": ("paged_attention",),
+}
+ALL_OPTIONS = frozenset(OPTIONS)
+INPUT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one implementation takes beyond its modes and devices (Implementation fields)."""
+
+    options: frozenset[str] = ALL_OPTIONS
+    # Largest head_size it takes; None: any the API accepts.
+    max_head_size: int | None = None
+    # Dtypes of K/V rows (write) and of the query (attention).
+    input_dtypes: frozenset[str] = INPUT_DTYPES
+
+    def __post_init__(self) -> None:
+        unknown = set(self.options) - ALL_OPTIONS
+        if unknown:
+            raise ValueError(f"options: unknown {sorted(unknown)}; known: {sorted(ALL_OPTIONS)}")
+
+    def reasons(self, name: str, need: Requirements) -> list[str]:
+        """Why an implementation declaring this cannot take what `need` asks; [] when it can."""
+        why = [f"{name}: does not take {opt}" for opt in sorted(need.options - self.options)]
+        if self.max_head_size is not None and need.head_size > self.max_head_size:
+            why.append(f"{name}: head_size {need.head_size} is over its largest, {self.max_head_size}")
+        if need.input_dtype is not None and need.input_dtype not in self.input_dtypes:
+            why.append(f"{name}: input dtype {need.input_dtype} is not one of {sorted(self.input_dtypes)}")
+        return why
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What one call (or one conformance case) asks of an implementation."""
+
+    head_size: int
+    input_dtype: str | None = None
+    options: frozenset[str] = field(default_factory=frozenset)
+
+
+def _shares_buffer(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return False
+    if is_torch(a):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    def root(x: Any) -> Any:
+        while getattr(x, "base", None) is not None:
+            x = x.base
+        return x
+
+    return root(a) is root(b)
+
+
+def required(problem: Any) -> Requirements:
+    """The Requirements of a validated problem record (kvzoo.problem)."""
+    options = set()
+    scale_pair = ("key_cache", "k_scale_cache") if hasattr(problem, "key_cache") else ("cache", "scale_cache")
+    if _shares_buffer(getattr(problem, scale_pair[0]), getattr(problem, scale_pair[1], None)):
+        options.add("inline_layout")
+    rounding = getattr(problem, "rounding", "nearest")
+    if rounding == "trunc":
+        options.add("trunc_rounding")
+    if hasattr(problem, "query"):
+        for name in ("quantize_query", "batch_invariant"):
+            if getattr(problem, name):
+                options.add(name)
+        for name in ("sinks", "softcap", "sliding_window"):
+            if getattr(problem, name) is not None:
+                options.add(name)
+        input_dtype = dtype_name(problem.query)
+    elif hasattr(problem, "key"):
+        input_dtype = dtype_name(problem.key)
+    else:
+        input_dtype = None
+    return Requirements(head_size=problem.head_size, input_dtype=input_dtype, options=frozenset(options))

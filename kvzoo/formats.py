@@ -1,0 +1,143 @@
+"""Code formats: what one stored code is, as data every layer asks.
+
+A format says how many bits a code has, how a bit pattern maps to a value, which patterns
+are NaN, the range the encoder clamps to, and how codes pack into storage. The API's shape
+checks, the layouts' allocation, the conformance inputs and each backend's table of the formats
+it implements all read it from here, so adding a format is adding a row (and, in each backend
+that takes it, one table entry; a backend without the entry declines the modes that use it).
+
+kvzoo_spec/oracle.py keeps its own, independent definitions; tests/test_formats.py holds the
+two against each other.
+
+    >>> from kvzoo.formats import FORMATS
+    >>> f = FORMATS["float8_e4m3fn"]
+    >>> f.qmax, f.nan_codes, f.storage_width(128)
+    (448.0, (127, 255), 128)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import ml_dtypes
+import numpy as np
+
+Kind = Literal["int", "float"]
+
+
+@dataclass(frozen=True)
+class CodeFormat:
+    """One code format.
+
+    kind "int": a code is an integer c in [code_min, code_max] of `bits` two's-complement bits
+    (unsigned when not `signed`), whose value is c - zero_point. kind "float": a code is an
+    IEEE-like minifloat of 1 sign, exponent_bits and mantissa_bits with exponent_bias, decoded
+    as ml_dtypes decodes `storage_dtype`.
+    """
+
+    name: str
+    kind: Kind
+    bits: int
+    signed: bool
+    # dtype of a cache holding these codes (uint8 also accepted, see accepted_dtypes).
+    storage_dtype: str
+    # The encoder clamps y = x / scale to [qmin, qmax] before rounding; qmax is also the
+    # divisor of a per-token-head scale (absmax / qmax).
+    qmax: float
+    qmin: float
+    # Byte stored for a non-finite y: the format's NaN, or 0 where it has none (int8: the
+    # row's scale carries the poison instead).
+    nan_code: int
+    exponent_bits: int = 0
+    mantissa_bits: int = 0
+    exponent_bias: int = 0
+    # Code of the value 0 (non-zero for asymmetric formats, e.g. uint4 stored around 8).
+    zero_point: int = 0
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+    def storage_width(self, head_size: int) -> int:
+        """Elements of storage_dtype that hold one row of head_size codes."""
+        return -(-head_size // self.codes_per_byte)
+
+    def head_size_of(self, storage_width: int) -> int:
+        """The head size a row of storage_width elements holds (packed formats: the largest)."""
+        return storage_width * self.codes_per_byte
+
+    @property
+    def accepted_dtypes(self) -> tuple[str, ...]:
+        """Cache dtypes taken for these codes: the storage dtype, or raw bytes (uint8)."""
+        return (self.storage_dtype,) if self.storage_dtype == "uint8" else (self.storage_dtype, "uint8")
+
+    def code_values(self) -> np.ndarray:
+        """float64 value of every code 0 .. 2**bits - 1 (as an unsigned bit pattern); NaN codes
+        are NaN."""
+        return _code_values(self).copy()
+
+    @property
+    def nan_codes(self) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.flatnonzero(np.isnan(_code_values(self))))
+
+    def representable(self) -> np.ndarray:
+        """Sorted distinct finite values in [qmin, qmax] (what a clamped y rounds to)."""
+        v = _code_values(self)
+        v = v[np.isfinite(v) & (v >= self.qmin) & (v <= self.qmax)]
+        return np.unique(v) + 0.0  # + 0.0: the one zero kept is +0
+
+    def midpoints(self) -> np.ndarray:
+        """Midpoints of neighbouring representable values: the ties of round-to-nearest."""
+        v = self.representable()
+        return (v[1:] + v[:-1]) / 2
+
+    def codes_of(self, values: np.ndarray) -> np.ndarray:
+        """uint8 code of each value, which must be representable (one code per element,
+        unpacked; for the value 0 the code of +0)."""
+        table = self.representable()
+        v = np.asarray(values, dtype=np.float64)
+        i = np.searchsorted(table, v)
+        if not np.all((i < len(table)) & (table[np.minimum(i, len(table) - 1)] == v)):
+            raise ValueError(f"{self.name}: values not representable in [{self.qmin}, {self.qmax}]")
+        return _code_of_value(self)[i]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@functools.cache
+def _code_values(fmt: CodeFormat) -> np.ndarray:
+    patterns = np.arange(2**fmt.bits, dtype=np.int64)
+    if fmt.kind == "int":
+        signed = np.where(patterns >= 2 ** (fmt.bits - 1), patterns - 2**fmt.bits, patterns) if fmt.signed else patterns
+        return (signed - fmt.zero_point).astype(np.float64)
+    return patterns.astype(np.uint8).view(getattr(ml_dtypes, fmt.storage_dtype)).astype(np.float64)
+
+
+@functools.cache
+def _code_of_value(fmt: CodeFormat) -> np.ndarray:
+    # Code of each representable() value; the first pattern wins, so +0 (pattern 0) for 0.
+    values = _code_values(fmt)
+    table = fmt.representable()
+    codes = np.empty(len(table), dtype=np.uint8)
+    for code in range(len(values) - 1, -1, -1):
+        if np.isfinite(values[code]) and fmt.qmin <= values[code] <= fmt.qmax:
+            codes[np.searchsorted(table, values[code])] = code
+    return codes
+
+
+INT8 = CodeFormat("int8", "int", 8, True, "int8", qmax=127.0, qmin=-128.0, nan_code=0)
+FLOAT8_E4M3FN = CodeFormat(
+    "float8_e4m3fn", "float", 8, True, "float8_e4m3fn", qmax=448.0, qmin=-448.0, nan_code=0x7F,
+    exponent_bits=4, mantissa_bits=3, exponent_bias=7,
+)
+# ROCm MI300's variant: one NaN (0x80, "negative zero"), bias 8, largest finite 240. The clamp
+# at 224 follows vLLM, whose ROCm path reported accuracy problems at 240.
+FLOAT8_E4M3FNUZ = CodeFormat(
+    "float8_e4m3fnuz", "float", 8, True, "float8_e4m3fnuz", qmax=224.0, qmin=-224.0, nan_code=0x80,
+    exponent_bits=4, mantissa_bits=3, exponent_bias=8,
+)
+
+FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ)}
