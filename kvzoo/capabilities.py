@@ -9,6 +9,7 @@ the call (a NumPy view whose strides are not a multiple of its itemsize, say).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,9 @@ class Capabilities:
     max_head_size: int | None = None
     # Dtypes of K/V rows (write) and of the query (attention).
     input_dtypes: frozenset[str] = INPUT_DTYPES
+    # The backend's table of code formats: kvzoo.formats name -> its own code for it (shown
+    # by tests/test_formats.py). Empty: not declared (a third-party backend may leave it).
+    formats: Mapping[str, object] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.options) - ALL_OPTIONS

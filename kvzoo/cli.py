@@ -9,16 +9,40 @@ import textwrap
 import time
 import traceback
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .modes import get_kv_quant_mode
 
+if TYPE_CHECKING:
+    from .registry import Registry
+
+
+def _registry(args: argparse.Namespace, command: str) -> Registry | None:
+    """The default registry, plus each --backend-module (None, after saying why, if one fails)."""
+    from . import registry
+
+    modules = args.backend_module or []
+    if not modules:
+        return registry.default()
+    # A copy: a backend named on the command line is checked, not installed for later calls.
+    reg = registry.default().copy()
+    before = dict(reg.import_errors)
+    reg.load(modules)
+    failed = [m for m in modules if m in reg.import_errors and m not in before]
+    for module in failed:
+        print(f"kvzoo {command}: --backend-module {module} could not be loaded: {reg.import_errors[module]} "
+              "(it must be importable, e.g. its directory on PYTHONPATH, and expose register(registry))",
+              file=sys.stderr)
+    return None if failed else reg
+
 
 def _list(args: argparse.Namespace) -> int:
-    from . import registry
     from .modes import MODES
 
-    reg = registry.default()
+    reg = _registry(args, "list")
+    if reg is None:
+        return 2
     # Mode names are long: a short code per mode keeps the table within 100 columns.
     short = {name: str(n) for n, name in enumerate(MODES)}
     rows = [("implementation", "operation", "platform", "prio", "modes", "status")]
@@ -45,10 +69,11 @@ def _list(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from . import registry
     from .conformance import SEED, NotApplicable, matrix
 
-    reg = registry.default()
+    reg = _registry(args, "check")
+    if reg is None:
+        return 2
     if args.impl:
         problem = _impl_problem(reg, args.impl)
         if problem:
@@ -149,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvzoo", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
+    listing = sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
     check = sub.add_parser("check", help="run the conformance matrix on every available implementation")
+    for command in (listing, check):
+        command.add_argument("--backend-module", action="append", metavar="MOD",
+                             help="also load backend module MOD, which exposes register(registry), "
+                                  "for a backend that is not installed (repeatable)")
     check.add_argument("--impl", action="append", help="only this implementation (repeatable)")
     check.add_argument("--op", action="append",
                        choices=["reshape_and_cache", "dequantize", "paged_attention", "golden"])

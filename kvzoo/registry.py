@@ -1,33 +1,73 @@
-"""Which implementation runs an operation: (operation, quant mode, platform) -> implementations.
+"""Which implementation runs an operation: (operation, quant mode, device) -> implementations.
 
-Backends are plugins: each backend module exposes `register(registry)` and adds
-`Implementation` records; this module knows no backend by name. A backend whose dependency
-is missing (no numba, no triton, no GPU) still registers, with `unavailable()` saying why;
-one whose module fails to import is recorded under `import_errors`, never raised.
+Backends are plugins, and this module imports none of them itself: `default()` loads the
+modules named in BACKEND_MODULES (the built-in ones, kept there as data) and every entry point
+of the group ``kvzoo.backends``; `kvzoo check --backend-module MOD` adds one that is not installed.
 
-    >>> from kvzoo import registry
-    >>> [i.name for i in registry.implementations("paged_attention")]
-    >>> registry.best("reshape_and_cache", "int8_per_token_head", "cpu").name
+The plugin contract:
+
+- A backend is a module exposing ``register(registry)``, which calls ``registry.add()`` with one
+  `Implementation` per operation it provides (name, op, platform, modes, devices, priority, run).
+- An installed distribution announces it with an entry point whose value is that module, or a
+  callable taking the registry::
+
+      [project.entry-points."kvzoo.backends"]
+      mine = "mypackage.kvzoo_backend"            # or "mypackage.kvzoo_backend:register"
+
+- ``unavailable()`` says why the implementation cannot run on this machine at all (a missing
+  package, no GPU); it is still registered, so `kvzoo list` shows the reason. Availability is
+  probed once per (op, mode, device) and remembered until the next add()/load()/invalidate().
+- ``problem_reasons(problem)`` says why it cannot take one call that its modes and devices
+  allow (an option it lacks, a head size it has no kernel for); selection then falls to the next
+  implementation by priority, and an error lists every reason if none takes the call.
+- A module (or entry point) that fails to import or register is recorded in ``import_errors``,
+  never raised: one broken backend must not take the others down.
+
+Once registered, an implementation is listed by `kvzoo list`, chosen by `Registry.select()`
+when its priority is highest among those that take a call, and run by the conformance suite
+(`kvzoo.conformance.matrix(reg)`, `kvzoo check`).
+
+    >>> import numpy as np, kvzoo
+    >>> from kvzoo.registry import Implementation, Registry
+    >>> def register(registry: Registry) -> None:
+    ...     registry.add(Implementation(
+    ...         name="zeros", op="dequantize", platform="any", modes=frozenset({"int8_per_token_head"}),
+    ...         run=lambda p: p.out.fill(0.0), priority=5,
+    ...         problem_reasons=lambda p: [] if p.cache.shape[-1] <= 256 else ["zeros: head_size > 256"]))
+    >>> reg = Registry()
+    >>> register(reg)
+    >>> [i.name for i in reg.candidates("dequantize", "int8_per_token_head", "cpu")]
+    ['zeros']
+    >>> float(kvzoo.dequantize(np.ones((1, 2, 1, 4), np.int8), np.ones((1, 2, 1), np.float32),
+    ...                        mode="int8_per_token_head", impl=reg.get("dequantize", "zeros")).max())
+    0.0
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import importlib.metadata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
+from .capabilities import Capabilities, required
 from .errors import KVZooInputError
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import OPS
 
-# Backend modules, imported on first use of the default registry. Each has register(reg).
+# The built-in backends, imported on first use of the default registry. Each has register(reg).
 BACKEND_MODULES: tuple[str, ...] = (
     "kvzoo.backends.numpy_vectorized",
     "kvzoo.backends.numba_cpu",
     "kvzoo.backends.triton.write_ops",
     "kvzoo.backends.triton.attention_ops",
 )
+# Installed distributions add backends under this entry-point group.
+ENTRY_POINT_GROUP = "kvzoo.backends"
 
 
 def _nothing_missing() -> list[str]:
@@ -68,8 +108,42 @@ class Implementation:
     # "any" through their strides; "unit" needs stride 1 along each 1-D tensor and along a
     # block-table row, and the API hands it contiguous copies of others (SPEC.md section 11).
     index_strides: str = "any"
-    # Options it honours exactly (e.g. "rounding=trunc", "inline_layout"); informational.
+    # What it takes beyond modes and devices: call options, largest head size, input dtypes,
+    # and its table of code formats (kvzoo.capabilities). supports() and the conformance
+    # suite both decide from it.
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    # The frozen dataclass of choices it takes with a call (a path to force, a workspace
+    # bound), or None; `options` is the instance run receives as run(problem, options=...).
+    option_type: type | None = None
+    options: Any = None
+    # A line for `kvzoo list`; informational.
     notes: str = ""
+
+    def with_options(self, **choices: Any) -> Implementation:
+        """This implementation with typed options set, to pass as impl= with a call::
+
+            impl = registry.get("paged_attention", "triton-cuda").with_options(prefill="direct")
+            kvzoo.paged_attention(..., impl=impl)
+        """
+        if self.option_type is None:
+            raise KVZooInputError(f"impl: {self.name} ({self.op}) takes no options, got {sorted(choices)}")
+        try:
+            options = dataclasses.replace(self.options or self.option_type(), **choices)
+        except TypeError as bad:
+            names = [f.name for f in dataclasses.fields(self.option_type)]
+            raise KVZooInputError(f"impl: {self.name} options are {names}: {bad}") from None
+        base = self.run.func if isinstance(self.run, functools.partial) else self.run
+        return dataclasses.replace(self, options=options, run=functools.partial(base, options=options))
+
+    def __post_init__(self) -> None:
+        # Every registered mode's format must be in the declared table, so a format the
+        # backend lacks is a mode it leaves out, never a KeyError inside its kernel.
+        from .modes import MODES
+
+        missing = [m for m in self.modes if m in MODES and MODES[m].format is not None
+                   and MODES[m].format.name not in self.capabilities.formats]
+        if missing and self.capabilities.formats:
+            raise ValueError(f"{self.name}: registers {sorted(missing)} without their formats in capabilities.formats")
 
     def supports(self, problem: Any) -> list[str]:
         """Reasons this implementation cannot take `problem`; empty means it can."""
@@ -80,6 +154,8 @@ class Implementation:
             reasons.append(
                 f"{self.name}: tensors on device {problem.device!r}, it takes {sorted(self.devices)}"
             )
+        if not reasons:
+            reasons.extend(self.capabilities.reasons(self.name, required(problem)))
         if not reasons:
             reasons.extend(self.problem_reasons(problem))
         return reasons
@@ -99,6 +175,14 @@ class Registry:
 
     _impls: list[Implementation] = field(default_factory=list)
     import_errors: dict[str, str] = field(default_factory=dict)
+    # Sources (module names, entry-point values) already loaded: naming one twice, say as an
+    # entry point and as --backend-module, must not fail on its second registration.
+    _sources: set[str] = field(default_factory=set, repr=False, compare=False)
+    # (op, mode name, device) -> available implementations, highest priority first. Every call
+    # through the API selects, so the filter and sort are not redone per call.
+    _ranked: dict[tuple[str, str, str], tuple[Implementation, ...]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def add(self, impl: Implementation) -> None:
         if impl.op not in OPS:
@@ -106,14 +190,46 @@ class Registry:
         if any(i.name == impl.name and i.op == impl.op for i in self._impls):
             raise ValueError(f"implementation {impl.name!r} of {impl.op!r} is already registered")
         self._impls.append(impl)
+        self.invalidate()
 
     def load(self, modules: Iterable[str]) -> Registry:
+        """Import each module and call its register(self); failures go to import_errors."""
         for module_name in modules:
-            try:
-                importlib.import_module(module_name).register(self)
-            except Exception as exc:  # a broken backend must not break the others
-                self.import_errors[module_name] = f"{type(exc).__name__}: {exc}"
+            self._load_source(module_name, lambda name=module_name: importlib.import_module(name))
         return self
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> Registry:
+        """Load every installed entry point of `group` (a module, or a callable register(registry))."""
+        try:
+            entry_points = list(importlib.metadata.entry_points(group=group))
+        except Exception as exc:  # unreadable metadata of one distribution must not stop kvzoo
+            self.import_errors[f"entry points {group}"] = f"{type(exc).__name__}: {exc}"
+            return self
+        for ep in entry_points:
+            self._load_source(ep.value, ep.load)
+        return self
+
+    def _load_source(self, source: str, load: Callable[[], Any]) -> None:
+        if source in self._sources:
+            return
+        try:
+            target = load()
+            register = target.register if isinstance(target, ModuleType) else target
+            if not callable(register):
+                raise TypeError(f"{source} is neither a module with register(registry) nor a callable")
+            register(self)
+            self._sources.add(source)
+        except Exception as exc:  # a broken backend must not break the others
+            self.import_errors[source] = f"{type(exc).__name__}: {exc}"
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget remembered availability, e.g. after setting KVZOO_DISABLE_NUMBA in-process."""
+        self._ranked.clear()
+
+    def copy(self) -> Registry:
+        """A registry with the same implementations, to load more into without touching this one."""
+        return Registry(list(self._impls), dict(self.import_errors), set(self._sources))
 
     def implementations(self, op: str | None = None, mode: str | QuantMode | None = None) -> list[Implementation]:
         mode_name = None if mode is None else get_kv_quant_mode(mode).name
@@ -130,24 +246,34 @@ class Registry:
         known = sorted({i.name for i in self._impls if i.op == op})
         raise KVZooInputError(f"impl: no implementation named {name!r} for {op}; registered: {known}")
 
+    def _candidates(self, op: str, mode_name: str, device: str) -> tuple[Implementation, ...]:
+        # The one ordering and filter behind candidates(), best() and select().
+        key = (op, mode_name, device)
+        ranked = self._ranked.get(key)
+        if ranked is None:
+            found = [i for i in self.implementations(op, mode_name) if device in i.devices and i.available]
+            # sorted() is stable: equal priorities keep registration order.
+            ranked = self._ranked[key] = tuple(sorted(found, key=lambda i: -i.priority))
+        return ranked
+
     def candidates(self, op: str, mode: str | QuantMode, device: str) -> list[Implementation]:
-        """Available implementations of op for mode on device, fastest first."""
-        mode_name = get_kv_quant_mode(mode).name
-        found = [
-            i
-            for i in self.implementations(op, mode_name)
-            if device in i.devices and i.available
-        ]
-        return sorted(found, key=lambda i: -i.priority)
+        """Available implementations of op for mode on device, highest priority first."""
+        return list(self._candidates(op, get_kv_quant_mode(mode).name, device))
 
     def best(self, op: str, mode: str | QuantMode, device: str = "cpu") -> Implementation:
-        found = self.candidates(op, mode, device)
+        """The first candidate for (op, mode, device) without looking at a problem.
+
+        What select() picks for a call that every candidate takes; a call that the first one
+        declines (problem_reasons) goes to the next. Prefer select(problem, op) to run a call.
+        """
+        found = self._candidates(op, get_kv_quant_mode(mode).name, device)
         if not found:
             raise NoImplementationError(self._explain(op, mode, device))
         return found[0]
 
     def select(self, problem: Any, op: str, impl: str | Implementation | None = None) -> Implementation:
-        """The implementation to run `problem`: the one named (or given), or the fastest that takes it."""
+        """The implementation to run `problem`: the one named (or given), or the first candidate
+        for its mode and device that takes it."""
         if impl is not None:
             chosen = impl if isinstance(impl, Implementation) else self.get(op, impl)
             if chosen.op != op:
@@ -158,12 +284,14 @@ class Registry:
                     f"impl={chosen.name!r} cannot run this {op} call: " + "; ".join(reasons)
                 )
             return chosen
-        all_reasons: list[str] = []
-        for candidate in sorted(self.implementations(op), key=lambda i: -i.priority):
-            reasons = candidate.supports(problem)
-            if not reasons:
+        # supports(), not problem_reasons() alone: it is where an implementation's every
+        # condition on a call lives, and a candidate's availability may have changed since.
+        for candidate in self._candidates(op, problem.mode.name, problem.device):
+            if not candidate.supports(problem):
                 return candidate
-            all_reasons.extend(reasons)
+        all_reasons = [
+            r for i in sorted(self.implementations(op), key=lambda i: -i.priority) for r in i.supports(problem)
+        ]
         raise NoImplementationError(
             f"no implementation of {op} takes this call:\n  " + "\n  ".join(all_reasons)
             + self._import_note()
@@ -190,10 +318,10 @@ _default: Registry | None = None
 
 
 def default() -> Registry:
-    """The process-wide registry with every backend in BACKEND_MODULES loaded."""
+    """The process-wide registry: the built-in BACKEND_MODULES, then installed entry points."""
     global _default
     if _default is None:
-        _default = Registry().load(BACKEND_MODULES)
+        _default = Registry().load(BACKEND_MODULES).load_entry_points()
     return _default
 
 
@@ -202,6 +330,7 @@ def implementations(op: str | None = None, mode: str | QuantMode | None = None) 
 
 
 def best(op: str, mode: str | QuantMode, device: str = "cpu") -> Implementation:
+    """Registry.best() on the default registry: no problem looked at; prefer select()."""
     return default().best(op, mode, device)
 
 

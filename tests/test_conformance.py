@@ -8,7 +8,9 @@ import pytest
 
 from kvzoo import registry
 from kvzoo.conformance import NotApplicable, matrix
-from kvzoo.conformance.checks import GOLDEN_FILES, runs_something
+from kvzoo.capabilities import Capabilities
+from kvzoo.conformance.cases import attention_cases, dequant_cases, write_cases
+from kvzoo.conformance.checks import GOLDEN_FILES, declared_reasons, runs_something
 from kvzoo.modes import MODES
 
 CHECKS = matrix()
@@ -41,11 +43,50 @@ def test_every_available_implementation_passes_a_check(impl_name, op):
 
 
 def test_a_backend_that_declines_everything_fails_the_suite():
+    """Its declarations take every case, so each refusal is a failure naming it, not a skip."""
     reg = registry.Registry()
     reg.add(registry.Implementation(
         "refuses-all", "paged_attention", "any", frozenset(MODES), run=lambda p: None,
         problem_reasons=lambda p: ["refuses-all: takes nothing"],
     ))
     checks = [c for c in matrix(reg) if c.op == "paged_attention"]
+    assert checks
+    for check in checks[:8]:
+        with pytest.raises(AssertionError, match="refuses-all declares it takes this case but refused"):
+            check.run()
+
+
+def test_a_backend_declaring_nothing_it_can_run_fails_the_every_impl_check():
+    reg = registry.Registry()
+    reg.add(registry.Implementation(
+        "declares-no-options", "paged_attention", "any", frozenset({"int8_per_token_head"}), run=lambda p: None,
+        capabilities=Capabilities(options=frozenset(), max_head_size=1),
+    ))
+    checks = [c for c in matrix(reg) if c.op == "paged_attention"]
     ran, declined = runs_something(checks)
-    assert not ran and len(declined) == len(checks) and "refuses-all" in declined[0]
+    assert not ran and len(declined) == len(checks)
+    assert any("head_size 64 is over its largest, 1" in d for d in declined)
+
+
+# Cases the built-in backends leave out by declaration, and why; any other declared skip of an
+# available implementation (or one of these disappearing) fails here.
+EXPECTED_DECLINES = {
+    ("numba", "paged_attention"): ("does not take quantize_query", lambda case_id: "qint8" in case_id),
+}
+
+
+@pytest.mark.parametrize("impl_name, op", IMPL_OPS, ids=[f"{i}-{o}" for i, o in IMPL_OPS])
+def test_declared_skips_are_exactly_the_expected_ones(impl_name, op):
+    impl = registry.default().get(op, impl_name)
+    if impl.unavailable():
+        pytest.skip("; ".join(impl.unavailable()))
+    reason, expected = EXPECTED_DECLINES.get((impl_name, op), ("", lambda case_id: False))
+    cases = {"reshape_and_cache": write_cases, "dequantize": dequant_cases, "paged_attention": attention_cases}[op]()
+    for case in cases:
+        why = declared_reasons(impl, case.mode, case.requirements())
+        if case.mode not in impl.modes:
+            continue  # a mode the platform has no format for (formats test covers the table)
+        if expected(case.id):
+            assert why and reason in why[0], (case.id, why)
+        else:
+            assert not why, (case.id, why)

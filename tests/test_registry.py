@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import torch
 
 import kvzoo
 from kvzoo.registry import Implementation, NoImplementationError, Registry
+from kvzoo import registry
+from kvzoo.errors import KVZooInputError
 
 
 def _impl(name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), missing=(), limit=None, op="reshape_and_cache"):
@@ -23,9 +26,12 @@ def _impl(name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), m
 
 
 class _Problem:
+    """A cache write reduced to what supports() reads (kvzoo.capabilities.required too)."""
+
     mode = kvzoo.get_kv_quant_mode("int8_per_token_head")
     device = "cpu"
     head_size = 256
+    key_cache = k_scale_cache = None
 
 
 def test_best_prefers_priority_and_skips_unavailable():
@@ -37,6 +43,58 @@ def test_best_prefers_priority_and_skips_unavailable():
     assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "slow"
     with pytest.raises(NoImplementationError, match="fast: not installed"):
         reg.best("reshape_and_cache", "int8_per_token_head", "cuda")
+
+
+def test_select_and_best_share_one_ordering():
+    # Equal priorities keep registration order; unavailable ones are out of both.
+    reg = Registry()
+    for name, priority, missing in (("a", 10, ()), ("b", 50, ()), ("c", 10, ()), ("gone", 99, ["gone: no"])):
+        reg.add(_impl(name, priority, missing=missing)[0])
+    order = [i.name for i in reg.candidates("reshape_and_cache", "int8_per_token_head", "cpu")]
+    assert order == ["b", "a", "c"]
+    assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "b"
+    assert reg.select(_Problem(), "reshape_and_cache").name == "b"
+
+
+def test_select_passes_over_a_candidate_that_declines_the_problem():
+    # best() looks at no problem; select() asks each candidate in best()'s order.
+    reg = Registry()
+    reg.add(_impl("small", 50, limit=lambda p: [f"small: head_size {p.head_size} > 128"])[0])
+    reg.add(_impl("any", 10)[0])
+    assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "small"
+    assert reg.select(_Problem(), "reshape_and_cache").name == "any"
+
+
+def test_candidates_are_remembered_until_the_registry_changes():
+    probes = []
+    missing: list[str] = ["fast: not installed"]
+    reg = Registry()
+    reg.add(Implementation("fast", "reshape_and_cache", "cpu", frozenset({"int8_per_token_head"}), run=print,
+                           priority=50, unavailable=lambda: probes.append(1) or list(missing)))
+    reg.add(_impl("slow", 10)[0])
+    for _ in range(3):
+        assert reg.select(_Problem(), "reshape_and_cache").name == "slow"
+        assert reg.candidates("reshape_and_cache", "int8_per_token_head", "cpu")[0].name == "slow"
+    assert len(probes) == 1
+    missing.clear()
+    assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "slow"  # still remembered
+    reg.invalidate()
+    assert reg.best("reshape_and_cache", "int8_per_token_head", "cpu").name == "fast"
+    reg.add(_impl("fastest", 90)[0])
+    assert reg.select(_Problem(), "reshape_and_cache").name == "fastest"
+    reg.load(["kvzoo.backends.numpy_vectorized"])
+    assert "numpy" in [i.name for i in reg.candidates("reshape_and_cache", "int8_per_token_head", "cpu")]
+
+
+def test_a_candidate_lost_since_it_was_remembered_is_passed_over():
+    # select() still asks supports(), so availability lost mid-process falls to the next one.
+    missing: list[str] = []
+    reg = Registry()
+    reg.add(_impl("fast", 50, missing=missing)[0])
+    reg.add(_impl("slow", 10)[0])
+    assert reg.select(_Problem(), "reshape_and_cache").name == "fast"
+    missing.append("fast: disabled")
+    assert reg.select(_Problem(), "reshape_and_cache").name == "slow"
 
 
 def test_select_explains_every_refusal():
@@ -67,6 +125,16 @@ def test_broken_backend_is_recorded_not_raised():
     reg = Registry().load(["kvzoo.backends.numpy_vectorized", "kvzoo.backends.does_not_exist"])
     assert [i.name for i in reg.implementations("paged_attention")] == ["numpy"]
     assert "does_not_exist" in next(iter(reg.import_errors))
+
+
+def test_a_module_without_register_and_a_repeated_module():
+    reg = Registry().load(["kvzoo.errors", "kvzoo.backends.numpy_vectorized", "kvzoo.backends.numpy_vectorized"])
+    assert list(reg.import_errors) == ["kvzoo.errors"] and "register" in reg.import_errors["kvzoo.errors"]
+    assert [i.name for i in reg.implementations("dequantize")] == ["numpy"]
+
+
+def test_module_docstring_example_runs():
+    assert doctest.testmod(kvzoo.registry).failed == 0
 
 
 def test_default_registry_has_every_op_for_the_numpy_reference():
@@ -165,3 +233,35 @@ def test_engine_kv_cache_dtype_strings(engine, mode):
 def test_engine_strings_kvzoo_lacks_are_named_not_implemented(engine):
     with pytest.raises(kvzoo.KVZooInputError, match="does not implement"):
         kvzoo.get_kv_quant_mode(engine)
+
+
+def test_typed_options_reach_run_with_the_call():
+    """impl.with_options(...) gives a copy whose run receives the options; no globals patched."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    import kvzoo
+
+    @dc.dataclass(frozen=True)
+    class Choice:
+        path: str = "a"
+
+    seen = []
+    base = registry.default().get("dequantize", "numpy")
+    impl = dc.replace(base, name="with-choice", option_type=Choice,
+                      run=lambda p, options=None: (seen.append(options), base.run(p)))
+    cache = np.random.default_rng(3).integers(-127, 128, (2, 4, 1, 8)).astype(np.int8)
+    scales = np.random.default_rng(4).uniform(0.01, 0.1, (2, 4, 1)).astype(np.float32)
+    plain = kvzoo.dequantize(cache, scales, mode="int8_per_token_head", impl=impl)
+    chosen = kvzoo.dequantize(cache, scales, mode="int8_per_token_head", impl=impl.with_options(path="b"))
+    assert seen == [None, Choice("b")] and np.array_equal(plain, chosen)
+    assert impl.with_options(path="b").with_options(path="c").options == Choice("c")
+    with pytest.raises(KVZooInputError, match="options are \\['path'\\]"):
+        impl.with_options(bogus=1)
+    with pytest.raises(KVZooInputError, match="takes no options"):
+        base.with_options(path="b")
+    triton = registry.default().get("paged_attention", "triton-cuda")
+    assert triton.with_options(prefill="direct").options.prefill == "direct"
+    with pytest.raises(KVZooInputError, match="prefill"):
+        triton.with_options(prefill="sideways")

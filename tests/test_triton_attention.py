@@ -553,8 +553,11 @@ def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
     for why, p in declined.items():
         assert not k.prefill_config(p).stage_kv, why
     p = make_problem(**long)
-    monkeypatch.setattr(k._staging, "STAGE_MAX_BYTES", k._staging.workspace_bytes(p) - 1)
-    assert not k.prefill_config(p).stage_kv, "workspace over STAGE_MAX_BYTES"
+    options = k.TritonAttentionOptions
+    assert not k.prefill_config(p, options(stage_max_bytes=k._staging.workspace_bytes(p) - 1)).stage_kv, \
+        "workspace over stage_max_bytes"
+    assert k.prefill_config(p, options(stage_max_bytes=k._staging.workspace_bytes(p))).stage_kv
+    assert not k.prefill_config(p, options(prefill="direct")).stage_kv
     with pytest.raises(ValueError, match="stage_kv"):
         run(make_problem(**long, quantize_query=True), prefill=_staged(make_problem(**long)))
 

@@ -26,6 +26,7 @@ from kvzoo_spec import oracle
 
 from .. import api, registry
 from ..arrays import as_numpy, as_torch, numpy_dtype
+from ..capabilities import Requirements
 from ..layout import KVCacheTensors, allocate_inline, inline_views
 from ..modes import MODES
 from .cases import AttentionCase, DequantCase, WriteCase, attention_cases, dequant_cases, write_cases
@@ -45,15 +46,30 @@ GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.npz"))
 
 
 class NotApplicable(Exception):
-    """The implementation cannot run this case on this machine (the reason is the message)."""
+    """The case is outside what the implementation declares, or it cannot run on this machine
+    (the reason is the message). Decided before anything runs."""
 
 
-def _usable(impl, problem_modes: str) -> None:
-    reasons = impl.unavailable()
+def declared_reasons(impl, mode_name: str, need: Requirements) -> list[str]:
+    """Why impl's declarations (modes, capabilities) leave this case out; [] when they take it."""
+    if mode_name not in impl.modes:
+        return [f"{impl.name}: does not register mode {mode_name}"]
+    return impl.capabilities.reasons(impl.name, need)
+
+
+def _usable(impl, mode_name: str, need: Requirements) -> None:
+    reasons = list(impl.unavailable()) or declared_reasons(impl, mode_name, need)
     if reasons:
         raise NotApplicable("; ".join(reasons))
-    if problem_modes not in impl.modes:
-        raise NotApplicable(f"{impl.name} does not register mode {problem_modes}")
+
+
+def _run_declared(impl, call: Callable[[], Any]) -> Any:
+    """Run a case the declarations say impl takes: a refusal now is a failure, not a skip."""
+    try:
+        return call()
+    except registry.NoImplementationError as refusal:
+        raise AssertionError(
+            f"{impl.name} declares it takes this case but refused it: {refusal}") from None
 
 
 def _kind(case_kind: str, device: str) -> str:
@@ -96,7 +112,7 @@ def _maybe_strided(values32, case, device, kind, slot):
 
 
 def check_reshape_and_cache(impl, case: WriteCase):
-    _usable(impl, case.mode)
+    _usable(impl, case.mode, case.requirements())
     mode = MODES[case.mode]
     device = device_for(impl)
     kind = _kind(case.kind, device)
@@ -193,7 +209,7 @@ def _assert_same_floats(actual, expected, what):
 
 
 def check_dequantize(impl, case: DequantCase):
-    _usable(impl, case.mode)
+    _usable(impl, case.mode, case.requirements())
     mode = MODES[case.mode]
     device = device_for(impl)
     rng = rng_for("dequant", case.id)
@@ -265,7 +281,7 @@ def fill_quantized(mode, rng, shape, model_dtype):
 
 
 def check_paged_attention(impl, case: AttentionCase):
-    _usable(impl, case.mode)
+    _usable(impl, case.mode, case.requirements())
     mode = MODES[case.mode]
     device = device_for(impl)
     rng = rng_for("attention", case.id)
@@ -317,22 +333,18 @@ def check_paged_attention(impl, case: AttentionCase):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     sinks = (rng.standard_normal(Hq) * 2).astype(np.float32) if case.sinks else None
     out = torch.full_like(query, float("nan"))
-    try:
-        api.paged_attention(
-            query, key_cache, value_cache, mode=case.mode,
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(qsl).to(device),
-            k_scale_cache=k_sc, v_scale_cache=v_sc,
-            k_scale=None if static[0] is None else float(static[0]),
-            v_scale=None if static[1] is None else float(static[1]),
-            sliding_window=case.sliding_window, softcap=case.softcap,
-            sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
-            out=out, quantize_query=case.quantize_query, impl=impl,
-        )
-    except registry.NoImplementationError as e:
-        # The implementation says it does not take this problem (an option it lacks).
-        raise NotApplicable(str(e)) from None
+    api.paged_attention(
+        query, key_cache, value_cache, mode=case.mode,
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        k_scale_cache=k_sc, v_scale_cache=v_sc,
+        k_scale=None if static[0] is None else float(static[0]),
+        v_scale=None if static[1] is None else float(static[1]),
+        sliding_window=case.sliding_window, softcap=case.softcap,
+        sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
+        out=out, quantize_query=case.quantize_query, impl=impl,
+    )
 
     raw_k = kc if mode.code_dtype else kc.astype(np.float32)
     raw_v = vc if mode.code_dtype else vc.astype(np.float32)
@@ -392,7 +404,10 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
     """Write the golden inputs with impl, then decode with the same backend's dequantize."""
     z, meta = _load(path)
     mode_name = meta["mode"]
-    _usable(impl, mode_name)
+    head_size = z["x" if meta["kind"] == "rows" else "key"].shape[-1]
+    _usable(impl, mode_name, Requirements(head_size, meta.get("dtype"), frozenset(
+        ({"inline_layout"} if meta["kind"] == "inline" else set())
+        | ({"trunc_rounding"} if meta.get("rounding") == "trunc" else set()))))
     mode = MODES[mode_name]
     device = device_for(impl)
     dequant = (reg or registry.default()).get("dequantize", impl.name)
@@ -472,10 +487,12 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
     for op, cases, fn in groups:
         for impl in reg.implementations(op):
             for case in cases:
-                checks.append(Check(op, impl, case.id, lambda fn=fn, impl=impl, case=case: fn(impl, case)))
+                checks.append(Check(op, impl, case.id,
+                                    lambda fn=fn, impl=impl, case=case: _run_declared(impl, lambda: fn(impl, case))))
     for impl in reg.implementations("reshape_and_cache"):
         for path in GOLDEN_FILES:
-            checks.append(Check("golden", impl, path.stem, lambda impl=impl, path=path: check_golden(impl, path, reg)))
+            checks.append(Check("golden", impl, path.stem, lambda impl=impl, path=path: _run_declared(
+                impl, lambda: check_golden(impl, path, reg))))
     if ops is not None:
         checks = [c for c in checks if c.op in ops]
     return checks

@@ -20,6 +20,7 @@ import numpy as np
 
 from ...arrays import dtype_name
 from ...modes import MODES
+from ...capabilities import ALL_OPTIONS, Capabilities
 from ...registry import Implementation
 from .formats import E4M3FN, E4M3FNUZ, I8
 from .strided import KINDS, flat, stride_problem
@@ -257,10 +258,7 @@ def run_paged_attention(p: Any) -> None:
 
 
 def attention_reasons(p: Any) -> list[str]:
-    why = _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
-    if p.quantize_query:
-        why.append(f"{NAME}: quantize_query is not implemented here (impl 'numpy' runs it on the CPU)")
-    return why
+    return _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +273,7 @@ def register(registry: Any) -> None:
         devices=frozenset({"cpu"}),
         priority=PRIORITY,
         unavailable=unavailable,
+        capabilities=Capabilities(formats=FORMAT_KINDS),
     )
     registry.add(
         Implementation(
@@ -304,6 +303,7 @@ def register(registry: Any) -> None:
             problem_reasons=attention_reasons,
             attention_rtol=ATTENTION_RTOL,
             notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",
-            **common,
+            # quantize_query is not implemented here: impl "numpy" runs it on the CPU.
+            **{**common, "capabilities": Capabilities(ALL_OPTIONS - {"quantize_query"}, formats=FORMAT_KINDS)},
         )
     )

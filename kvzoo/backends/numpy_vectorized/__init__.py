@@ -6,6 +6,7 @@ from . import kernels as vectorized
 
 from ...modes import MODES, QuantMode
 from ...problem import Attention, CacheWrite, Dequantize
+from ...capabilities import Capabilities
 from ...registry import Implementation, Registry
 
 NAME = "numpy"
@@ -57,5 +58,6 @@ def register(registry: Registry) -> None:
                 name=NAME, op=op, platform="any", modes=_MODES, run=run,
                 array_kind="numpy", devices=frozenset({"cpu"}), priority=PRIORITY,
                 attention_rtol=1e-5,
+                capabilities=Capabilities(formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}),
             )
         )

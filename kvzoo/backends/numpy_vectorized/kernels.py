@@ -50,7 +50,11 @@ def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
 
 def _minifloat_encoder(storage: type):
     # ml_dtypes' cast rounds to nearest, ties to even: SPEC.md's rounding of the fp8 formats.
-    return lambda clamped, rounding: clamped.astype(storage).view(np.uint8)
+    def encode(clamped: np.ndarray, rounding: str) -> np.ndarray:
+        return clamped.astype(storage).view(np.uint8)
+
+    encode.__name__ = f"_cast_to_{storage.__name__}"
+    return encode
 
 
 # The formats this backend encodes (kvzoo.formats.FORMATS names): its table, read by the

@@ -37,7 +37,10 @@ import triton.language as tl
 from ...modes import SCALE_FLOOR
 from ...problem import Attention
 from . import encode as _encode
+from .attention_ops import TritonAttentionOptions
 from .formats import CODE_COPY, CODE_E4M3FN, CODE_INT8, code_of
+
+_DEFAULT_OPTIONS = TritonAttentionOptions()
 from . import platform as _platform
 from . import staging as _staging
 
@@ -723,8 +726,9 @@ def staged_prefill_config(p: Attention) -> AttentionConfig:
                            longest_first=True)
 
 
-def prefill_config(p: Attention) -> AttentionConfig:
-    return staged_prefill_config(p) if _staging.worth_staging(p) else direct_prefill_config(p)
+def prefill_config(p: Attention, options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> AttentionConfig:
+    staged = options.prefill == "auto" and _staging.worth_staging(p, options.stage_max_bytes)
+    return staged_prefill_config(p) if staged else direct_prefill_config(p)
 
 
 def direct_prefill_config(p: Attention) -> AttentionConfig:
@@ -887,7 +891,7 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
 
 
 def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None = None,
-        prefill: AttentionConfig | None = None) -> None:
+        prefill: AttentionConfig | None = None, options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> None:
     """Attention for problem `p`. decode / prefill override the table (tests, tuning)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
@@ -897,11 +901,11 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
         # prefill tiles. Which launch a sequence takes depends on its own q_len only.
         _launch(p, platform, decode or decode_config(p, True, platform), per_seq=True, skip_decode=False)
         if p.max_query_len > 1:
-            _launch(p, platform, prefill or prefill_config(p), per_seq=False, skip_decode=True)
+            _launch(p, platform, prefill or prefill_config(p, options), per_seq=False, skip_decode=True)
     elif p.max_query_len <= 1:
         _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
     else:
-        cfg = prefill or prefill_config(p)
+        cfg = prefill or prefill_config(p, options)
         if not cfg.stage_kv:
             _launch(p, platform, cfg, per_seq=False, skip_decode=False)
             return

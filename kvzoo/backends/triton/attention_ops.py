@@ -6,9 +6,15 @@ Kernels live in attention_kernels.py and are imported on the first run, so this 
 
 from __future__ import annotations
 
-from ...problem import Attention
+from dataclasses import dataclass
+from typing import Literal
+
+from ...capabilities import Capabilities
+from ...errors import fail
+from ...validate import int_scalar
 from ...registry import Implementation, Registry
 from . import platform
+from .formats import platform_formats
 
 # Largest head size the kernel tiles: a [rows, 256] fp32 accumulator already fills the registers.
 MAX_HEAD_SIZE = 256
@@ -23,24 +29,29 @@ MAX_HEAD_SIZE = 256
 ATTENTION_RTOL = 5e-3
 
 
-def _problem_reasons(platform_name: str):
-    def reasons(p: Attention) -> list[str]:
-        why = []
-        name = f"triton-{platform_name}"
-        if p.head_size > MAX_HEAD_SIZE:
-            why.append(f"{name}: head_size {p.head_size} is over the largest tiled size {MAX_HEAD_SIZE}")
-        if p.head_size < 1:
-            why.append(f"{name}: head_size must be >= 1")
-        return why
+@dataclass(frozen=True)
+class TritonAttentionOptions:
+    """Choices the Triton attention takes with a call: `impl.with_options(prefill="direct")`.
 
-    return reasons
+    prefill: "auto" stages a quantized prefill through an fp16 workspace where that measured
+    faster (staging.py), "direct" always tiles over the codes themselves.
+    stage_max_bytes: the largest workspace a call may allocate; above it prefill stays direct.
+    """
+
+    prefill: Literal["auto", "direct"] = "auto"
+    stage_max_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.prefill not in ("auto", "direct"):
+            fail(f"prefill: expected 'auto' or 'direct', got {self.prefill!r}")
+        int_scalar("stage_max_bytes", self.stage_max_bytes, -1)
 
 
 def _runner(platform_name: str):
-    def run(p: Attention) -> None:
+    def run(p: Attention, options: TritonAttentionOptions | None = None) -> None:
         from . import attention_kernels
 
-        attention_kernels.run(p, platform_name)
+        attention_kernels.run(p, platform_name, options=options or TritonAttentionOptions())
 
     return run
 
@@ -61,7 +72,8 @@ def register(registry: Registry) -> None:
                 devices=platform.devices(),
                 priority=platform.priority(),
                 unavailable=lambda name=name: list(platform.unavailable_reasons(name)),
-                problem_reasons=_problem_reasons(name),
+                capabilities=Capabilities(max_head_size=MAX_HEAD_SIZE, formats=platform_formats(name)),
+                option_type=TritonAttentionOptions,
                 attention_rtol=ATTENTION_RTOL,
                 notes="split-KV decode, batch_invariant, fp16 dots on codes, staged prefill",
             )

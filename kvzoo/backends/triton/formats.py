@@ -37,6 +37,11 @@ def code_of(mode) -> int:
     return CODE_COPY if mode.format is None else FORMAT_CODES[mode.format.name]
 
 
+def platform_formats(platform: str) -> dict[str, int]:
+    """The format table of one platform's kernels (name -> CODE)."""
+    return {name: code for name, code in FORMAT_CODES.items() if name in PLATFORM_FORMATS[platform]}
+
+
 def platform_modes(platform: str) -> frozenset[str]:
     formats = PLATFORM_FORMATS[platform] & FORMAT_CODES.keys()
     return frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in formats)

@@ -48,7 +48,7 @@ GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Sequences the slot kernel places per step of its loop (one step up to this batch size).
 SLOT_BLOCK = 1024
-# Largest workspace a call may allocate; above it prefill stays direct.
+# Default largest workspace a call may allocate (TritonAttentionOptions.stage_max_bytes).
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context: at 64
@@ -206,8 +206,8 @@ def stageable(p: Attention) -> bool:
     return p.mode.code_dtype is not None and not p.quantize_query and not p.batch_invariant
 
 
-def worth_staging(p: Attention) -> bool:
-    return stageable(p) and p.max_query_len >= STAGE_MIN_QUERY_LEN and workspace_bytes(p) <= STAGE_MAX_BYTES
+def worth_staging(p: Attention, max_bytes: int = STAGE_MAX_BYTES) -> bool:
+    return stageable(p) and p.max_query_len >= STAGE_MIN_QUERY_LEN and workspace_bytes(p) <= max_bytes
 
 
 class Staged(NamedTuple):

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...modes import SCALE_FLOOR
+from ...capabilities import Capabilities
 from ...registry import Implementation, Registry
 from . import platform
+from .formats import platform_formats
 
 
 def _run_write(p: Any) -> None:
@@ -52,6 +54,7 @@ def register(registry: Registry) -> None:
                     devices=platform.devices(),
                     priority=platform.priority(),
                     unavailable=unavailable,
+                    capabilities=Capabilities(formats=platform_formats(plat)),
                     notes="rounding=trunc (int8), inline_layout, any strides",
                 )
             )

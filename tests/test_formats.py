@@ -1,0 +1,127 @@
+"""The code-format objects (kvzoo.formats) against the oracle's own definitions, and every
+backend's table of formats.
+
+kvzoo_spec/oracle.py defines its modes and fp8 fields independently of kvzoo; these tests hold
+kvzoo.formats to it, so a wrong constant in a format row fails here before any backend runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvzoo import registry
+from kvzoo.formats import FORMATS
+from kvzoo.modes import MODES
+from kvzoo_spec import oracle
+
+CODED_MODES = [name for name, m in MODES.items() if m.format is not None]
+
+
+def test_every_mode_is_an_oracle_mode_with_the_same_constants():
+    assert set(MODES) == set(oracle.ORACLE_MODES)
+    for name, mode in MODES.items():
+        spec = oracle.ORACLE_MODES[name]
+        assert mode.granularity == spec.granularity
+        assert (None if mode.format is None else mode.format.storage_dtype) == spec.code
+        assert np.float32(mode.qmax) == spec.qmax and np.float32(mode.qmin) == spec.qmin
+        assert mode.nan_code == spec.nan_code
+        assert mode.scale_floor == oracle.SCALE_FLOOR
+
+
+@pytest.mark.parametrize("name", CODED_MODES)
+def test_code_values_are_the_oracle_decoding_of_every_byte(name):
+    fmt = MODES[name].format
+    codes = np.arange(2**fmt.bits, dtype=np.uint8)[None, :]
+    want = oracle.decode_rows(codes, np.ones(1, np.float32), name)[0].astype(np.float64)
+    got = fmt.code_values()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    assert fmt.nan_codes == tuple(int(c) for c in np.flatnonzero(np.isnan(want)))
+
+
+@pytest.mark.parametrize("name", CODED_MODES)
+def test_midpoints_round_away_as_the_oracle_rounds(name):
+    """Values just below and just above each midpoint of the format object encode (in the
+    oracle) to its two neighbours, and representable values encode to themselves. Only
+    |y| <= qmax can reach the oracle's encoder with a scale of exactly 1 (int8's -128 cannot)."""
+    fmt = MODES[name].format
+    values = fmt.representable()
+    values = values[np.abs(values) <= fmt.qmax]
+    mids = (values[1:] + values[:-1]) / 2
+    assert set(mids) <= set(fmt.midpoints())
+    mids32 = mids.astype(np.float32)
+    assert np.all(mids32.astype(np.float64) == mids), "midpoints must be exact in float32"
+    for y, side in ((np.nextafter(mids32, -np.inf), 0), (np.nextafter(mids32, np.inf), 1)):
+        codes = _oracle_codes(name, y)
+        got = oracle.decode_rows(codes[None, :], np.ones(1, np.float32), name)[0].astype(np.float64)
+        assert np.array_equal(got, values[np.arange(len(mids)) + side])
+    assert np.array_equal(fmt.codes_of(values), _oracle_codes(name, values.astype(np.float32)))
+
+
+def _oracle_codes(name: str, y: np.ndarray) -> np.ndarray:
+    # A row of [qmax, y...] has scale exactly 1, so y reaches the encoder unchanged.
+    qmax = np.float32(oracle.ORACLE_MODES[name].qmax)
+    if MODES[name].per_tensor:
+        return oracle.quantize_rows(y[None, :], name, static_scale=np.float32(1.0))[0][0]
+    rows = np.concatenate([[qmax], y]).astype(np.float32)[None, :]
+    codes, scales = oracle.quantize_rows(rows, name)
+    assert scales[0] == 1.0
+    return codes[0, 1:]
+
+
+def test_storage_widths_and_scale_shapes():
+    for fmt in FORMATS.values():
+        assert fmt.codes_per_byte * fmt.bits == 8
+        for d in (1, 7, 64, 67, 256):
+            assert fmt.storage_width(d) * fmt.codes_per_byte >= d > (fmt.storage_width(d) - 1) * fmt.codes_per_byte
+    assert MODES["int8_per_token_head"].scale_shape(3, 16, 2) == (3, 16, 2)
+    assert MODES["fp8_per_tensor"].scale_shape(3, 16, 2) == (1,)
+    assert MODES["none"].scale_shape(3, 16, 2) is None
+
+
+def format_table() -> dict[str, dict[str, object]]:
+    """{implementation/op: {format: that backend's own code for it, or None}}."""
+    table = {}
+    for impl in registry.implementations():
+        declared = impl.capabilities.formats
+        table[f"{impl.name}/{impl.op}"] = {f: declared.get(f) for f in FORMATS}
+    return table
+
+
+def test_format_table_every_backend(capsys):
+    """Each backend's code for every format, printed; a format missing from a backend's table
+    is a mode it does not register (a declared refusal), never one it registers."""
+    table = format_table()
+    with capsys.disabled():
+        print("\nformat table (backend code per format; - = declined):")
+        for key, row in table.items():
+            print(f"  {key:36s} " + "  ".join(f"{f}={'-' if c is None else c}" for f, c in row.items()))
+    for impl in registry.implementations():
+        declared = impl.capabilities.formats
+        for mode_name in impl.modes:
+            fmt = MODES[mode_name].format
+            assert fmt is None or fmt.name in declared, (
+                f"{impl.name} registers {mode_name} but has no code for format {fmt.name}")
+        for fmt_name in declared:
+            assert fmt_name in FORMATS, f"{impl.name} declares an unknown format {fmt_name}"
+    # Every format has at least one backend on every machine: the NumPy one.
+    numpy_rows = [row for key, row in table.items() if key.startswith("numpy/")]
+    assert numpy_rows and all(all(c is not None for c in row.values()) for row in numpy_rows)
+
+
+@pytest.mark.parametrize("name", [f.name for f in FORMATS.values() if f.kind == "float"])
+def test_float_fields_describe_the_values(name):
+    """sign | exponent_bits | mantissa_bits with exponent_bias give every finite code's value."""
+    fmt = FORMATS[name]
+    assert 1 + fmt.exponent_bits + fmt.mantissa_bits == fmt.bits
+    values = fmt.code_values()
+    for code in range(2**fmt.bits):
+        if np.isnan(values[code]):
+            continue
+        sign = -1.0 if code >> (fmt.bits - 1) else 1.0
+        e = (code >> fmt.mantissa_bits) & (2**fmt.exponent_bits - 1)
+        m = code & (2**fmt.mantissa_bits - 1)
+        frac = m / 2**fmt.mantissa_bits
+        want = sign * (frac * 2.0 ** (1 - fmt.exponent_bias) if e == 0 else (1 + frac) * 2.0 ** (e - fmt.exponent_bias))
+        assert values[code] == want, (name, code)
