@@ -9,6 +9,14 @@ that takes it, one table entry; a backend without the entry declines the modes t
 kvzoo_spec/oracle.py keeps its own, independent definitions; tests/test_formats.py holds the
 two against each other.
 
+Adding a format (int4, say): a CodeFormat row here (bits=4, so codes_per_byte 2 and
+storage_width(D) = ceil(D / 2) uint8; zero_point for an unsigned encoding), a QuantMode using
+it in kvzoo/modes.py, the same definitions written independently in the oracle, and an entry
+in the table of each backend that implements it (numpy_vectorized ENCODERS, numba FORMAT_KINDS,
+triton formats.FORMAT_CODES). The API's shapes, the layouts and the conformance inputs follow
+from the row; a backend without the entry leaves the mode out (tests/test_formats.py prints
+the table). What packing does to the kernels' addressing is each backend's own work.
+
     >>> from kvzoo.formats import FORMATS
     >>> f = FORMATS["float8_e4m3fn"]
     >>> f.qmax, f.nan_codes, f.storage_width(128)
