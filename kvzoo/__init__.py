@@ -1,6 +1,7 @@
 """kvzoo: per-token-head INT8/FP8 quantization of the paged KV cache.
 
-Operations (kvzoo.api): reshape_and_cache, dequantize, paged_attention. Implementations are
+Operations (kvzoo.api): reshape_and_cache, dequantize, paged_attention; per engine step,
+kvzoo.plan_step (kvzoo.plan) checks the metadata once and serves every layer. Implementations are
 chosen by kvzoo.registry; semantics are defined in kvzoo_spec/SPEC.md.
 """
 
@@ -10,21 +11,25 @@ from .cache import PagedKVCache
 from .errors import KVZooInputError
 from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
 from .modes import MODES, QuantMode, get_kv_quant_mode
+from .plan import CacheSpec, StepPlan, plan_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheSpec",
     "KVCacheTensors",
     "KVZooInputError",
     "MODES",
     "PagedKVCache",
     "QuantMode",
+    "StepPlan",
     "allocate_inline",
     "allocate_separate",
     "dequantize",
     "get_kv_quant_mode",
     "inline_views",
     "paged_attention",
+    "plan_step",
     "registry",
     "reshape_and_cache",
 ]

@@ -3,6 +3,10 @@
 Inputs may be torch tensors (CPU or GPU) or NumPy arrays (CPU); strided views (K and V
 sliced out of a fused QKV projection, caches viewed out of an inline-layout buffer) are taken
 as they are, never copied.
+
+The check helpers here (check_block_tables, check_slot_values, attention_bounds, ...) are
+shared with kvzoo.plan, which runs the ones that read device values once per engine step
+instead of once per layer.
 """
 
 from __future__ import annotations
@@ -55,11 +59,11 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     chosen.run(problem)
 
 
-def _cache_dtypes(mode: QuantMode, model_dtype: str) -> tuple[str, ...]:
+def cache_dtypes(mode: QuantMode, model_dtype: str) -> tuple[str, ...]:
     return (model_dtype,) if mode.code_dtype is None else code_dtypes(mode)
 
 
-def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, validate, written=False):
+def check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, validate, written=False):
     """Checks scale caches / static scales against the mode; returns static scales as arrays."""
     for name, sc in named_caches.items():
         if mode.per_token_head:
@@ -81,6 +85,35 @@ def _check_scale_inputs(mode, like, named_caches, cache_shape3, named_static, va
             forbid(name, s, mode, "only fp8_per_tensor takes a static scale")
             statics[name] = None
     return statics
+
+
+def check_rounding(mode: QuantMode, rounding: str) -> None:
+    if rounding not in ROUNDINGS:
+        fail(f"rounding: expected one of {list(ROUNDINGS)}, got {rounding!r}")
+    if rounding not in mode.roundings:
+        takers = [m.name for m in MODES.values() if rounding in m.roundings]
+        fail(f"rounding: mode {mode.name!r} defines {list(mode.roundings)}, not {rounding!r} "
+             f"(modes with {rounding!r}: {takers})")
+
+
+def check_slot_mapping_shape(slot_mapping: Array, num_tokens: int) -> None:
+    require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    require_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
+
+
+def check_slot_values(slot_mapping: Array, num_blocks: int, block_size: int) -> None:
+    """Slots in range and none repeated: reads slot_mapping on the host (a GPU synchronisation)."""
+    if int(slot_mapping.shape[0]) == 0:
+        return
+    slots = host_ints(slot_mapping).astype(np.int64)
+    capacity = num_blocks * block_size
+    if slots.max() >= capacity:
+        fail(f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
+             f"({num_blocks} blocks x {block_size})")
+    used = np.sort(slots[slots >= 0])
+    if (used[1:] == used[:-1]).any():
+        fail("slot_mapping: a non-negative slot appears more than once; each slot takes one token")
 
 
 def reshape_and_cache(
@@ -119,37 +152,23 @@ def reshape_and_cache(
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
         require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size]")
-        require_dtype(name, cache, _cache_dtypes(mode, dtype_name(key)))
+        require_dtype(name, cache, cache_dtypes(mode, dtype_name(key)))
         require_writable(name, cache)
     require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                   head_size=head_size)
     key_cache, value_cache = as_code_storage(key_cache, mode), as_code_storage(value_cache, mode)
-    require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    require_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
-    if rounding not in ROUNDINGS:
-        fail(f"rounding: expected one of {list(ROUNDINGS)}, got {rounding!r}")
-    if rounding not in mode.roundings:
-        takers = [m.name for m in MODES.values() if rounding in m.roundings]
-        fail(f"rounding: mode {mode.name!r} defines {list(mode.roundings)}, not {rounding!r} "
-             f"(modes with {rounding!r}: {takers})")
+    check_slot_mapping_shape(slot_mapping, num_tokens)
+    check_rounding(mode, rounding)
     require_same_device(
         {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
          "slot_mapping": slot_mapping, "k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache}
     )
-    statics = _check_scale_inputs(
+    statics = check_scale_inputs(
         mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
         cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate, written=True,
     )
-    if validate and num_tokens:
-        slots = host_ints(slot_mapping).astype(np.int64)
-        capacity = num_blocks * block_size
-        if slots.max() >= capacity:
-            fail(f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
-                 f"({num_blocks} blocks x {block_size})")
-        used = np.sort(slots[slots >= 0])
-        if (used[1:] == used[:-1]).any():
-            fail("slot_mapping: a non-negative slot appears more than once; each slot takes one token")
+    if validate:
+        check_slot_values(slot_mapping, num_blocks, block_size)
     if check_finite:
         require_finite("key", key)
         require_finite("value", value)
@@ -161,7 +180,7 @@ def reshape_and_cache(
     _run("reshape_and_cache", problem, impl)
 
 
-def _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> None:
+def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> None:
     require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     require_dtype("block_tables", block_tables, INDEX_DTYPES)
     require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
@@ -213,7 +232,7 @@ def dequantize(
     require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads,
                   head_size=head_size)
     cache = as_code_storage(cache, mode)
-    statics = _check_scale_inputs(
+    statics = check_scale_inputs(
         mode, cache, {"scale_cache": scale_cache}, (num_blocks, block_size, num_heads),
         {"scale": scale}, validate,
     )
@@ -227,7 +246,7 @@ def dequantize(
         fail("seq_lens: required with block_tables")
     require_same_device({"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables,
                          "seq_lens": seq_lens})
-    _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     lens = host_ints(seq_lens).astype(np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])
@@ -245,6 +264,76 @@ def _index_like(like: Any, values: np.ndarray) -> Any:
     if is_torch(like):
         return as_torch(values).to(like.device)
     return values
+
+
+def check_query_start_loc_shape(query_start_loc: Array, seq_lens: Array) -> int:
+    """Shapes of seq_lens and query_start_loc; returns num_seqs."""
+    require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    require_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    require_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
+    num_seqs = int(seq_lens.shape[0])
+    require_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
+    return num_seqs
+
+
+def check_sinks(sinks: Array, num_q_heads: int) -> None:
+    require_ndim("sinks", sinks, 1, "[num_q_heads]")
+    require_dtype("sinks", sinks, ("float32",))
+    require_shape("sinks", sinks, (num_q_heads,), "[num_q_heads]")
+
+
+def attention_scalars(
+    head_size: int, max_positions: int, softmax_scale: Any, sliding_window: Any, softcap: Any,
+) -> tuple[float, int | None, float | None]:
+    """(softmax_scale, sliding_window, softcap) as implementations receive them.
+
+    max_positions is max_blocks_per_seq * block_size, the longest sequence the tables hold."""
+    if sliding_window is not None:
+        sliding_window = int_scalar("sliding_window", sliding_window, 1)
+        # A window no shorter than the longest sequence the tables can hold masks nothing.
+        if sliding_window >= max_positions:
+            sliding_window = None
+    if softcap is not None:
+        softcap = normal_float32_scalar("softcap", softcap)
+    softmax_scale = (1.0 / math.sqrt(head_size) if softmax_scale is None
+                     else float32_scalar("softmax_scale", softmax_scale))
+    return float(softmax_scale), sliding_window, softcap
+
+
+def attention_bounds(
+    query_start_loc: Array, seq_lens: Array, num_tokens: int | None, validate: bool,
+    max_query_len: Any = None, max_seq_len: Any = None, num_prefills: Any = None,
+) -> tuple[int, int, int | None, int | None]:
+    """(max_query_len, max_seq_len, num_prefills, num_tokens): the kernels' host-side bounds.
+
+    Read from the device values (one synchronisation) when validating or when a bound is not
+    given; otherwise the given ints, checked as scalars. num_tokens None takes the number of
+    query tokens from query_start_loc[-1] when the values are read (None when they are not)."""
+    num_seqs = int(seq_lens.shape[0])
+    if validate or max_query_len is None or max_seq_len is None:
+        qsl = host_ints(query_start_loc).astype(np.int64)
+        lens = host_ints(seq_lens).astype(np.int64)
+        q_lens = np.diff(qsl)
+        if validate:
+            expected = int(qsl[-1]) if num_tokens is None else num_tokens
+            if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
+                fail(f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
+                     f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}")
+            if (q_lens > lens).any():
+                s = int(np.argmax(q_lens > lens))
+                fail(f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
+                     f"{int(lens[s])}; the context includes this step's tokens")
+        if num_tokens is None:
+            num_tokens = int(qsl[-1])
+        max_query_len = int(q_lens.max()) if num_seqs else 0
+        max_seq_len = int(lens.max()) if num_seqs else 0
+        num_prefills = int((q_lens > 1).sum())
+    else:
+        max_query_len = int_scalar("max_query_len", max_query_len, 0, INT32_MAX)
+        max_seq_len = int_scalar("max_seq_len", max_seq_len, 0, INT32_MAX)
+        if num_prefills is not None:
+            num_prefills = int_scalar("num_prefills", num_prefills, 0, num_seqs, "num_seqs")
+    return max_query_len, max_seq_len, num_prefills, num_tokens
 
 
 def paged_attention(
@@ -310,25 +399,12 @@ def paged_attention(
     if num_q_heads % num_kv_heads:
         fail(f"query: num_q_heads {num_q_heads} must be a multiple of the cache's num_kv_heads {num_kv_heads}")
     key_cache, value_cache = as_code_storage(key_cache, mode), as_code_storage(value_cache, mode)
-    require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-    require_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    require_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
-    num_seqs = int(seq_lens.shape[0])
-    require_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1]")
+    check_query_start_loc_shape(query_start_loc, seq_lens)
     require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-    if sliding_window is not None:
-        sliding_window = int_scalar("sliding_window", sliding_window, 1)
-        # A window no shorter than the longest sequence the tables can hold masks nothing.
-        if sliding_window >= int(block_tables.shape[1]) * block_size:
-            sliding_window = None
-    if softcap is not None:
-        softcap = normal_float32_scalar("softcap", softcap)
-    softmax_scale = (1.0 / math.sqrt(head_size) if softmax_scale is None
-                     else float32_scalar("softmax_scale", softmax_scale))
+    softmax_scale, sliding_window, softcap = attention_scalars(
+        head_size, int(block_tables.shape[1]) * block_size, softmax_scale, sliding_window, softcap)
     if sinks is not None:
-        require_ndim("sinks", sinks, 1, "[num_q_heads]")
-        require_dtype("sinks", sinks, ("float32",))
-        require_shape("sinks", sinks, (num_q_heads,), "[num_q_heads]")
+        check_sinks(sinks, num_q_heads)
     if out is None:
         out = same_kind_empty(query, tuple(query.shape), dtype_name(query))
     else:
@@ -340,36 +416,18 @@ def paged_attention(
                          "block_tables": block_tables, "seq_lens": seq_lens,
                          "query_start_loc": query_start_loc, "k_scale_cache": k_scale_cache,
                          "v_scale_cache": v_scale_cache, "sinks": sinks, "out": out})
-    statics = _check_scale_inputs(
+    statics = check_scale_inputs(
         mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
         cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
     )
-    _check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
-    if validate or max_query_len is None or max_seq_len is None:
-        qsl = host_ints(query_start_loc).astype(np.int64)
-        lens = host_ints(seq_lens).astype(np.int64)
-        q_lens = np.diff(qsl)
-        if validate:
-            if qsl[0] != 0 or qsl[-1] != num_tokens or (q_lens < 0).any():
-                fail(f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={num_tokens}, "
-                     f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}")
-            if (q_lens > lens).any():
-                s = int(np.argmax(q_lens > lens))
-                fail(f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
-                     f"{int(lens[s])}; the context includes this step's tokens")
-        max_query_len = int(q_lens.max()) if num_seqs else 0
-        max_seq_len = int(lens.max()) if num_seqs else 0
-        num_prefills = int((q_lens > 1).sum())
-    else:
-        max_query_len = int_scalar("max_query_len", max_query_len, 0, INT32_MAX)
-        max_seq_len = int_scalar("max_seq_len", max_seq_len, 0, INT32_MAX)
-        if num_prefills is not None:
-            num_prefills = int_scalar("num_prefills", num_prefills, 0, num_seqs, "num_seqs")
+    check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    max_query_len, max_seq_len, num_prefills, _ = attention_bounds(
+        query_start_loc, seq_lens, num_tokens, validate, max_query_len, max_seq_len, num_prefills)
     problem = Attention(
         mode=mode, query=query, key_cache=key_cache, value_cache=value_cache,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, out=out,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
-        softmax_scale=float(softmax_scale), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+        softmax_scale=softmax_scale, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
         k_scale=statics["k_scale"], v_scale=statics["v_scale"],
         sliding_window=sliding_window, softcap=softcap, sinks=sinks,
         batch_invariant=bool(batch_invariant), quantize_query=bool(quantize_query),

@@ -1,0 +1,237 @@
+"""Host cost of one eager layer call: the plan's per-layer calls beside the functional API and
+the bare launch of the same kernel (issue 16 item 4).
+
+Every row is one call followed by a synchronisation (torch.cuda.synchronize on a GPU), timed
+`--calls` times round-robin with the other rows (so drift in the machine's state hits every
+row alike); the median is reported. "above null op" subtracts the median of a call that only
+allocates an empty tensor and synchronises. The shapes are small enough that the kernels take
+a few microseconds: the bare-launch and impl.run rows show what is left once kvzoo's own
+checks are gone, so the rows above them are host work.
+
+    python bench/host_cost.py                    GPU: int8 decode 8 x 256 (Hq 32, Hkv 8, D 128), Triton
+    python bench/host_cost.py --quick            CPU smoke run: tiny shapes, the registry's CPU choice (numba)
+    python bench/host_cost.py --impl numpy       force an implementation (on CPU, triton-cuda runs interpreted)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels run on CPU tensors under the interpreter; set before triton loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvzoo  # noqa: E402
+
+# Targets on the H200's host (issue 16): per-layer plan calls, functional validate=False.
+PLAN_TARGET_US, FUNCTIONAL_TARGET_US = 25.0, 60.0
+
+
+@dataclasses.dataclass
+class Shape:
+    seqs: int
+    seq_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+
+GPU_SHAPE = Shape(8, 256, 32, 8, 128, 16)
+QUICK_SHAPE = Shape(4, 32, 4, 2, 64, 16)
+
+
+def sync_for(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+class _Recorder:
+    """Stands in for a Triton kernel object: records each launch's grid and arguments, and
+    launches it, so the same launch can be replayed bare."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((self.kernel, grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def bare_triton(impl, problem, module_name: str, kernel_names: tuple[str, ...]) -> Callable[[], None] | None:
+    """The Triton launches impl.run(problem) makes, replayed with the same arguments (no
+    kvzoo code at all: Triton's launcher alone)."""
+    if not impl.name.startswith("triton"):
+        return None
+    import importlib
+
+    module = importlib.import_module(module_name)
+    calls: list = []
+    saved = {name: getattr(module, name) for name in kernel_names}
+    try:
+        for name, kernel in saved.items():
+            setattr(module, name, _Recorder(kernel, calls))
+        impl.run(problem)
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+
+    def launch() -> None:
+        for kernel, grid, args, kwargs in calls:
+            kernel[grid](*args, **kwargs)
+
+    return launch
+
+
+def recorded_problem(plan, attr: str, call: Callable[[], None]):
+    """The problem record the plan hands its implementation (caught once, then restored)."""
+    impl = getattr(plan, attr)
+    seen = []
+    setattr(plan, attr, dataclasses.replace(impl, run=seen.append))
+    try:
+        call()
+    finally:
+        setattr(plan, attr, impl)
+    return seen[0]
+
+
+def build(shape: Shape, mode: str, device: str, impl: str | None):
+    g = torch.Generator().manual_seed(4)
+    blocks_per_seq = -(-shape.seq_len // shape.block_size)
+    num_blocks = shape.seqs * blocks_per_seq
+    spec = kvzoo.CacheSpec(mode, num_blocks=num_blocks, block_size=shape.block_size,
+                           num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, model_dtype="bfloat16",
+                           device=device)
+    caches = spec.allocate()
+    table = torch.randperm(num_blocks, generator=g).to(torch.int32).view(shape.seqs, blocks_per_seq)
+    seq_lens = torch.full((shape.seqs,), shape.seq_len, dtype=torch.int32)
+    pos = seq_lens.long() - 1  # one decode token per sequence, at its last position
+    slots = table[torch.arange(shape.seqs), pos // shape.block_size].long() * shape.block_size + pos % shape.block_size
+
+    def rows(heads):
+        return torch.randn(shape.seqs, heads, shape.head_size, generator=g).to(torch.bfloat16).to(device)
+
+    meta = dict(block_tables=table.to(device), seq_lens=seq_lens.to(device),
+                query_start_loc=torch.arange(shape.seqs + 1, dtype=torch.int32, device=device))
+    s = dict(spec=spec, caches=caches, meta=meta, slot_mapping=slots.to(torch.int32).to(device),
+             key=rows(shape.num_kv_heads), value=rows(shape.num_kv_heads), query=rows(shape.num_q_heads))
+    s["out"] = torch.empty_like(s["query"])
+    s["plan_args"] = dict(**meta, slot_mapping=s["slot_mapping"], num_q_heads=shape.num_q_heads, impl=impl)
+    s["bounds"] = dict(max_query_len=1, max_seq_len=shape.seq_len, num_prefills=0)
+    return s
+
+
+def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[], None]], object]:
+    spec, c, meta = s["spec"], s["caches"], s["meta"]
+    key, value, query, out, slots = s["key"], s["value"], s["query"], s["out"], s["slot_mapping"]
+    mode = spec.mode
+    plan = kvzoo.plan_step(spec, **s["plan_args"])
+    scales = dict(k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
+
+    def write(validate):
+        return lambda: kvzoo.reshape_and_cache(key, value, c.key_cache, c.value_cache, slots, mode=mode, **scales,
+                                               impl=impl, validate=validate)
+
+    def attend(validate):
+        bounds = {} if validate else s["bounds"]
+        return lambda: kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode=mode, **meta, **scales,
+                                             out=out, impl=impl, validate=validate, **bounds)
+
+    plan_write = lambda: plan.write(key, value, c)
+    plan_attention = lambda: plan.attention(query, c, out=out)
+    write_problem = recorded_problem(plan, "write_impl", plan_write)
+    attention_problem = recorded_problem(plan, "attention_impl", plan_attention)
+    w_impl, a_impl = plan.write_impl, plan.attention_impl
+    rows: dict[str, Callable[[], None] | None] = {
+        "null op (torch.empty(0) + sync)": lambda: torch.empty(0, device=device),
+        "write: bare Triton launch": bare_triton(w_impl, write_problem, "kvzoo.backends.triton.write_kernels",
+                                                 ("_reshape_and_cache_kernel",)),
+        "write: impl.run(problem)": lambda: w_impl.run(write_problem),
+        "write: plan.write": plan_write,
+        "write: reshape_and_cache validate=False": write(False),
+        "write: reshape_and_cache validate=True": write(True),
+        "attention: bare Triton launch": bare_triton(a_impl, attention_problem,
+                                                     "kvzoo.backends.triton.attention_kernels",
+                                                     ("_attention_kernel", "_merge_splits_kernel")),
+        "attention: impl.run(problem)": lambda: a_impl.run(attention_problem),
+        "attention: plan.attention": plan_attention,
+        "attention: paged_attention validate=False": attend(False),
+        "attention: paged_attention validate=True": attend(True),
+        "step: plan_step validate=False": lambda: kvzoo.plan_step(spec, **s["plan_args"], validate=False,
+                                                                  **s["bounds"]),
+        "step: plan_step validate=True": lambda: kvzoo.plan_step(spec, **s["plan_args"]),
+    }
+    return {k: v for k, v in rows.items() if v is not None}, plan
+
+
+def measure(rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls_each: int, warmup: int) -> dict:
+    for fn in rows.values():
+        for _ in range(warmup):
+            fn()
+        sync()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    clock = time.perf_counter
+    gc.collect()
+    gc.disable()  # a collection inside one timed call would land on whichever row it hit
+    try:
+        for _ in range(calls_each):
+            for name, fn in rows.items():
+                t0 = clock()
+                fn()
+                sync()
+                times[name].append(clock() - t0)
+    finally:
+        gc.enable()
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few calls (CPU smoke test)")
+    ap.add_argument("--impl", default=None, help="force an implementation (default: the registry's choice)")
+    ap.add_argument("--mode", default="int8_per_token_head")
+    ap.add_argument("--calls", type=int, default=None, help="timed calls per row (default 200; --quick 20)")
+    ap.add_argument("--cpu", action="store_true", help="CPU tensors even where a GPU is present")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    shape = QUICK_SHAPE if args.quick else GPU_SHAPE
+    calls_each = args.calls or (20 if args.quick else 200)
+    s = build(shape, args.mode, device, args.impl)
+    rows, plan = calls(s, args.impl, device)
+    medians = measure(rows, sync_for(device), calls_each, 3 if args.quick else 20)
+    null = medians["null op (torch.empty(0) + sync)"]
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+    print(f"host_cost: {device} ({where}); write {plan.write_impl.name}, attention {plan.attention_impl.name}; "
+          f"{args.mode} decode {shape.seqs} x {shape.seq_len}, Hq {shape.num_q_heads}, Hkv {shape.num_kv_heads}, "
+          f"D {shape.head_size}, block {shape.block_size}; median of {calls_each} synchronised calls per row")
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    width = max(len(n) for n in medians)
+    print(f"{'row':{width}s}  {'us/call':>9s}  {'above null op':>13s}")
+    for name, us in medians.items():
+        print(f"{name:{width}s}  {us:9.1f}  {us - null:13.1f}")
+    above = {n: medians[n] - null for n in medians}
+    worst_plan = max(above["write: plan.write"], above["attention: plan.attention"])
+    worst_functional = max(above["write: reshape_and_cache validate=False"],
+                           above["attention: paged_attention validate=False"])
+    print(f"plan per-layer, worst of write/attention: {worst_plan:.1f} us above the null op "
+          f"(H200 target <= {PLAN_TARGET_US:g}); functional validate=False: {worst_functional:.1f} us "
+          f"(target <= {FUNCTIONAL_TARGET_US:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
