@@ -11,6 +11,7 @@ notice says so, and `kvzoo warmup` (warmup() here) compiles everything ahead.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -40,10 +41,16 @@ FORMAT_KINDS = {"int8": I8, "float8_e4m3fn": E4M3FN, "float8_e4m3fnuz": E4M3FNUZ
 _MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in FORMAT_KINDS)
 
 
+@functools.cache
+def _numba_installed() -> bool:
+    # find_spec walks sys.path (about 36 us): once per process, since selection asks per call.
+    return importlib.util.find_spec("numba") is not None
+
+
 def unavailable() -> list[str]:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return [f"numba: disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"]
-    if importlib.util.find_spec("numba") is None:
+    if not _numba_installed():
         return ["numba: not installed (pip install numba)"]
     return []
 
