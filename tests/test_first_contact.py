@@ -109,3 +109,14 @@ def test_check_fails_when_an_implementation_declines_every_case(capsys, monkeypa
     # Its declarations take every case, so each refusal is a failure that names it.
     out = capsys.readouterr().out
     assert "refuses-all" in out and "\n0 passed, 51 failed" in out
+
+
+def test_readme_plan_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    plan_blocks = [b for b in blocks if "plan_step" in b]
+    assert plan_blocks, "README.md shows no plan_step example"
+    import kvzoo
+
+    scope: dict = {"torch": torch, "kvzoo": kvzoo}
+    exec(compile(plan_blocks[0], "README.md", "exec"), scope)
+    assert tuple(scope["out"].shape) == (25, 4, 64) and bool(torch.isfinite(scope["out"]).all())
