@@ -10,6 +10,7 @@ from .api import dequantize, paged_attention, reshape_and_cache
 from .cache import PagedKVCache
 from .errors import KVZooInputError
 from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
+from .merge import merge_attention_states
 from .modes import MODES, QuantMode, get_kv_quant_mode
 from .plan import CacheSpec, StepPlan, plan_step
 
@@ -28,6 +29,7 @@ __all__ = [
     "dequantize",
     "get_kv_quant_mode",
     "inline_views",
+    "merge_attention_states",
     "paged_attention",
     "plan_step",
     "registry",

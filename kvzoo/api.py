@@ -359,9 +359,11 @@ def paged_attention(
     num_prefills: int | None = None,
     batch_invariant: bool = False,
     quantize_query: bool = False,
+    return_lse: bool = False,
+    lse: Array | None = None,
     impl: str | _registry.Implementation | None = None,
     validate: bool = True,
-) -> Array:
+) -> Array | tuple[Array, Array]:
     """Causal attention of a varlen batch (prefill chunks and decodes) over the paged cache.
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; its context is
@@ -375,6 +377,13 @@ def paged_attention(
     quantize_query=True (int8 per-token-head caches only) quantizes each query row to int8
     the way the cache's rows are, so QK^T runs on int8 codes (int8 tensor cores on the GPU):
     faster, with the query's rounding added to the error (SPEC.md section 8.1).
+
+    return_lse=True returns (out, lse) instead: lse[t, h] (float32 [num_tokens, num_q_heads])
+    is the natural log of sum_k exp(l_k) over the logits the row attends to (scaled and
+    softcapped), plus exp(sinks[h]) when sinks are given (SPEC.md section 8.2). Partial
+    results over disjoint parts of a context combine exactly with kvzoo.merge_attention_states
+    (give sinks to one part only). lse: a writable float32 array to write it into (allocated
+    when None); it needs return_lse=True, so that the return type follows that flag alone.
     """
     mode = get_kv_quant_mode(mode)
     if quantize_query and not (mode.format is INT8 and mode.per_token_head):
@@ -412,10 +421,11 @@ def paged_attention(
         require_shape("out", out, tuple(query.shape), "(same as query)")
         require_dtype("out", out, (dtype_name(query),))
         require_writable("out", out)
+    lse = lse_output(lse, return_lse, query, num_tokens, num_q_heads)
     require_same_device({"query": query, "key_cache": key_cache, "value_cache": value_cache,
                          "block_tables": block_tables, "seq_lens": seq_lens,
                          "query_start_loc": query_start_loc, "k_scale_cache": k_scale_cache,
-                         "v_scale_cache": v_scale_cache, "sinks": sinks, "out": out})
+                         "v_scale_cache": v_scale_cache, "sinks": sinks, "out": out, "lse": lse})
     statics = check_scale_inputs(
         mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
         cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
@@ -431,8 +441,26 @@ def paged_attention(
         k_scale=statics["k_scale"], v_scale=statics["v_scale"],
         sliding_window=sliding_window, softcap=softcap, sinks=sinks,
         batch_invariant=bool(batch_invariant), quantize_query=bool(quantize_query),
-        num_prefills=num_prefills,
+        num_prefills=num_prefills, lse=lse,
     )
     if num_tokens:
         _run("paged_attention", problem, impl)
-    return out
+    return (out, lse) if return_lse else out
+
+
+def lse_output(lse: Array | None, return_lse: bool, like: Array, num_tokens: int, num_q_heads: int) -> Array | None:
+    """The array attention writes the log-sum-exp into: None without return_lse, the caller's
+    (checked like out: shape, float32, writable) or a new one of like's kind and device."""
+    if not return_lse:
+        if lse is not None:
+            fail("lse: given without return_lse=True; pass return_lse=True to have it written (and returned "
+                 "beside out)")
+        return None
+    shape = (num_tokens, num_q_heads)
+    if lse is None:
+        return same_kind_empty(like, shape, "float32")
+    require_ndim("lse", lse, 2, "[num_tokens, num_q_heads]")
+    require_shape("lse", lse, shape, "[num_tokens, num_q_heads]")
+    require_dtype("lse", lse, ("float32",))
+    require_writable("lse", lse)
+    return lse

@@ -24,8 +24,13 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "sinks": ("paged_attention",),
     "softcap": ("paged_attention",),
     "sliding_window": ("paged_attention",),
+    "return_lse": ("paged_attention",),  # writes the rows' log-sum-exp too (SPEC.md section 8.2)
 }
 ALL_OPTIONS = frozenset(OPTIONS)
+# Options that add an output are declared explicitly, never by default: a backend written
+# before one existed would otherwise be chosen for it and leave that output unwritten.
+OPT_IN_OPTIONS = frozenset({"return_lse"})
+DEFAULT_OPTIONS = ALL_OPTIONS - OPT_IN_OPTIONS
 INPUT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 
 
@@ -33,7 +38,8 @@ INPUT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 class Capabilities:
     """What one implementation takes beyond its modes and devices (Implementation fields)."""
 
-    options: frozenset[str] = ALL_OPTIONS
+    # Default: every option but the opt-in ones (OPT_IN_OPTIONS), which a backend names itself.
+    options: frozenset[str] = DEFAULT_OPTIONS
     # Largest head_size it takes; None: any the API accepts.
     max_head_size: int | None = None
     # Dtypes of K/V rows (write) and of the query (attention).
@@ -96,6 +102,8 @@ def required(problem: Any) -> Requirements:
         for name in ("sinks", "softcap", "sliding_window"):
             if getattr(problem, name) is not None:
                 options.add(name)
+        if getattr(problem, "lse", None) is not None:
+            options.add("return_lse")
         input_dtype = dtype_name(problem.query)
     elif hasattr(problem, "key"):
         input_dtype = dtype_name(problem.key)

@@ -60,6 +60,7 @@ from .api import (
     check_rounding,
     check_sinks,
     check_slot_values,
+    lse_output,
 )
 from .arrays import as_numpy, as_torch, dtype_name, is_torch, numpy_dtype, same_kind_empty, torch, torch_dtype
 from .cache import PagedKVCache
@@ -466,12 +467,15 @@ class StepPlan:
         self._launch("reshape_and_cache", impl, problem)
 
     def attention(self, query: Array, caches: Any, out: Array | None = None, *, k_scale: Any = None,
-                  v_scale: Any = None, sinks: Array | None = None) -> Array:
+                  v_scale: Any = None, sinks: Array | None = None, return_lse: bool = False,
+                  lse: Array | None = None) -> Array | tuple[Array, Array]:
         """Causal attention of this step's query rows over this layer's paged cache.
 
         query: [num_tokens, num_q_heads, head_size], model_dtype, any strides. out: None (allocated)
         or a writable array of query's shape and dtype. sinks: this layer's [num_q_heads] float32
         sinks, replacing the plan's. Returns out. Reads no device data.
+        return_lse=True returns (out, lse), lse float32 [num_tokens, num_q_heads] as in
+        kvzoo.paged_attention (allocated, or the writable array given as lse=).
         """
         layer, k_from, v_from = self._layer(caches)
         require_array("query", query)
@@ -502,8 +506,18 @@ class StepPlan:
                 fail(f"out: elements overlap one another (a stride-0 or overlapping view, shape {tuple(out.shape)}); "
                      "a written array needs one address per element")
             _refuse_overlap("out", out, memory.byte_extent(out), reads, "read")
+        given_lse = lse is not None
+        lse = lse_output(lse, return_lse, query, num_tokens, self.num_q_heads)
+        if given_lse:
+            if _device_key(lse) != self._device:
+                fail(f"lse: on {_device_key(lse)}, the plan's tensors are on {self._device}")
+            if memory.self_overlap(lse):
+                fail(f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
+                     "a written array needs one address per element")
+            _refuse_overlap("lse", lse, memory.byte_extent(lse), reads, "read")
+            _refuse_overlap("lse", lse, memory.byte_extent(lse), [("out", out, memory.byte_extent(out))], "write")
         if num_tokens == 0:
-            return out
+            return (out, lse) if return_lse else out
         impl = self.attention_impl
         kind = impl.array_kind
         convert = as_numpy if kind == "numpy" else as_torch
@@ -520,10 +534,17 @@ class StepPlan:
             k_scale=None if ks is None else convert(ks), v_scale=None if vs is None else convert(vs),
             sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
             batch_invariant=self.batch_invariant, quantize_query=self.quantize_query,
-            num_prefills=self.num_prefills,
+            num_prefills=self.num_prefills, lse=None if lse is None else convert(lse),
         )
-        self._launch("paged_attention", impl, problem)
-        return out
+        if lse is not None and "return_lse" not in impl.capabilities.options:
+            # Planned without lse: an implementation that does not write it is not used for it.
+            if self._forced["paged_attention"]:
+                raise NoImplementationError(f"impl={impl.name!r} cannot run this paged_attention call: "
+                                            f"{impl.name}: does not take return_lse")
+            _run("paged_attention", problem, None)
+        else:
+            self._launch("paged_attention", impl, problem)
+        return (out, lse) if return_lse else out
 
 
 @dataclass(frozen=True)

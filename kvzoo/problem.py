@@ -147,6 +147,8 @@ class Attention(_Problem):
     k_scale / v_scale: float32 [1] (per-tensor); block_tables: [S, max_blocks] int32;
     seq_lens: [S] int32 (context length including this step's query tokens);
     query_start_loc: [S+1] int32; sinks: [Hq] float32 or None; out: [T, Hq, D].
+    lse: [T, Hq] float32 or None: when given, the implementation also writes each row's
+    natural-log log-sum-exp of its logits, the sink's included (SPEC.md section 8.2).
     max_query_len / max_seq_len: host-side bounds (kernels size their grids from them).
     num_prefills: host-side count of sequences with more than one query token, or None when
     unknown (a bound on what a backend may stage per prefill sequence).
@@ -177,8 +179,9 @@ class Attention(_Problem):
     # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
     quantize_query: bool = False
     num_prefills: int | None = None
+    lse: Array | None = None
 
-    WRITTEN = ("out",)
+    WRITTEN = ("out", "lse")
     INDICES = ("block_tables", "seq_lens", "query_start_loc", "sinks")
 
     def _device_array(self) -> Array:

@@ -411,11 +411,14 @@ def attention_f64(
     sliding_window=None,
     softcap=None,
     sinks=None,
-) -> np.ndarray:
+    return_lse=False,
+):
     """Paged causal attention over decoded caches, in float64: [T, Hq, D].
 
     query [T, Hq, D] (any float dtype, bfloat16 included); k_deq / v_deq [NB, BS, Hkv, D]
-    decoded caches (e.g. decode_cache's output).
+    decoded caches (e.g. decode_cache's output). return_lse=True returns (out, lse) with lse
+    float64 [T, Hq]: log(sum_k exp(l_k) + exp(sink_h)) over the row's attended logits
+    (SPEC.md section 8.2), computed as m + log(denominator) with the m of the softmax.
     """
     query = np.asarray(query)
     q = query.astype(np.float64) if query.dtype == np.float64 else widen_to_float32(query).astype(np.float64)
@@ -430,6 +433,7 @@ def attention_f64(
     qsl = np.asarray(query_start_loc).tolist()
     block_tables = np.asarray(block_tables)
     out = np.zeros((T, Hq, D), dtype=np.float64)
+    lse = np.full((T, Hq), -np.inf, dtype=np.float64)  # a row with no term keeps log(0)
 
     for s, seq_len in enumerate(seq_lens):
         q_len = qsl[s + 1] - qsl[s]
@@ -455,4 +459,6 @@ def attention_f64(
                 if sinks is not None:
                     denominator += math.exp(float(sinks[h]) - m)
                 out[t, h] = (weights @ vals[lo : p + 1, kvh]) / denominator
-    return out
+                with np.errstate(all="ignore"):
+                    lse[t, h] = m + np.log(denominator)
+    return (out, lse) if return_lse else out

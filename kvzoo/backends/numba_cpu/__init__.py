@@ -50,7 +50,9 @@ def _numba_installed() -> bool:
 def unavailable() -> list[str]:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return [f"numba: disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"]
-    if not _numba_installed():
+    # A None entry in sys.modules blocks the import (tests fake an uninstalled numba so): a
+    # dictionary look-up, seen before the cached path walk could answer for it.
+    if sys.modules.get("numba", True) is None or not _numba_installed():
         return ["numba: not installed (pip install numba)"]
     return []
 
@@ -246,6 +248,8 @@ def run_paged_attention(p: Any) -> None:
     out32 = p.out if direct else np.empty(p.out.shape, np.float32)
     out, ost = flat(out32, np.float32)
     sinks = np.ascontiguousarray(p.sinks, dtype=np.float32) if p.sinks is not None else np.zeros(1, np.float32)
+    # Without lse a one-element stand-in of the same types: one compiled signature serves both.
+    lse_args = (*flat(p.lse, np.float32), True) if p.lse is not None else (np.empty(1, np.float32), (0, 0, 0), False)
     k.attention(
         query, qst, np.int64(q_kind),
         kc, kcs, vc, vcs, np.int64(kv_kind),
@@ -259,13 +263,14 @@ def run_paged_attention(p: Any) -> None:
         np.int64(p.sliding_window or 0),
         np.float32(p.softcap or 0.0),
         sinks, p.sinks is not None,
+        *lse_args,
     )  # fmt: skip
     if not direct:
         p.out[...] = out32
 
 
 def attention_reasons(p: Any) -> list[str]:
-    return _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out"))
+    return _strided_reasons(p, ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out", "lse"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -920,6 +920,7 @@ def _attention_item(
     out, os_,
     num_q_heads, num_kv_heads, head_size, block_size,
     softmax_scale, window, softcap, sinks, has_sinks,
+    lse, ls_, has_lse,
 ):  # fmt: skip
     """One (query block, kv head) item of attention (see attention())."""
     group = num_q_heads // num_kv_heads
@@ -1059,6 +1060,11 @@ def _attention_item(
         inv_l = _ONE / l_sum[r]
         for d in range(hd):
             out[_u(o0 + d * os_[3])] = (acc[_u(r * hd + d)] * factor) * inv_l
+        if has_lse:
+            # m and l_sum are the running max and the denominator over it (the sink's term
+            # included); the log in float64, rounded once. No term: -inf + log(0) = -inf.
+            lse[_u(ls_[0] + (t0 + j) * ls_[1] + h * ls_[2])] = np.float32(
+                np.float64(m[r]) + math.log(np.float64(l_sum[r])))
 
 
 @njit(parallel=True, **_OPTS)
@@ -1071,6 +1077,7 @@ def attention(
     out, os_,
     num_q_heads, num_kv_heads, head_size, block_size,
     softmax_scale, window, softcap, sinks, has_sinks,
+    lse, ls_, has_lse,
 ):  # fmt: skip
     """Causal paged attention; one parallel item per (query block, kv head).
 
@@ -1082,7 +1089,7 @@ def attention(
     # The per-item work is a compiled function: a small parfor body compiles much faster.
     for it in prange(items_seq.shape[0] * num_kv_heads):
         _attention_item(
-            np.int64(it), query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks,
+            np.int64(it), query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks, lse, ls_, has_lse,
         )  # fmt: skip
 
 

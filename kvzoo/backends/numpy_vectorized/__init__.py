@@ -6,7 +6,7 @@ from . import kernels as vectorized
 
 from ...modes import MODES, QuantMode
 from ...problem import Attention, CacheWrite, Dequantize
-from ...capabilities import Capabilities
+from ...capabilities import ALL_OPTIONS, Capabilities
 from ...registry import Implementation, Registry
 
 NAME = "numpy"
@@ -39,7 +39,7 @@ def _paged_attention(p: Attention) -> None:
         codec(p.mode), p.softmax_scale,
         k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
         sliding_window=p.sliding_window, softcap=p.softcap, sinks=p.sinks,
-        query_codec=codec(p.mode) if p.quantize_query else None,
+        query_codec=codec(p.mode) if p.quantize_query else None, lse=p.lse,
     )
 
 
@@ -58,6 +58,6 @@ def register(registry: Registry) -> None:
                 name=NAME, op=op, platform="any", modes=_MODES, run=run,
                 array_kind="numpy", devices=frozenset({"cpu"}), priority=PRIORITY,
                 attention_rtol=1e-5,
-                capabilities=Capabilities(formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}),
+                capabilities=Capabilities(ALL_OPTIONS, formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}),
             )
         )

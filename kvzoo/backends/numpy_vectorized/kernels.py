@@ -219,11 +219,13 @@ def paged_attention(
     softcap: float | None = None,
     sinks=None,
     query_codec: Codec | None = None,
+    lse=None,
 ) -> None:
     """fp32 attention with dot products on the codes and scales applied per key.
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
-    rows instead (the quantize_query option).
+    rows instead (the quantize_query option). lse: float32 [T, Hq] to receive each row's
+    log-sum-exp (row max + log of the softmax denominator, the sink's term included).
     """
     num_q_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -271,3 +273,9 @@ def paged_attention(
                 acc = np.matmul(probs * v_scales, v_codes) / denom
             acc = acc.reshape(num_kv_heads, c1 - c0, group, -1).transpose(1, 0, 2, 3)
             out[c0:c1] = acc.reshape(c1 - c0, num_q_heads, -1).astype(out.dtype)
+            if lse is not None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    # A row with no term has max -inf and sum 0: -inf + log(0) = -inf, as defined.
+                    row_lse = (row_max + np.log(denom))[..., 0]
+                row_lse = row_lse.reshape(num_kv_heads, c1 - c0, group).transpose(1, 0, 2)
+                lse[c0:c1] = row_lse.reshape(c1 - c0, num_q_heads)

@@ -383,11 +383,12 @@ def _attend_range(
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr, q_undo_ptr,
     num_seqs, softmax_scale, softcap, window, split_keys, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ksb, stride_kst, stride_ksh,
@@ -401,7 +402,7 @@ def _attention_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
     QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STAGED: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -550,13 +551,20 @@ def _attention_kernel(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
         )
+        if HAS_LSE:
+            # m and l are in log2 units; a row with no term (m = -inf, l = 0) gives -inf.
+            # Padding rows (not stored) take log2(1): no log of their zero sum.
+            m_use = tl.where(m_i > float("-inf"), m_i, 0.0)
+            tl.store(lse_ptr + token * stride_lt + head * stride_lh,
+                     (m_use + tl.log2(tl.where(row_ok, l_i, 1.0))) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr,
-    split_keys, num_splits, stride_ot, stride_oh, stride_od,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, lse_ptr,
+    split_keys, num_splits, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     NUM_Q_HEADS: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -589,6 +597,10 @@ def _merge_splits_kernel(
     out = acc / total
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+    if HAS_LSE:
+        # The splits' merged (max, sum), the sink's term included, in log2 units.
+        tl.store(lse_ptr + q_start.to(tl.int64) * stride_lt + head * stride_lh,
+                 (m_use + tl.log2(total)) * 0.6931471805599453)
 
 
 # ----------------------------------------------------------------------------------------
@@ -836,6 +848,8 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     kss = p.k_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     vss = p.v_scale_cache.stride() if scale_mode == _SCALE_TOKEN_HEAD else (0, 0, 0)
     sinks = p.sinks if p.sinks is not None else dummy
+    # Without lse its pointer is a stand-in never dereferenced (HAS_LSE=False).
+    lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
     merge = None
     if split:
         shape = (num_seqs, p.num_q_heads, num_splits)
@@ -844,21 +858,21 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
         merge = (
             (num_seqs, p.num_q_heads),
-            (part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks,
-             cfg.split_keys, num_splits, *p.out.stride()),
+            (part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks, lse,
+             cfg.split_keys, num_splits, *p.out.stride(), *lse_strides),
             dict(NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
-                 HAS_SINKS=p.sinks is not None, num_warps=1),
+                 HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None, num_warps=1),
         )
     else:
         part_m = part_l = part_acc = p.out
     args = (
         _encode.bf16_as_bits(p.query), k, v, ks, vs, p.out,
-        part_m, part_l, part_acc,
+        part_m, part_l, part_acc, lse,
         p.block_tables, p.seq_lens, p.query_start_loc, sinks, table if table is not None else dummy,
         q_undo if q_undo is not None else dummy,
         num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
         max(cfg.split_keys, 1), num_splits,
-        *p.query.stride(), *p.out.stride(), *k.stride(), *v.stride(), *kss, *vss,
+        *p.query.stride(), *p.out.stride(), *lse_strides, *k.stride(), *v.stride(), *kss, *vss,
         p.block_tables.stride(0),
     )
     constexprs = dict(
@@ -872,6 +886,8 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), STAGED=cfg.stage_kv,
         SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
+        # The split path's rows are written by the merge: the split programs store partials only.
+        HAS_LSE=p.lse is not None and not split,
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():

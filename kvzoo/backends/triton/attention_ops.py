@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ...capabilities import Capabilities
+from ...capabilities import ALL_OPTIONS, Capabilities
 from ...errors import fail
 from ...validate import int_scalar
 from ...registry import Implementation, Registry
@@ -72,7 +72,7 @@ def register(registry: Registry) -> None:
                 devices=platform.devices(),
                 priority=platform.priority(),
                 unavailable=lambda name=name: list(platform.unavailable_reasons(name)),
-                capabilities=Capabilities(max_head_size=MAX_HEAD_SIZE, formats=platform_formats(name)),
+                capabilities=Capabilities(ALL_OPTIONS, max_head_size=MAX_HEAD_SIZE, formats=platform_formats(name)),
                 option_type=TritonAttentionOptions,
                 attention_rtol=ATTENTION_RTOL,
                 notes="split-KV decode, batch_invariant, fp16 dots on codes, staged prefill",
