@@ -304,7 +304,7 @@ def test_poisoned_key_gives_a_non_finite_lse_a_poisoned_value_does_not(impl_name
     ref_out, ref_lse = p.reference()
     assert lse_error(lse, ref_lse) <= lse_tolerance(impl)
     p.value_cache.copy_(clean_v)
-    p.v_deq[block, offset, 0, 5] = np.float32(clean_v[block, offset, 0, 5].float())
+    p.v_deq[block, offset, 0, 5] = np.float32(clean_v[block, offset, 0, 5].float().item())
     p.key_cache[block, offset, 0, 2] = float("nan")
     _, lse = attend(p, impl, return_lse=True)
     group = case.num_q_heads // case.num_kv_heads
