@@ -8,7 +8,8 @@ Two ways to run it:
 The script form measures every provider of a case in the same process, one after the other,
 and prints the markdown section kept in bench/RESULTS.md. All calls go through the public API
 (kvzoo.reshape_and_cache / paged_attention / dequantize with impl=...), so argument validation
-is part of the time. Shapes are those of issue 3.
+is part of the time. Shapes are those of issue 3. Inputs come from kvzoo.samples, drawn from
+the session seed (KVZOO_SEED replays it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kvzoo  # noqa: E402
-from kvzoo.layout import allocate_separate  # noqa: E402
+from kvzoo import samples  # noqa: E402
+from kvzoo.conformance.inputs import rng_for  # noqa: E402
 
 BLOCK = 16
 QUANT_MODES = ("int8_per_token_head", "fp8_per_token_head")
@@ -62,13 +64,12 @@ class WriteCase:
 
 
 def write_case(mode: str, tokens: int = 4096, heads: int = 8, head_size: int = 128) -> WriteCase:
-    rng = np.random.default_rng(1)
-    key = torch.from_numpy(rng.standard_normal((tokens, heads, head_size), dtype=np.float32)).bfloat16()
-    value = torch.from_numpy(rng.standard_normal((tokens, heads, head_size), dtype=np.float32)).bfloat16()
-    blocks = tokens // BLOCK
-    slots = torch.from_numpy(rng.permutation(blocks * BLOCK).astype(np.int64))
-    cache = allocate_separate(blocks, BLOCK, heads, head_size, mode, device="cpu")
-    return WriteCase(key, value, slots, mode, cache)
+    # Every slot of a zeroed cache, in random order.
+    w = samples.write_sample(
+        rng_for("bench_cpu", "write", mode, tokens, heads, head_size), mode, num_tokens=tokens, num_kv_heads=heads,
+        head_size=head_size, block_size=BLOCK, num_blocks=tokens // BLOCK, poison=False,
+    )
+    return WriteCase(w.key, w.value, w.slot_mapping, mode, w.caches)
 
 
 def run_write(case: WriteCase, impl: str) -> None:
@@ -101,25 +102,17 @@ class AttnCase:
 
 
 def attn_case(mode: str, num_seqs: int, context: int, q_len: int, hq=32, hkv=8, head_size=128) -> AttnCase:
-    rng = np.random.default_rng(2)
-    per_seq = context // BLOCK
-    blocks = num_seqs * per_seq
-    cache = allocate_separate(blocks, BLOCK, hkv, head_size, mode, device="cpu")
-    tokens = blocks * BLOCK
-    k = torch.from_numpy(rng.standard_normal((tokens, hkv, head_size), dtype=np.float32)).bfloat16()
-    v = torch.from_numpy(rng.standard_normal((tokens, hkv, head_size), dtype=np.float32)).bfloat16()
-    kvzoo.reshape_and_cache(
-        k, v, cache.key_cache, cache.value_cache, torch.arange(tokens), mode=mode,
-        k_scale_cache=cache.k_scale_cache, v_scale_cache=cache.v_scale_cache,
-    )  # fmt: skip
-    block_tables = torch.from_numpy(rng.permutation(blocks).astype(np.int32).reshape(num_seqs, per_seq))
-    query = torch.from_numpy(rng.standard_normal((num_seqs * q_len, hq, head_size), dtype=np.float32)).bfloat16()
-    return AttnCase(
-        mode, query, cache, block_tables,
-        torch.full((num_seqs,), context, dtype=torch.int32),
-        torch.arange(num_seqs + 1, dtype=torch.int32) * q_len,
-        num_seqs, context, q_len > 1,
-    )  # fmt: skip
+    # fill="torch": the caches (tens of millions of codes here) are drawn by torch in chunks, far
+    # faster and lighter than the host fill's float64 temporaries. Tables exactly cover each
+    # sequence's pages (_torch_dequantize reads whole rows).
+    s = samples.paged_sample(
+        rng_for("bench_cpu", "attention", mode, num_seqs, context, q_len, hq, hkv, head_size), mode,
+        q_lens=[q_len] * num_seqs, seq_lens=[context] * num_seqs, block_size=BLOCK, num_q_heads=hq,
+        num_kv_heads=hkv, head_size=head_size, query_dtype="bfloat16", device="cpu", spare_blocks=0,
+        spare_columns=0, fill="torch",
+    )
+    return AttnCase(mode, s.query, s.caches, s.block_tables, s.seq_lens, s.query_start_loc, num_seqs, context,
+                    q_len > 1)
 
 
 def run_attention(case: AttnCase, impl: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
 1. Measures the ceilings here: device-to-device copy bandwidth (bytes read + written) and
    bf16 matmul TFLOP/s on random data.
 2. For every case, first checks kvzoo's output (cache bytes against the NumPy reference;
-   attention against a float32 torch reference on the same cache), then times it.
+   attention against a float32 torch reference on the same cache), then times it. Inputs come
+   from kvzoo.samples, drawn from the session seed (printed; KVZOO_SEED replays it).
 3. Times with CUDA events, median over repetitions. Each timed unit runs the op once on each of
    several input sets (different tensors, together larger than L2) so caches do not flatter;
    the unit is captured in a CUDA graph when possible (kernel time without Python overhead;
@@ -46,6 +47,8 @@ DEVICE = "cpu" if DRY else "cuda"
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvzoo  # noqa: E402
+from kvzoo import samples  # noqa: E402
+from kvzoo.conformance.inputs import SEED, rng_for  # noqa: E402
 
 IMPL = "triton-cuda"
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -248,17 +251,14 @@ def attempt(case: str, impl: str, fn, *args):
 # reshape_and_cache
 
 
-def _write_set(tokens: int, mode: str, gen: torch.Generator):
-    m = kvzoo.get_kv_quant_mode(mode)
-    blocks_needed = -(-tokens // BLOCK)
-    num_blocks = 2 * blocks_needed
+def _write_set(tokens: int, mode: str, rng: np.random.Generator):
     # vLLM-like slots: each sequence's tokens fill its blocks in order, blocks placed at random.
-    blocks = torch.randperm(num_blocks, generator=gen)[:blocks_needed]
-    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)[None, :]).reshape(-1)[:tokens]
-    key = (torch.randn(tokens, HKV, D, generator=gen) * 2).to(torch.bfloat16)
-    value = (torch.randn(tokens, HKV, D, generator=gen) * 2).to(torch.bfloat16)
-    c = kvzoo.allocate_separate(num_blocks, BLOCK, HKV, D, m, model_dtype="bfloat16", device=DEVICE)
-    return dict(key=key.to(DEVICE), value=value.to(DEVICE), slots=slots.to(DEVICE), cache=c, mode=mode)
+    # Zeroed caches: _check_write poisons the one set it checks.
+    w = samples.write_sample(
+        rng, mode, num_tokens=tokens, num_kv_heads=HKV, head_size=D, block_size=BLOCK, dtype="bfloat16",
+        device=DEVICE, slot_order="paged", num_blocks=2 * -(-tokens // BLOCK), poison=False,
+    )
+    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=w.caches, mode=mode)
 
 
 def _write_call(s, impl=IMPL):
@@ -334,8 +334,8 @@ def _index_copy_call(s) -> None:
 def _write_case(ceil, tokens: int, mode: str, reps: int, times: dict, rows: dict) -> None:
     case = f"write T={tokens} {SHORT[mode]}"
     nbytes = _write_bytes(tokens, mode)
-    gen = torch.Generator().manual_seed(tokens * 10 + len(mode))
-    sets = [_write_set(tokens, mode, gen) for _ in range(n_sets_for(nbytes))]
+    rng = rng_for("gpu_bench", "write", tokens, mode)
+    sets = [_write_set(tokens, mode, rng) for _ in range(n_sets_for(nbytes))]
     check = _check_write(sets[0])
     t, how = measure(lambda i: _write_call(sets[i]), len(sets), reps)
     times[mode] = t
@@ -408,40 +408,7 @@ def bench_write(ceil, quick: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# attention: shared cache construction and reference
-
-
-def _paged_cache(mode: str, seq_lens: list[int], gen: torch.Generator):
-    """A randomly filled paged cache holding the sequences, with random block tables."""
-    m = kvzoo.get_kv_quant_mode(mode)
-    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq)
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    start = 0
-    for s, nb in enumerate(blocks_per_seq):
-        table[s, :nb] = perm[start : start + nb]
-        start += nb
-    c = kvzoo.allocate_separate(num_blocks, BLOCK, HKV, D, m, model_dtype="bfloat16", device=DEVICE)
-    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-    cuda_gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    for cache in (c.key_cache, c.value_cache):
-        flat = cache.view(-1, D)
-        for i in range(0, flat.shape[0], 1 << 22):  # chunks bound the fp32 temporaries
-            part = flat[i : i + (1 << 22)]
-            x = torch.randn(part.shape, device=DEVICE, generator=cuda_gen)
-            if m.code_dtype is None:
-                part.copy_(x.to(torch.bfloat16))
-            elif m.code_dtype == "int8":
-                part.copy_((x * 40).round().clamp(-127, 127).to(torch.int8))
-            else:
-                part.view(torch.uint8).copy_(
-                    (x * m.qmax / 3).clamp(m.qmin, m.qmax).to(getattr(torch, m.code_dtype)).view(torch.uint8)
-                )
-    if m.per_token_head:
-        for sc in (c.k_scale_cache, c.v_scale_cache):
-            sc.uniform_(0.002, 0.05, generator=cuda_gen)
-    return c, table.to(DEVICE)
+# attention: inputs from kvzoo.samples, and a float32 torch reference
 
 
 def _decoded(cache, scales, mode, table_row, n):
@@ -458,7 +425,12 @@ def _decoded(cache, scales, mode, table_row, n):
 
 
 def _ref_attention(q, k, v, q_pos, scale):
-    """q [n, Hq, D] float32 at positions q_pos; k/v [L, Hkv, D] float32; causal."""
+    """q [n, Hq, D] float32 at positions q_pos; k/v [L, Hkv, D] float32; causal.
+
+    Not the float64 oracle (kvzoo.samples.oracle_attention), which decodes the whole cache on
+    the host and loops over tokens and heads in Python: at these shapes (caches of GBs,
+    contexts of 64K) that takes hours. This checks a few rows on the GPU instead, against
+    ATTN_RTOL; the conformance suite holds the kernels to their declared tolerance."""
     group = HQ // HKV
     kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
     vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -482,22 +454,16 @@ class AttnSet:
     num_prefills: int
 
 
-def _attn_set(variant, q_lens, seq_lens, gen) -> AttnSet:
-    c, table = _paged_cache(_variant(variant)[0], seq_lens, gen)
-    total_q = sum(q_lens)
-    query = torch.randn(total_q, HQ, D, generator=gen).to(torch.bfloat16).to(DEVICE)
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
-    return AttnSet(
-        query,
-        c,
-        table,
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        qsl,
-        torch.empty_like(query),
-        max(q_lens),
-        max(seq_lens),
-        sum(q > 1 for q in q_lens),
+def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
+    # fill="torch": caches of GBs and the query are drawn on the GPU, by a generator seeded from rng.
+    s = samples.paged_sample(
+        rng, _variant(variant)[0], q_lens=q_lens, seq_lens=seq_lens, block_size=BLOCK, num_q_heads=HQ,
+        num_kv_heads=HKV, head_size=D, query_dtype="bfloat16", device=DEVICE, spare_blocks=0, spare_columns=0,
+        fill="torch",
     )
+    b = s.batch
+    return AttnSet(s.query, s.caches, s.block_tables, s.seq_lens, s.query_start_loc, torch.empty_like(s.query),
+                   b.max_query_len, b.max_seq_len, b.num_prefills)
 
 
 def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
@@ -602,9 +568,9 @@ def _sdpa_prefill(batch, length, reps):
 
 def _attention_mode(case, mode, q_lens, seq_lens, ceil, reps, kind, times, rows) -> None:
     nbytes = _attn_bytes(mode, q_lens, seq_lens)
-    gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + sum(q_lens) + len(mode))
+    rng = rng_for("gpu_bench", "attention", mode, len(seq_lens), sum(q_lens))
     n = n_sets_for(nbytes)
-    sets = [_attn_set(mode, q_lens, seq_lens, gen) for _ in range(n)]
+    sets = [_attn_set(mode, q_lens, seq_lens, rng) for _ in range(n)]
     check = _check_attention(sets[0], mode, q_lens, seq_lens)
     t, how = measure(lambda i: _attn_call(sets[i], mode), n, reps)
     times[mode] = t
@@ -654,7 +620,7 @@ EAGER_DECODE = ("int8_per_token_head", [1] * 8, [256] * 8)
 
 def eager_decode_set() -> AttnSet:
     mode, q_lens, seq_lens = EAGER_DECODE
-    return _attn_set(mode, q_lens, seq_lens, torch.Generator().manual_seed(8))
+    return _attn_set(mode, q_lens, seq_lens, rng_for("gpu_bench", "eager decode"))
 
 
 def _decode_eager(ceil) -> None:
@@ -725,6 +691,7 @@ def main() -> int:
         "triton": __import__("triton").__version__,
         "quick": args.quick,
         "cases": wanted,
+        "seed": SEED,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(" ".join(f"{k}={v}" for k, v in info.items()))

@@ -4,7 +4,9 @@ Every array a hostile test hands to kvzoo is a view into a larger buffer of rand
 guard region before and after, gaps between rows and heads. After a call the test compares
 every byte of that buffer with its value before (raw bytes), so a kernel that reads or writes
 past a view, into a gap, or through the wrong strides is caught. Expected results come from
-kvzoo_spec/oracle.py only (never from another kvzoo implementation).
+kvzoo_spec/oracle.py only (never from another kvzoo implementation). What goes into the buffers
+(batches, scattered block tables, realistic codes) and the attention reference and tolerance
+are kvzoo.samples', shared with the conformance suite; the guards and views are this module's.
 
 Torch tensors live where the implementation under test takes them (kvzoo.conformance's
 device_for: "cuda" for a GPU backend, "cpu" otherwise). The bytes are always drawn on the host;
@@ -16,7 +18,6 @@ CPU-only machine.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -28,11 +29,11 @@ import pytest
 import torch
 
 import kvzoo
-from kvzoo import KVZooInputError, registry
+from kvzoo import KVZooInputError, registry, samples
 from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
-from kvzoo.conformance.checks import fill_quantized
 from kvzoo.conformance.inputs import device_for
 from kvzoo.modes import MODES
+from kvzoo.samples import OUT_ROUNDOFF, Batch, assert_attention_close  # noqa: F401 (the battery's names)
 from kvzoo_spec import oracle
 
 from support import SEED, rng_for  # noqa: F401
@@ -544,12 +545,11 @@ def layouts_for(kind: str, ndim: int) -> tuple[str, ...]:
 
 def fill_codes(mode_name: str, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str = "bfloat16"):
     """Cache values as (codes uint8 or model-dtype values, per-row scales or None): no NaN."""
-    return fill_quantized(MODES[mode_name], rng, shape, model_dtype)
+    return samples.fill_quantized(MODES[mode_name], rng, shape, model_dtype)
 
 
 def static_scale(rng: np.random.Generator) -> float:
-    # Codes spread over about +-150 (fill_codes): decoded values of order 1, logits of order 1.
-    return float(np.float32(rng.uniform(0.004, 0.02)))
+    return samples.unit_static_scale(rng)
 
 
 def cache_dtype(mode_name: str, model_dtype: str, storage: str = "code") -> str:
@@ -729,88 +729,24 @@ def to_host_float32(x: Any) -> np.ndarray:
     return np.asarray(x).astype(np.float32)
 
 
-OUT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
-
-
-def assert_attention_close(impl: Any, got: np.ndarray, ref: np.ndarray, qsl: np.ndarray, query_dtype: str,
-                           what: str = "") -> None:
-    """kvzoo/conformance/checks.py's comparison: per sequence, relative Frobenius error within
-    the implementation's attention_rtol plus the output dtype's rounding; finite where ref is."""
-    got = np.asarray(got, np.float64)
-    poisoned = ~np.isfinite(ref)
-    assert not np.isfinite(got[poisoned]).any(), f"{impl.name}{what}: a poisoned key gave finite output"
-    unwritten = ~np.isfinite(got) & ~poisoned
-    assert not unwritten.any(), f"{impl.name}{what}: {int(unwritten.sum())} output elements not finite/unwritten"
-    got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
-    tol = impl.attention_rtol + OUT_ROUNDOFF[query_dtype]
-    qsl = np.asarray(qsl, np.int64)
-    for s in range(len(qsl) - 1):
-        rows = slice(int(qsl[s]), int(qsl[s + 1]))
-        if rows.stop == rows.start:
-            continue
-        err = np.linalg.norm(got[rows] - ref[rows]) / max(np.linalg.norm(ref[rows]), 1e-30)
-        assert math.isfinite(err) and err <= tol, (
-            f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})")
-
-
 # ---------------------------------------------------------------------------------------------
 # batches
-
-
-@dataclass
-class Batch:
-    q_lens: np.ndarray
-    seq_lens: np.ndarray
-    tables: np.ndarray  # [S, max_blocks], unused entries hold other valid block ids
-    num_blocks: int
-    block_size: int
-
-    @property
-    def qsl(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int64)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q_lens.sum())
 
 
 def make_batch(rng: np.random.Generator, kind: str = "mixed", block_size: int = 4) -> Batch:
     """Small varlen batches: 'decode', 'prefill', 'mixed' (decodes, a chunk on earlier context,
     a fresh prefill, sequences ending mid-block)."""
-    if kind == "decode":
-        seq_lens = rng.integers(1, 14, 3)
-        q_lens = np.ones(3, np.int64)
-    elif kind == "prefill":
-        seq_lens = rng.integers(1, 10, 2)
-        q_lens = seq_lens.copy()
-    elif kind == "mixed":
-        seq_lens = np.array([rng.integers(1, 12), rng.integers(6, 14), rng.integers(1, 8)])
-        q_lens = np.array([1, rng.integers(2, 5), seq_lens[2]])
-    else:
-        raise ValueError(kind)
-    blocks = -(-seq_lens // block_size)
-    num_blocks = int(blocks.sum()) + 2
-    max_blocks = int(blocks.max()) + 1
-    order = rng.permutation(num_blocks)
-    tables = rng.integers(0, num_blocks, (len(seq_lens), max_blocks))
-    start = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = order[start:start + n]
-        start += n
-    return Batch(q_lens.astype(np.int64), seq_lens.astype(np.int64), tables.astype(np.int64), num_blocks, block_size)
+    return samples.draw_batch(rng, kind, block_size=block_size, size="small", spare_blocks=2)
 
 
 def reference_attention(caches: Caches, query_vals: np.ndarray, tables, seq_lens, qsl, *,
                         quantize_query: bool = False, **options) -> np.ndarray:
-    k_deq = caches.decoded("key", "before")
-    v_deq = caches.decoded("value", "before")
-    q = query_vals
-    if quantize_query:
-        d = q.shape[-1]
-        rows = oracle.widen_to_float32(q).reshape(-1, d)
-        q = oracle.decode_rows(*oracle.quantize_rows(rows, caches.mode), caches.mode).reshape(q.shape)
-    return oracle.attention_f64(q, k_deq, v_deq, np.asarray(tables), np.asarray(seq_lens), np.asarray(qsl),
-                                **options)
+    """The oracle on the caches' bytes before the call (so a kernel writing to them is caught)."""
+    k_codes, k_scales = caches.oracle_codes("key", "before")
+    v_codes, v_scales = caches.oracle_codes("value", "before")
+    return samples.oracle_attention(
+        caches.mode, query_vals, k_codes, v_codes, tables, seq_lens, qsl, k_scales=k_scales, v_scales=v_scales,
+        k_static=caches.k_static, v_static=caches.v_static, quantize_query=quantize_query, **options)
 
 
 __all__ = [n for n in dir() if not n.startswith("_")] + ["kvzoo"]

@@ -4,7 +4,8 @@ The conformance suite already holds "triton-cuda"/"triton-rocm" against the refe
 every mode and layout; these tests cover what it cannot see from outside: the encode helpers
 over whole value ranges (ties, subnormals, saturation), that no multiply-add was contracted,
 and the 64-bit offsets of caches over 4 GiB (GPU only). On a machine without a GPU they run
-under TRITON_INTERPRET=1 at small sizes.
+under TRITON_INTERPRET=1 at small sizes. Random draws come from the session seed
+(kvzoo.conformance.inputs.rng_for); paged write problems from kvzoo.samples.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 import kvzoo  # noqa: E402
+from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import encode  # noqa: E402
+from kvzoo.conformance.inputs import rng_for  # noqa: E402
 from kvzoo.modes import MODES, SCALE_FLOOR  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -123,7 +126,7 @@ def _fp8_probe_values(dtype) -> np.ndarray:
 def _random_bit_patterns(n: int, seed: int) -> np.ndarray:
     """fp32 values from uniformly random bit patterns (every exponent, NaN/Inf included),
     plus a uniform sample in the format's interesting range."""
-    rng = np.random.default_rng(seed)
+    rng = rng_for("triton write", "bit patterns", seed)
     bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
     near = rng.uniform(-600, 600, size=n).astype(np.float32)
     return np.concatenate([bits, near, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
@@ -201,7 +204,7 @@ def _row_values(mode_name: str, seed: int) -> np.ndarray:
     mode = MODES[mode_name]
     qmax = np.float32(mode.qmax)
     top = np.float32(qmax * (1 + 3 * 2.0**-24))
-    rng = np.random.default_rng(seed)
+    rng = rng_for("triton write", "row values", mode_name, seed)
     if mode.code_dtype == "int8":
         halves = np.arange(-127, 127.5, 0.5, dtype=np.float32)
         probes = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)), np.nextafter(halves, -np.float32(np.inf))])
@@ -262,7 +265,7 @@ def _contraction_rows(num_rows: int, head_size: int, seed: int) -> np.ndarray:
     """int8 rows in which at least one element rounds differently when x * inv is fused into
     the round-half-even addition: fl(x * inv) sits exactly on a half while the exact product
     does not (fp32 x fp32 products are exact in float64)."""
-    rng = np.random.default_rng(seed)
+    rng = rng_for("triton write", "contraction rows", seed)
     found = []
     while len(found) < num_rows:
         x = rng.standard_normal((4096, head_size)).astype(np.float32)
@@ -280,34 +283,23 @@ def _contraction_rows(num_rows: int, head_size: int, seed: int) -> np.ndarray:
 
 def _write_both(key, value, mode, rounding="nearest", layout="separate"):
     """Write the same rows with the Triton impl (on DEVICE) and the NumPy reference (CPU);
-    returns the cache bytes of each, poisoned beforehand so unwritten bytes show."""
+    returns the cache bytes of each. The caches hold random bytes beforehand (kvzoo.samples),
+    so unwritten bytes show."""
     num_tokens, heads, head_size = key.shape
-    num_blocks, block_size = 4, 4
-    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     results = []
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
-        if layout == "inline":
-            c = kvzoo.allocate_inline(num_blocks, block_size, heads, head_size, mode, device=device)
-            c.buffer.fill_(0x55)
-            tensors = [c.buffer]
-        else:
-            c = kvzoo.allocate_separate(
-                num_blocks, block_size, heads, head_size, mode, model_dtype="float32", device=device
-            )
-            tensors = [t for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache) if t is not None]
-            for t in tensors:
-                t.view(torch.uint8).fill_(0x55)
+        # One seed for both: the same slots into the same poisoned bytes.
+        w = samples.write_sample(
+            rng_for("triton write", "both", mode, rounding, layout), mode, num_tokens=num_tokens, num_kv_heads=heads,
+            head_size=head_size, block_size=4, num_blocks=4, dtype="float32", layout=layout, device=device,
+            key32=key.float().numpy(), value32=value.float().numpy(),
+        )
+        c = w.caches
+        tensors = [c.buffer] if layout == "inline" else [t for t in w.cache_arrays() if t is not None]
+        # The caller's own tensors (views of a fused QKV buffer, say), not the sample's copies.
         kvzoo.reshape_and_cache(
-            key.to(device),
-            value.to(device),
-            c.key_cache,
-            c.value_cache,
-            slots.to(device),
-            mode=mode,
-            k_scale_cache=c.k_scale_cache,
-            v_scale_cache=c.v_scale_cache,
-            rounding=rounding,
-            impl=impl,
+            key.to(device), value.to(device), c.key_cache, c.value_cache, w.slot_mapping, mode=mode,
+            k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, rounding=rounding, impl=impl,
         )
         results.append([t.cpu().contiguous().view(torch.uint8).numpy().copy() for t in tensors])
     return results
@@ -326,7 +318,8 @@ def test_no_fma_contraction(rounding):
 def test_fused_qkv_views_into_inline_pages():
     """K and V as strided views of one QKV projection, written into the inline layout."""
     tokens, q_heads, kv_heads, head_size = 5, 4, 2, 24
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size) * 4
+    qkv = torch.from_numpy(rng_for("triton write", "qkv").standard_normal(
+        (tokens, (q_heads + 2 * kv_heads) * head_size)).astype(np.float32) * 4)
     split = qkv.view(tokens, q_heads + 2 * kv_heads, head_size)
     key, value = split[:, q_heads : q_heads + kv_heads], split[:, q_heads + kv_heads :]
     for mode in ("int8_per_token_head", "fp8_per_token_head"):
@@ -346,20 +339,15 @@ def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
     code = write_kernels.code_of(MODES[mode])
     assert write_kernels._write_warps(heads * head_size, code, tokens) == (1 if mode.startswith("fp8") else 2)
     num_blocks = 2 * -(-tokens // block_size)
-    gen = torch.Generator().manual_seed(tokens)
-    key = (torch.randn(tokens, heads, head_size, generator=gen) * 3).to(torch.bfloat16)
-    value = (torch.randn(tokens, heads, head_size, generator=gen) * 3).to(torch.bfloat16)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     caches = []
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
-        c = kvzoo.allocate_separate(num_blocks, block_size, heads, head_size, mode, model_dtype="bfloat16",
-                                    device=device)
-        tensors = (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)
-        for t in tensors:
-            t.view(torch.uint8).fill_(0x55)
-        kvzoo.reshape_and_cache(key.to(device), value.to(device), c.key_cache, c.value_cache, slots.to(device),
-                                mode=mode, k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl)
-        caches.append([t.cpu().view(torch.uint8) for t in tensors])
+        # One seed for both: the same bf16 rows into the same random slots of the same poisoned bytes.
+        w = samples.write_sample(rng_for("triton write", "large", mode), mode, num_tokens=tokens, num_kv_heads=heads,
+                                 head_size=head_size, block_size=block_size, num_blocks=num_blocks, device=device)
+        c = w.caches
+        kvzoo.reshape_and_cache(w.key, w.value, c.key_cache, c.value_cache, w.slot_mapping, **w.api_kwargs(),
+                                impl=impl)
+        caches.append([t.cpu().view(torch.uint8) for t in w.cache_arrays()])
     for got, want in zip(*caches):
         assert torch.equal(got, want)
 
@@ -374,8 +362,9 @@ def test_cache_over_4gib(mode):
     num_blocks = (2**32 + per_block - 1) // per_block + 2
     m = kvzoo.get_kv_quant_mode(mode)
     dtype = torch.bfloat16 if mode == "none" else torch.int8
-    key = (torch.randn(1, heads, head_size, device="cuda") * 3).to(torch.bfloat16)
-    value = (torch.randn(1, heads, head_size, device="cuda") * 3).to(torch.bfloat16)
+    rng = rng_for("triton write", "over 4 GiB", mode)
+    key, value = (torch.from_numpy(rng.standard_normal((1, heads, head_size)).astype(np.float32) * 3)
+                  .to(torch.bfloat16).cuda() for _ in range(2))
     outs = []
     for nb in (num_blocks, 1):
         kc = torch.empty(nb, block_size, heads, head_size, dtype=dtype, device="cuda")

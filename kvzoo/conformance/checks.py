@@ -11,35 +11,25 @@ both run it.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 import kvzoo_spec
 from kvzoo_spec import oracle
 
-from .. import api, registry
+# A module import: kvzoo.samples itself imports conformance.inputs (a cycle either way round).
+from .. import api, registry, samples
 from ..arrays import as_numpy, as_torch, numpy_dtype
 from ..capabilities import Requirements
-from ..layout import KVCacheTensors, allocate_inline, inline_views
+from ..layout import allocate_inline, inline_views
 from ..modes import MODES
 from .cases import AttentionCase, DequantCase, WriteCase, attention_cases, dequant_cases, write_cases
-from .inputs import (
-    assert_same_bytes,
-    device_for,
-    host_bytes,
-    host_float32,
-    make_rows,
-    random_bytes,
-    rng_for,
-    tensor,
-)
+from .inputs import assert_same_bytes, device_for, host_bytes, host_float32, rng_for
 
 GOLDEN_DIR = Path(kvzoo_spec.__file__).parent / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.npz"))
@@ -76,37 +66,6 @@ def _kind(case_kind: str, device: str) -> str:
     return case_kind if device == "cpu" else "torch"
 
 
-def _static_scale(rng) -> np.float32:
-    return np.float32(2.0 ** rng.integers(-4, 5) * rng.uniform(1.0, 2.0))
-
-
-def _caches(case: WriteCase, rng, num_blocks, device, kind):
-    """Poisoned caches (random bytes) in the case's layout."""
-    mode = MODES[case.mode]
-    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
-    if case.layout == "inline":
-        buf = random_bytes(rng, (num_blocks, 2, case.block_size, case.num_kv_heads, case.head_size + 4),
-                           "uint8", device, kind)
-        return inline_views(buf, case.head_size, mode)
-    dtype = mode.code_dtype or case.dtype
-    kc, vc = (random_bytes(rng, shape, dtype, device, kind) for _ in range(2))
-    if mode.per_token_head:
-        ks, vs = (random_bytes(rng, shape[:3], "float32", device, kind) for _ in range(2))
-        return KVCacheTensors(kc, vc, ks, vs)
-    return KVCacheTensors(kc, vc)
-
-
-def _maybe_strided(values32, case, device, kind, slot):
-    """K or V as a tensor, or as a view into a fused QKV-like buffer when case.strided."""
-    if not case.strided:
-        return tensor(values32, case.dtype, device, kind)
-    t, h, d = values32.shape
-    fused = np.zeros((t, 3 * h + 1, d + 3), np.float32)
-    fused[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d] = values32
-    full = tensor(fused, case.dtype, device, kind)
-    return full[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d]
-
-
 # ---------------------------------------------------------------------------------------------
 # reshape_and_cache
 
@@ -117,46 +76,21 @@ def check_reshape_and_cache(impl, case: WriteCase):
     device = device_for(impl)
     kind = _kind(case.kind, device)
     rng = rng_for("write", case.id)
-    T, H, D, BS = case.num_tokens, case.num_kv_heads, case.head_size, case.block_size
-    num_blocks = max(1, -(-T // BS)) + 2
-    static = _static_scale(rng) if mode.per_tensor else None
-    k32 = make_rows(mode, case.dist, case.dtype, (T, H, D), rng, static)
-    v32 = make_rows(mode, case.dist, case.dtype, (T, H, D), rng, static)
-    slots = rng.permutation(num_blocks * BS)[:T].astype(np.int64)
-    if case.negative_slots and T:
-        skip = rng.random(T) < 0.3
-        slots[skip] = -rng.integers(1, 5, int(skip.sum()))
-    oracle_slots = slots
-    if case.wild_slots and T:
-        # validate=False: out-of-range slots must be skipped like negative ones, and nothing
-        # may land in the guard block that follows the cache in memory.
-        wild = rng.random(T) < 0.4
-        slots = slots.copy()
-        slots[wild] = num_blocks * BS + rng.integers(0, 2 * BS, int(wild.sum()))
-        oracle_slots = np.where(wild, -1, slots)
-    padded = _caches(case, rng, num_blocks + 1, device, kind)
-    guard = [None if c is None else (c[num_blocks:].clone() if isinstance(c, torch.Tensor) else c[num_blocks:].copy())
-             for c in
-             (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)]
-    caches = KVCacheTensors(*(None if c is None else c[:num_blocks] for c in
-                              (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache,
-                               padded.buffer)))
-    before = [None if c is None else host_bytes(c).copy() for c in
-              (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)]
-
-    key = _maybe_strided(k32, case, device, kind, 0)
-    value = _maybe_strided(v32, case, device, kind, 1)
-    slot_mapping = slots.astype(np.int32 if T % 2 else np.int64)
-    slot_mapping = slot_mapping if kind == "numpy" else torch.from_numpy(slot_mapping).to(device)
+    # One guard block after the cache: with validate=False, out-of-range (wild) slots must be
+    # skipped like negative ones, and nothing may land in the memory that follows the cache.
+    w = samples.write_sample(
+        rng, mode, num_tokens=case.num_tokens, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
+        block_size=case.block_size, dtype=case.dtype, dist=case.dist, layout=case.layout, kind=kind, device=device,
+        negative_slots=case.negative_slots, wild_slots=case.wild_slots, strided=case.strided, guard_blocks=1,
+        static_scale="wide", index_dtype="int32" if case.num_tokens % 2 else "int64",
+    )
+    caches, key, value, static = w.caches, w.key, w.value, w.static_scale
+    before = [None if c is None else host_bytes(c).copy() for c in w.cache_arrays()]
     api.reshape_and_cache(
-        key, value, caches.key_cache, caches.value_cache, slot_mapping, mode=case.mode,
-        k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache,
-        k_scale=None if static is None else float(static), v_scale=None if static is None else float(static),
+        key, value, caches.key_cache, caches.value_cache, w.slot_mapping, **w.api_kwargs(),
         rounding=case.rounding, impl=impl, validate=not case.wild_slots,
     )
-    for got, want in zip((padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache), guard):
-        if want is not None:
-            assert_same_bytes(got[num_blocks:], want, f"{impl.name} wrote past the end of the cache")
+    w.assert_guard_unchanged(impl.name)
 
     if mode.code_dtype is None:
         # A plain copy: the expected bits are the input tensors' own (NaN payloads included).
@@ -165,11 +99,11 @@ def check_reshape_and_cache(impl, case: WriteCase):
                               for x in (key, value))
         expect_caches = [before[0].view(model)[..., 0], before[1].view(model)[..., 0]]
     else:
-        expect_inputs = (k32, v32)
+        expect_inputs = (w.key32, w.value32)
         expect_caches = [before[0][..., 0], before[1][..., 0]]
     scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
     expected = oracle.reshape_and_cache(
-        *expect_inputs, oracle_slots, mode_name=case.mode, num_blocks=num_blocks, block_size=BS,
+        *expect_inputs, w.oracle_slots, mode_name=case.mode, num_blocks=w.num_blocks, block_size=w.block_size,
         rounding=case.rounding, k_scale=static, v_scale=static,
         key_cache=expect_caches[0], value_cache=expect_caches[1],
         k_scale_cache=scale_caches[0], v_scale_cache=scale_caches[1],
@@ -215,7 +149,7 @@ def check_dequantize(impl, case: DequantCase):
     rng = rng_for("dequant", case.id)
     num_blocks, BS, H, D = 7, case.block_size, case.num_kv_heads, case.head_size
     codes, scales = _random_codes_and_scales(mode, rng, (num_blocks, BS, H, D))
-    static = _static_scale(rng) if mode.per_tensor else None
+    static = samples.wide_static_scale(rng) if mode.per_tensor else None
     if case.layout == "inline":
         views = allocate_inline(num_blocks, BS, H, D, mode, device=device)
         views.key_cache.view(torch.uint8).copy_(torch.from_numpy(codes))
@@ -244,135 +178,23 @@ def check_dequantize(impl, case: DequantCase):
 # paged attention
 
 
-def _batch(case: AttentionCase, rng):
-    """(q_lens, seq_lens) for the case's batch type; some sequences end mid-block."""
-    if case.batch == "decode":
-        seq_lens = rng.integers(1, 70, 4)
-        q_lens = np.ones(4, np.int64)
-    elif case.batch == "prefill":
-        seq_lens = rng.integers(1, 40, 3)
-        q_lens = seq_lens.copy()
-    elif case.batch == "long":
-        # Prompt-sized query runs (an implementation may take another path for them, as the
-        # Triton backend's staged prefill does), next to a decode.
-        seq_lens = np.array([rng.integers(128, 150), rng.integers(150, 200), rng.integers(1, 70)])
-        q_lens = np.array([seq_lens[0], rng.integers(128, 140), 1])
-    else:  # two decodes, a prefill chunk on top of earlier context, a fresh prefill
-        seq_lens = np.array([rng.integers(1, 70), rng.integers(20, 50), rng.integers(1, 30), rng.integers(2, 60)])
-        q_lens = np.array([1, rng.integers(5, 13), seq_lens[2], 1])
-    return q_lens.astype(np.int64), seq_lens.astype(np.int64)
-
-
-def fill_quantized(mode, rng, shape, model_dtype):
-    """Random but realistic cache contents: (codes or values, per-row scales or None)."""
-    fmt = mode.format
-    if fmt is None:
-        return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
-    # Values spread over the format's range as rows scaled by absmax / qmax are, snapped to codes.
-    values = fmt.representable()
-    y = np.clip(rng.standard_normal(shape) * fmt.qmax / 3, fmt.qmin, fmt.qmax)
-    i = np.clip(np.searchsorted(values, y), 1, len(values) - 1)
-    nearer_below = (y - values[i - 1]) < (values[i] - y)
-    codes = fmt.codes_of(np.where(nearer_below, values[i - 1], values[i]))
-    if not mode.per_token_head:
-        return codes, None
-    scales = rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)
-    return codes, scales
-
-
 def check_paged_attention(impl, case: AttentionCase):
     _usable(impl, case.mode, case.requirements())
-    mode = MODES[case.mode]
     device = device_for(impl)
-    rng = rng_for("attention", case.id)
-    BS, Hkv, Hq, D = case.block_size, case.num_kv_heads, case.num_q_heads, case.head_size
-    q_lens, seq_lens = _batch(case, rng)
-    blocks_per_seq = -(-seq_lens // BS)
-    num_blocks = int(blocks_per_seq.sum()) + 3
-    max_blocks = int(blocks_per_seq.max()) + 1
-    order = rng.permutation(num_blocks)
-    tables = rng.integers(0, num_blocks, (len(seq_lens), max_blocks))
-    start = 0
-    for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = order[start:start + n]
-        start += n
-    shape = (num_blocks, BS, Hkv, D)
-    (kc, ks), (vc, vs) = (fill_quantized(mode, rng, shape, case.query_dtype) for _ in range(2))
-    static = (_static_scale(rng), _static_scale(rng)) if mode.per_tensor else (None, None)
-    if case.poison:
-        # Poison the key that sequence 0's last query attends to, in KV head 0: every output
-        # row of that head group must come out non-finite (SPEC.md section 8), no other row.
-        pos = int(seq_lens[0]) - 1
-        block, off = int(tables[0, pos // BS]), pos % BS
-        if mode.per_token_head:
-            ks[block, off, 0] = np.nan
-        elif mode.per_tensor:
-            kc[block, off, 0, 0] = mode.nan_code
-        else:
-            kc[block, off, 0, 0] = np.nan
-
-    if case.layout == "inline":
-        views = allocate_inline(num_blocks, BS, Hkv, D, mode, device=device)
-        for dst, src in ((views.key_cache, kc), (views.value_cache, vc)):
-            dst.view(torch.uint8).copy_(torch.from_numpy(src))
-        views.k_scale_cache.copy_(torch.from_numpy(ks))
-        views.v_scale_cache.copy_(torch.from_numpy(vs))
-        key_cache, value_cache, k_sc, v_sc = views.key_cache, views.value_cache, views.k_scale_cache, views.v_scale_cache
-    else:
-        def dev(a, dtype=None):
-            t = torch.from_numpy(a) if a.dtype != ml_dtypes.bfloat16 else torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-            return (t.view(getattr(torch, dtype)) if dtype else t).to(device)
-        key_cache = dev(kc, mode.code_dtype)
-        value_cache = dev(vc, mode.code_dtype)
-        k_sc = None if ks is None else dev(ks)
-        v_sc = None if vs is None else dev(vs)
-
-    num_tokens = int(q_lens.sum())
-    q32 = rng.standard_normal((num_tokens, Hq, D)).astype(np.float32)
-    query = tensor(q32, case.query_dtype, device)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    sinks = (rng.standard_normal(Hq) * 2).astype(np.float32) if case.sinks else None
-    out = torch.full_like(query, float("nan"))
+    s = samples.paged_sample(
+        rng_for("attention", case.id), case.mode, batch=case.batch, block_size=case.block_size,
+        num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
+        query_dtype=case.query_dtype, layout=case.layout, device=device, sinks=case.sinks, poison=case.poison,
+        static_scales="wide",
+    )
+    out = s.new_out()
     api.paged_attention(
-        query, key_cache, value_cache, mode=case.mode,
-        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        k_scale_cache=k_sc, v_scale_cache=v_sc,
-        k_scale=None if static[0] is None else float(static[0]),
-        v_scale=None if static[1] is None else float(static[1]),
+        s.query, s.caches.key_cache, s.caches.value_cache, **s.api_kwargs(),
         sliding_window=case.sliding_window, softcap=case.softcap,
-        sinks=None if sinks is None else torch.from_numpy(sinks).to(device),
         out=out, quantize_query=case.quantize_query, impl=impl,
     )
-
-    raw_k = kc if mode.code_dtype else kc.astype(np.float32)
-    raw_v = vc if mode.code_dtype else vc.astype(np.float32)
-    k_deq = oracle.decode_cache(raw_k, ks, case.mode, static[0])
-    v_deq = oracle.decode_cache(raw_v, vs, case.mode, static[1])
-    ref_query = as_numpy(query.cpu())
-    if case.quantize_query:
-        rows = oracle.widen_to_float32(ref_query).reshape(-1, D)
-        ref_query = oracle.decode_rows(*oracle.quantize_rows(rows, case.mode), case.mode).reshape(query.shape)
-    ref = oracle.attention_f64(
-        ref_query, k_deq, v_deq, tables, seq_lens, qsl,
-        sliding_window=case.sliding_window, softcap=case.softcap, sinks=sinks,
-    )
-    got = host_float32(out).astype(np.float64)
-    poisoned = ~np.isfinite(ref)
-    assert not np.isfinite(got[poisoned]).any(), f"{impl.name}: a poisoned key gave finite output"
-    unwritten = ~np.isfinite(got) & ~poisoned
-    assert not unwritten.any(), f"{impl.name}: {int(unwritten.sum())} output elements not finite/unwritten"
-    got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
-    # The output's own rounding (bf16 keeps 8 significant bits) is allowed on top.
-    out_roundoff = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}[case.query_dtype]
-    tol = impl.attention_rtol + out_roundoff
-    # Per sequence (SPEC.md section 8), so one short sequence cannot hide in a long one's norm.
-    for s in range(len(seq_lens)):
-        rows = slice(int(qsl[s]), int(qsl[s + 1]))
-        err = np.linalg.norm(got[rows] - ref[rows]) / np.linalg.norm(ref[rows])
-        assert math.isfinite(err) and err <= tol, (
-            f"{impl.name}: sequence {s} relative error {err:.3e} > {tol:.1e}")
+    ref = s.reference(quantize_query=case.quantize_query, sliding_window=case.sliding_window, softcap=case.softcap)
+    samples.assert_attention_close(impl, host_float32(out), ref, s.qsl, case.query_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

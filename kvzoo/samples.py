@@ -1,0 +1,646 @@
+"""Random paged problems, built in one place: attention samples, write samples, the oracle's answer.
+
+The conformance suite, the backend tests and bench/ all draw their inputs here, so what "a
+random paged batch" means (scattered pages, realistic codes, sequences ending mid-block) is
+decided once. Every draw comes from the NumPy Generator the caller passes: seed it with
+kvzoo.conformance.inputs.rng_for, which derives it from the session seed, and a failure replays
+with KVZOO_SEED. The only torch generator (fill="torch", for caches too big to draw on the host)
+is seeded from that Generator too.
+
+    >>> from kvzoo.conformance.inputs import rng_for
+    >>> s = paged_sample(rng_for("doc"), "int8_per_token_head", batch="decode", num_q_heads=4,
+    ...                  num_kv_heads=2, head_size=16, block_size=4)
+    >>> ref = s.reference()                    # float64 oracle on the same quantized cache
+    >>> tuple(ref.shape) == tuple(s.query.shape)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from kvzoo_spec import oracle
+
+from .arrays import as_numpy, as_torch, is_torch, numpy_dtype, torch_dtype
+from .conformance.inputs import SEED, make_rows, random_bytes, tensor
+from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
+from .modes import QuantMode, get_kv_quant_mode
+
+Kind = Literal["torch", "numpy"]
+Size = Literal["medium", "small"]
+Fill = Literal["host", "torch"]
+
+BATCH_KINDS = ("decode", "prefill", "mixed", "long")
+# The output dtype's own rounding, allowed on top of an implementation's attention_rtol.
+OUT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
+# SPEC.md 8.1: quantize_query replaces each query row by its int8 per-token-head round trip.
+QUERY_ROUND_TRIP_MODE = "int8_per_token_head"
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class Batch:
+    """A varlen batch on the host: lengths and scattered block tables (int64)."""
+
+    q_lens: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray  # [S, max_blocks]; entries past a sequence's blocks hold other valid ids
+    num_blocks: int
+    block_size: int
+
+    @property
+    def qsl(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.q_lens.max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
+
+    @property
+    def num_prefills(self) -> int:
+        return int((self.q_lens > 1).sum())
+
+
+def draw_lens(rng: np.random.Generator, batch: str = "mixed", size: Size = "medium") -> tuple[np.ndarray, np.ndarray]:
+    """(q_lens, seq_lens) int64 of a batch kind; some sequences end mid-block.
+
+    "medium" is the conformance suite's; "small" keeps pages few for the guarded battery, whose
+    every case compares whole buffers byte by byte (no "long" there)."""
+    if size == "small":
+        if batch == "decode":
+            seq_lens = rng.integers(1, 14, 3)
+            q_lens = np.ones(3, np.int64)
+        elif batch == "prefill":
+            seq_lens = rng.integers(1, 10, 2)
+            q_lens = seq_lens.copy()
+        elif batch == "mixed":
+            seq_lens = np.array([rng.integers(1, 12), rng.integers(6, 14), rng.integers(1, 8)])
+            q_lens = np.array([1, rng.integers(2, 5), seq_lens[2]])
+        else:
+            raise ValueError(f"batch {batch!r}: small batches are decode, prefill or mixed")
+    elif batch == "decode":
+        seq_lens = rng.integers(1, 70, 4)
+        q_lens = np.ones(4, np.int64)
+    elif batch == "prefill":
+        seq_lens = rng.integers(1, 40, 3)
+        q_lens = seq_lens.copy()
+    elif batch == "long":
+        # Prompt-sized query runs (an implementation may take another path for them, as the
+        # Triton backend's staged prefill does), next to a decode.
+        seq_lens = np.array([rng.integers(128, 150), rng.integers(150, 200), rng.integers(1, 70)])
+        q_lens = np.array([seq_lens[0], rng.integers(128, 140), 1])
+    elif batch == "mixed":  # two decodes, a prefill chunk on top of earlier context, a fresh prefill
+        seq_lens = np.array([rng.integers(1, 70), rng.integers(20, 50), rng.integers(1, 30), rng.integers(2, 60)])
+        q_lens = np.array([1, rng.integers(5, 13), seq_lens[2], 1])
+    else:
+        raise ValueError(f"batch {batch!r}: expected one of {BATCH_KINDS}")
+    return q_lens.astype(np.int64), seq_lens.astype(np.int64)
+
+
+def scattered_tables(rng: np.random.Generator, seq_lens: Any, block_size: int, *, spare_blocks: int = 3,
+                     spare_columns: int = 1, num_blocks: int | None = None) -> tuple[np.ndarray, int]:
+    """(block tables int64 [S, max_blocks], num_blocks): each sequence's pages are a slice of one
+    random permutation of the blocks, so no two sequences share a page and consecutive pages
+    are rarely neighbours. Entries past a sequence's last page hold random valid ids: a kernel
+    that reads them gets plausible wrong pages, not an out-of-range fault."""
+    seq_lens = np.asarray(seq_lens, np.int64)
+    blocks = -(-seq_lens // block_size)
+    needed = int(blocks.sum())
+    if num_blocks is None:
+        num_blocks = needed + spare_blocks
+    if num_blocks < needed:
+        raise ValueError(f"num_blocks {num_blocks} < the {needed} blocks the sequences fill")
+    max_blocks = max(1, int(blocks.max(initial=0)) + spare_columns)
+    order = rng.permutation(num_blocks)
+    tables = rng.integers(0, max(1, num_blocks), (len(seq_lens), max_blocks))
+    start = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = order[start:start + n]
+        start += n
+    return tables.astype(np.int64), num_blocks
+
+
+def draw_batch(rng: np.random.Generator, batch: str = "mixed", *, block_size: int = 16, size: Size = "medium",
+               q_lens: Any = None, seq_lens: Any = None, spare_blocks: int = 3, spare_columns: int = 1,
+               num_blocks: int | None = None) -> Batch:
+    """Lengths (given, or drawn by batch kind) and scattered tables."""
+    if (q_lens is None) != (seq_lens is None):
+        raise ValueError("give both q_lens and seq_lens, or neither")
+    if q_lens is None:
+        q_lens, seq_lens = draw_lens(rng, batch, size)
+    q_lens, seq_lens = np.asarray(q_lens, np.int64), np.asarray(seq_lens, np.int64)
+    if q_lens.shape != seq_lens.shape or (q_lens > seq_lens).any() or (q_lens < 0).any():
+        raise ValueError(f"need 0 <= q_lens <= seq_lens, got {q_lens.tolist()} and {seq_lens.tolist()}")
+    tables, num_blocks = scattered_tables(rng, seq_lens, block_size, spare_blocks=spare_blocks,
+                                          spare_columns=spare_columns, num_blocks=num_blocks)
+    return Batch(q_lens, seq_lens, tables, num_blocks, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache contents
+
+
+def fill_quantized(mode: QuantMode, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str):
+    """Random but realistic cache contents: (codes uint8 or model-dtype values, float32 per-row
+    scales or None). Only representable codes: never a NaN code."""
+    fmt = mode.format
+    if fmt is None:
+        return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
+    # Values spread over the format's range as rows scaled by absmax / qmax are, snapped to codes.
+    values = fmt.representable()
+    y = np.clip(rng.standard_normal(shape) * fmt.qmax / 3, fmt.qmin, fmt.qmax)
+    i = np.clip(np.searchsorted(values, y), 1, len(values) - 1)
+    nearer_below = (y - values[i - 1]) < (values[i] - y)
+    codes = fmt.codes_of(np.where(nearer_below, values[i - 1], values[i]))
+    if not mode.per_token_head:
+        return codes, None
+    scales = rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)
+    return codes, scales
+
+
+def unit_static_scale(rng: np.random.Generator) -> float:
+    """A per-tensor scale that makes fill_quantized's codes (about +-150) decode to order 1."""
+    return float(np.float32(rng.uniform(0.004, 0.02)))
+
+
+def wide_static_scale(rng: np.random.Generator) -> np.float32:
+    """A per-tensor scale anywhere in [1/16, 32) with a random mantissa: the conformance
+    suite's, so scales that are not powers of two and span decades are checked."""
+    return np.float32(2.0 ** rng.integers(-4, 5) * rng.uniform(1.0, 2.0))
+
+
+def _one_static(rng: np.random.Generator, spec: Any) -> np.float32:
+    if spec == "unit":
+        return np.float32(unit_static_scale(rng))
+    if spec == "wide":
+        return wide_static_scale(rng)
+    return np.float32(spec)
+
+
+def _static_pair(mode: QuantMode, rng: np.random.Generator, spec: Any) -> tuple[Any, Any]:
+    """(k, v) per-tensor scales by spec ("unit", "wide" or a pair of values); None for other modes."""
+    if not mode.per_tensor:
+        return None, None
+    if isinstance(spec, str):
+        return _one_static(rng, spec), _one_static(rng, spec)
+    return np.float32(spec[0]), np.float32(spec[1])
+
+
+_TORCH_CHUNK = 1 << 22  # elements per step: bounds the float32 temporaries of a multi-GB cache
+
+
+def _fill_torch(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
+    """fill_quantized's distribution drawn in place by torch ops on the caches' device (the
+    dtype cast snaps to representable codes), for caches too big to draw on the host."""
+    import torch
+
+    fmt = mode.format
+    if fmt is not None:
+        values = fmt.representable()
+        half_tiny = float(values[values > 0].min()) / 2
+    for cache in (caches.key_cache, caches.value_cache):
+        if not cache.is_contiguous():
+            raise ValueError("fill='torch' takes contiguous caches")
+        flat = cache.view(-1, cache.shape[-1])
+        rows = max(1, _TORCH_CHUNK // flat.shape[1])
+        for i in range(0, flat.shape[0], rows):
+            part = flat[i:i + rows]
+            x = torch.randn(part.shape, device=part.device, generator=gen)
+            if fmt is None:
+                part.copy_(x.to(part.dtype))
+                continue
+            y = (x * (fmt.qmax / 3)).clamp_(fmt.qmin, fmt.qmax)
+            if fmt.kind == "int":
+                y = y.round()
+            else:  # the cast rounds to nearest even; what rounds to zero is +0, as fill_quantized's
+                y = torch.where(y.abs() <= half_tiny, torch.zeros_like(y), y)
+            part.copy_(y.to(part.dtype))
+    for sc in (caches.k_scale_cache, caches.v_scale_cache):
+        if sc is not None:
+            sc.uniform_(0.002, 0.05, generator=gen)
+
+
+def torch_generator(rng: np.random.Generator, device: str) -> Any:
+    """A torch generator on device, seeded by one draw of rng (so it replays with it)."""
+    import torch
+
+    return torch.Generator(device=device).manual_seed(int(rng.integers(0, 2**62)))
+
+
+def _place(host: np.ndarray, dtype: str | None, kind: str, device: str) -> Any:
+    """A copy of a host array (codes as uint8, or values) as dtype on kind/device, bits
+    unchanged. Never a view: a call that writes to it must not change the host copy."""
+    a = host if dtype is None else host.view(numpy_dtype(dtype))
+    if kind == "numpy":
+        return a.copy()
+    return as_torch(np.ascontiguousarray(a)).to(device, copy=True)
+
+
+def _index(values: np.ndarray, kind: str, device: str, dtype: str = "int32") -> Any:
+    a = np.ascontiguousarray(values).astype(numpy_dtype(dtype))
+    return a if kind == "numpy" else as_torch(a).to(device)
+
+
+def host_codes(cache: Any, mode: str | QuantMode) -> np.ndarray:
+    """A live cache (torch on any device, or NumPy; any strides) as the oracle reads it: uint8
+    codes, or model-dtype values for mode none. A copy."""
+    mode = get_kv_quant_mode(mode)
+    a = as_numpy(cache.detach().cpu()) if is_torch(cache) else np.asarray(cache)
+    a = np.ascontiguousarray(a)
+    return a.copy() if mode.code_dtype is None else a.view(np.uint8).copy()
+
+
+def host_scales(x: Any) -> np.ndarray | None:
+    if x is None:
+        return None
+    return np.ascontiguousarray(as_numpy(x.detach().cpu()) if is_torch(x) else np.asarray(x), dtype=np.float32)
+
+
+def _scalar(x: Any) -> float | None:
+    if x is None:
+        return None
+    a = as_numpy(x.detach().cpu()) if is_torch(x) else np.asarray(x)
+    return float(np.asarray(a, np.float32).reshape(-1)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# the oracle's answer and the tolerance it is held to
+
+
+def oracle_attention(mode: str | QuantMode, query: Any, key_codes: np.ndarray, value_codes: np.ndarray,
+                     block_tables: Any, seq_lens: Any, query_start_loc: Any, *, k_scales: Any = None,
+                     v_scales: Any = None, k_static: Any = None, v_static: Any = None,
+                     quantize_query: bool = False, softmax_scale: float | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     sinks: Any = None) -> np.ndarray:
+    """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches.
+
+    key_codes / value_codes: host uint8 codes (model-dtype values for mode none), e.g.
+    host_codes() of a live cache; query: any array in its own dtype."""
+    mode = get_kv_quant_mode(mode)
+    k_deq = oracle.decode_cache(key_codes, host_scales(k_scales), mode.name, _scalar(k_static))
+    v_deq = oracle.decode_cache(value_codes, host_scales(v_scales), mode.name, _scalar(v_static))
+    q = as_numpy(query.detach().cpu()) if is_torch(query) else np.asarray(query)
+    if quantize_query:
+        d = q.shape[-1]
+        rows = oracle.widen_to_float32(q).reshape(-1, d)
+        codes, scales = oracle.quantize_rows(rows, QUERY_ROUND_TRIP_MODE)
+        q = oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
+    host = lambda x: None if x is None else np.asarray(as_numpy(x.cpu()) if is_torch(x) else x)  # noqa: E731
+    return oracle.attention_f64(
+        q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc),
+        softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=host(sinks),
+    )
+
+
+def attention_tolerance(impl: Any, out_dtype: str) -> float:
+    """Relative error per sequence an implementation is held to: its declared attention_rtol
+    plus the output dtype's rounding (bf16 keeps 8 significant bits)."""
+    return impl.attention_rtol + OUT_ROUNDOFF[out_dtype]
+
+
+def assert_attention_close(impl: Any, got: Any, ref: np.ndarray, query_start_loc: Any, out_dtype: str,
+                           what: str = "") -> None:
+    """Output against the oracle (SPEC.md section 8): non-finite exactly where a poisoned key
+    makes ref non-finite, and elsewhere a relative Frobenius error within
+    attention_tolerance, per sequence, so one short sequence cannot hide in a long one's norm."""
+    got = np.asarray(got, np.float64)
+    poisoned = ~np.isfinite(ref)
+    assert not np.isfinite(got[poisoned]).any(), f"{impl.name}{what}: a poisoned key gave finite output"
+    unwritten = ~np.isfinite(got) & ~poisoned
+    assert not unwritten.any(), f"{impl.name}{what}: {int(unwritten.sum())} output elements not finite/unwritten"
+    got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
+    tol = attention_tolerance(impl, out_dtype)
+    qsl = np.asarray(query_start_loc, np.int64)
+    for s in range(len(qsl) - 1):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        if rows.stop == rows.start:
+            continue
+        err = np.linalg.norm(got[rows] - ref[rows]) / max(np.linalg.norm(ref[rows]), 1e-30)
+        assert math.isfinite(err) and err <= tol, (
+            f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention samples
+
+
+@dataclass
+class PagedSample:
+    """One paged-attention problem: the arrays the API takes (on `kind`/`device`) and, unless
+    filled by torch, the host copies the oracle reads, taken before any call could touch them."""
+
+    mode: QuantMode
+    batch: Batch
+    layout: str
+    kind: str
+    device: str
+    query_dtype: str
+    query: Any
+    caches: KVCacheTensors
+    block_tables: Any  # int32, like seq_lens and query_start_loc
+    seq_lens: Any
+    query_start_loc: Any
+    sinks: Any | None
+    k_scale: Any | None  # per-tensor scales (np.float32), else None
+    v_scale: Any | None
+    # Host copies (None with fill="torch").
+    query_host: np.ndarray | None
+    key_codes: np.ndarray | None
+    value_codes: np.ndarray | None
+    k_scales: np.ndarray | None
+    v_scales: np.ndarray | None
+    sinks_host: np.ndarray | None
+
+    @property
+    def qsl(self) -> np.ndarray:
+        return self.batch.qsl
+
+    def api_kwargs(self) -> dict[str, Any]:
+        """Everything api.paged_attention takes besides query, caches, options and out."""
+        return dict(
+            mode=self.mode.name, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc, k_scale_cache=self.caches.k_scale_cache,
+            v_scale_cache=self.caches.v_scale_cache,
+            k_scale=None if self.k_scale is None else float(self.k_scale),
+            v_scale=None if self.v_scale is None else float(self.v_scale), sinks=self.sinks,
+        )
+
+    def new_out(self) -> Any:
+        """An output like the query, NaN-filled so an unwritten element shows."""
+        if self.kind == "numpy":
+            return np.full(self.query.shape, np.nan, self.query.dtype)
+        import torch
+
+        return torch.full_like(self.query, float("nan"))
+
+    def reference(self, *, quantize_query: bool = False, softmax_scale: float | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None) -> np.ndarray:
+        """The float64 oracle on the cache as built (sinks as drawn)."""
+        if self.key_codes is None:
+            raise ValueError("a sample filled by torch keeps no host copies: pass host_codes() of its "
+                             "caches to oracle_attention")
+        return oracle_attention(
+            self.mode, self.query_host, self.key_codes, self.value_codes, self.batch.tables,
+            self.batch.seq_lens, self.batch.qsl, k_scales=self.k_scales, v_scales=self.v_scales,
+            k_static=self.k_scale, v_static=self.v_scale, quantize_query=quantize_query,
+            softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=self.sinks_host,
+        )
+
+
+def _placed_caches(mode: QuantMode, host: tuple[Any, Any, Any, Any], shape: tuple[int, int, int, int],
+                   layout: str, kind: str, device: str) -> KVCacheTensors:
+    """Host (codes, codes, scales, scales) as caches of layout on kind/device, bits unchanged."""
+    kc, vc, ks, vs = host
+    if layout == "separate":
+        return KVCacheTensors(*(None if a is None else _place(a, dt, kind, device) for a, dt in (
+            (kc, mode.code_dtype), (vc, mode.code_dtype), (ks, None), (vs, None))))
+    caches = allocate_inline(*shape, mode, device=None if kind == "numpy" else device)
+    for dst, src in ((caches.key_cache, kc), (caches.value_cache, vc)):
+        if kind == "numpy":
+            dst.view(np.uint8)[...] = src
+        else:
+            dst.view(torch_dtype("uint8")).copy_(as_torch(src))
+    for dst, src in ((caches.k_scale_cache, ks), (caches.v_scale_cache, vs)):
+        dst[...] = src if kind == "numpy" else as_torch(src).to(device)
+    return caches
+
+
+def paged_sample(
+    rng: np.random.Generator, mode: str | QuantMode, *, batch: str = "mixed", q_lens: Any = None,
+    seq_lens: Any = None, size: Size = "medium", block_size: int = 16, num_q_heads: int = 8,
+    num_kv_heads: int = 2, head_size: int = 64, query_dtype: str = "bfloat16", cache_dtype: str | None = None,
+    layout: str = "separate", kind: Kind = "torch", device: str = "cpu", sinks: bool = False,
+    poison: bool = False, static_scales: Any = "unit", spare_blocks: int = 3, spare_columns: int = 1,
+    num_blocks: int | None = None, fill: Fill = "host",
+) -> PagedSample:
+    """A random paged-attention problem.
+
+    Lengths are given (q_lens, seq_lens) or drawn by `batch` kind; block tables scatter pages
+    (scattered_tables); caches hold fill_quantized's codes and scales in `layout` ("separate"
+    or "inline"); cache_dtype is mode none's cache dtype (default: the query's). static_scales:
+    "unit", "wide" (wide_static_scale) or a (k, v) pair, per-tensor modes only. poison: the key
+    that sequence 0's last query attends to, in KV head 0, is NaN (its scale, its code or its
+    value), so every output row of that head group must come out non-finite (SPEC.md section
+    8) and no other. fill="torch": caches and query drawn on the device by torch ops from a
+    generator seeded by rng, with no host copies (for shapes of GBs).
+    """
+    mode = get_kv_quant_mode(mode)
+    cache_dtype = cache_dtype or query_dtype
+    if layout not in ("separate", "inline"):
+        raise ValueError(f"layout {layout!r}: expected 'separate' or 'inline'")
+    if fill == "torch" and (kind != "torch" or layout != "separate" or poison):
+        raise ValueError("fill='torch' builds separate torch caches without poison")
+    b = draw_batch(rng, batch, block_size=block_size, size=size, q_lens=q_lens, seq_lens=seq_lens,
+                   spare_blocks=spare_blocks, spare_columns=spare_columns, num_blocks=num_blocks)
+    shape = (b.num_blocks, block_size, num_kv_heads, head_size)
+    host = fill == "host"
+    if host:
+        (kc, ks), (vc, vs) = (fill_quantized(mode, rng, shape, cache_dtype) for _ in range(2))
+    static = _static_pair(mode, rng, static_scales)
+    if poison:
+        pos = int(b.seq_lens[0]) - 1
+        block, off = int(b.tables[0, pos // block_size]), pos % block_size
+        if mode.per_token_head:
+            ks[block, off, 0] = np.nan
+        elif mode.per_tensor:
+            kc[block, off, 0, 0] = mode.nan_code
+        else:
+            kc[block, off, 0, 0] = np.nan
+
+    if host:
+        caches = _placed_caches(mode, (kc, vc, ks, vs), shape, layout, kind, device)
+        q32 = rng.standard_normal((b.num_tokens, num_q_heads, head_size)).astype(np.float32)
+        query = tensor(q32, query_dtype, device, kind)
+    else:
+        import torch
+
+        caches = allocate_separate(*shape, mode, model_dtype=cache_dtype, device=device)
+        gen = torch_generator(rng, device)
+        _fill_torch(mode, caches, gen)
+        query = torch.randn((b.num_tokens, num_q_heads, head_size), device=device, generator=gen)
+        query = query.to(torch_dtype(query_dtype))
+    sinks_host = (rng.standard_normal(num_q_heads) * 2).astype(np.float32) if sinks else None
+    return PagedSample(
+        mode=mode, batch=b, layout=layout, kind=kind, device=device, query_dtype=query_dtype, query=query,
+        caches=caches, block_tables=_index(b.tables, kind, device), seq_lens=_index(b.seq_lens, kind, device),
+        query_start_loc=_index(b.qsl, kind, device),
+        sinks=None if sinks_host is None else _place(sinks_host, None, kind, device),
+        k_scale=static[0], v_scale=static[1],
+        query_host=np.array(as_numpy(query.cpu()) if is_torch(query) else query) if host else None,
+        key_codes=kc if host else None, value_codes=vc if host else None,
+        k_scales=ks if host else None, v_scales=vs if host else None, sinks_host=sinks_host,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# write samples
+
+
+def poisoned_caches(rng: np.random.Generator, mode: str | QuantMode, shape: tuple[int, int, int, int], *,
+                    model_dtype: str = "bfloat16", layout: str = "separate", kind: Kind = "torch",
+                    device: str = "cpu") -> KVCacheTensors:
+    """Caches of random bytes (never zero bytes, NaN codes included) in layout: a slot a write
+    leaves alone, or an unwritten byte of a written one, keeps a value no encoder produces
+    by accident."""
+    mode = get_kv_quant_mode(mode)
+    nb, bs, h, d = shape
+    if layout == "inline":
+        buf = random_bytes(rng, (nb, 2, bs, h, d + 4), "uint8", device, kind)
+        return inline_views(buf, d, mode)
+    dtype = mode.code_dtype or model_dtype
+    kc, vc = (random_bytes(rng, shape, dtype, device, kind) for _ in range(2))
+    if mode.per_token_head:
+        ks, vs = (random_bytes(rng, shape[:3], "float32", device, kind) for _ in range(2))
+        return KVCacheTensors(kc, vc, ks, vs)
+    return KVCacheTensors(kc, vc)
+
+
+def _rows_on(values32: np.ndarray, dtype: str, device: str, kind: str, strided: bool, slot: int) -> Any:
+    """K or V rows as an array, or as a view into a fused QKV-like buffer (strided=True):
+    offset start, head and row strides that are not the row's size."""
+    if not strided:
+        return tensor(values32, dtype, device, kind)
+    t, h, d = values32.shape
+    fused = np.zeros((t, 3 * h + 1, d + 3), np.float32)
+    fused[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d] = values32
+    full = tensor(fused, dtype, device, kind)
+    return full[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d]
+
+
+def _clone(x: Any) -> Any:
+    return x.clone() if is_torch(x) else x.copy()
+
+
+@dataclass
+class WriteSample:
+    """One reshape_and_cache problem: rows, slots and caches on `kind`/`device`, plus the host
+    values the oracle reads and a snapshot of the guard blocks past the cache's end."""
+
+    mode: QuantMode
+    dtype: str
+    key32: np.ndarray  # float32, exactly representable in dtype
+    value32: np.ndarray
+    key: Any
+    value: Any
+    slots: np.ndarray  # int64 as handed over (wild ones included)
+    oracle_slots: np.ndarray  # wild slots as -1: what a correct write does with them
+    slot_mapping: Any
+    caches: KVCacheTensors  # the num_blocks blocks the API is given
+    padded: KVCacheTensors  # the same memory with guard_blocks more after it
+    guard: tuple[Any, ...]  # copies of padded's guard blocks (None for absent caches)
+    num_blocks: int
+    block_size: int
+    static_scale: np.float32 | None
+
+    def cache_arrays(self, of: KVCacheTensors | None = None) -> tuple[Any, Any, Any, Any]:
+        c = of or self.caches
+        return c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache
+
+    def api_kwargs(self) -> dict[str, Any]:
+        """Everything api.reshape_and_cache takes besides the five positional arrays."""
+        s = None if self.static_scale is None else float(self.static_scale)
+        return dict(mode=self.mode.name, k_scale_cache=self.caches.k_scale_cache,
+                    v_scale_cache=self.caches.v_scale_cache, k_scale=s, v_scale=s)
+
+    def assert_guard_unchanged(self, what: str) -> None:
+        from .conformance.inputs import assert_same_bytes
+
+        for got, want in zip(self.cache_arrays(self.padded), self.guard):
+            if want is not None:
+                assert_same_bytes(got[self.num_blocks:], want, f"{what} wrote past the end of the cache")
+
+
+def write_slots(rng: np.random.Generator, num_tokens: int, num_blocks: int, block_size: int, *,
+                order: Literal["random", "paged"] = "random", negative: bool = False,
+                wild: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(slots as handed over, slots as a correct write treats them) int64 [num_tokens].
+
+    order "random": distinct slots anywhere; "paged": vLLM-like, tokens filling random blocks
+    in order. negative: about 30% skipped with negative ids. wild: about 40% past the cache's
+    end (what validate=False must skip like negative ones): up to two blocks past it."""
+    capacity = num_blocks * block_size
+    if order == "paged":
+        blocks = rng.permutation(num_blocks)[:-(-num_tokens // block_size)]
+        slots = (blocks[:, None] * block_size + np.arange(block_size)[None, :]).reshape(-1)[:num_tokens]
+    else:
+        slots = rng.permutation(capacity)[:num_tokens]
+    slots = slots.astype(np.int64)
+    if negative and num_tokens:
+        skip = rng.random(num_tokens) < 0.3
+        slots[skip] = -rng.integers(1, 5, int(skip.sum()))
+    oracle_slots = slots
+    if wild and num_tokens:
+        far = rng.random(num_tokens) < 0.4
+        slots = slots.copy()
+        slots[far] = capacity + rng.integers(0, 2 * block_size, int(far.sum()))
+        oracle_slots = np.where(far, -1, slots)
+    return slots, oracle_slots
+
+
+def write_sample(
+    rng: np.random.Generator, mode: str | QuantMode, *, num_tokens: int, num_kv_heads: int = 2,
+    head_size: int = 64, block_size: int = 16, dtype: str = "bfloat16", dist: str = "normal",
+    layout: str = "separate", kind: Kind = "torch", device: str = "cpu", slot_order: Literal["random", "paged"] = "random",
+    negative_slots: bool = False, wild_slots: bool = False, strided: bool = False, num_blocks: int | None = None,
+    guard_blocks: int = 0, poison: bool = True, static_scale: Any = "unit", index_dtype: str = "int64",
+    key32: np.ndarray | None = None, value32: np.ndarray | None = None,
+) -> WriteSample:
+    """A random reshape_and_cache problem.
+
+    Rows come from kvzoo.conformance.inputs.make_rows by `dist` (or are given as float32
+    key32/value32, exactly representable in dtype), as plain arrays or (strided) views into a
+    fused QKV-like buffer; slots from write_slots; the caches hold random bytes (poison) or
+    zeros, with guard_blocks more blocks after the num_blocks given to the API (default
+    max(1, blocks needed) + 2). static_scale: "unit", "wide" or a value, per-tensor modes only.
+    """
+    mode = get_kv_quant_mode(mode)
+    T, H, D, BS = num_tokens, num_kv_heads, head_size, block_size
+    if num_blocks is None:
+        num_blocks = max(1, -(-T // BS)) + 2
+    static = _one_static(rng, static_scale) if mode.per_tensor else None
+    k32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if key32 is None else np.asarray(key32, np.float32)
+    v32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if value32 is None else np.asarray(value32, np.float32)
+    slots, oracle_slots = write_slots(rng, T, num_blocks, BS, order=slot_order, negative=negative_slots,
+                                      wild=wild_slots)
+    shape = (num_blocks + guard_blocks, BS, H, D)
+    if poison:
+        padded = poisoned_caches(rng, mode, shape, model_dtype=dtype, layout=layout, kind=kind, device=device)
+    elif layout == "inline":
+        padded = allocate_inline(*shape, mode, device=None if kind == "numpy" else device)
+    else:
+        padded = allocate_separate(*shape, mode, model_dtype=dtype, device=None if kind == "numpy" else device)
+    arrays = (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)
+    guard = tuple(None if c is None else _clone(c[num_blocks:]) for c in arrays)
+    buffer = None if padded.buffer is None else padded.buffer[:num_blocks]
+    caches = KVCacheTensors(*(None if c is None else c[:num_blocks] for c in arrays), buffer=buffer)
+    slot_mapping = _index(slots, kind, device, index_dtype)
+    return WriteSample(
+        mode=mode, dtype=dtype, key32=k32, value32=v32, key=_rows_on(k32, dtype, device, kind, strided, 0),
+        value=_rows_on(v32, dtype, device, kind, strided, 1), slots=slots, oracle_slots=oracle_slots,
+        slot_mapping=slot_mapping, caches=caches, padded=padded, guard=guard, num_blocks=num_blocks,
+        block_size=BS, static_scale=static,
+    )
+
+
+__all__ = [
+    "BATCH_KINDS", "OUT_ROUNDOFF", "Batch", "PagedSample", "WriteSample", "assert_attention_close",
+    "attention_tolerance", "draw_batch", "draw_lens", "fill_quantized", "host_codes", "host_scales",
+    "oracle_attention", "paged_sample", "poisoned_caches", "scattered_tables", "torch_generator",
+    "unit_static_scale", "wide_static_scale", "write_sample", "write_slots",
+]
