@@ -24,7 +24,7 @@ fails prints an error row; the rest still run.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import os
@@ -77,18 +77,13 @@ def _variant(variant: str) -> tuple[str, bool]:
     return variant.removesuffix(DIRECT).removesuffix(QQ), QQ in variant
 
 
-@contextlib.contextmanager
-def _staging_off(variant: str):
-    """The direct prefill kernel on the codes, as before staging (no workspace allowed)."""
-    from kvzoo.backends.triton import staging
-
-    saved = staging.STAGE_MAX_BYTES
-    if variant.endswith(DIRECT):
-        staging.STAGE_MAX_BYTES = -1
-    try:
-        yield
-    finally:
-        staging.STAGE_MAX_BYTES = saved
+@functools.cache
+def _impl_for(variant: str, impl: str):
+    """The implementation a variant runs: "+direct" forces the direct prefill kernel on the
+    codes, as before staging, through the Triton backend's typed options."""
+    if not variant.endswith(DIRECT):
+        return impl
+    return kvzoo.registry.get("paged_attention", impl).with_options(prefill="direct")
 
 
 @dataclass
@@ -469,26 +464,25 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
 def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
     c = s.cache
     mode, quantize_query = _variant(variant)
-    with _staging_off(variant):
-        kvzoo.paged_attention(
-            s.query,
-            c.key_cache,
-            c.value_cache,
-            mode=mode,
-            block_tables=s.table,
-            seq_lens=s.seq_lens,
-            query_start_loc=s.qsl,
-            k_scale_cache=c.k_scale_cache,
-            v_scale_cache=c.v_scale_cache,
-            softmax_scale=1 / math.sqrt(D),
-            out=s.out,
-            max_query_len=s.max_q,
-            max_seq_len=s.max_s,
-            num_prefills=s.num_prefills,
-            quantize_query=quantize_query,
-            impl=impl,
-            validate=False,
-        )
+    kvzoo.paged_attention(
+        s.query,
+        c.key_cache,
+        c.value_cache,
+        mode=mode,
+        block_tables=s.table,
+        seq_lens=s.seq_lens,
+        query_start_loc=s.qsl,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        softmax_scale=1 / math.sqrt(D),
+        out=s.out,
+        max_query_len=s.max_q,
+        max_seq_len=s.max_s,
+        num_prefills=s.num_prefills,
+        quantize_query=quantize_query,
+        impl=_impl_for(variant, impl),
+        validate=False,
+    )
 
 
 def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int = 32) -> str:
