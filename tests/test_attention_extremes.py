@@ -240,9 +240,9 @@ def staged_calls(monkeypatch):
         return calls
     real = staging.staged_problem
 
-    def spy(p):
+    def spy(p, *args, **kwargs):
         calls.append(p)
-        return real(p)
+        return real(p, *args, **kwargs)
 
     monkeypatch.setattr(staging, "staged_problem", spy)
     return calls

@@ -398,13 +398,11 @@ def test_staged_tiles_launch_only_with_the_staged_query_factors():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype, monkeypatch):
+def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype):
     # The query rows staged in fp16 (rows of any magnitude its dtype holds, and a zero row)
     # times their power-of-two undo factors: exactly the query for bf16 and fp16 rows, the
     # query to fp16's precision for fp32 rows. Every row and factor is written.
     k = _kernels()
-    monkeypatch.setattr(k._staging, "_allocate", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
     p = make_problem([3, 40, 1], [30, 75, 20], dtype=dtype, head_size=48, seed=5)
     uniform = torch.from_numpy(rng_for("triton attention", "query magnitudes").random(tuple(p.query.shape[:2])))
     span = 4.0 if dtype == torch.float16 else 30.0
@@ -412,7 +410,7 @@ def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype, mo
     query = (p.query.double() * magnitudes[..., None].to(p.query.device)).to(dtype)
     query[1, 2] = 0.0
     p = dataclasses.replace(p, query=query)
-    staged = k._staging.staged_problem(p)
+    staged = k._staging.staged_problem(p, fill=float("nan"))
     undo = staged.q_undo.double()
     assert torch.equal(torch.exp2(torch.log2(undo).round()), undo), "undo factors are powers of two"
     back = staged.problem.query.double() * undo[..., None]
@@ -427,15 +425,12 @@ def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype, mo
 
 
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor"])
-def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
+def test_workspace_decodes_to_the_cache_values(mode):
     # The workspace is a cache of fp16 "codes" with one scale per page: decoded, it must give
     # the quantized cache's values to fp16 precision (exactly, for per-tensor codes).
     k = _kernels()
-    poison = {torch.float16: float("nan"), torch.float32: -1.0}
-    monkeypatch.setattr(k._staging, "_allocate", lambda shape, dtype, device: torch.full(
-        shape, poison[dtype], dtype=dtype, device=device))
     p = make_problem([1, 40, 1], [30, 75, 50], mode=mode, head_size=48)
-    w = k._staging.staged_problem(p).problem
+    w = k._staging.staged_problem(p, fill=float("nan")).problem
     pos = torch.arange(75, device=DEVICE)
     blk, off = p.block_tables[1, pos // p.block_size].long(), pos % p.block_size
     row = w.block_tables[1, 0].long() + pos // w.block_size, pos % w.block_size
@@ -455,7 +450,7 @@ def test_workspace_decodes_to_the_cache_values(mode, monkeypatch):
     for ws in (w.key_cache, w.value_cache):
         assert torch.isnan(ws[~written.to(DEVICE)]).all()
     if w.k_scale_cache is not None:
-        assert (w.k_scale_cache[1:, 0] == -1.0).all(), "scales of pages no prefill owns were written"
+        assert torch.isnan(w.k_scale_cache[1:, 0]).all(), "scales of pages no prefill owns were written"
 
 
 def test_conformance_long_batches_reach_the_staged_path():
@@ -522,14 +517,12 @@ def test_zero_key_scales_weigh_visible_keys_evenly(path):
     check(p, **override)
 
 
-def test_staged_prefill_never_reads_workspace_it_did_not_write(monkeypatch):
+def test_staged_prefill_never_reads_workspace_it_did_not_write():
     # Rows past a sequence's end in its last page hold whatever the allocator left (NaN here):
     # masked tiles must not let them into a dot.
     k = _kernels()
-    monkeypatch.setattr(k._staging, "_allocate", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
     p = make_problem(**STAGED_BATCHES["mixed"], head_size=64, seed=5)
-    check(p, prefill=_staged(p))
+    check(p, prefill=_staged(p), options=k.TritonAttentionOptions(workspace_fill=float("nan")))
 
 
 def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():

@@ -931,5 +931,5 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
         if p.num_prefills is None or p.num_prefills < p.num_seqs:
             # Decode tokens read the codes directly: staging their context would only add bytes.
             _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
-        staged = _staging.staged_problem(p)
+        staged = _staging.staged_problem(p, options.workspace_fill)
         _launch(staged.problem, platform, cfg, per_seq=False, skip_decode=True, q_undo=staged.q_undo)

@@ -36,10 +36,13 @@ class TritonAttentionOptions:
     prefill: "auto" stages a quantized prefill through an fp16 workspace where that measured
     faster (staging.py), "direct" always tiles over the codes themselves.
     stage_max_bytes: the largest workspace a call may allocate; above it prefill stays direct.
+    workspace_fill: a value the staged workspace is filled with before the gather (a test of
+    what the gather writes and what the kernel reads); None leaves it uninitialised.
     """
 
     prefill: Literal["auto", "direct"] = "auto"
     stage_max_bytes: int = 1 << 30
+    workspace_fill: float | None = None
 
     def __post_init__(self) -> None:
         if self.prefill not in ("auto", "direct"):

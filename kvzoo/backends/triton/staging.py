@@ -176,9 +176,12 @@ def _stage_query_kernel(q_ptr, ws_ptr, undo_ptr, num_heads, head_size, s_qt, s_q
     tl.store(undo_ptr + row, undo, mask=h_ok)
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    # One seam for the workspace's memory (tests poison it to see what the gather writes).
-    return torch.empty(shape, dtype=dtype, device=device)
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device, fill: float | None) -> torch.Tensor:
+    # fill (TritonAttentionOptions.workspace_fill) poisons the workspace, so a test can see
+    # what the gather writes and what the kernel reads.
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def _pages_per_seq(p: Attention) -> int:
@@ -218,7 +221,7 @@ class Staged(NamedTuple):
     q_undo: torch.Tensor
 
 
-def staged_problem(p: Attention) -> Staged:
+def staged_problem(p: Attention, fill: float | None = None) -> Staged:
     """Gathers the prefill sequences' context into a fresh workspace, and the query into fp16.
     The problem's block_tables hold one column, each sequence's first workspace page: a slot's
     pages are consecutive, and the STAGED kernel reads nothing else. Decode tokens still read
@@ -228,10 +231,10 @@ def staged_problem(p: Attention) -> Staged:
     pages_per_seq = _pages_per_seq(p)
     slots = pages // pages_per_seq
     device = p.query.device
-    ws_k = _allocate(shape, torch.float16, device)
-    ws_v = _allocate(shape, torch.float16, device)
+    ws_k = _allocate(shape, torch.float16, device, fill)
+    ws_v = _allocate(shape, torch.float16, device, fill)
     per_token_head = p.mode.per_token_head
-    page_scales = _allocate((2, pages, heads), torch.float32, device) if per_token_head else None
+    page_scales = _allocate((2, pages, heads), torch.float32, device, fill) if per_token_head else None
     # One launch places the prefills: a dozen small torch ops would each be a node of the
     # step's CUDA graph, and cost measurable time. The gather's grid runs over slots, not sequences: decodes
     # beside a few prefills would each launch a sequence's worth of empty programs.
@@ -263,8 +266,8 @@ def staged_problem(p: Attention) -> Staged:
         scales = dict(k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
                       v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads))
     tokens, q_heads = p.query.shape[0], p.num_q_heads
-    ws_q = _allocate((tokens, q_heads, dim), torch.float16, device)
-    q_undo = _allocate((tokens, q_heads), torch.float32, device)
+    ws_q = _allocate((tokens, q_heads, dim), torch.float16, device, fill)
+    q_undo = _allocate((tokens, q_heads), torch.float32, device, fill)
     _stage_query_kernel[(tokens,)](bf16_as_bits(p.query), ws_q, q_undo, q_heads, dim, *p.query.stride(),
                                    BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
                                    num_warps=4)
