@@ -7,8 +7,8 @@ under this suite with no test edits. `kvzoo check` runs the same matrix outside 
 import pytest
 
 from kvzoo import registry
-from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.capabilities import Capabilities
+from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.conformance.cases import attention_cases, dequant_cases, write_cases
 from kvzoo.conformance.checks import GOLDEN_FILES, declared_reasons, runs_something
 from kvzoo.modes import MODES

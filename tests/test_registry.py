@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kvzoo
-from kvzoo.registry import Implementation, NoImplementationError, Registry
 from kvzoo import registry
 from kvzoo.errors import KVZooInputError
+from kvzoo.registry import Implementation, NoImplementationError, Registry
 
 
 def _impl(name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), missing=(), limit=None, op="reshape_and_cache"):

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ...arrays import dtype_name
-from ...modes import MODES
 from ...capabilities import ALL_OPTIONS, Capabilities
+from ...modes import MODES
 from ...registry import Implementation
 from .formats import E4M3FN, E4M3FNUZ, I8
 from .strided import KINDS, flat, stride_problem

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from . import kernels as vectorized
-
+from ...capabilities import ALL_OPTIONS, Capabilities
 from ...modes import MODES, QuantMode
 from ...problem import Attention, CacheWrite, Dequantize
-from ...capabilities import ALL_OPTIONS, Capabilities
 from ...registry import Implementation, Registry
+from . import kernels as vectorized
 
 NAME = "numpy"
 PRIORITY = 10

@@ -37,12 +37,12 @@ import triton.language as tl
 from ...modes import SCALE_FLOOR
 from ...problem import Attention
 from . import encode as _encode
+from . import platform as _platform
+from . import staging as _staging
 from .attention_ops import TritonAttentionOptions
 from .formats import CODE_COPY, CODE_E4M3FN, CODE_INT8, code_of
 
 _DEFAULT_OPTIONS = TritonAttentionOptions()
-from . import platform as _platform
-from . import staging as _staging
 
 _LOG2E = 1.4426950408889634
 

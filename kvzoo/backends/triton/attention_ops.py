@@ -7,14 +7,17 @@ Kernels live in attention_kernels.py and are imported on the first run, so this 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...errors import fail
-from ...validate import int_scalar
 from ...registry import Implementation, Registry
+from ...validate import int_scalar
 from . import platform
 from .formats import platform_formats
+
+if TYPE_CHECKING:
+    from ...problem import Attention
 
 # Largest head size the kernel tiles: a [rows, 256] fp32 accumulator already fills the registers.
 MAX_HEAD_SIZE = 256

@@ -25,7 +25,6 @@ from .encode import (
     CODE_COPY,
     CODE_E4M3FN,
     CODE_E4M3FN_CVT,
-    CODE_E4M3FNUZ,
     CODE_INT8,
     bits_float,
     decode_codes,

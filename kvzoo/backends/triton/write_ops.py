@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...modes import SCALE_FLOOR
 from ...capabilities import Capabilities
+from ...modes import SCALE_FLOOR
 from ...registry import Implementation, Registry
 from . import platform
 from .formats import platform_formats
