@@ -3,12 +3,11 @@
 A transformers forward pass calls attention once per layer with the same tokens; the block
 tables, lengths, query offsets and slots are the same for all of them. `ForwardStep.build`
 moves a StepLayout (kvzoo.integrations.transformers._pages) to the device once; each layer's
-`run_layer` then writes its K/V and attends with kvzoo's functional API under
-`validate=False` and host-side bounds, so a layer reads nothing back from the device.
-
-This is the seam where kvzoo's engine-step plan (kvzoo.plan_step: plan once per step, run
-per layer) slots in: `build` would call plan_step with these tensors, and `run_layer`'s two
-calls would become `plan.write(...)` and `plan.attention(...)`.
+`run_layer` then writes its K/V and attends through a kvzoo engine-step plan
+(kvzoo.plan_step), built on the first layer that needs it and shared by every layer with the
+same cache geometry and attention parameters (Gemma2's sliding and global layers get one plan
+each). The plan is built with validate=False and the host-side bounds, so no layer reads
+anything back from the device.
 
 >>> import numpy as np, torch
 >>> from kvzoo.integrations.transformers._pages import PageTable
@@ -29,17 +28,11 @@ from typing import Any
 
 import torch
 
-from ... import api
+from ...plan import CacheSpec, StepPlan, plan_step
 from ._pages import StepLayout
-from ._store import LayerStore
+from ._store import MODEL_DTYPES, LayerStore
 
 ImplChoice = str | Mapping[str, Any] | None
-
-
-def _impl_for(impl: ImplChoice, op: str) -> Any:
-    if isinstance(impl, Mapping):
-        return impl.get(op)
-    return impl
 
 
 class ForwardStep:
@@ -59,6 +52,7 @@ class ForwardStep:
         if len(layout.copies):
             self.copies = (put(layout.copies[:, 0].copy()), put(layout.copies[:, 1].copy()))
         self.done: set[int] = set()  # layer indices that have run this step
+        self._plans: dict[tuple[Any, ...], StepPlan] = {}
 
     @classmethod
     def build(cls, layout: StepLayout, device: torch.device | str, epoch: int) -> ForwardStep:
@@ -82,29 +76,41 @@ class ForwardStep:
         if self.copies is not None:
             store.copy_blocks(*self.copies)
         t = store.tensors
+        plan = self._plan(store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl,
+                          validate)
         # [B, H, Q, D] -> [B*Q, H, D]: kvzoo's token-major rows (one copy unless B == 1).
         rows = batch * q_len
         k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
         v = value.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
-        api.reshape_and_cache(
-            k, v, t.key_cache, t.value_cache, self.slot_mapping, mode=store.mode,
-            k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=store.k_scale,
-            v_scale=store.v_scale, rounding=rounding, impl=_impl_for(impl, "reshape_and_cache"), validate=validate,
-        )
+        plan.write(k, v, t, k_scale=store.k_scale, v_scale=store.v_scale)
         q = query.transpose(1, 2).reshape(rows, num_q_heads, head_size)
         if self.real_rows is not None:
             q = q.index_select(0, self.real_rows)
-        out = api.paged_attention(
-            q, t.key_cache, t.value_cache, mode=store.mode, block_tables=self.block_tables,
-            seq_lens=self.seq_lens, query_start_loc=self.query_start_loc, k_scale_cache=t.k_scale_cache,
-            v_scale_cache=t.v_scale_cache, k_scale=store.k_scale, v_scale=store.v_scale,
-            softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-            max_query_len=lay.max_query_len, max_seq_len=lay.max_seq_len, num_prefills=lay.num_prefills,
-            impl=_impl_for(impl, "paged_attention"), validate=validate,
-        )
+        out = plan.attention(q, t, k_scale=store.k_scale, v_scale=store.v_scale, sinks=sinks)
         if self.real_rows is not None:
             # Padding rows attend nothing; transformers ignores their outputs, so 0 is as good as any.
             full = out.new_zeros(rows, num_q_heads, head_size)
             full.index_copy_(0, self.real_rows, out)
             out = full
         return out.view(batch, q_len, num_q_heads, head_size)
+
+    def _plan(self, store: LayerStore, num_q_heads: int, softmax_scale: float | None, sliding_window: int | None,
+              softcap: float | None, sinks: torch.Tensor | None, rounding: str, impl: ImplChoice,
+              validate: bool) -> StepPlan:
+        spec = CacheSpec(store.mode, num_blocks=store.num_blocks, block_size=store.block_size,
+                         num_kv_heads=store.num_kv_heads, head_size=store.head_size, layout=store.layout,
+                         model_dtype=MODEL_DTYPES[store.model_dtype], device=str(store.device), rounding=rounding)
+        impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
+        key = (spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key, validate)
+        plan = self._plans.get(key)
+        if plan is None:
+            lay = self.layout
+            plan = plan_step(
+                spec, block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
+                slot_mapping=self.slot_mapping, num_q_heads=num_q_heads, softmax_scale=softmax_scale,
+                sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                max_query_len=lay.max_query_len, max_seq_len=lay.max_seq_len, num_prefills=lay.num_prefills,
+                validate=validate, impl=impl,
+            )
+            self._plans[key] = plan
+        return plan
