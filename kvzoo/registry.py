@@ -132,7 +132,8 @@ class Implementation:
         except TypeError as bad:
             names = [f.name for f in dataclasses.fields(self.option_type)]
             raise KVZooInputError(f"impl: {self.name} options are {names}: {bad}") from None
-        base = self.run.func if isinstance(self.run, functools.partial) else self.run
+        # Unwrap only the partial an earlier with_options made: a backend's own run may be one too.
+        base = self.run.func if self.options is not None else self.run
         return dataclasses.replace(self, options=options, run=functools.partial(base, options=options))
 
     def __post_init__(self) -> None:

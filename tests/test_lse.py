@@ -20,9 +20,11 @@ import torch
 import kvzoo
 from kvzoo import registry
 from kvzoo.capabilities import Capabilities, required
+from kvzoo.conformance.checks import declared_reasons
 from kvzoo.errors import KVZooInputError
 from kvzoo.modes import get_kv_quant_mode
 from kvzoo.registry import Implementation, NoImplementationError
+from kvzoo.samples import scattered_tables
 from kvzoo_spec import oracle
 
 from support import SEED, rng_for
@@ -63,10 +65,8 @@ def _device(impl: Implementation) -> str:
 
 
 def _skip_undeclared(impl: Implementation, mode: str, options: set[str], head_size: int, dtype: str) -> None:
-    if mode not in impl.modes:
-        pytest.skip(f"{impl.name}: does not register mode {mode}")
     need = kvzoo.capabilities.Requirements(head_size, dtype, frozenset(options | {"return_lse"}))
-    why = impl.capabilities.reasons(impl.name, need)
+    why = declared_reasons(impl, mode, need)
     if why:
         pytest.skip("; ".join(why))
 
@@ -144,14 +144,8 @@ class Paged:
 def build(case: Case, device: str, rng: np.random.Generator, spare_blocks: int = 3) -> Paged:
     mode = get_kv_quant_mode(case.mode)
     bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
-    per_seq = [math.ceil(n / bs) for n in case.seq_lens]
-    num_blocks = sum(per_seq) + spare_blocks
-    perm = rng.permutation(num_blocks)
-    tables = np.full((len(case.seq_lens), max(per_seq + [1])), -1, np.int32)  # -1: never read
-    used = 0
-    for s, nb in enumerate(per_seq):
-        tables[s, :nb] = perm[used: used + nb]
-        used += nb
+    tables, num_blocks = scattered_tables(rng, case.seq_lens, bs, spare_blocks=spare_blocks, spare_columns=0)
+    tables = tables.astype(np.int32)
     # Keys and values written by kvzoo's own NumPy reshape_and_cache; only the decoded values
     # matter here, and the oracle decodes them itself.
     rows = num_blocks * bs

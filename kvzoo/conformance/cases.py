@@ -49,16 +49,12 @@ class WriteCase:
         return Requirements(self.head_size, self.dtype, frozenset(options))
 
 
-def _roundings(mode: str) -> tuple[str, ...]:
-    return MODES[mode].roundings
-
-
 def write_cases() -> list[WriteCase]:
     cases = []
     # Every mode x rounding x input dtype x distribution, at a small shape that varies.
     shapes = itertools.cycle([(64, 16, 2), (80, 1, 3), (96, 32, 1), (128, 16, 4), (256, 16, 2), (67, 32, 2)])
     for mode in MODE_NAMES:
-        for rounding in _roundings(mode):
+        for rounding in MODES[mode].roundings:
             for dtype in ("bfloat16", "float16", "float32"):
                 for dist in ("normal", "outliers", "tiny", "midpoints", "specials"):
                     d, bs, h = next(shapes)
