@@ -1,12 +1,15 @@
-"""Host cost of one eager layer call: the plan's per-layer calls beside the functional API and
-the bare launch of the same kernel (issue 16 item 4).
+"""How much host time does one layer's write and attention cost an engine, and how far is it
+from the floor? The plan's per-layer calls beside the functional API, Triton's own launch of the
+same kernel, kvzoo's bound relaunch of it, and the same kernel replayed from a CUDA graph.
 
 Every row is one call followed by a synchronisation (torch.cuda.synchronize on a GPU), timed
 `--calls` times round-robin with the other rows (so drift in the machine's state hits every
-row alike); the median is reported. "above null op" subtracts the median of a call that only
-allocates an empty tensor and synchronises. The shapes are small enough that the kernels take
-a few microseconds: the bare-launch and impl.run rows show what is left once kvzoo's own
-checks are gone, so the rows above them are host work.
+row alike); medians are reported. "returns" is the time until the call returns (the host's
+own cost: the GPU runs behind it); "synchronised" adds the wait for the GPU, so it includes the
+kernel's run, and "above null op" subtracts a call that only allocates an empty tensor and
+synchronises. The CUDA-graph replay row is the floor of "synchronised": launch latency and
+the kernel itself with no host work per kernel. Writes the rows to $OUT/host_cost.json when
+OUT is set.
 
     python bench/host_cost.py                    GPU: int8 decode 8 x 256 (Hq 32, Hkv 8, D 128), Triton
     python bench/host_cost.py --quick            CPU smoke run: tiny shapes, the registry's CPU choice (numba)
@@ -97,11 +100,50 @@ def bare_triton(impl, problem, module_name: str, kernel_names: tuple[str, ...]) 
     return launch
 
 
+def bound_relaunch(plan, attr: str, call: Callable[[], None]) -> Callable[[], None] | None:
+    """The launch the plan's implementation prepared for this call, with the call's operands:
+    kvzoo's relaunch and Triton's launcher alone (None where the implementation prepares none)."""
+    impl = getattr(plan, attr)
+    if impl.prepare is None:
+        return None
+    seen = []
+
+    def prepare(problem, **kw):
+        launch = impl.prepare(problem, **kw)
+        return None if launch is None else (lambda operands: seen.append((launch, operands)))
+
+    saved = plan._prepared.copy()
+    plan._prepared.clear()
+    setattr(plan, attr, dataclasses.replace(impl, prepare=prepare))
+    try:
+        call()
+    finally:
+        setattr(plan, attr, impl)
+        plan._prepared.clear()
+        plan._prepared.update(saved)
+    if not seen:
+        return None
+    launch, operands = seen[0]
+    return lambda: launch(operands)
+
+
+def graph_replay(call: Callable[[], None], device: str) -> Callable[[], None] | None:
+    """`call` captured in a CUDA graph (after it ran once eagerly): its replay."""
+    if device != "cuda":
+        return None
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def recorded_problem(plan, attr: str, call: Callable[[], None]):
     """The problem record the plan hands its implementation (caught once, then restored)."""
     impl = getattr(plan, attr)
     seen = []
-    setattr(plan, attr, dataclasses.replace(impl, run=seen.append))
+    setattr(plan, attr, dataclasses.replace(impl, run=seen.append, prepare=None))
     try:
         call()
     finally:
@@ -158,15 +200,20 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     w_impl, a_impl = plan.write_impl, plan.attention_impl
     rows: dict[str, Callable[[], None] | None] = {
         "null op (torch.empty(0) + sync)": lambda: torch.empty(0, device=device),
-        "write: bare Triton launch": bare_triton(w_impl, write_problem, "kvzoo.backends.triton.write_kernels",
-                                                 ("_reshape_and_cache_kernel",)),
+        "write: CUDA-graph replay of the plan's call": graph_replay(plan_write, device),
+        "write: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "write_impl", plan_write),
+        "write: Triton launch (kernel[grid](...))": bare_triton(w_impl, write_problem,
+                                                               "kvzoo.backends.triton.write_kernels",
+                                                               ("_reshape_and_cache_kernel",)),
         "write: impl.run(problem)": lambda: w_impl.run(write_problem),
         "write: plan.write": plan_write,
         "write: reshape_and_cache validate=False": write(False),
         "write: reshape_and_cache validate=True": write(True),
-        "attention: bare Triton launch": bare_triton(a_impl, attention_problem,
-                                                     "kvzoo.backends.triton.attention_kernels",
-                                                     ("_attention_kernel", "_merge_splits_kernel")),
+        "attention: CUDA-graph replay of the plan's call": graph_replay(plan_attention, device),
+        "attention: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "attention_impl", plan_attention),
+        "attention: Triton launch (kernel[grid](...))": bare_triton(a_impl, attention_problem,
+                                                                   "kvzoo.backends.triton.attention_kernels",
+                                                                   ("_attention_kernel", "_merge_splits_kernel")),
         "attention: impl.run(problem)": lambda: a_impl.run(attention_problem),
         "attention: plan.attention": plan_attention,
         "attention: paged_attention validate=False": attend(False),
@@ -178,12 +225,15 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     return {k: v for k, v in rows.items() if v is not None}, plan
 
 
-def measure(rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls_each: int, warmup: int) -> dict:
+def measure(rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls_each: int,
+            warmup: int) -> dict[str, tuple[float, float]]:
+    """Per row, (median us until the call returns, median us until the GPU is done)."""
     for fn in rows.values():
         for _ in range(warmup):
             fn()
         sync()
-    times: dict[str, list[float]] = {name: [] for name in rows}
+    returns: dict[str, list[float]] = {name: [] for name in rows}
+    done: dict[str, list[float]] = {name: [] for name in rows}
     clock = time.perf_counter
     gc.collect()
     gc.disable()  # a collection inside one timed call would land on whichever row it hit
@@ -192,11 +242,24 @@ def measure(rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls
             for name, fn in rows.items():
                 t0 = clock()
                 fn()
+                t1 = clock()
                 sync()
-                times[name].append(clock() - t0)
+                t2 = clock()
+                returns[name].append(t1 - t0)
+                done[name].append(t2 - t0)
     finally:
         gc.enable()
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    return {name: (statistics.median(returns[name]) * 1e6, statistics.median(done[name]) * 1e6) for name in rows}
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,23 +276,36 @@ def main(argv: list[str] | None = None) -> int:
     s = build(shape, args.mode, device, args.impl)
     rows, plan = calls(s, args.impl, device)
     medians = measure(rows, sync_for(device), calls_each, 3 if args.quick else 20)
-    null = medians["null op (torch.empty(0) + sync)"]
+    null_returns, null = medians["null op (torch.empty(0) + sync)"]
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+    case = (f"{args.mode} decode {shape.seqs} x {shape.seq_len}, Hq {shape.num_q_heads}, Hkv {shape.num_kv_heads}, "
+            f"D {shape.head_size}, block {shape.block_size}")
     print(f"host_cost: {device} ({where}); write {plan.write_impl.name}, attention {plan.attention_impl.name}; "
-          f"{args.mode} decode {shape.seqs} x {shape.seq_len}, Hq {shape.num_q_heads}, Hkv {shape.num_kv_heads}, "
-          f"D {shape.head_size}, block {shape.block_size}; median of {calls_each} synchronised calls per row")
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+          f"{case}; median of {calls_each} calls per row")
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, commit {_commit()}")
     width = max(len(n) for n in medians)
-    print(f"{'row':{width}s}  {'us/call':>9s}  {'above null op':>13s}")
-    for name, us in medians.items():
-        print(f"{name:{width}s}  {us:9.1f}  {us - null:13.1f}")
-    above = {n: medians[n] - null for n in medians}
+    print(f"{'row (us per call)':{width}s}  {'returns':>8s}  {'synchronised':>12s}  {'above null op':>13s}")
+    for name, (back, us) in medians.items():
+        print(f"{name:{width}s}  {back:8.1f}  {us:12.1f}  {us - null:13.1f}")
+    above = {n: medians[n][1] - null for n in medians}
     worst_plan = max(above["write: plan.write"], above["attention: plan.attention"])
     worst_functional = max(above["write: reshape_and_cache validate=False"],
                            above["attention: paged_attention validate=False"])
     print(f"plan per-layer, worst of write/attention: {worst_plan:.1f} us above the null op "
           f"(H200 target <= {PLAN_TARGET_US:g}); functional validate=False: {worst_functional:.1f} us "
           f"(target <= {FUNCTIONAL_TARGET_US:g})")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        import json
+
+        info = dict(device=where, torch=torch.__version__, python=sys.version.split()[0], commit=_commit(),
+                    command="python3 bench/host_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    case=case, calls=calls_each, write_impl=plan.write_impl.name,
+                    attention_impl=plan.attention_impl.name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        rows_out = [dict(row=n, returns_us=b, synchronised_us=u, above_null_us=u - null) for n, (b, u) in medians.items()]
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(out_dir) / "host_cost.json", "w") as f:
+            json.dump(dict(info=info, null_returns_us=null_returns, rows=rows_out), f, indent=1)
     return 0
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -187,7 +187,7 @@ class CacheSpec:
 class _Layer:
     """One caches object as the kernels take it: code-storage views, extents, converted views."""
 
-    __slots__ = ("arrays", "extents", "views", "write_checked", "statics")
+    __slots__ = ("arrays", "extents", "views", "signatures", "write_checked", "statics")
 
     def __init__(self, arrays: tuple[Array, Array, Array | None, Array | None]) -> None:
         self.arrays = arrays  # key_cache, value_cache, k_scale_cache, v_scale_cache
@@ -195,6 +195,7 @@ class _Layer:
             (name, a, memory.byte_extent(a)) for name, a in zip(_CACHE_NAMES, arrays) if a is not None
         )
         self.views: dict[str, tuple] = {}  # array_kind -> arrays converted for it
+        self.signatures: dict[str, tuple] = {}  # array_kind -> _signature of those views
         self.write_checked = False
         self.statics: dict[tuple[str, float], Array] = {}
 
@@ -203,6 +204,7 @@ class _Layer:
         if views is None:
             convert = as_numpy if kind == "numpy" else as_torch
             views = self.views[kind] = tuple(None if a is None else convert(a) for a in self.arrays)
+            self.signatures[kind] = _signature(views)
         return views
 
     def check_written(self) -> None:
@@ -371,7 +373,7 @@ class StepPlan:
         "spec", "num_q_heads", "softmax_scale", "sliding_window", "softcap", "sinks", "batch_invariant",
         "quantize_query", "max_query_len", "max_seq_len", "num_prefills", "num_tokens", "block_tables",
         "seq_lens", "query_start_loc", "slot_mapping", "write_impl", "attention_impl", "_forced",
-        "_device", "_layers", "_meta_extents", "_slot_extent", "_key_shape", "_query_tail",
+        "_device", "_layers", "_meta_extents", "_slot_extent", "_key_shape", "_query_tail", "_prepared",
     )
 
     def __init__(self) -> None:
@@ -418,9 +420,28 @@ class StepPlan:
         like = layer.arrays[0]
         return layer.static("k_scale", k_scale, like), layer.static("v_scale", v_scale, like)
 
-    def _launch(self, op: str, impl: Implementation, problem: Any) -> None:
+    def _launch(self, op: str, impl: Implementation, operands: tuple, make_problem: Callable[[], Any],
+                layer: _Layer, own: tuple) -> None:
+        """Run one layer's call: through the launch `impl` prepared for operands of this
+        signature (dtypes, strides, alignment) where it has one, else through run. own: the
+        operands that are not the layer's caches (whose signature the layer keeps)."""
+        key = None
+        if impl.prepare is not None:
+            key = (op, layer.signatures[impl.array_kind], _signature(own))
+            launch = self._prepared.get(key)
+            if launch is not None:
+                launch(operands)
+                return
+        problem = make_problem()
         reasons = impl.problem_reasons(problem)
         if not reasons:
+            if key is not None and key not in self._prepared:
+                # Prepared on the first layer that brings this signature; kept as None when
+                # impl does not prepare this problem, so later layers go straight to run.
+                launch = self._prepared[key] = impl.prepare(problem)
+                if launch is not None:
+                    launch(operands)
+                    return
             impl.run(problem)
             return
         if self._forced[op]:
@@ -458,13 +479,13 @@ class StepPlan:
         kind = impl.array_kind
         convert = as_numpy if kind == "numpy" else as_torch
         kc, vc, ksc, vsc = layer.for_kind(kind)
-        problem = CacheWrite(
-            mode=self.spec.mode, key=convert(key), value=convert(value), key_cache=kc, value_cache=vc,
-            slot_mapping=self.slot_mapping, k_scale_cache=ksc, v_scale_cache=vsc,
-            k_scale=None if ks is None else convert(ks), v_scale=None if vs is None else convert(vs),
-            rounding=self.spec.rounding,
-        )
-        self._launch("reshape_and_cache", impl, problem)
+        own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
+        operands = (own[0], own[1], kc, vc, ksc, vsc, own[2], own[3])
+        self._launch("reshape_and_cache", impl, operands, lambda: CacheWrite(
+            mode=self.spec.mode, key=own[0], value=own[1], key_cache=kc, value_cache=vc,
+            slot_mapping=self.slot_mapping, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=own[2],
+            v_scale=own[3], rounding=self.spec.rounding,
+        ), layer, own)
 
     def attention(self, query: Array, caches: Any, out: Array | None = None, *, k_scale: Any = None,
                   v_scale: Any = None, sinks: Array | None = None, return_lse: bool = False,
@@ -526,25 +547,37 @@ class StepPlan:
             sinks = convert(sinks)
             if impl.index_strides == "unit":
                 sinks = unit_index_strides(_Sinks(sinks)).sinks
-        problem = Attention(
-            mode=self.spec.mode, query=convert(query), key_cache=kc, value_cache=vc,
-            block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
-            out=convert(out), max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            softmax_scale=self.softmax_scale, k_scale_cache=ksc, v_scale_cache=vsc,
-            k_scale=None if ks is None else convert(ks), v_scale=None if vs is None else convert(vs),
-            sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
-            batch_invariant=self.batch_invariant, quantize_query=self.quantize_query,
-            num_prefills=self.num_prefills, lse=None if lse is None else convert(lse),
-        )
+        own = (convert(query), None if ks is None else convert(ks), None if vs is None else convert(vs), sinks,
+               convert(out), None if lse is None else convert(lse))
+        operands = (own[0], kc, vc, ksc, vsc, *own[1:])
+
+        def problem() -> Attention:
+            return Attention(
+                mode=self.spec.mode, query=operands[0], key_cache=kc, value_cache=vc,
+                block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
+                out=operands[8], max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                softmax_scale=self.softmax_scale, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=operands[5],
+                v_scale=operands[6], sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
+                batch_invariant=self.batch_invariant, quantize_query=self.quantize_query,
+                num_prefills=self.num_prefills, lse=operands[9],
+            )
+
         if lse is not None and "return_lse" not in impl.capabilities.options:
             # Planned without lse: an implementation that does not write it is not used for it.
             if self._forced["paged_attention"]:
                 raise NoImplementationError(f"impl={impl.name!r} cannot run this paged_attention call: "
                                             f"{impl.name}: does not take return_lse")
-            _run("paged_attention", problem, None)
+            _run("paged_attention", problem(), None)
         else:
-            self._launch("paged_attention", impl, problem)
+            self._launch("paged_attention", impl, operands, problem, layer, own)
         return (out, lse) if return_lse else out
+
+
+def _signature(operands: tuple) -> tuple:
+    """What a prepared launch is specialised on, per operand: dtype, shape, strides and whether
+    its address is 16-byte aligned (Triton's pointer specialisation); None for an absent one."""
+    return tuple(None if a is None else (a.dtype, a.shape, a.stride(), a.data_ptr() & 15 == 0) if is_torch(a)
+                 else (a.dtype, a.shape, a.strides, a.ctypes.data & 15 == 0) for a in operands)
 
 
 @dataclass(frozen=True)
@@ -673,6 +706,7 @@ def plan_step(
     plan.max_query_len, plan.max_seq_len, plan.num_prefills = max_query_len, max_seq_len, num_prefills
     plan.num_tokens = num_tokens
     plan._layers = {}
+    plan._prepared = {}  # (op, operand signature) -> the implementation's prepared launch, or None
     plan._forced = {op: _impl_for(impl, op) is not None for op in ("reshape_and_cache", "paged_attention")}
     plan._query_tail = (num_q_heads, spec.head_size)
 

@@ -34,6 +34,9 @@ class _Problem:
     # written arrays may alias nothing; index tensors may have any strides).
     WRITTEN: ClassVar[tuple[str, ...]] = ()
     INDICES: ClassVar[tuple[str, ...]] = ()
+    # Array fields that change from layer to layer under one engine-step plan (each layer's
+    # rows, caches and outputs), in the order a prepared launch (Implementation.prepare) takes them.
+    OPERANDS: ClassVar[tuple[str, ...]] = ()
 
     @property
     def device(self) -> str:
@@ -87,6 +90,7 @@ class CacheWrite(_Problem):
 
     WRITTEN = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
     INDICES = ("slot_mapping",)
+    OPERANDS = ("key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
 
     def _device_array(self) -> Array:
         return self.key_cache
@@ -183,6 +187,8 @@ class Attention(_Problem):
 
     WRITTEN = ("out", "lse")
     INDICES = ("block_tables", "seq_lens", "query_start_loc", "sinks")
+    OPERANDS = ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale",
+                "sinks", "out", "lse")
 
     def _device_array(self) -> Array:
         return self.query

@@ -116,6 +116,13 @@ class Implementation:
     # bound), or None; `options` is the instance run receives as run(problem, options=...).
     option_type: type | None = None
     options: Any = None
+    # The host-side plan hook: prepare(problem) does once what run(problem) would redo on every
+    # call (choosing configs, binding kernel arguments) and returns launch(operands), which runs
+    # a problem equal to this one but for its OPERANDS arrays (type(problem).OPERANDS, in that
+    # order), each with the dtype, shape, strides and 16-byte alignment of the one it replaces;
+    # or returns None for a problem it does not prepare. The engine-step plan (kvzoo/plan.py)
+    # prepares once per step and launches per layer. None: the plan calls run on every layer.
+    prepare: Callable[..., Callable[[tuple], None] | None] | None = None
     # A line for `kvzoo list`; informational.
     notes: str = ""
 
@@ -134,7 +141,11 @@ class Implementation:
             raise KVZooInputError(f"impl: {self.name} options are {names}: {bad}") from None
         # Unwrap only the partial an earlier with_options made: a backend's own run may be one too.
         base = self.run.func if self.options is not None else self.run
-        return dataclasses.replace(self, options=options, run=functools.partial(base, options=options))
+        changes: dict[str, Any] = {"run": functools.partial(base, options=options)}
+        if self.prepare is not None:
+            base = self.prepare.func if self.options is not None else self.prepare
+            changes["prepare"] = functools.partial(base, options=options)
+        return dataclasses.replace(self, options=options, **changes)
 
     def __post_init__(self) -> None:
         # Every registered mode's format must be in the declared table, so a format the

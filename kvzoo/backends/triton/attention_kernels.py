@@ -41,6 +41,7 @@ from . import platform as _platform
 from . import staging as _staging
 from .attention_ops import TritonAttentionOptions
 from .formats import CODE_COPY, CODE_E4M3FN, CODE_INT8, code_of
+from .launch import BoundLaunch, relaunch_all
 
 _DEFAULT_OPTIONS = TritonAttentionOptions()
 
@@ -819,6 +820,10 @@ class KernelCall:
     options: dict  # num_warps, num_stages, maxnreg
     # The split merge's (grid, args, constexprs), run after it; None without a split.
     merge: tuple | None
+    # For each of Attention.OPERANDS, the positions of args it fills (and of the merge's args):
+    # what a bound launch (launch.py) swaps when the next layer brings its own tensors.
+    slots: tuple = ()
+    merge_slots: tuple = ()
 
 
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool,
@@ -892,7 +897,20 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():
         options["maxnreg"] = cfg.maxnreg
-    return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, merge)
+    per_tensor = scale_mode == _SCALE_TENSOR
+    # Argument positions of each operand, in Attention.OPERANDS order (query, key_cache,
+    # value_cache, k_scale_cache, v_scale_cache, k_scale, v_scale, sinks, out, lse): the
+    # leading pointers of `args` above. A slot whose operand is absent keeps its stand-in.
+    token_head = scale_mode == _SCALE_TOKEN_HEAD
+    sinks_at, lse_at = (13,) if p.sinks is not None else (), (9,) if p.lse is not None else ()
+    slots = ((0,), (1,), (2,), (3,) if token_head else (), (4,) if token_head else (),
+             (3,) if per_tensor else (), (4,) if per_tensor else (), sinks_at,
+             (5,) if split else (5, 6, 7, 8), lse_at)
+    merge_slots = ()
+    if split:
+        merge_slots = ((), (), (), (), (), (), (), (6,) if p.sinks is not None else (), (3,),
+                       (7,) if p.lse is not None else ())
+    return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, merge, slots, merge_slots)
 
 
 def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool,
@@ -906,30 +924,67 @@ def _launch(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool,
     return kernel
 
 
+def _launches(p: Attention, platform: str, decode: AttentionConfig | None, prefill: AttentionConfig | None,
+              options: TritonAttentionOptions) -> tuple[list[tuple[AttentionConfig, bool, bool]], AttentionConfig | None]:
+    """The direct launches of `p` as (config, per_seq, skip_decode), and the staged prefill's
+    config when its prefills go through the staging workspace (after those launches), else None."""
+    invariant = p.batch_invariant
+    if invariant:
+        # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed
+        # prefill tiles. Which launch a sequence takes depends on its own q_len only.
+        launches = [(decode or decode_config(p, True, platform), True, False)]
+        if p.max_query_len > 1:
+            launches.append((prefill or prefill_config(p, options), False, True))
+        return launches, None
+    if p.max_query_len <= 1:
+        return [(decode or decode_config(p, False, platform), True, False)], None
+    cfg = prefill or prefill_config(p, options)
+    if not cfg.stage_kv:
+        return [(cfg, False, False)], None
+    if not _staging.stageable(p):
+        raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
+                         f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
+    if p.num_prefills is None or p.num_prefills < p.num_seqs:
+        # Decode tokens read the codes directly: staging their context would only add bytes.
+        return [(decode or decode_config(p, False, platform), True, False)], cfg
+    return [], cfg
+
+
 def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None = None,
         prefill: AttentionConfig | None = None, options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> None:
     """Attention for problem `p`. decode / prefill override the table (tests, tuning)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
-    invariant = p.batch_invariant
-    if invariant:
-        # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed
-        # prefill tiles. Which launch a sequence takes depends on its own q_len only.
-        _launch(p, platform, decode or decode_config(p, True, platform), per_seq=True, skip_decode=False)
-        if p.max_query_len > 1:
-            _launch(p, platform, prefill or prefill_config(p, options), per_seq=False, skip_decode=True)
-    elif p.max_query_len <= 1:
-        _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
-    else:
-        cfg = prefill or prefill_config(p, options)
-        if not cfg.stage_kv:
-            _launch(p, platform, cfg, per_seq=False, skip_decode=False)
-            return
-        if not _staging.stageable(p):
-            raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
-                             f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
-        if p.num_prefills is None or p.num_prefills < p.num_seqs:
-            # Decode tokens read the codes directly: staging their context would only add bytes.
-            _launch(p, platform, decode or decode_config(p, False, platform), per_seq=True, skip_decode=False)
+    launches, staged_cfg = _launches(p, platform, decode, prefill, options)
+    for cfg, per_seq, skip_decode in launches:
+        _launch(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+    if staged_cfg is not None:
         staged = _staging.staged_problem(p, options.workspace_fill)
-        _launch(staged.problem, platform, cfg, per_seq=False, skip_decode=True, q_undo=staged.q_undo)
+        _launch(staged.problem, platform, staged_cfg, per_seq=False, skip_decode=True, q_undo=staged.q_undo)
+
+
+def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS):
+    """`p`'s launches bound once (launch.py): a function of Attention.OPERANDS that runs a
+    problem equal to `p` but for those arrays, each of the dtype, shape, strides and 16-byte
+    alignment of `p`'s. It launches nothing now. None where `p` takes the staged prefill (its
+    workspace is sized and filled per call). A split decode's partials are allocated here,
+    once, and shared by every relaunch: relaunches are ordered on one stream, as a step's
+    layers are."""
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return _launch_nothing
+    launches, staged_cfg = _launches(p, platform, None, None, options)
+    if staged_cfg is not None:
+        return None
+    bound = []
+    for cfg, per_seq, skip_decode in launches:
+        call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+        bound.append(BoundLaunch(_attention_kernel, call.grid, call.args, {**call.constexprs, **call.options},
+                                 call.slots))
+        if call.merge is not None:
+            grid, args, constexprs = call.merge
+            bound.append(BoundLaunch(_merge_splits_kernel, (*grid, 1), args, constexprs, call.merge_slots))
+    return functools.partial(relaunch_all, tuple(bound))
+
+
+def _launch_nothing(operands) -> None:
+    return None

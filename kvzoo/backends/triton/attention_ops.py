@@ -62,6 +62,15 @@ def _runner(platform_name: str):
     return run
 
 
+def _preparer(platform_name: str):
+    def prepare(p: Attention, options: TritonAttentionOptions | None = None):
+        from . import attention_kernels
+
+        return attention_kernels.prepare(p, platform_name, options=options or TritonAttentionOptions())
+
+    return prepare
+
+
 def register(registry: Registry) -> None:
     for name in platform.PLATFORMS:
         registry.add(
@@ -71,6 +80,7 @@ def register(registry: Registry) -> None:
                 platform=name,
                 modes=platform.PLATFORM_MODES[name],
                 run=_runner(name),
+                prepare=_preparer(name),
                 array_kind="torch",
                 # The kernels step through index tensors one element at a time (rows of
                 # block_tables by their stride).

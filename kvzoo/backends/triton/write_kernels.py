@@ -37,6 +37,7 @@ from .encode import (
     widen_bf16_bits,
 )
 from .formats import code_of
+from .launch import BoundLaunch
 from .platform import interpreted
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
@@ -371,12 +372,11 @@ def _encoder_code(code: int, t: torch.Tensor) -> int:
     return code
 
 
-def reshape_and_cache(p, scale_floor: float) -> None:
-    """Run a validated CacheWrite problem (torch tensors)."""
+def _write_call(p, scale_floor: float):
+    """(grid, args, kwargs, slots) of the write kernel's launch for `p`; slots: the positions
+    of args each of CacheWrite.OPERANDS fills."""
     mode = p.mode
     num_tokens, num_heads, head_size = p.key.shape
-    if num_tokens == 0:
-        return
     block_d = triton.next_power_of_2(head_size)
     block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE_ELEMENTS // block_d))
     code = code_of(mode)
@@ -393,8 +393,8 @@ def reshape_and_cache(p, scale_floor: float) -> None:
     k_s = p.k_scale if mode.per_tensor else None
     v_s = p.v_scale if mode.per_tensor else None
     dummy = key_cache
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _reshape_and_cache_kernel[grid](
+    grid = (num_tokens, triton.cdiv(num_heads, block_h), 1)
+    args = (
         key,
         value,
         key_cache,
@@ -414,6 +414,8 @@ def reshape_and_cache(p, scale_floor: float) -> None:
         *value_cache.stride(),
         *_strides(k_sc, 3),
         *_strides(v_sc, 3),
+    )
+    kwargs = dict(
         CODE=_encoder_code(code, p.key),
         PER_TENSOR=mode.per_tensor,
         IN_KIND=_in_kind(p.key),
@@ -428,6 +430,31 @@ def reshape_and_cache(p, scale_floor: float) -> None:
         num_warps=_write_warps(block_h * block_d, code, num_tokens),
         enable_fp_fusion=False,
     )
+    slots = ((0,), (1,), (2,), (3,), (4,) if per_token_head else (), (5,) if per_token_head else (),
+             (6,) if mode.per_tensor else (), (7,) if mode.per_tensor else ())
+    return grid, args, kwargs, slots
+
+
+def reshape_and_cache(p, scale_floor: float) -> None:
+    """Run a validated CacheWrite problem (torch tensors)."""
+    if p.key.shape[0] == 0:
+        return
+    grid, args, kwargs, _ = _write_call(p, scale_floor)
+    _reshape_and_cache_kernel[grid](*args, **kwargs)
+
+
+def prepare_write(p, scale_floor: float):
+    """`p`'s launch bound once (launch.py): a function of CacheWrite.OPERANDS that writes a
+    problem equal to `p` but for those arrays, each of the dtype, shape, strides and 16-byte
+    alignment of `p`'s. It launches nothing now."""
+    if p.key.shape[0] == 0:
+        return _write_nothing
+    grid, args, kwargs, slots = _write_call(p, scale_floor)
+    return BoundLaunch(_reshape_and_cache_kernel, grid, args, kwargs, slots).relaunch
+
+
+def _write_nothing(operands) -> None:
+    return None
 
 
 def dequantize(p) -> None:
@@ -471,4 +498,4 @@ def dequantize(p) -> None:
     )
 
 
-__all__ = ["reshape_and_cache", "dequantize", "float_bits", "code_of"]
+__all__ = ["reshape_and_cache", "prepare_write", "dequantize", "float_bits", "code_of"]

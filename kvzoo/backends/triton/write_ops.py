@@ -22,6 +22,12 @@ def _run_write(p: Any) -> None:
     write_kernels.reshape_and_cache(p, float(SCALE_FLOOR))
 
 
+def _prepare_write(p: Any):
+    from . import write_kernels
+
+    return write_kernels.prepare_write(p, float(SCALE_FLOOR))
+
+
 def _run_dequantize(p: Any) -> None:
     from . import write_kernels
 
@@ -37,9 +43,9 @@ def register(registry: Registry) -> None:
 
         # Input dtypes and mode none's equal dtypes are checked once, in kvzoo.api; these
         # kernels take every call that passes there.
-        for op, run in (
-            ("reshape_and_cache", _run_write),
-            ("dequantize", _run_dequantize),
+        for op, run, prepare in (
+            ("reshape_and_cache", _run_write, _prepare_write),
+            ("dequantize", _run_dequantize, None),
         ):
             registry.add(
                 Implementation(
@@ -48,6 +54,7 @@ def register(registry: Registry) -> None:
                     platform=plat,
                     modes=platform.PLATFORM_MODES[plat],
                     run=run,
+                    prepare=prepare,
                     array_kind="torch",
                     # The kernels step through index tensors one element at a time.
                     index_strides="unit",

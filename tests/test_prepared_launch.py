@@ -1,0 +1,249 @@
+"""The plan's prepared launches (Implementation.prepare): the first layer of a step binds each
+launch, later layers relaunch it with their own tensors. Every result is compared byte for byte
+with the functional API on fresh random inputs and poisoned caches.
+
+On a machine without a GPU the Triton kernels run under the interpreter, which exercises the
+binding and the operand swap; the compiled launcher itself runs where CUDA is present
+(the same tests, and the gpu_only ones below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_plan import (
+    CONFIGS,
+    HKV,
+    HQ,
+    cache_arrays,
+    clone,
+    functional_write,
+    metadata,
+    poisoned,
+    rows,
+    scales_of,
+    spec_for,
+)
+
+import kvzoo
+from kvzoo.problem import Attention, CacheWrite
+
+from support import assert_same_bytes, rng_for
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _triton(op: str):
+    impl = kvzoo.registry.get(op, "triton-cuda")
+    if not impl.available:
+        pytest.skip(f"triton-cuda: {'; '.join(impl.unavailable())}")
+    return impl
+
+
+def counted(impl, counts: dict):
+    """impl, counting its runs, its prepares and the launches they return."""
+
+    def run(p, **kw):
+        counts["run"] += 1
+        return impl.run(p, **kw)
+
+    def prepare(p, **kw):
+        counts["prepare"] += 1
+        launch = impl.prepare(p, **kw)
+        counts.setdefault("prepared", []).append(launch)
+        if launch is None:
+            return None
+
+        def relaunch(operands):
+            counts["launch"] += 1
+            launch(operands)
+
+        return relaunch
+
+    return dataclasses.replace(impl, run=run, prepare=prepare)
+
+
+def step_through_plan(spec, meta, layers, rng, *, lse=False, sinks=None, query_view=None):
+    """A step over `layers` caches through a plan of counted triton impls, and the same through
+    the functional API on copies; returns the counts per op after checking every byte."""
+    counts = {op: dict(run=0, prepare=0, launch=0) for op in ("reshape_and_cache", "paged_attention")}
+    impls = {op: counted(_triton(op), counts[op]) for op in counts}
+    index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
+    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, impl=impls,
+                           sinks=sinks)
+    h, d, tokens = spec.num_kv_heads, spec.head_size, int(meta["slot_mapping"].shape[0])
+    n = int(meta["context_slots"].shape[0])
+    for layer in range(layers):
+        mine = poisoned(spec, rng)
+        functional_write(rows(rng, (n, h, d), spec.model_dtype, DEVICE), rows(rng, (n, h, d), spec.model_dtype, DEVICE),
+                         mine, meta["context_slots"], spec, "numpy" if DEVICE == "cpu" else "triton-cuda")
+        theirs = clone(mine)
+        key, value = (rows(rng, (tokens, h, d), spec.model_dtype, DEVICE) for _ in range(2))
+        query = rows(rng, (tokens, HQ, d), spec.model_dtype, DEVICE)
+        if query_view is not None:
+            query = query_view(query, layer)
+        plan.write(key, value, mine, **scales_of(spec))
+        got = plan.attention(query, mine, return_lse=lse, **scales_of(spec))
+        functional_write(key, value, theirs, meta["slot_mapping"], spec, "triton-cuda")
+        want = kvzoo.paged_attention(
+            query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index, k_scale_cache=theirs.k_scale_cache,
+            v_scale_cache=theirs.v_scale_cache, sinks=sinks, return_lse=lse, impl="triton-cuda", **scales_of(spec))
+        for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
+            assert_same_bytes(a, b, f"layer {layer} cache after write")
+        for a, b in zip(got if lse else (got,), want if lse else (want,)):
+            assert_same_bytes(a, b, f"layer {layer} attention")
+            assert torch.isfinite(a.float()).all()
+    return counts, plan
+
+
+@pytest.mark.parametrize("mode,layout", CONFIGS)
+def test_later_layers_relaunch_what_the_first_prepared(mode, layout):
+    spec = spec_for(mode, layout, DEVICE)
+    counts, _ = step_through_plan(spec, metadata(DEVICE), 3, rng_for("prepared", mode, layout))
+    for op, c in counts.items():
+        # One prepare on the first layer, which it also launches; no layer goes through run.
+        c.pop("prepared")
+        assert c == dict(run=0, prepare=1, launch=3), (op, c)
+
+
+@pytest.mark.parametrize("case", ["lse", "sinks", "decode only", "split decode"])
+def test_prepared_attention_variants(case):
+    mode, layout = "int8_per_token_head", "separate"
+    spec, meta, sinks = spec_for(mode, layout, DEVICE), metadata(DEVICE), None
+    rng = rng_for("prepared variant", case)
+    if case == "sinks":
+        sinks = torch.from_numpy(rng.standard_normal(HQ).astype(np.float32)).to(DEVICE)
+    if case == "decode only":
+        meta = metadata(DEVICE, q_lens=(1, 1, 1), seq_lens=(8, 13, 4))
+    if case == "split decode":
+        # One long sequence over few KV heads: the decode splits its keys (the merge kernel is
+        # a second bound launch sharing the plan's partials).
+        bs, length = 16, 2100
+        blocks = -(-length // bs)
+        table = [list(np.random.default_rng(7).permutation(blocks))]
+        meta = metadata(DEVICE, q_lens=(1,), seq_lens=(length,), table=table, block_size=bs)
+        spec = kvzoo.CacheSpec(mode, num_blocks=blocks, block_size=bs, num_kv_heads=HKV, head_size=spec.head_size,
+                               model_dtype="bfloat16", device=DEVICE)
+    counts, plan = step_through_plan(spec, meta, 2, rng, lse=case == "lse", sinks=sinks)
+    prepared = counts["paged_attention"].pop("prepared")
+    assert counts["paged_attention"] == dict(run=0, prepare=1, launch=2)
+    # The split decode binds two launches (the attention kernel and the merge sharing the
+    # plan's partials); the others one.
+    (bound,) = prepared[0].args
+    assert len(bound) == (2 if case == "split decode" else 1)
+
+
+def test_other_strides_or_alignment_prepare_again():
+    spec = spec_for("fp8_per_token_head", "separate", DEVICE)
+
+    def view(query, layer):
+        if layer == 1:  # a column slice of a wider tensor: other strides
+            wide = torch.empty(query.shape[0], query.shape[1], query.shape[2] * 2, dtype=query.dtype, device=DEVICE)
+            wide[..., : query.shape[2]] = query
+            return wide[..., : query.shape[2]]
+        if layer == 2:  # unit strides, but 2 bytes past a 16-byte boundary
+            flat = torch.empty(query.numel() + 1, dtype=query.dtype, device=DEVICE)
+            shifted = flat[1:].view(query.shape)
+            shifted.copy_(query)
+            assert shifted.data_ptr() % 16
+            return shifted
+        return query
+
+    counts, plan = step_through_plan(spec, metadata(DEVICE), 4, rng_for("prepared strides"), query_view=view)
+    # Layers 0 and 3 share a signature; 1 and 2 bring their own.
+    for c in counts.values():
+        c.pop("prepared")
+    assert counts["paged_attention"] == dict(run=0, prepare=3, launch=4)
+    assert counts["reshape_and_cache"] == dict(run=0, prepare=1, launch=4)
+
+
+def test_staged_prefill_is_not_prepared_and_runs():
+    # prepare returns None where the staged workspace is filled per call: every layer runs.
+    impl = _triton("paged_attention").with_options(prefill="auto", stage_max_bytes=1 << 30)
+    if DEVICE == "cpu":
+        pytest.skip("staging is chosen by GPU timings (staging.worth_staging); the interpreter stays direct")
+    spec = kvzoo.CacheSpec("int8_per_token_head", num_blocks=32, block_size=16, num_kv_heads=2, head_size=128,
+                           model_dtype="bfloat16", device="cuda")
+    meta = metadata("cuda", q_lens=(300,), seq_lens=(300,), table=[list(range(19))], block_size=16)
+    counts = dict(run=0, prepare=0, launch=0)
+    plan = kvzoo.plan_step(spec, block_tables=meta["block_tables"], seq_lens=meta["seq_lens"],
+                           query_start_loc=meta["query_start_loc"], num_q_heads=8,
+                           impl={"paged_attention": counted(impl, counts)})
+    c = spec.allocate()
+    kvzoo.reshape_and_cache(*(torch.randn(2, 300, 2, 128, device="cuda").to(torch.bfloat16)), c.key_cache,
+                            c.value_cache, meta["slot_mapping"], mode=spec.mode, k_scale_cache=c.k_scale_cache,
+                            v_scale_cache=c.v_scale_cache)
+    query = torch.randn(300, 8, 128, device="cuda").to(torch.bfloat16)
+    for _ in range(2):
+        got = plan.attention(query, c)
+    want = kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode=spec.mode, block_tables=meta["block_tables"],
+                                 seq_lens=meta["seq_lens"], query_start_loc=meta["query_start_loc"],
+                                 k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl)
+    assert_same_bytes(got, want, "staged prefill through the plan")
+    assert counts.pop("prepared") == [None]
+    assert counts == dict(run=2, prepare=1, launch=0)
+
+
+def test_with_options_binds_the_prepare_hook_too():
+    impl = kvzoo.registry.get("paged_attention", "triton-cuda")
+    direct = impl.with_options(prefill="direct")
+    assert direct.prepare.keywords["options"].prefill == "direct"
+    again = direct.with_options(stage_max_bytes=5)
+    assert again.prepare.func is direct.prepare.func
+    assert again.prepare.keywords["options"] == dataclasses.replace(direct.options, stage_max_bytes=5)
+
+
+def test_operand_orders_name_fields_of_their_problems():
+    # The order a prepared launch takes its operands in is the problem's own field names.
+    for cls in (CacheWrite, Attention):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert set(cls.OPERANDS) <= fields and len(set(cls.OPERANDS)) == len(cls.OPERANDS)
+    assert set(Attention.WRITTEN) <= set(Attention.OPERANDS)
+    assert set(CacheWrite.WRITTEN) <= set(CacheWrite.OPERANDS)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_prepared_step_replays_in_a_cuda_graph():
+    # Captured after the first (eager) step bound the launches: the graph holds the relaunches.
+    spec = spec_for("int8_per_token_head", "inline", "cuda")
+    meta = metadata("cuda", q_lens=(1, 1, 1), seq_lens=(8, 13, 4))
+    rng = rng_for("prepared graph")
+    layers = [poisoned(spec, rng) for _ in range(2)]
+    index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
+    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ)
+    d = spec.head_size
+    key = [rows(rng, (3, HKV, d), "bfloat16", "cuda") for _ in layers]
+    value = [rows(rng, (3, HKV, d), "bfloat16", "cuda") for _ in layers]
+    query = [rows(rng, (3, HQ, d), "bfloat16", "cuda") for _ in layers]
+    out = [torch.empty_like(q) for q in query]
+    before = [clone(c) for c in layers]
+
+    def step():
+        for i, c in enumerate(layers):
+            plan.write(key[i], value[i], c)
+            plan.attention(query[i], c, out=out[i])
+
+    step()
+    assert len([v for v in plan._prepared.values() if v is not None]) == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(2):
+        key[i].copy_(rows(rng, (3, HKV, d), "bfloat16", "cuda"))
+        query[i].copy_(rows(rng, (3, HQ, d), "bfloat16", "cuda"))
+        out[i].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, c in enumerate(before):
+        functional_write(key[i], value[i], c, meta["slot_mapping"], spec, "triton-cuda")
+        want = kvzoo.paged_attention(query[i], c.key_cache, c.value_cache, mode=spec.mode, **index,
+                                     k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
+        for a, b in zip(cache_arrays(layers[i]), cache_arrays(c)):
+            assert_same_bytes(a, b, f"layer {i} cache after replay")
+        assert_same_bytes(out[i], want, f"layer {i} attention after replay")
+
