@@ -49,14 +49,53 @@ from .validate import (
 Array = Any
 
 
+# What a functional call chose and prepared, by everything that choice depends on: the op, the
+# implementation asked for, the registry (and its generation), the problem's host fields and
+# its arrays' signature (dtypes, shapes, strides, devices, alignment). A call of a signature
+# met before skips the registry's selection and the implementation's per-call set-up
+# (Implementation.prepare); its arguments are still checked in full. Cleared when full: an
+# engine meets a handful of signatures per model.
+_PREPARED: dict[tuple, tuple[Any, _registry.Implementation, Any]] = {}
+_MAX_PREPARED = 256
+
+
 def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> None:
     check_aliasing(problem)
-    chosen = _registry.default().select(problem, op, impl)
+    reg = _registry.default()
+    # The object the entry was made for: a key's id() cannot be reused while it is held here.
+    held = impl if isinstance(impl, _registry.Implementation) else reg
+    key = (op, id(held), impl if isinstance(impl, str) else None, reg.generation, problem.host_fields(),
+           _registry.prepared_signature(problem.operands()))
+    entry = _PREPARED.get(key)
+    if entry is not None and entry[0] is held:
+        chosen, launch = entry[1], entry[2]
+        problem = _for_chosen(chosen, problem)
+        if launch is not None:
+            launch(problem.operands())
+        else:
+            chosen.run(problem)
+        return
+    chosen = reg.select(problem, op, impl)
+    problem = _for_chosen(chosen, problem)
+    launch = chosen.prepare(problem) if chosen.prepare is not None else None
+    if len(_PREPARED) >= _MAX_PREPARED:
+        _PREPARED.clear()
+    _PREPARED[key] = (held, chosen, launch)
+    if launch is not None:
+        launch(problem.operands())
+    else:
+        chosen.run(problem)
+
+
+def _for_chosen(chosen: _registry.Implementation, problem: Any) -> Any:
+    """The problem as `chosen` takes it: its array kind, and contiguous copies of index tensors
+    it cannot step through (a copy of given shape has the same strides every time, and an
+    allocation's alignment, so the signature of what it is handed follows from the caller's)."""
     convert = as_numpy if chosen.array_kind == "numpy" else as_torch
     problem = problem.map_arrays(convert)
     if chosen.index_strides == "unit":
         problem = unit_index_strides(problem)
-    chosen.run(problem)
+    return problem
 
 
 def cache_dtypes(mode: QuantMode, model_dtype: str) -> tuple[str, ...]:

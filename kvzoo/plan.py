@@ -204,7 +204,7 @@ class _Layer:
         if views is None:
             convert = as_numpy if kind == "numpy" else as_torch
             views = self.views[kind] = tuple(None if a is None else convert(a) for a in self.arrays)
-            self.signatures[kind] = _signature(views)
+            self.signatures[kind] = _registry.prepared_signature(views)
         return views
 
     def check_written(self) -> None:
@@ -427,7 +427,7 @@ class StepPlan:
         operands that are not the layer's caches (whose signature the layer keeps)."""
         key = None
         if impl.prepare is not None:
-            key = (op, layer.signatures[impl.array_kind], _signature(own))
+            key = (op, layer.signatures[impl.array_kind], _registry.prepared_signature(own))
             launch = self._prepared.get(key)
             if launch is not None:
                 launch(operands)
@@ -480,7 +480,7 @@ class StepPlan:
         convert = as_numpy if kind == "numpy" else as_torch
         kc, vc, ksc, vsc = layer.for_kind(kind)
         own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
-        operands = (own[0], own[1], kc, vc, ksc, vsc, own[2], own[3])
+        operands = (own[0], own[1], kc, vc, self.slot_mapping, ksc, vsc, own[2], own[3])  # CacheWrite's order
         self._launch("reshape_and_cache", impl, operands, lambda: CacheWrite(
             mode=self.spec.mode, key=own[0], value=own[1], key_cache=kc, value_cache=vc,
             slot_mapping=self.slot_mapping, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=own[2],
@@ -549,17 +549,19 @@ class StepPlan:
                 sinks = unit_index_strides(_Sinks(sinks)).sinks
         own = (convert(query), None if ks is None else convert(ks), None if vs is None else convert(vs), sinks,
                convert(out), None if lse is None else convert(lse))
-        operands = (own[0], kc, vc, ksc, vsc, *own[1:])
+        # Attention.operand_names() order; the metadata is the plan's own.
+        operands = (own[0], kc, vc, self.block_tables, self.seq_lens, self.query_start_loc, own[4], ksc, vsc,
+                    own[1], own[2], own[3], own[5])
 
         def problem() -> Attention:
             return Attention(
                 mode=self.spec.mode, query=operands[0], key_cache=kc, value_cache=vc,
                 block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
-                out=operands[8], max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-                softmax_scale=self.softmax_scale, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=operands[5],
-                v_scale=operands[6], sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
+                out=own[4], max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                softmax_scale=self.softmax_scale, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=own[1],
+                v_scale=own[2], sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
                 batch_invariant=self.batch_invariant, quantize_query=self.quantize_query,
-                num_prefills=self.num_prefills, lse=operands[9],
+                num_prefills=self.num_prefills, lse=own[5],
             )
 
         if lse is not None and "return_lse" not in impl.capabilities.options:
@@ -571,13 +573,6 @@ class StepPlan:
         else:
             self._launch("paged_attention", impl, operands, problem, layer, own)
         return (out, lse) if return_lse else out
-
-
-def _signature(operands: tuple) -> tuple:
-    """What a prepared launch is specialised on, per operand: dtype, shape, strides and whether
-    its address is 16-byte aligned (Triton's pointer specialisation); None for an absent one."""
-    return tuple(None if a is None else (a.dtype, a.shape, a.stride(), a.data_ptr() & 15 == 0) if is_torch(a)
-                 else (a.dtype, a.shape, a.strides, a.ctypes.data & 15 == 0) for a in operands)
 
 
 @dataclass(frozen=True)

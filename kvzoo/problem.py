@@ -27,6 +27,12 @@ def _array_field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Array"))
 
 
+@functools.cache
+def _host_field_names(cls: type) -> tuple[str, ...]:
+    array_fields = _array_field_names(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in array_fields)
+
+
 @dataclass(frozen=True)
 class _Problem:
     mode: QuantMode
@@ -34,9 +40,6 @@ class _Problem:
     # written arrays may alias nothing; index tensors may have any strides).
     WRITTEN: ClassVar[tuple[str, ...]] = ()
     INDICES: ClassVar[tuple[str, ...]] = ()
-    # Array fields that change from layer to layer under one engine-step plan (each layer's
-    # rows, caches and outputs), in the order a prepared launch (Implementation.prepare) takes them.
-    OPERANDS: ClassVar[tuple[str, ...]] = ()
 
     @property
     def device(self) -> str:
@@ -50,6 +53,19 @@ class _Problem:
     def array_fields(self) -> tuple[str, ...]:
         """Names of the fields that hold arrays (leaving out optional ones that are None)."""
         return tuple(n for n in _array_field_names(type(self)) if getattr(self, n) is not None)
+
+    @classmethod
+    def operand_names(cls) -> tuple[str, ...]:
+        """Every array field, absent ones included, in declaration order: the order a prepared
+        launch (Implementation.prepare) takes a problem's arrays in."""
+        return _array_field_names(cls)
+
+    def operands(self) -> tuple[Array | None, ...]:
+        return tuple(getattr(self, name) for name in _array_field_names(type(self)))
+
+    def host_fields(self) -> tuple:
+        """The values of every field that is not an array (mode, bounds, options)."""
+        return tuple(getattr(self, name) for name in _host_field_names(type(self)))
 
     def replace(self, **changes: Any) -> _Problem:
         return dataclasses.replace(self, **changes)
@@ -90,7 +106,6 @@ class CacheWrite(_Problem):
 
     WRITTEN = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
     INDICES = ("slot_mapping",)
-    OPERANDS = ("key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
 
     def _device_array(self) -> Array:
         return self.key_cache
@@ -187,8 +202,6 @@ class Attention(_Problem):
 
     WRITTEN = ("out", "lse")
     INDICES = ("block_tables", "seq_lens", "query_start_loc", "sinks")
-    OPERANDS = ("query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale",
-                "sinks", "out", "lse")
 
     def _device_array(self) -> Array:
         return self.query

@@ -117,11 +117,14 @@ class Implementation:
     option_type: type | None = None
     options: Any = None
     # The host-side plan hook: prepare(problem) does once what run(problem) would redo on every
-    # call (choosing configs, binding kernel arguments) and returns launch(operands), which runs
-    # a problem equal to this one but for its OPERANDS arrays (type(problem).OPERANDS, in that
-    # order), each with the dtype, shape, strides and 16-byte alignment of the one it replaces;
-    # or returns None for a problem it does not prepare. The engine-step plan (kvzoo/plan.py)
-    # prepares once per step and launches per layer. None: the plan calls run on every layer.
+    # call (choosing configs, binding kernel arguments) and returns launch(arrays), which runs a
+    # problem equal to this one but for its arrays (problem.operands(), in operand_names()
+    # order), each with the dtype, shape, strides, device and 16-byte alignment of the one it
+    # replaces; or None for a problem it does not prepare. The engine-step plan prepares once per
+    # step and launches per layer; the functional API keeps prepared launches by that signature.
+    # Neither asks problem_reasons again for a problem of a signature it has prepared, so an
+    # implementation with a prepare hook decides its reasons from the signature alone.
+    # None: every call goes through run.
     prepare: Callable[..., Callable[[tuple], None] | None] | None = None
     # A line for `kvzoo list`; informational.
     notes: str = ""
@@ -177,6 +180,17 @@ class Implementation:
         return not self.unavailable()
 
 
+def prepared_signature(arrays: Iterable[Any]) -> tuple:
+    """What a prepared launch is specialised on, per array: dtype, shape, strides, device and
+    whether its address is 16-byte aligned (Triton's pointer specialisation); None where absent."""
+    return tuple(
+        None if a is None
+        else (a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0) if hasattr(a, "data_ptr")
+        else (a.dtype, a.shape, a.strides, "cpu", a.ctypes.data & 15 == 0)
+        for a in arrays
+    )
+
+
 class NoImplementationError(KVZooInputError, RuntimeError):
     """No implementation takes the call (or the one named cannot): raised before any write."""
 
@@ -195,6 +209,7 @@ class Registry:
     _ranked: dict[tuple[str, str, str], tuple[Implementation, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    generation: int = field(default=0, repr=False, compare=False)
 
     def add(self, impl: Implementation) -> None:
         if impl.op not in OPS:
@@ -238,6 +253,9 @@ class Registry:
     def invalidate(self) -> None:
         """Forget remembered availability, e.g. after setting KVZOO_DISABLE_NUMBA in-process."""
         self._ranked.clear()
+        # What callers remember from this registry (the functional API's prepared launches)
+        # is keyed on this.
+        self.generation += 1
 
     def copy(self) -> Registry:
         """A registry with the same implementations, to load more into without touching this one."""

@@ -133,7 +133,7 @@ def test_prepared_attention_variants(case):
     assert counts["paged_attention"] == dict(run=0, prepare=1, launch=2)
     # The split decode binds two launches (the attention kernel and the merge sharing the
     # plan's partials); the others one.
-    (bound,) = prepared[0].args
+    bound = prepared[0].args[0]
     assert len(bound) == (2 if case == "split decode" else 1)
 
 
@@ -197,13 +197,75 @@ def test_with_options_binds_the_prepare_hook_too():
     assert again.prepare.keywords["options"] == dataclasses.replace(direct.options, stage_max_bytes=5)
 
 
-def test_operand_orders_name_fields_of_their_problems():
-    # The order a prepared launch takes its operands in is the problem's own field names.
+def test_operands_are_every_array_field_in_order():
     for cls in (CacheWrite, Attention):
-        fields = {f.name for f in dataclasses.fields(cls)}
-        assert set(cls.OPERANDS) <= fields and len(set(cls.OPERANDS)) == len(cls.OPERANDS)
-    assert set(Attention.WRITTEN) <= set(Attention.OPERANDS)
-    assert set(CacheWrite.WRITTEN) <= set(CacheWrite.OPERANDS)
+        arrays = [f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Array")]
+        assert list(cls.operand_names()) == arrays
+        assert set(cls.WRITTEN) | set(cls.INDICES) <= set(arrays)
+
+
+def functional_attention(query, c, meta, impl, sinks=None):
+    index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
+    return kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode="int8_per_token_head", **index,
+                                 k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, sinks=sinks,
+                                 impl=impl)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [((5, 1, 4), (8, 13, 4)), ((1, 1, 1), (8, 13, 4))])
+def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
+    spec = spec_for("int8_per_token_head", "separate", DEVICE)
+    meta = metadata(DEVICE, q_lens=q_lens, seq_lens=seq_lens)
+    rng = rng_for("functional prepared", q_lens)
+    counts = {op: dict(run=0, prepare=0, launch=0) for op in ("reshape_and_cache", "paged_attention")}
+    write, attend = (counted(_triton(op), counts[op]) for op in counts)
+    tokens, d = int(meta["slot_mapping"].shape[0]), spec.head_size
+    for call in range(3):
+        c = poisoned(spec, rng)
+        functional_write(rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE),
+                         rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE), c,
+                         meta["context_slots"], spec, "numpy" if DEVICE == "cpu" else "triton-cuda")
+        theirs = clone(c)
+        key, value = (rows(rng, (tokens, HKV, d), "bfloat16", DEVICE) for _ in range(2))
+        query = rows(rng, (tokens, HQ, d), "bfloat16", DEVICE)
+        functional_write(key, value, c, meta["slot_mapping"], spec, write)
+        got = functional_attention(query, c, meta, attend)
+        # The same calls through a fresh object of the same implementation: its own first
+        # prepare, on these very tensors.
+        functional_write(key, value, theirs, meta["slot_mapping"], spec,
+                         dataclasses.replace(_triton("reshape_and_cache")))
+        want = functional_attention(query, theirs, meta, dataclasses.replace(_triton("paged_attention")))
+        for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
+            assert_same_bytes(a, b, f"call {call} cache")
+        assert_same_bytes(got, want, f"call {call} attention")
+    for op, c in counts.items():
+        c.pop("prepared")
+        assert c == dict(run=0, prepare=1, launch=3), (op, c)
+
+
+def test_functional_prepared_launches_follow_the_registry_and_let_caches_go():
+    import gc
+    import weakref
+
+    from kvzoo import api
+
+    spec = spec_for("fp8_per_token_head", "separate", DEVICE)
+    meta, rng = metadata(DEVICE), rng_for("functional registry")
+    c = poisoned(spec, rng)
+    tokens, d = int(meta["slot_mapping"].shape[0]), spec.head_size
+    key, value = (rows(rng, (tokens, HKV, d), "bfloat16", DEVICE) for _ in range(2))
+    functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")
+    entries = [e for e in api._PREPARED.values() if e[1].name == "triton-cuda" and e[1].op == "reshape_and_cache"]
+    assert entries, "the functional write kept no prepared launch"
+    generation = kvzoo.registry.default().generation
+    kvzoo.registry.default().invalidate()
+    assert kvzoo.registry.default().generation == generation + 1
+    functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")  # selects again
+    if CUDA:
+        # A kept launch holds addresses, not the caller's cache: the cache goes with its owner.
+        gone = weakref.ref(c.key_cache)
+        del c
+        gc.collect()
+        assert gone() is None
 
 
 @pytest.mark.gpu_only

@@ -820,8 +820,8 @@ class KernelCall:
     options: dict  # num_warps, num_stages, maxnreg
     # The split merge's (grid, args, constexprs), run after it; None without a split.
     merge: tuple | None
-    # For each of Attention.OPERANDS, the positions of args it fills (and of the merge's args):
-    # what a bound launch (launch.py) swaps when the next layer brings its own tensors.
+    # For each of Attention.operand_names(), the positions of args it fills (and of the merge's
+    # args): what a bound launch (launch.py) swaps when a call brings its own tensors.
     slots: tuple = ()
     merge_slots: tuple = ()
 
@@ -897,19 +897,20 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():
         options["maxnreg"] = cfg.maxnreg
-    per_tensor = scale_mode == _SCALE_TENSOR
-    # Argument positions of each operand, in Attention.OPERANDS order (query, key_cache,
-    # value_cache, k_scale_cache, v_scale_cache, k_scale, v_scale, sinks, out, lse): the
-    # leading pointers of `args` above. A slot whose operand is absent keeps its stand-in.
-    token_head = scale_mode == _SCALE_TOKEN_HEAD
+    # Argument positions of each of Attention.operand_names() (query, key_cache, value_cache,
+    # block_tables, seq_lens, query_start_loc, out, k_scale_cache, v_scale_cache, k_scale,
+    # v_scale, sinks, lse): pointers among the leading `args` above. Where an operand is absent
+    # its position keeps the stand-in, which the kernel never dereferences.
+    token_head, per_tensor = scale_mode == _SCALE_TOKEN_HEAD, scale_mode == _SCALE_TENSOR
     sinks_at, lse_at = (13,) if p.sinks is not None else (), (9,) if p.lse is not None else ()
-    slots = ((0,), (1,), (2,), (3,) if token_head else (), (4,) if token_head else (),
-             (3,) if per_tensor else (), (4,) if per_tensor else (), sinks_at,
-             (5,) if split else (5, 6, 7, 8), lse_at)
+    # Then the split's partials (m, l, acc), which a relaunch allocates afresh as run() does.
+    slots = ((0,), (1,), (2,), (10,), (11,), (12,), (5,) if split else (5, 6, 7, 8),
+             (3,) if token_head else (), (4,) if token_head else (), (3,) if per_tensor else (),
+             (4,) if per_tensor else (), sinks_at, lse_at, *(((6,), (7,), (8,)) if split else ((), (), ())))
     merge_slots = ()
     if split:
-        merge_slots = ((), (), (), (), (), (), (), (6,) if p.sinks is not None else (), (3,),
-                       (7,) if p.lse is not None else ())
+        merge_slots = ((), (), (), (), (5,), (4,), (3,), (), (), (), (), (6,) if p.sinks is not None else (),
+                       (7,) if p.lse is not None else (), (0,), (1,), (2,))
     return KernelCall((grid0, p.num_kv_heads, num_splits), args, constexprs, options, merge, slots, merge_slots)
 
 
@@ -964,18 +965,16 @@ def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None 
 
 
 def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS):
-    """`p`'s launches bound once (launch.py): a function of Attention.OPERANDS that runs a
-    problem equal to `p` but for those arrays, each of the dtype, shape, strides and 16-byte
+    """`p`'s launches bound once (launch.py): a function of p.operands() that runs a problem
+    equal to `p` but for its arrays, each of the dtype, shape, strides and 16-byte
     alignment of `p`'s. It launches nothing now. None where `p` takes the staged prefill (its
-    workspace is sized and filled per call). A split decode's partials are allocated here,
-    once, and shared by every relaunch: relaunches are ordered on one stream, as a step's
-    layers are."""
+    workspace is sized and filled per call)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return _launch_nothing
     launches, staged_cfg = _launches(p, platform, None, None, options)
     if staged_cfg is not None:
         return None
-    bound = []
+    bound, partials = [], ()
     for cfg, per_seq, skip_decode in launches:
         call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
         bound.append(BoundLaunch(_attention_kernel, call.grid, call.args, {**call.constexprs, **call.options},
@@ -983,7 +982,16 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
         if call.merge is not None:
             grid, args, constexprs = call.merge
             bound.append(BoundLaunch(_merge_splits_kernel, (*grid, 1), args, constexprs, call.merge_slots))
-    return functools.partial(relaunch_all, tuple(bound))
+            partials = tuple(tuple(t.shape) for t in args[:3])
+    if not partials:
+        return functools.partial(relaunch_all, tuple(bound))
+    return functools.partial(_relaunch_split, tuple(bound), partials, p.query.device)
+
+
+def _relaunch_split(bound: tuple, partials: tuple, device: torch.device, operands: tuple) -> None:
+    # Each call its own partials, from torch's stream-ordered allocator as run() takes them: a
+    # buffer kept here would be shared by calls on different streams.
+    relaunch_all(bound, (*operands, *(torch.empty(shape, dtype=torch.float32, device=device) for shape in partials)))
 
 
 def _launch_nothing(operands) -> None:

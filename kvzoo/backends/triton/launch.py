@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from triton import knobs
 from triton.runtime import driver
 
@@ -36,6 +37,8 @@ class BoundLaunch:
     """
 
     __slots__ = ("_kernel", "_grid", "_args", "_kwargs", "_slots", "_views", "_values", "_compiled", "_launch")
+    # (_args: under the interpreter, the arguments relaunches start from; compiled, only the
+    # tensors the bound addresses must keep alive.)
 
     def __init__(self, kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], kwargs: dict[str, Any],
                  slots: Slots) -> None:
@@ -51,11 +54,22 @@ class BoundLaunch:
                 compiled = compiled.result()
             self._compiled = compiled
             # The launcher takes every parameter in signature order, constexprs included
-            # (it skips them): what JITFunction.run hands it.
+            # (it skips them): what JITFunction.run hands it. Tensors go in as their addresses:
+            # the launcher asks the driver about every pointer passed as a tensor (to refuse
+            # host memory), which costs more than the launch itself. The plan has checked the
+            # devices, and self._args keeps the bound tensors alive.
             names = kernel.arg_names[len(self._args):]
             defaults = {p.name: p.default for p in kernel.params}
-            self._values = self._args + [self._kwargs.get(n, defaults[n]) for n in names]
+            self._values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args]
+            self._values += [self._kwargs.get(n, defaults[n]) for n in names]
             self._launch = compiled.run
+            # Kept alive: the bound tensors that are not the operands' (stand-ins at unused
+            # slots share an operand's storage and are never dereferenced, so they are let go
+            # with it: a launch kept for later calls must not hold a caller's cache).
+            swapped = {i for positions in slots for i in positions}
+            operand_storage = {self._args[i].untyped_storage().data_ptr() for i in swapped}
+            self._args = [a for i, a in enumerate(self._args) if isinstance(a, torch.Tensor) and i not in swapped
+                          and a.untyped_storage().data_ptr() not in operand_storage]
         else:
             self._values = self._args
 
@@ -63,21 +77,32 @@ class BoundLaunch:
         """Launch with `operands` (one per slot, None where the slot is unused) in place."""
         values = self._values.copy()
         compiled = self._compiled
-        for positions, x, views in zip(self._slots, operands, self._views):
-            for i, dtype in zip(positions, views):
-                # The compiled launcher reads only the address, which a view does not change.
-                values[i] = x if compiled is not None or x.dtype == dtype else x.view(dtype)
         if compiled is None:
+            for positions, x, views in zip(self._slots, operands, self._views):
+                for i, dtype in zip(positions, views):
+                    values[i] = x if x.dtype == dtype else x.view(dtype)
             self._kernel[self._grid](*values, **self._kwargs)
             return
-        device = driver.active.get_current_device()
-        stream = driver.active.get_current_stream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        for positions, x in zip(self._slots, operands):
+            if positions:
+                address = x.data_ptr()
+                for i in positions:
+                    values[i] = address
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        enter, leave = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
         # A profiler's enter hook wants the launch's metadata; without one it is not built.
         metadata = None if enter is None else compiled.launch_metadata(self._grid, stream, *values)
         grid = self._grid
         self._launch(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, leave, *values)
+
+
+def _active(hook: Any) -> Any:
+    # Triton 3.6 keeps hooks in a HookChain that is never None; an empty one is no hook (and
+    # handing None spares the launcher a Python call per launch).
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 def relaunch_all(launches: Sequence[BoundLaunch], operands: Sequence[Any]) -> None:

@@ -374,7 +374,7 @@ def _encoder_code(code: int, t: torch.Tensor) -> int:
 
 def _write_call(p, scale_floor: float):
     """(grid, args, kwargs, slots) of the write kernel's launch for `p`; slots: the positions
-    of args each of CacheWrite.OPERANDS fills."""
+    of args each of CacheWrite.operand_names() fills."""
     mode = p.mode
     num_tokens, num_heads, head_size = p.key.shape
     block_d = triton.next_power_of_2(head_size)
@@ -430,7 +430,7 @@ def _write_call(p, scale_floor: float):
         num_warps=_write_warps(block_h * block_d, code, num_tokens),
         enable_fp_fusion=False,
     )
-    slots = ((0,), (1,), (2,), (3,), (4,) if per_token_head else (), (5,) if per_token_head else (),
+    slots = ((0,), (1,), (2,), (3,), (8,), (4,) if per_token_head else (), (5,) if per_token_head else (),
              (6,) if mode.per_tensor else (), (7,) if mode.per_tensor else ())
     return grid, args, kwargs, slots
 
@@ -444,8 +444,8 @@ def reshape_and_cache(p, scale_floor: float) -> None:
 
 
 def prepare_write(p, scale_floor: float):
-    """`p`'s launch bound once (launch.py): a function of CacheWrite.OPERANDS that writes a
-    problem equal to `p` but for those arrays, each of the dtype, shape, strides and 16-byte
+    """`p`'s launch bound once (launch.py): a function of p.operands() that writes a problem
+    equal to `p` but for its arrays, each of the dtype, shape, strides and 16-byte
     alignment of `p`'s. It launches nothing now."""
     if p.key.shape[0] == 0:
         return _write_nothing
