@@ -19,17 +19,49 @@ handle them: passed as graph inputs, aot_eager and inductor refuse them ("input 
 views with different dtypes"); viewed inside the graph, aot_eager and export's
 run_decompositions silently drop the codes written (only inductor's result was right, in one
 test). tests/test_torch_ops.py pins the silent case.
+
+The engine-step plan (kvzoo.plan_step) through ops: ``torch.ops.kvzoo.step_write`` and
+``torch.ops.kvzoo.step_attention`` take a layer's tensors and a plan *name*; the step's
+metadata is not in the graph. The engine registers each step's plan under that name outside
+the compiled function, so one graph serves every step (the pattern of vLLM's forward context):
+
+    plan = kvzoo.plan_step(spec, block_tables=..., seq_lens=..., query_start_loc=...,
+                           slot_mapping=..., num_q_heads=...)
+    with kvzoo.torch_ops.step_plans(default=plan):      # or set_step_plan("default", plan)
+        hidden = compiled_model(x, caches)             # step_write / step_attention per layer
+
+The registry of names is process-wide (like vLLM's forward context), not per thread. Step ops
+take the separate layout only. Under CUDA graphs (inductor's cudagraphs, a manual capture) the
+ops' Python runs at capture only: a replay reuses the plan registered then, so a new step must
+update that plan's metadata tensors in place (kvzoo.plan's CUDA-graph recipe) rather than
+register a new plan.
+
+A plan remembers each caches object (KVCacheTensors) by identity, while an op is handed bare
+tensors, and under functionalization (aot_eager, export's run_decompositions) clones of the
+graph's caches. So the ops keep the KVCacheTensors built for each tuple of cache tensors,
+keyed on their addresses and view metadata, holding the tensors (an address cannot pass to
+other memory while its tensor is held); the last MAX_HELD_CACHES tuples are kept. A backend
+that hands the op fresh clones on every call (aot_eager: one per layer and step) misses, and
+its entries hold those clones until they age out; eager and inductor (which re-inplaces the
+functionalized write) hand the op the caches themselves and hit, once per layer
+(tests/test_torch_ops.py pins both, with torch 2.13).
 """
 
+import contextlib
 import math
+from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 
 from . import api
 from .errors import fail
+from .layout import KVCacheTensors
 from .modes import QuantMode
+from .plan import StepPlan
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+__all__ = ["DEFAULT_PLAN", "paged_attention", "reshape_and_cache", "set_step_plan", "step_attention",
+           "step_plans", "step_write"]
 
 # Both device types torch reports for kvzoo's tensors (ROCm tensors are "cuda" to torch).
 # Naming them, rather than registering for every backend, makes a call on another device fail
@@ -53,6 +85,12 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache) -> None:
+    _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
+    _check(slot_mapping.shape == key.shape[:1], f"slot_mapping: expected [num_tokens={key.shape[0]}], "
+                                                f"got {tuple(slot_mapping.shape)}")
+
+
+def _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache) -> None:
     _check(key.dim() == 3, f"key: expected [num_tokens, num_kv_heads, head_size], got {key.dim()} dims")
     _check(value.shape == key.shape, f"value: shape {tuple(value.shape)} != key's {tuple(key.shape)}")
     _check(value.dtype == key.dtype, f"value: dtype {value.dtype} != key's {key.dtype}")
@@ -63,8 +101,10 @@ def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_
     # head_size is not compared: a packed mode's cache rows need not be head_size wide.
     _check(key_cache.shape[2] == key.shape[1],
            f"key_cache: num_kv_heads {key_cache.shape[2]} != key's {key.shape[1]}")
-    _check(slot_mapping.shape == key.shape[:1], f"slot_mapping: expected [num_tokens={key.shape[0]}], "
-                                                f"got {tuple(slot_mapping.shape)}")
+    _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
+
+
+def _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache) -> None:
     for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         if sc is not None:
             _check(sc.shape == key_cache.shape[:3],
@@ -72,6 +112,24 @@ def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_
 
 
 def _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
+    _check_query_meta(out, query, key_cache, value_cache)
+    _check(block_tables.dim() == 2, f"block_tables: expected [num_seqs, max_blocks_per_seq], "
+                                    f"got {block_tables.dim()} dims")
+    _check(seq_lens.shape == block_tables.shape[:1], f"seq_lens: expected [num_seqs={block_tables.shape[0]}], "
+                                                     f"got {tuple(seq_lens.shape)}")
+    _check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
+           f"query_start_loc: expected [num_seqs + 1], got {tuple(query_start_loc.shape)}")
+
+
+def _check_lse_meta(lse, query) -> None:
+    if lse is not None:
+        _check(lse.shape == query.shape[:2], f"lse: expected [num_tokens, num_q_heads] "
+                                             f"{tuple(query.shape[:2])}, got {tuple(lse.shape)}")
+        _check(lse.dtype == torch.float32, f"lse: expected dtype torch.float32, got {lse.dtype}")
+        _check(lse.device == query.device, f"lse: on {lse.device}, query on {query.device}")
+
+
+def _check_query_meta(out, query, key_cache, value_cache) -> None:
     _check(query.dim() == 3, f"query: expected [num_tokens, num_q_heads, head_size], got {query.dim()} dims")
     _check(out.shape == query.shape, f"out: shape {tuple(out.shape)} != query's {tuple(query.shape)}")
     _check(out.dtype == query.dtype, f"out: dtype {out.dtype} != query's {query.dtype}")
@@ -79,12 +137,6 @@ def _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_
                                  f"got {key_cache.dim()} dims")
     _check(value_cache.shape == key_cache.shape,
            f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}")
-    _check(block_tables.dim() == 2, f"block_tables: expected [num_seqs, max_blocks_per_seq], "
-                                    f"got {block_tables.dim()} dims")
-    _check(seq_lens.shape == block_tables.shape[:1], f"seq_lens: expected [num_seqs={block_tables.shape[0]}], "
-                                                     f"got {tuple(seq_lens.shape)}")
-    _check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
-           f"query_start_loc: expected [num_seqs + 1], got {tuple(query_start_loc.shape)}")
 
 
 def _define_reshape_and_cache() -> None:
@@ -119,7 +171,8 @@ def _define_reshape_and_cache() -> None:
 
 
 def _define_paged_attention() -> None:
-    @torch.library.custom_op("kvzoo::paged_attention", mutates_args=("out",), device_types=DEVICE_TYPES)
+    # lse comes last, defaulted, so the schema's earlier positions are those callers already use.
+    @torch.library.custom_op("kvzoo::paged_attention", mutates_args=("out", "lse"), device_types=DEVICE_TYPES)
     def _op(
         out: torch.Tensor,
         query: torch.Tensor,
@@ -144,6 +197,7 @@ def _define_paged_attention() -> None:
         num_prefills: int | None = None,
         validate: bool = True,
         impl: str | None = None,
+        lse: torch.Tensor | None = None,
     ) -> None:
         api.paged_attention(
             query, key_cache, value_cache, mode=kv_cache_dtype, block_tables=block_tables, seq_lens=seq_lens,
@@ -151,15 +205,16 @@ def _define_paged_attention() -> None:
             k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
             softcap=softcap, sinks=sinks, out=out, max_query_len=max_query_len, max_seq_len=max_seq_len,
             num_prefills=num_prefills, batch_invariant=batch_invariant, quantize_query=quantize_query,
-            impl=impl, validate=validate,
+            return_lse=lse is not None, lse=lse, impl=impl, validate=validate,
         )
 
     @_op.register_fake
     def _fake(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache,
               v_scale_cache, k_scale, v_scale, sinks, kv_cache_dtype, softmax_scale, sliding_window, softcap,
               max_query_len, max_seq_len, batch_invariant, quantize_query, num_prefills=None, validate=True,
-              impl=None) -> None:
+              impl=None, lse=None) -> None:
         _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+        _check_lse_meta(lse, query)
 
 
 if not _registered("reshape_and_cache"):
@@ -268,13 +323,15 @@ def paged_attention(
     num_prefills: int | None = None,
     batch_invariant: bool = False,
     quantize_query: bool = False,
+    return_lse: bool = False,
+    lse: torch.Tensor | None = None,
     validate: bool = True,
     impl: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a varlen batch (prefill chunks and decodes) over the paged cache.
 
     Calls ``torch.ops.kvzoo.paged_attention``, which runs ``kvzoo.paged_attention``; returns
-    ``out``.
+    ``out``, or ``(out, lse)`` with ``return_lse=True``.
 
     Parameters
     ----------
@@ -319,6 +376,12 @@ def paged_attention(
         Each row's result independent of the rest of the batch.
     quantize_query : bool
         int8 per-token-head caches: quantize the query rows to int8 and run QK^T on codes.
+    return_lse : bool
+        Also return the log-sum-exp of each row's logits (natural log, sinks included), the
+        weight ``kvzoo.merge_attention_states`` combines partial attentions with.
+    lse : torch.Tensor, optional
+        ``[num_tokens, num_q_heads]``, float32, written; allocated when not given. Only with
+        ``return_lse=True`` (the return type follows that flag alone).
     validate : bool
         True checks the index tensors on the host (a device sync on the GPU); False reads no
         device value on the host (CUDA-graph capturable).
@@ -339,9 +402,16 @@ def paged_attention(
     ...     max_query_len=20, max_seq_len=20, **kv)
     >>> out.shape, out.dtype
     (torch.Size([20, 8, 64]), torch.bfloat16)
+    >>> out, lse = kvzoo.torch_ops.paged_attention(
+    ...     query, t.key_cache, t.value_cache, block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+    ...     seq_lens=torch.tensor([20], dtype=torch.int32), query_start_loc=torch.tensor([0, 20], dtype=torch.int32),
+    ...     max_query_len=20, max_seq_len=20, return_lse=True, **kv)
+    >>> lse.shape, lse.dtype
+    (torch.Size([20, 8]), torch.float32)
     """
     if out is None:
         out = torch.empty_like(query)
+    lse = _lse_output(lse, return_lse, query)
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
@@ -349,6 +419,303 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache, v_scale_cache,
         _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), sinks, _mode_name(kv_cache_dtype),
         softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, batch_invariant, quantize_query,
-        num_prefills, validate, impl,
+        num_prefills, validate, impl, lse,
     )
-    return out
+    return (out, lse) if return_lse else out
+
+
+def _lse_output(lse: torch.Tensor | None, return_lse: bool, query: torch.Tensor) -> torch.Tensor | None:
+    # The op writes lse exactly when it is given one, so return_lse is settled here.
+    if not return_lse:
+        if lse is not None:
+            fail("lse: given without return_lse=True; pass return_lse=True to have it written (and returned "
+                 "beside out)")
+        return None
+    if lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    return lse
+
+
+# -- the engine-step plan through ops ---------------------------------------------------------
+
+DEFAULT_PLAN = "default"
+
+# Process-wide, as vLLM's forward context is: an engine registers a step's plan, then runs the
+# compiled model, whose ops look it up by name when they run (never while tracing).
+_STEP_PLANS: dict[str, StepPlan] = {}
+
+
+def set_step_plan(name: str, plan: StepPlan | None) -> StepPlan | None:
+    """Register ``plan`` under ``name`` for :func:`step_write` / :func:`step_attention`.
+
+    Parameters
+    ----------
+    name : str
+        The ``plan_name`` the ops are called with (``"default"`` unless the engine runs
+        several plans in one step, e.g. a draft model's).
+    plan : kvzoo.StepPlan or None
+        This step's plan (``kvzoo.plan_step``); None removes the name.
+
+    Returns the plan registered under ``name`` before, or None. The registry is process-wide;
+    :func:`step_plans` scopes registrations to a ``with`` block.
+    """
+    if not isinstance(name, str) or not name:
+        fail(f"name: expected a non-empty str, got {name!r}")
+    if plan is not None and not isinstance(plan, StepPlan):
+        fail(f"plan: expected a kvzoo.StepPlan (from kvzoo.plan_step) or None, got {type(plan).__name__}")
+    previous = _STEP_PLANS.pop(name, None)
+    if plan is not None:
+        _STEP_PLANS[name] = plan
+    return previous
+
+
+@contextlib.contextmanager
+def step_plans(**plans: StepPlan | None) -> Iterator[None]:
+    """Register plans by name for the body of a ``with`` block; the previous ones come back on exit.
+
+    ``with kvzoo.torch_ops.step_plans(default=plan): ...`` serves ops called with
+    ``plan_name="default"``; each keyword is a name (a value of None hides the name inside;
+    a name that is no Python identifier goes through :func:`set_step_plan`). The plans are
+    checked as :func:`set_step_plan` checks them, all before any is registered.
+    """
+    for name, plan in plans.items():
+        if plan is not None and not isinstance(plan, StepPlan):
+            fail(f"{name}: expected a kvzoo.StepPlan (from kvzoo.plan_step) or None, got {type(plan).__name__}")
+    previous = {name: set_step_plan(name, plan) for name, plan in plans.items()}
+    try:
+        yield
+    finally:
+        for name, plan in previous.items():
+            set_step_plan(name, plan)
+
+
+def _plan_named(name: str, op: str) -> StepPlan:
+    plan = _STEP_PLANS.get(name)
+    if plan is None:
+        fail(f"plan_name: no kvzoo step plan is registered under {name!r} (registered: {sorted(_STEP_PLANS)}); "
+             f"{op} looks its step's plan up when it runs: register it first with "
+             f"kvzoo.torch_ops.set_step_plan({name!r}, plan) or kvzoo.torch_ops.step_plans(...)")
+    if plan.spec.layout != "separate":
+        fail(f"plan_name: the plan registered under {name!r} is for {plan.spec.layout!r} caches; {op} takes the "
+             "separate layout only (inline views do not survive torch's functionalization)")
+    return plan
+
+
+# Enough for one entry per layer of the largest models, with room for a second cache set.
+MAX_HELD_CACHES = 256
+_HELD: OrderedDict[tuple, KVCacheTensors] = OrderedDict()
+
+
+def _view_key(x: torch.Tensor | None) -> tuple | None:
+    # Address, dtype and view geometry: two tensors agreeing on all of them, while the first
+    # is held alive, are views of the same bytes with the same meaning.
+    if x is None:
+        return None
+    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride())
+
+
+def _caches_for(key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale_cache: torch.Tensor | None,
+                v_scale_cache: torch.Tensor | None) -> KVCacheTensors:
+    """The one KVCacheTensors for these tensors, so the plan's per-object check runs once."""
+    tensors = (key_cache, value_cache, k_scale_cache, v_scale_cache)
+    key = tuple(map(_view_key, tensors))
+    held = _HELD.get(key)
+    # The held tensors are compared again because set_ or resize_ on one of them would leave
+    # its key naming an address it no longer owns, which other memory may since have taken.
+    if held is not None and tuple(map(_view_key, (held.key_cache, held.value_cache, held.k_scale_cache,
+                                                 held.v_scale_cache))) == key:
+        _HELD.move_to_end(key)
+        return held
+    held = _HELD[key] = KVCacheTensors(*tensors)
+    _HELD.move_to_end(key)
+    while len(_HELD) > MAX_HELD_CACHES:
+        _HELD.popitem(last=False)
+    return held
+
+
+def _define_step_write() -> None:
+    @torch.library.custom_op("kvzoo::step_write", mutates_args=_WRITE_MUTATES, device_types=DEVICE_TYPES)
+    def _op(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        k_scale_cache: torch.Tensor | None,
+        v_scale_cache: torch.Tensor | None,
+        plan_name: str,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        plan = _plan_named(plan_name, "kvzoo.step_write")
+        plan.write(key, value, _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
+                   k_scale=k_scale, v_scale=v_scale)
+
+    @_op.register_fake
+    def _fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, k_scale=None,
+              v_scale=None) -> None:
+        _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
+
+
+def _define_step_attention() -> None:
+    @torch.library.custom_op("kvzoo::step_attention", mutates_args=("out", "lse"), device_types=DEVICE_TYPES)
+    def _op(
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        k_scale_cache: torch.Tensor | None,
+        v_scale_cache: torch.Tensor | None,
+        plan_name: str,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        plan = _plan_named(plan_name, "kvzoo.step_attention")
+        plan.attention(query, _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache), out=out,
+                       k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=lse is not None, lse=lse)
+
+    @_op.register_fake
+    def _fake(out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse=None,
+              k_scale=None, v_scale=None, sinks=None) -> None:
+        _check_query_meta(out, query, key_cache, value_cache)
+        _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
+        _check_lse_meta(lse, query)
+
+
+if not _registered("step_write"):
+    _define_step_write()
+if not _registered("step_attention"):
+    _define_step_attention()
+
+
+def step_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+    plan_name: str = DEFAULT_PLAN,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """Write this layer's K/V rows into its cache with the step's registered plan, in place.
+
+    Calls ``torch.ops.kvzoo.step_write``, which runs ``plan.write`` of the plan registered
+    under ``plan_name`` (:func:`set_step_plan`, :func:`step_plans`) at the time the op runs:
+    the slots, mode and implementation are the plan's. Raises ``kvzoo.KVZooInputError``, with
+    nothing written, when no plan is registered under the name.
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_size]``, the plan's ``model_dtype``; ``num_tokens``
+        is the plan's ``slot_mapping`` length. Strided views are read in place.
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, cache width]``, separate layout, of the
+        plan's CacheSpec, written (see :func:`reshape_and_cache` for the dtypes).
+    k_scale_cache, v_scale_cache : torch.Tensor, optional
+        ``[num_blocks, block_size, num_kv_heads]``, float32, written; required by the
+        per-token-head modes.
+    plan_name : str
+        The name the step's plan is registered under.
+    k_scale, v_scale : torch.Tensor or float, optional
+        float32 ``[1]`` static scales, for ``fp8_per_tensor`` only.
+
+    Example
+    -------
+    >>> import torch, kvzoo, kvzoo.torch_ops
+    >>> spec = kvzoo.CacheSpec("int8_per_token_head", num_blocks=4, block_size=16, num_kv_heads=2,
+    ...                        head_size=64, model_dtype="float32")
+    >>> t = spec.allocate()
+    >>> plan = kvzoo.plan_step(spec, num_q_heads=4, block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+    ...                        seq_lens=torch.tensor([20], dtype=torch.int32),
+    ...                        query_start_loc=torch.tensor([0, 20], dtype=torch.int32), slot_mapping=torch.arange(20))
+    >>> key, value = torch.randn(2, 20, 2, 64)
+    >>> with kvzoo.torch_ops.step_plans(default=plan):
+    ...     kvzoo.torch_ops.step_write(key, value, t.key_cache, t.value_cache,
+    ...                                k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache)
+    >>> bool(t.k_scale_cache[0, :16].gt(0).all()), bool(t.k_scale_cache[1, 4:].eq(0).all())
+    (True, True)
+    """
+    torch.ops.kvzoo.step_write(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name,
+        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache),
+    )
+
+
+def step_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+    plan_name: str = DEFAULT_PLAN,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """This layer's paged attention with the step's registered plan; returns ``out``.
+
+    Calls ``torch.ops.kvzoo.step_attention``, which runs ``plan.attention`` of the plan
+    registered under ``plan_name`` when the op runs: the block tables, lengths, softmax
+    options and implementation are the plan's. Raises ``kvzoo.KVZooInputError`` when no plan
+    is registered under the name.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_q_heads, head_size]``, the plan's ``model_dtype`` and
+        ``num_q_heads``; rows as the plan's ``query_start_loc`` splits them.
+    key_cache, value_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, cache width]``, separate layout, of the
+        plan's CacheSpec, as written by :func:`step_write`.
+    k_scale_cache, v_scale_cache : torch.Tensor, optional
+        ``[num_blocks, block_size, num_kv_heads]``, float32 (per-token-head modes).
+    plan_name : str
+        The name the step's plan is registered under.
+    out : torch.Tensor, optional
+        ``[num_tokens, num_q_heads, head_size]``, query's dtype, written; allocated with
+        ``torch.empty_like(query)`` when not given.
+    return_lse : bool
+        Return ``(out, lse)``: lse float32 ``[num_tokens, num_q_heads]``, the natural-log
+        sum of exp of each row's logits (for ``kvzoo.merge_attention_states``).
+    lse : torch.Tensor, optional
+        float32 ``[num_tokens, num_q_heads]`` to write lse into (with ``return_lse=True``).
+    k_scale, v_scale : torch.Tensor or float, optional
+        float32 ``[1]`` static scales, for ``fp8_per_tensor`` only.
+    sinks : torch.Tensor, optional
+        ``[num_q_heads]``, float32: this layer's sinks, in place of the plan's.
+
+    Example
+    -------
+    >>> import torch, kvzoo, kvzoo.torch_ops
+    >>> spec = kvzoo.CacheSpec("fp8_per_token_head", num_blocks=4, block_size=16, num_kv_heads=2,
+    ...                        head_size=64, model_dtype="float32")
+    >>> t = spec.allocate()
+    >>> scales = dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache)
+    >>> plan = kvzoo.plan_step(spec, num_q_heads=4, block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+    ...                        seq_lens=torch.tensor([20], dtype=torch.int32),   # one prefill of 20 tokens
+    ...                        query_start_loc=torch.tensor([0, 20], dtype=torch.int32), slot_mapping=torch.arange(20))
+    >>> key, value = torch.randn(2, 20, 2, 64)
+    >>> with kvzoo.torch_ops.step_plans(default=plan):
+    ...     kvzoo.torch_ops.step_write(key, value, t.key_cache, t.value_cache, **scales)
+    ...     out, lse = kvzoo.torch_ops.step_attention(torch.randn(20, 4, 64), t.key_cache, t.value_cache,
+    ...                                               return_lse=True, **scales)
+    >>> tuple(out.shape), tuple(lse.shape), lse.dtype
+    ((20, 4, 64), (20, 4), torch.float32)
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    lse = _lse_output(lse, return_lse, query)
+    torch.ops.kvzoo.step_attention(
+        out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse,
+        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), sinks,
+    )
+    return (out, lse) if return_lse else out

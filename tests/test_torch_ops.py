@@ -1,8 +1,11 @@
 """kvzoo.torch_ops: the torch.library custom ops.
 
-opcheck on each op; the ops' bytes equal the functional API's on poisoned caches; a small
-decoder-layer step through torch.compile (one graph, no break) and torch.export gives eager's
-bytes. The CUDA variant runs with `pytest -m gpu_only` on a GPU machine.
+opcheck on each op; the ops' bytes (outputs, lse, caches) equal the functional API's on
+poisoned caches; a small decoder-layer step through torch.compile (one graph, no break) and
+torch.export gives eager's bytes. The step ops (step_write / step_attention, the engine-step
+plan looked up by name) equal the plan's own calls, eagerly, through torch.compile over several
+engine steps with one graph, and through torch.export. The CUDA variants run with
+`pytest -m gpu_only` on a GPU machine.
 """
 
 from __future__ import annotations
@@ -139,12 +142,12 @@ def _cache_kwargs(t: KVCacheTensors) -> dict[str, Any]:
 
 
 def _write_context(t: KVCacheTensors, mode: str, plan: Plan, lens: list[int], g: Geometry,
-                   rng: np.random.Generator, device: str) -> None:
+                   rng: np.random.Generator, device: str, **statics: float) -> None:
     """The tokens cached before the step under test, written through the functional API."""
     slots = torch.from_numpy(np.concatenate([plan.slots(s, 0, n) for s, n in enumerate(lens)])).to(device)
     shape = (int(slots.shape[0]), g.num_kv_heads, g.head_size)
     kvzoo.reshape_and_cache(_floats(rng, shape, device), _floats(rng, shape, device, 2.0), t.key_cache,
-                            t.value_cache, slots, mode=mode, **_cache_kwargs(t))
+                            t.value_cache, slots, mode=mode, **_cache_kwargs(t), **statics)
 
 
 # -- 1. opcheck -----------------------------------------------------------------------------------
@@ -200,10 +203,14 @@ def test_opcheck_paged_attention(mode):
     query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
     out = torch.empty_like(query)
     _fill_random_bytes(out, rng)
+    lse = torch.empty(step.num_tokens, g.num_q_heads)
+    _fill_random_bytes(lse, rng)
     args = (out, query, t.key_cache, t.value_cache, step.block_tables, step.seq_lens, step.query_start_loc,
             t.k_scale_cache, t.v_scale_cache, None, None, None, mode, 0.17, None, None,
             step.max_query_len, step.max_seq_len, False, False)
     _opcheck(torch.ops.kvzoo.paged_attention.default, args, grad_arg=1)
+    # With lse, the optional mutated argument the schema adds last (after the defaulted ones).
+    _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, None, True, None, lse), grad_arg=1)
 
 
 def test_ops_refuse_inputs_that_require_grad():
@@ -232,6 +239,25 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
             torch.ops.kvzoo.paged_attention(query.half(), query, t.key_cache, t.value_cache, index[None], index[:1],
                                             index, t.k_scale_cache, t.v_scale_cache, None, None, None,
                                             "int8_per_token_head", 0.2, None, None, 3, 3, False, False)
+        attend = (query, t.key_cache, t.value_cache, index[None], index[:1], index, t.k_scale_cache,
+                  t.v_scale_cache, None, None, None, "int8_per_token_head", 0.2, None, None, 3, 3, False, False)
+        for bad, match in ((torch.empty(3, g.num_q_heads + 1), "lse: expected"),
+                           (torch.empty(3, g.num_q_heads, dtype=torch.float16), "lse: expected dtype")):
+            with pytest.raises(kvzoo.KVZooInputError, match=match):
+                torch.ops.kvzoo.paged_attention(torch.empty_like(query), *attend, lse=bad)
+        # The step ops' fakes: no plan is registered and none is looked up while tracing.
+        with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
+            torch.ops.kvzoo.step_write(key, key[:2], t.key_cache, t.value_cache, t.k_scale_cache,
+                                       t.v_scale_cache, "nowhere")
+        with pytest.raises(kvzoo.KVZooInputError, match="k_scale_cache: expected"):
+            torch.ops.kvzoo.step_write(key, key, t.key_cache, t.value_cache, t.k_scale_cache[:1],
+                                       t.v_scale_cache, "nowhere")
+        with pytest.raises(kvzoo.KVZooInputError, match="out: shape"):
+            torch.ops.kvzoo.step_attention(query[:2], query, t.key_cache, t.value_cache, t.k_scale_cache,
+                                           t.v_scale_cache, "nowhere")
+        with pytest.raises(kvzoo.KVZooInputError, match="lse: expected"):
+            torch.ops.kvzoo.step_attention(torch.empty_like(query), query, t.key_cache, t.value_cache,
+                                           t.k_scale_cache, t.v_scale_cache, "nowhere", torch.empty(2, g.num_q_heads))
 
 
 def test_schema_names_and_mutated_arguments():
@@ -239,13 +265,25 @@ def test_schema_names_and_mutated_arguments():
         return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
     write, attend = torch.ops.kvzoo.reshape_and_cache.default, torch.ops.kvzoo.paged_attention.default
-    assert mutated(write) == ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"]
-    assert mutated(attend) == ["out"]
-    for op in (write, attend):
+    step_write, step_attend = torch.ops.kvzoo.step_write.default, torch.ops.kvzoo.step_attention.default
+    assert mutated(write) == mutated(step_write) == ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"]
+    assert mutated(attend) == mutated(step_attend) == ["out", "lse"]
+    # The arguments engines already pass by position keep their places; lse is appended.
+    attend_names = [a.name for a in attend._schema.arguments]
+    assert attend_names[:12] == ["out", "query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                                 "query_start_loc", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale", "sinks"]
+    assert attend_names[-4:] == ["num_prefills", "validate", "impl", "lse"]
+    assert [a.name for a in step_write._schema.arguments][:7] == [
+        "key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "plan_name"]
+    assert [a.name for a in step_attend._schema.arguments][:8] == [
+        "out", "query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "plan_name", "lse"]
+    for op in (write, attend, step_write, step_attend):
         names = [a.name for a in op._schema.arguments]
         # A parameter called `mode` broke Inductor's lowering in an earlier trial.
-        assert "kv_cache_dtype" in names and "mode" not in names
+        assert "mode" not in names
         assert op._schema.returns == []
+    for op in (write, attend):
+        assert "kv_cache_dtype" in [a.name for a in op._schema.arguments]
 
 
 def test_docstring_examples_run():
@@ -261,7 +299,7 @@ def test_reimport_registers_nothing_twice_and_kvzoo_does_not_import_torch_ops():
             "assert 'kvzoo.torch_ops' not in sys.modules\n"
             "import kvzoo.torch_ops\n"
             "importlib.reload(kvzoo.torch_ops)\n"
-            "import torch; torch.ops.kvzoo.paged_attention.default\n")
+            "import torch; torch.ops.kvzoo.paged_attention.default; torch.ops.kvzoo.step_attention.default\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -307,10 +345,10 @@ def _check_matches_api(mode: str, layout: str, device: str) -> None:
         variants.append(dict(quantize_query=True))
     for options in variants:
         query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), device)
-        want = kvzoo.paged_attention(query, api_t.key_cache, api_t.value_cache, mode=mode,
-                                     block_tables=step.block_tables, seq_lens=step.seq_lens,
-                                     query_start_loc=step.query_start_loc, **_cache_kwargs(api_t), **statics,
-                                     **options)
+        api_kwargs = dict(mode=mode, block_tables=step.block_tables, seq_lens=step.seq_lens,
+                          query_start_loc=step.query_start_loc, **_cache_kwargs(api_t), **statics, **options)
+        want = kvzoo.paged_attention(query, api_t.key_cache, api_t.value_cache, **api_kwargs)
+        want_lse = kvzoo.paged_attention(query, api_t.key_cache, api_t.value_cache, return_lse=True, **api_kwargs)
         kwargs = dict(kv_cache_dtype=mode, block_tables=step.block_tables, seq_lens=step.seq_lens,
                       query_start_loc=step.query_start_loc, max_query_len=step.max_query_len,
                       max_seq_len=step.max_seq_len, **_cache_kwargs(op_t), **op_statics, **options)
@@ -321,6 +359,17 @@ def _check_matches_api(mode: str, layout: str, device: str) -> None:
         assert_same_bytes(got, want, f"{mode} {layout} attention {sorted(options)}")
         assert_same_bytes(kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, **kwargs), want,
                           f"{mode} {layout} attention {sorted(options)}, out allocated by the wrapper")
+        got_out, got_lse = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, return_lse=True,
+                                                  **kwargs)
+        lse = torch.empty(step.num_tokens, g.num_q_heads, device=device)
+        _fill_random_bytes(lse, rng)
+        given = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True,
+                                       lse=lse, **kwargs)
+        assert given[0] is out and given[1] is lse
+        for (a, b), what in (((got_out, got_lse), "lse allocated"), (given, "lse given")):
+            assert_same_bytes(a, want_lse[0], f"{mode} {layout} attention {sorted(options)} with {what}: out")
+            assert_same_bytes(b, want_lse[1], f"{mode} {layout} attention {sorted(options)} with {what}: lse")
+        assert torch.isfinite(got_lse).all()
     _assert_same_cache(op_t, api_t, f"{mode} {layout} after attention")
 
 
@@ -488,3 +537,415 @@ def test_ops_on_cuda(mode):
         _check_matches_api(mode, layout, "cuda")
     for backend in BACKENDS:
         _check_compiled_step(mode, backend, "cuda")
+
+
+# -- 6. the engine-step plan through ops (step_write / step_attention) ---------------------------
+
+def _spec(mode: str, g: Geometry, device: str, layout: str = "separate") -> kvzoo.CacheSpec:
+    return kvzoo.CacheSpec(mode, num_blocks=g.num_blocks, block_size=g.block_size, num_kv_heads=g.num_kv_heads,
+                           head_size=g.head_size, layout=layout, model_dtype="bfloat16", device=device)
+
+
+def _plan_for(spec: kvzoo.CacheSpec, step: Step, g: Geometry, **options: Any) -> kvzoo.StepPlan:
+    return kvzoo.plan_step(spec, block_tables=step.block_tables, seq_lens=step.seq_lens,
+                           query_start_loc=step.query_start_loc, slot_mapping=step.slot_mapping,
+                           num_q_heads=g.num_q_heads, **options)
+
+
+@pytest.fixture(autouse=True)
+def _no_step_plans_left():
+    # A test that registers a plan and fails must not serve the next test's ops.
+    yield
+    leaked = dict(kv_ops._STEP_PLANS)
+    kv_ops._STEP_PLANS.clear()
+    assert not leaked, f"plans left registered: {sorted(leaked)}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck_step_ops(mode):
+    rng = rng_for("torch-ops-opcheck-step", mode)
+    g = SMALL
+    t = _poisoned_cache(mode, "separate", g, "cpu", rng)
+    plan = Plan(rng, g, [13, 6, 9], "cpu")
+    _write_context(t, mode, plan, [12, 0, 8], g, rng, "cpu")
+    step = plan.step([12, 0, 8], [1, 6, 1])
+    key = _floats(rng, (step.num_tokens, g.num_kv_heads, g.head_size), "cpu")
+    value = _floats(rng, (step.num_tokens, g.num_kv_heads, g.head_size), "cpu", 3.0)
+    query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
+    out, lse = torch.empty_like(query), torch.empty(step.num_tokens, g.num_q_heads)
+    _fill_random_bytes(out, rng)
+    _fill_random_bytes(lse, rng)
+    with kv_ops.step_plans(opcheck=_plan_for(_spec(mode, g, "cpu"), step, g)):
+        _opcheck(torch.ops.kvzoo.step_write.default,
+                 (key, value, *_cache_args(t), "opcheck"), grad_arg=0)
+        attend = (out, query, *_cache_args(t), "opcheck")
+        _opcheck(torch.ops.kvzoo.step_attention.default, attend, grad_arg=1)
+        _opcheck(torch.ops.kvzoo.step_attention.default, (*attend, lse), grad_arg=1)
+
+
+STEP_MODES = ("int8_per_token_head", "fp8_per_token_head", "fp8_per_tensor", "none")
+
+
+@pytest.mark.parametrize("mode", STEP_MODES)
+def test_step_ops_match_plan_calls(mode):
+    """Eager op calls against the plan's own calls on a copy of the caches, and their lse
+    against the functional API's (which no plan takes part in)."""
+    rng = rng_for("torch-ops-step-vs-plan", mode)
+    g = Geometry()
+    spec = _spec(mode, g, "cpu")
+    blocks = Plan(rng, g, [30, 9, 21], "cpu")
+    statics: dict[str, Any] = {}
+    if mode == "fp8_per_tensor":
+        statics = dict(k_scale=float(rng.uniform(0.005, 0.02)), v_scale=float(rng.uniform(0.01, 0.05)))
+    op_t = _poisoned_cache(mode, "separate", g, "cpu", rng)
+    _write_context(op_t, mode, blocks, [22, 0, 20], g, rng, "cpu", **statics)
+    plan_t = _copy(op_t, mode, g)
+    step = blocks.step([22, 0, 20], [8, 9, 1])
+    sinks = torch.from_numpy(rng.standard_normal(g.num_q_heads).astype(np.float32))
+    options = dict(softcap=30.0, sliding_window=19)
+    # Different objects from one metadata: the ops' plan and the reference's share nothing.
+    op_plan, ref_plan = _plan_for(spec, step, g, **options), _plan_for(spec, step, g, **options)
+    shape = (step.num_tokens, g.num_kv_heads, g.head_size)
+    key, value = _floats(rng, shape, "cpu"), _floats(rng, shape, "cpu", 4.0)
+    ref_plan.write(key, value, plan_t, **statics)
+    with kv_ops.step_plans(default=op_plan):
+        kv_ops.step_write(key, value, op_t.key_cache, op_t.value_cache, **_cache_kwargs(op_t), **statics)
+    _assert_same_cache(op_t, plan_t, f"{mode} step_write")
+
+    query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
+    want = ref_plan.attention(query, plan_t, **statics)
+    want_sinks, want_lse = ref_plan.attention(query, plan_t, sinks=sinks, return_lse=True, **statics)
+    api_out, api_lse = kvzoo.paged_attention(
+        query, plan_t.key_cache, plan_t.value_cache, mode=mode, block_tables=step.block_tables,
+        seq_lens=step.seq_lens, query_start_loc=step.query_start_loc, sinks=sinks, return_lse=True,
+        **_cache_kwargs(plan_t), **statics, **options)
+    out, lse = torch.empty_like(query), torch.empty(step.num_tokens, g.num_q_heads)
+    _fill_random_bytes(out, rng)
+    _fill_random_bytes(lse, rng)
+    attend = dict(**_cache_kwargs(op_t), **statics)
+    with kv_ops.step_plans(default=op_plan):
+        got = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, **attend)
+        given = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True, lse=lse,
+                                      sinks=sinks, **attend)
+        allocated = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, return_lse=True, sinks=sinks,
+                                          **attend)
+    assert given[0] is out and given[1] is lse
+    assert_same_bytes(got, want, f"{mode} step_attention")
+    for (o, s), what in ((given, "out and lse given"), (allocated, "allocated")):
+        assert_same_bytes(o, want_sinks, f"{mode} step_attention with sinks, {what}: out")
+        assert_same_bytes(s, want_lse, f"{mode} step_attention with sinks, {what}: lse")
+        assert_same_bytes(o, api_out, f"{mode} step_attention with sinks, {what}: out vs kvzoo.paged_attention")
+        assert_same_bytes(s, api_lse, f"{mode} step_attention with sinks, {what}: lse vs kvzoo.paged_attention")
+    assert torch.isfinite(lse).all()
+    _assert_same_cache(op_t, plan_t, f"{mode} caches after step_attention")
+
+
+def test_step_ops_refuse_a_missing_plan_before_writing():
+    mode, g = "int8_per_token_head", SMALL
+    rng = rng_for("torch-ops-step-missing")
+    t = _poisoned_cache(mode, "separate", g, "cpu", rng)
+    before = _copy(t, mode, g)
+    blocks = Plan(rng, g, [5, 7], "cpu")
+    step = blocks.step([0, 0], [5, 7])
+    key = _floats(rng, (step.num_tokens, g.num_kv_heads, g.head_size), "cpu")
+    query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
+    out = torch.empty_like(query)
+    _fill_random_bytes(out, rng)
+    out_before = out.clone()
+
+    def layer(q, k, key_cache, value_cache, k_scale_cache, v_scale_cache):
+        scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, plan_name="decode")
+        kv_ops.step_write(k, k, key_cache, value_cache, **scales)
+        return kv_ops.step_attention(q, key_cache, value_cache, **scales)
+
+    # A plan under another name serves nothing here; the message names the missing one.
+    with kv_ops.step_plans(prefill=_plan_for(_spec(mode, g, "cpu"), step, g)):
+        for call in (lambda: layer(query, key, *_cache_args(t)),
+                     lambda: kv_ops.step_attention(query, t.key_cache, t.value_cache, out=out, plan_name="decode",
+                                                   **_cache_kwargs(t))):
+            with pytest.raises(kvzoo.KVZooInputError, match=r"plan_name: no kvzoo step plan .*'decode'.*prefill"):
+                call()
+    _assert_same_cache(t, before, "caches after the refused eager calls")
+    assert_same_bytes(out, out_before, "out after the refused step_attention")
+
+    # The same compiled function, first with its plan registered, then after it is gone.
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        scratch = _copy(t, mode, g)
+        with torch.no_grad(), kv_ops.step_plans(decode=_plan_for(_spec(mode, g, "cpu"), step, g)):
+            compiled(query, key, *_cache_args(scratch))
+        with torch.no_grad(), pytest.raises(kvzoo.KVZooInputError, match="'decode'"):
+            compiled(query, key, *_cache_args(t))
+    finally:
+        torch._dynamo.reset()
+    _assert_same_cache(t, before, "caches after the refused compiled call")
+    with pytest.raises(AssertionError):  # the registered run did write: the comparison can fail
+        _assert_same_cache(scratch, before, "caches after the served compiled call")
+
+    # An inline-layout plan is refused by name: its views would not survive functionalization.
+    inline = kvzoo.CacheSpec(mode, num_blocks=g.num_blocks, block_size=g.block_size, num_kv_heads=g.num_kv_heads,
+                             head_size=g.head_size, layout="inline", device="cpu")
+    with kv_ops.step_plans(decode=_plan_for(inline, step, g)):
+        with pytest.raises(kvzoo.KVZooInputError, match="'decode' is for 'inline' caches"):
+            layer(query, key, *_cache_args(t))
+    _assert_same_cache(t, before, "caches after the refused inline plan")
+
+
+def test_step_plan_registry_scopes_and_checks():
+    g = SMALL
+    blocks = Plan(rng_for("torch-ops-step-registry"), g, [4], "cpu")
+    spec = _spec("int8_per_token_head", g, "cpu")
+    a, b = (_plan_for(spec, blocks.step([0], [4]), g) for _ in range(2))
+    assert kv_ops.set_step_plan("default", a) is None
+    with kv_ops.step_plans(default=b, other=a):
+        assert kv_ops._STEP_PLANS == {"default": b, "other": a}
+        with kv_ops.step_plans(default=None):
+            assert "default" not in kv_ops._STEP_PLANS
+        assert kv_ops._STEP_PLANS["default"] is b
+    assert kv_ops._STEP_PLANS == {"default": a}
+    assert kv_ops.set_step_plan("default", None) is a and kv_ops._STEP_PLANS == {}
+    with pytest.raises(kvzoo.KVZooInputError, match="plan: expected a kvzoo.StepPlan"):
+        kv_ops.set_step_plan("default", "plan")
+    with pytest.raises(kvzoo.KVZooInputError, match="name: expected a non-empty str"):
+        kv_ops.set_step_plan("", a)
+    # Checked before any registration is made, so a refused block leaves nothing behind.
+    with pytest.raises(kvzoo.KVZooInputError, match="other: expected"):
+        with kv_ops.step_plans(default=a, other=object()):
+            pass
+    assert kv_ops._STEP_PLANS == {}
+    with pytest.raises(RuntimeError), kv_ops.step_plans(default=a):
+        raise RuntimeError("an engine step failing inside the block")
+    assert kv_ops._STEP_PLANS == {}
+
+
+def test_held_caches_serve_only_the_same_views():
+    t = kvzoo.allocate_separate(4, 8, 2, 32, "fp8_per_token_head")
+    args = _cache_args(t)
+    first = kv_ops._caches_for(*args)
+    assert kv_ops._caches_for(*args) is first
+    # New tensor objects over the same bytes with the same view (what functionalization hands
+    # an op that is written in place) are the same caches to the plan.
+    views = tuple(x.view(x.shape) for x in args)
+    assert kv_ops._caches_for(*views) is first
+    # Anything else is other caches: another dtype over the same address, another view of it,
+    # another tensor of the same shape, the same tensors in other roles.
+    for changed in ((args[0].view(torch.uint8), *args[1:]), (args[0].transpose(1, 2), *args[1:]),
+                    (*args[:3], args[3].clone()), (args[1], args[0], *args[2:])):
+        other = kv_ops._caches_for(*changed)
+        assert other is not first
+        assert all(a is b for a, b in zip(_cache_args(other), changed))
+    # A held tensor re-pointed in place (set_) no longer owns the address its entry was made
+    # for: a tensor now at that address, with that view, must not get the re-pointed one.
+    moved = args[3].clone()
+    at_old_address = moved.view(moved.shape)
+    held = kv_ops._caches_for(*args[:3], moved)
+    moved.set_(torch.zeros_like(moved))
+    served = kv_ops._caches_for(*args[:3], at_old_address)
+    assert served is not held and served.v_scale_cache is at_old_address
+    # Bounded: the oldest entries go.
+    for _ in range(kv_ops.MAX_HELD_CACHES + 5):
+        kv_ops._caches_for(*args[:3], args[3].clone())
+    assert len(kv_ops._HELD) == kv_ops.MAX_HELD_CACHES
+
+
+class TwoLayerStep(nn.Module):
+    """Two decoder layers' attention blocks: projections, step_write, step_attention, the
+    o-projection feeding the next layer. The step's metadata is no input: the ops find it by
+    name. No residual add: inductor turns `x + linear(o)` into one addmm that rounds once to
+    bfloat16 where eager rounds twice, which would change bits for a reason not the ops'."""
+
+    def __init__(self, g: Geometry, hidden: int, rng: np.random.Generator, device: str) -> None:
+        super().__init__()
+        self.g = g
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            layer = nn.ModuleDict(dict(
+                q=nn.Linear(hidden, g.num_q_heads * g.head_size, bias=False),
+                k=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
+                v=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
+                o=nn.Linear(g.num_q_heads * g.head_size, hidden, bias=False),
+            ))
+            self.layers.append(layer)
+        self.to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(_floats(rng, tuple(p.shape), device, hidden ** -0.5))
+
+    def qkv(self, layer: nn.ModuleDict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g, t = self.g, x.shape[0]
+        return (layer["q"](x).view(t, g.num_q_heads, g.head_size), layer["k"](x).view(t, g.num_kv_heads, g.head_size),
+                layer["v"](x).view(t, g.num_kv_heads, g.head_size))
+
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the last layer's output and its attention's lse (the optional mutated output)."""
+        for i, layer in enumerate(self.layers):
+            key_cache, value_cache, k_scale_cache, v_scale_cache = caches[4 * i:4 * i + 4]
+            scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+            q, k, v = self.qkv(layer, x)
+            kv_ops.step_write(k, v, key_cache, value_cache, **scales)
+            if i == len(self.layers) - 1:
+                o, lse = kv_ops.step_attention(q, key_cache, value_cache, return_lse=True, **scales)
+            else:
+                o = kv_ops.step_attention(q, key_cache, value_cache, **scales)
+            x = layer["o"](o.reshape(x.shape[0], -1))
+        return x, lse
+
+    def with_plan(self, plan: kvzoo.StepPlan, x: torch.Tensor,
+                  caches: list[KVCacheTensors]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step through the plan's own calls: what the ops must reproduce."""
+        for i, (layer, c) in enumerate(zip(self.layers, caches)):
+            q, k, v = self.qkv(layer, x)
+            plan.write(k, v, c)
+            if i == len(self.layers) - 1:
+                o, lse = plan.attention(q, c, return_lse=True)
+            else:
+                o = plan.attention(q, c)
+            x = layer["o"](o.reshape(x.shape[0], -1))
+        return x, lse
+
+
+# Three engine steps of different token counts (20, 5, 6; none of size 0 or 1, which dynamo
+# specialises on), each with its own plan.
+STEPS_3 = (*STEP_Q_LENS, [3, 1, 2])
+
+
+@dataclass
+class EngineRun:
+    module: TwoLayerStep
+    spec: kvzoo.CacheSpec
+    caches: list[KVCacheTensors]
+    steps: list[tuple[torch.Tensor, Step]]
+
+
+def _engine_run(mode: str, device: str, rng: np.random.Generator) -> EngineRun:
+    g = Geometry()
+    done = list(CONTEXT)
+    blocks = Plan(rng, g, [n + sum(q[s] for q in STEPS_3) for s, n in enumerate(done)], device)
+    caches = []
+    for _ in range(2):
+        c = _poisoned_cache(mode, "separate", g, device, rng)
+        _write_context(c, mode, blocks, done, g, rng, device)
+        caches.append(c)
+    steps = []
+    for q_lens in STEPS_3:
+        step = blocks.step(done, q_lens)
+        steps.append((_floats(rng, (step.num_tokens, HIDDEN), device), step))
+        done = [d + q for d, q in zip(done, q_lens)]
+    return EngineRun(TwoLayerStep(g, HIDDEN, rng, device), _spec(mode, g, device), caches, steps)
+
+
+def _flat(caches: list[KVCacheTensors]) -> list[torch.Tensor]:
+    return [x for c in caches for x in _cache_args(c)]
+
+
+def _run_engine(fn: Any, run: EngineRun, mode: str, before_step: Any = None) -> tuple[list[torch.Tensor], list]:
+    """Each step: plan it, register the plan, run fn. Returns the outputs and the caches."""
+    caches = [_copy(c, mode, run.module.g) for c in run.caches]
+    flat, outs = _flat(caches), []
+    with torch.no_grad():
+        for n, (x, step) in enumerate(run.steps):
+            if before_step is not None:
+                before_step(n)
+            with kv_ops.step_plans(default=_plan_for(run.spec, step, run.module.g)):
+                outs.append(fn(x, flat))
+    return outs, caches
+
+
+def _reference_run(run: EngineRun, mode: str) -> tuple[list[torch.Tensor], list]:
+    caches = [_copy(c, mode, run.module.g) for c in run.caches]
+    with torch.no_grad():
+        outs = [run.module.with_plan(_plan_for(run.spec, step, run.module.g), x, caches) for x, step in run.steps]
+    return outs, caches
+
+
+def _assert_same_engine_run(got: tuple[list, list], want: tuple[list, list], what: str) -> None:
+    assert len(got[0]) == len(want[0])
+    for i, ((a, a_lse), (b, b_lse)) in enumerate(zip(got[0], want[0])):
+        assert_same_bytes(a, b, f"{what}: output of step {i}")
+        assert_same_bytes(a_lse, b_lse, f"{what}: last layer's lse in step {i}")
+    for i, (a, b) in enumerate(zip(got[1], want[1])):
+        _assert_same_cache(a, b, f"{what}: layer {i}'s cache after the steps")
+
+
+def _check_compiled_engine(mode: str, backend: str, device: str, dynamic: bool | None = True) -> dict[str, int]:
+    run = _engine_run(mode, device, rng_for("torch-ops-step-compile", mode, device))
+    want = _reference_run(run, mode)
+    # The poisoned caches and the context differ from what the steps leave: a run that wrote
+    # nothing, or wrote to tensors other than the ones it was passed, cannot match.
+    for a, b in zip(want[1], run.caches):
+        with pytest.raises(AssertionError):
+            _assert_same_cache(a, b, "reference caches vs the caches before the steps")
+    assert_same_bytes(_run_engine(run.module, run, mode)[0][0][0], want[0][0][0], f"{mode} eager ops: step 0")
+    torch._dynamo.reset()
+    kv_ops._HELD.clear()  # so that the entries counted below are this run's
+    frames: list[int] = []
+    try:
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(run.module, backend=counter, fullgraph=True, dynamic=dynamic)
+
+        def before_step(n: int) -> None:
+            frames.append(counter.frame_count)
+            if n == len(run.steps) - 1:
+                # Compiled for the shapes met so far: the last step (another size, another plan)
+                # must reuse a graph; a recompile would raise here.
+                torch.compiler.set_stance("fail_on_recompile")
+
+        try:
+            got = _run_engine(compiled, run, mode, before_step)
+        finally:
+            torch.compiler.set_stance("default")
+        frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    _assert_same_engine_run(got, want, f"{mode} torch.compile(backend={backend!r}, dynamic={dynamic})")
+    return dict(frames=frames[-1], after_first=frames[1], held=len(kv_ops._HELD))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_two_layer_engine_steps_match_plan_calls(backend):
+    mode = "int8_per_token_head" if backend != "inductor" else "fp8_per_token_head"
+    seen = _check_compiled_engine(mode, backend, "cpu")
+    # One graph for three steps of different sizes and plans: the metadata is no graph input.
+    assert seen["frames"] == seen["after_first"] == 1, seen
+    if backend != "aot_eager":
+        # eager and inductor hand the op the caches themselves (inductor re-inplaces the
+        # functionalized write): one held entry per layer, met again every step. aot_eager
+        # hands it fresh clones each call, so it meets new caches every step.
+        assert seen["held"] == 2, seen
+
+
+def test_compiled_engine_steps_without_dynamic_recompile_once():
+    # The default (dynamic=None): the first step compiles static sizes, the second's new token
+    # count recompiles once with a dynamic size, the third reuses it.
+    seen = _check_compiled_engine("int8_per_token_head", "eager", "cpu", dynamic=None)
+    assert seen["after_first"] == 1 and seen["frames"] == 2, seen
+
+
+def test_exported_two_layer_step_serves_every_engine_step():
+    mode = "fp8_per_token_head"
+    run = _engine_run(mode, "cpu", rng_for("torch-ops-step-export", mode))
+    want = _reference_run(run, mode)
+    x0, step0 = run.steps[0]
+    flat = _flat([_copy(c, mode, run.module.g) for c in run.caches])
+    with torch.no_grad(), kv_ops.step_plans(default=_plan_for(run.spec, step0, run.module.g)):
+        # Traced on fake tensors: no plan is read, so the program holds none of step 0's metadata.
+        ep = torch.export.export(run.module, (x0, flat),
+                                 dynamic_shapes=({0: torch.export.Dim.DYNAMIC}, [None] * len(flat)))
+    graph = str(ep.graph)
+    assert graph.count("kvzoo.step_write") == graph.count("kvzoo.step_attention") == 2
+    _assert_same_engine_run(_run_engine(ep.module(), run, mode), want, f"{mode} torch.export")
+    decomposed = ep.run_decompositions()
+    assert "auto_functionalized" in str(decomposed.graph)
+    _assert_same_engine_run(_run_engine(decomposed.module(), run, mode), want, f"{mode} torch.export, decomposed")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_two_layer_engine_steps_on_cuda(mode):
+    for backend in BACKENDS:
+        seen = _check_compiled_engine(mode, backend, "cuda")
+        assert seen["frames"] == seen["after_first"] == 1, (backend, seen)
+        if backend != "aot_eager":
+            assert seen["held"] == 2, (backend, seen)
