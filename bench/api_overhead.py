@@ -1,8 +1,11 @@
-"""Host time of one eager kvzoo call, kernel excluded: the public API's checks, the problem
-record and the registry's choice, with an implementation that does nothing. What an engine
-pays per call without CUDA graphs, on top of the kernel launch itself.
+"""What do kvzoo's own checks cost per eager call, kernel excluded? The public API's argument
+checks, the problem record and the registry's choice, timed with an implementation that does
+nothing: what an engine pays per call without CUDA graphs, on top of the launch itself
+(bench/host_cost.py times whole calls, launch included, on the GPU's host).
 
     python bench/api_overhead.py        (CPU tensors; prints microseconds per call)
+
+Inputs come from kvzoo.samples, drawn from the session seed (KVZOO_SEED replays it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvzoo  # noqa: E402
+from kvzoo import samples  # noqa: E402
+from kvzoo.conformance.inputs import rng_for  # noqa: E402
 from kvzoo.registry import Implementation  # noqa: E402
 
 MODE = "int8_per_token_head"
@@ -29,28 +34,23 @@ def no_op(op: str) -> Implementation:
 
 
 def calls() -> dict[str, callable]:
-    g = torch.Generator().manual_seed(1)
-    blocks = SEQS * BLOCKS_PER_SEQ
-    query = torch.randn(SEQS, HQ, D, generator=g).to(torch.bfloat16)
-    kc = torch.randint(-127, 128, (blocks, BS, HKV, D), generator=g, dtype=torch.int8)
-    vc = torch.randint(-127, 128, (blocks, BS, HKV, D), generator=g, dtype=torch.int8)
-    ks, vs = torch.rand(blocks, BS, HKV, generator=g), torch.rand(blocks, BS, HKV, generator=g)
-    tables = torch.randperm(blocks, generator=g).to(torch.int32).view(SEQS, BLOCKS_PER_SEQ)
-    seq_lens = torch.randint(1, BS * BLOCKS_PER_SEQ + 1, (SEQS,), generator=g, dtype=torch.int32)
-    qsl = torch.arange(SEQS + 1, dtype=torch.int32)
-    out = torch.empty_like(query)
-    key = torch.randn(SEQS, HKV, D, generator=g).to(torch.bfloat16)
-    value = torch.randn(SEQS, HKV, D, generator=g).to(torch.bfloat16)
-    slots = torch.randperm(blocks * BS, generator=g)[:SEQS].to(torch.int32)
+    rng = rng_for("api_overhead")
+    longest = BS * BLOCKS_PER_SEQ
+    a = samples.paged_sample(rng, MODE, q_lens=[1] * SEQS, seq_lens=rng.integers(1, longest + 1, SEQS), block_size=BS,
+                             num_q_heads=HQ, num_kv_heads=HKV, head_size=D, query_dtype="bfloat16")
+    w = samples.write_sample(rng, MODE, num_tokens=SEQS, num_kv_heads=HKV, head_size=D, block_size=BS,
+                             poison=False, index_dtype="int32")
+    out = torch.empty_like(a.query)
+    ac, wc = a.caches, w.caches
     attention, write = no_op("paged_attention"), no_op("reshape_and_cache")
     return {
         "paged_attention (decode, 64 seqs)": lambda: kvzoo.paged_attention(
-            query, kc, vc, mode=MODE, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-            k_scale_cache=ks, v_scale_cache=vs, out=out, max_query_len=1, max_seq_len=BS * BLOCKS_PER_SEQ,
-            impl=attention, validate=False),
+            a.query, ac.key_cache, ac.value_cache, mode=MODE, block_tables=a.block_tables, seq_lens=a.seq_lens,
+            query_start_loc=a.query_start_loc, k_scale_cache=ac.k_scale_cache, v_scale_cache=ac.v_scale_cache,
+            out=out, max_query_len=1, max_seq_len=longest, impl=attention, validate=False),
         "reshape_and_cache (64 tokens)": lambda: kvzoo.reshape_and_cache(
-            key, value, kc, vc, slots, mode=MODE, k_scale_cache=ks, v_scale_cache=vs, impl=write,
-            validate=False),
+            w.key, w.value, wc.key_cache, wc.value_cache, w.slot_mapping, mode=MODE, k_scale_cache=wc.k_scale_cache,
+            v_scale_cache=wc.v_scale_cache, impl=write, validate=False),
     }
 
 

@@ -1,12 +1,19 @@
-"""Tuning probe for the Triton paged attention on one GPU (issue 5's attention shapes).
+"""Is each attention table config (kvzoo/backends/triton/attention_kernels.py) still the fastest of
+its neighbours on this GPU? Issue 5's attention shapes, on one GPU; also the shared inputs,
+reference and ceilings of sustained.py, flash_bound.py, staging_sweep.py and kernel_facts.py.
+
+    python3 bench/attention_probe.py [--sections decode,split,prefill] [--quick]
+    ncu --clock-control none --kernel-name regex:_attention_kernel --launch-skip 3 --launch-count 1 \
+        --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section MemoryWorkloadAnalysis python3 bench/attention_probe.py --ncu int8_per_token_head
 
 Checks every variant's output against a float64 reference on a few sequences, then times it
 with CUDA events (triton.testing.do_bench, median) and prints one table. Bytes counted for
 decode: K/V codes + scales + query + output; FLOPs for prefill: 4 * D per visible (q, k) pair
 per query head. Ceilings measured in the same run: device-to-device copy (read + write) and
-an 8192^3 bf16 matmul.
-
-    python bench/attention_probe.py [--sections decode,split,prefill] [--quick]
+an 8192^3 bf16 matmul. --ncu MODE[+qq] launches the table's 64 x 16384 decode four times and
+nothing else (three warm-ups, then the one Nsight Compute profiles). Inputs come from
+kvzoo.samples, drawn from the session seed (printed; KVZOO_SEED replays it).
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
-from kvzoo.modes import get_kv_quant_mode  # noqa: E402
+from kvzoo.conformance.inputs import SEED, rng_for  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -50,34 +58,19 @@ def ceilings() -> tuple[float, float]:
 
 
 def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    m = get_kv_quant_mode(mode)
-    nb_seq = seq_len // BS
-    num_blocks = num_seqs * nb_seq
-    tables = torch.randperm(num_blocks, device=DEV, generator=g).to(torch.int32).view(num_seqs, nb_seq)
-    shape = (num_blocks, BS, HKV, D)
-    if m.code_dtype is None:
-        kc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
-        vc = torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g)
-    elif m.code_dtype == "int8":
-        kc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
-        vc = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8, generator=g)
-    else:
-        kc = (torch.randn(shape, device=DEV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        vc = (torch.randn(shape, device=DEV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    ks = vs = None
-    if m.per_token_head:
-        ks = torch.rand(shape[:3], device=DEV, generator=g) * 0.01 + 0.002
-        vs = torch.rand(shape[:3], device=DEV, generator=g) * 0.01 + 0.002
-    total = num_seqs * q_len
-    q = torch.randn(total, HQ, D, device=DEV, dtype=torch.bfloat16, generator=g)
-    qsl = torch.arange(0, total + 1, q_len, device=DEV, dtype=torch.int32)
+    """num_seqs sequences of seq_len keys whose last q_len tokens are queried, drawn on the GPU by
+    kvzoo.samples (scattered pages, no spare ones); `seed` tells draws of one shape apart."""
+    s = samples.paged_sample(
+        rng_for("attention_probe", num_seqs, q_len, seq_len, mode, seed), mode, q_lens=[q_len] * num_seqs,
+        seq_lens=[seq_len] * num_seqs, block_size=BS, num_q_heads=HQ, num_kv_heads=HKV, head_size=D,
+        query_dtype="bfloat16", device=DEV, spare_blocks=0, spare_columns=0, fill="torch",
+    )
+    c = s.caches
     return Attention(
-        mode=m, query=q, key_cache=kc, value_cache=vc, block_tables=tables,
-        seq_lens=torch.full((num_seqs,), seq_len, device=DEV, dtype=torch.int32),
-        query_start_loc=qsl, out=torch.full_like(q, float("nan")), max_query_len=q_len,
-        max_seq_len=seq_len, softmax_scale=1 / math.sqrt(D), k_scale_cache=ks, v_scale_cache=vs,
-        quantize_query=quantize_query,
+        mode=s.mode, query=s.query, key_cache=c.key_cache, value_cache=c.value_cache, block_tables=s.block_tables,
+        seq_lens=s.seq_lens, query_start_loc=s.query_start_loc, out=torch.full_like(s.query, float("nan")),
+        max_query_len=q_len, max_seq_len=seq_len, softmax_scale=1 / math.sqrt(D), k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache, quantize_query=quantize_query,
     )
 
 
@@ -110,25 +103,6 @@ def err(p: Attention, seqs) -> float:
         o = p.out[q0:q1].to(torch.float64)
         worst = max(worst, float(torch.linalg.norm(o - r) / torch.linalg.norm(r)))
     return worst
-
-
-def force_convert(fn, convert):
-    """Run fn with the code conversion `convert` (K._CONVERT_*) instead of the chosen one."""
-    orig = K._operands
-
-    def ops(p, platform, scale_in_codes):
-        r = list(orig(p, platform, scale_in_codes))
-        r[5] = convert
-        return tuple(r)
-
-    def wrapped():
-        K._operands = ops
-        try:
-            fn()
-        finally:
-            K._operands = orig
-
-    return wrapped
 
 
 def row(name, ms, gbs=None, copy_bw=None, tflops=None, mm=None, e=None, note=""):
@@ -205,12 +179,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,split,prefill")
     ap.add_argument("--quick", action="store_true", help="time the table's configs only")
+    ap.add_argument("--ncu", metavar="MODE", help="only launch the 64 x 16384 decode of MODE[+qq], for Nsight Compute")
     args = ap.parse_args()
+    if args.ncu:
+        p = make(64, 1, 16384, args.ncu.removesuffix("+qq"), quantize_query=args.ncu.endswith("+qq"))
+        print("config", K.decode_config(p, False))
+        for _ in range(4):
+            K.run(p, DEV)
+        torch.cuda.synchronize()
+        return
     sections = set(args.sections.split(","))
     quick = args.quick  # the table's choice only, no variants
     torch.manual_seed(0)
     copy_bw, mm = ceilings()
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} seed {SEED}")
     row("ceiling: d2d copy 2 GiB (read+write)", 0.0, gbs=copy_bw, copy_bw=copy_bw)
     row("ceiling: bf16 matmul 8192^3", 0.0, tflops=mm, mm=mm)
     C = K.AttentionConfig

@@ -1,12 +1,10 @@
-"""CPU benchmarks: the Numba backend against the NumPy reference and torch CPU.
-
-Two ways to run it:
+"""How fast are the CPU backends? The Numba backend against the NumPy reference and torch CPU.
 
     pytest bench/bench_cpu.py --benchmark-only        # pytest-benchmark tables, one per group
     python bench/bench_cpu.py [--quick]               # side-by-side medians, ratios, markdown
 
 The script form measures every provider of a case in the same process, one after the other,
-and prints the markdown section kept in bench/RESULTS.md. All calls go through the public API
+and prints a markdown section (the last ones are in bench/archive/RESULTS-history.md). All calls go through the public API
 (kvzoo.reshape_and_cache / paged_attention / dequantize with impl=...), so argument validation
 is part of the time. Shapes are those of issue 3. Inputs come from kvzoo.samples, drawn from
 the session seed (KVZOO_SEED replays it).

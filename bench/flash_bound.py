@@ -1,13 +1,16 @@
-"""What Triton itself reaches on the prefill shape, without paging or quantization: a plain
-causal flash-attention forward on contiguous bf16 [batch, heads, tokens, 128] tensors (grouped
-query heads, keys tiled in order, the logit scale folded into exp2), timed beside kvzoo's
-bf16 and int8 prefill and torch SDPA in one run.
+"""What does Triton itself reach on the prefill shape, without paging or quantization?
+
+    python3 bench/flash_bound.py                        (on the GPU)
+
+A plain causal flash-attention forward on contiguous bf16 [batch, heads, tokens, 128] tensors
+(grouped query heads, keys tiled in order, the logit scale folded into exp2), timed beside
+kvzoo's bf16 and int8 prefill and torch SDPA in one run.
 
 It separates two gaps: kvzoo against this kernel is what paging, staging and the quantized
 cache cost; this kernel against SDPA (cuDNN) is what Triton 3.6's code generation leaves on
-this GPU. Several tile configs are timed; each is checked against SDPA first.
-
-    python3 bench/flash_bound.py
+this GPU. Several tile configs are timed; each is checked against SDPA first. The contiguous
+tensors are drawn here (kvzoo.samples builds paged problems only); kvzoo's rows take
+bench/attention_probe.py's `make`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""kvzoo GPU benchmark (issue 5): the Triton kernels on one GPU against the machine's ceilings.
+"""How close do kvzoo's Triton kernels come to this GPU's measured ceilings, and to what a user
+would run instead (torch SDPA, index_copy_, kvzoo's own bf16 cache)? Issue 5's cases; the JSON
+it writes is what bench/report.py turns into bench/RESULTS.md.
+
+    python3 bench/gpu_bench.py [--quick] [--cases write,decode,prefill]     (on the GPU, ~60 s)
+    OUT=DIR python3 bench/gpu_bench.py && python bench/report.py DIR        (and regenerate RESULTS.md)
+    OUT=DIR python bench/gpu_bench.py --dry-run                             (CPU: checks the script; its figures mean nothing)
 
 1. Measures the ceilings here: device-to-device copy bandwidth (bytes read + written) and
    bf16 matmul TFLOP/s on random data.
@@ -15,10 +21,9 @@
 4. Prints one table: case, time, GB/s or TFLOP/s, % of the measured ceiling, and the ratio of
    each alternative's time to kvzoo's (> 1: kvzoo is faster).
 
-    python3 bench/gpu_bench.py [--quick] [--cases write,decode,prefill]
-
-Writes every row to $OUT/bench.json when OUT is set. A case whose implementation is missing or
-fails prints an error row; the rest still run.
+Writes every row to $OUT/bench.json when OUT is set, with the GPU, versions, date, commit and
+command (KVZOO_BENCH_COMMIT names the commit where the checkout's .git is not the tree's own).
+A case whose implementation is missing or fails prints an error row; the rest still run.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -668,6 +674,22 @@ def bench_prefill(ceil, quick: bool) -> None:
     _attention_cases(label, q_lens, seq_lens, ceil, reps, "flops", None, PREFILL_VARIANTS)
 
 
+def _commit() -> str:
+    """HEAD's short hash, with "+uncommitted" when tracked files differ from it."""
+    named = os.environ.get("KVZOO_BENCH_COMMIT")
+    if named:
+        return named
+    root = str(Path(__file__).resolve().parents[1])
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+uncommitted" if changed else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller copy ceiling probe")
@@ -686,7 +708,9 @@ def main() -> int:
         "quick": args.quick,
         "cases": wanted,
         "seed": SEED,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": _commit(),
+        "command": " ".join(["python3", "bench/gpu_bench.py", *sys.argv[1:]]),
     }
     print(" ".join(f"{k}={v}" for k, v in info.items()))
     ceil = ceilings(args.quick)

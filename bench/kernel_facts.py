@@ -1,5 +1,7 @@
-"""Registers, spills and MMA instruction kinds of the compiled attention kernel per config,
-with a CUDA-event median time: what decides occupancy and tensor-core use on the GPU.
+"""On the GPU, what did the compiler make of each attention config, and how fast is it? Registers,
+spills and MMA instruction kinds of the compiled kernel with a CUDA-event median time: what
+decides occupancy and tensor-core use (bench/offline_facts.py gives the same facts without a
+GPU, without the time).
 
     python3 bench/kernel_facts.py [SWEEP ...]     (default: every sweep in SWEEPS)
 """
@@ -52,121 +54,15 @@ def one(p, cfg, decode: bool, copy_bw, mm):
     return f"{ms * 1e3:8.1f} us {speed} err {e:.1e} | {facts(kernel)}"
 
 
-C = K.AttentionConfig
-
-
-def R(block_n, warps, stages, split_keys=0):
-    """A decode config on the group's real rows; split_keys -1 = no split at all."""
-    return C(1, block_n, warps, stages, split_keys, min_rows=1)
-
-# Sweeps: (kind, num_seqs, length, mode, quantize_query, configs); a config may be None (the
-# table's) or a dict of changes to the table's. Decode configs get the table's split count
-# re-rounded to their block_n unless they set split_keys themselves (-1).
+# Sweeps: (kind, num_seqs, length, mode, quantize_query, configs); a config is None (the table's),
+# a dict of changes to the table's, or a K.AttentionConfig. Decode configs get the table's split
+# count re-rounded to their block_n unless they set split_keys themselves (-1: no split). Add a
+# sweep to compare configs; the earlier ones, with what they found, are in
+# bench/archive/RESULTS-history.md under the commits that ran them.
+SHAPES = (("decode", 64, 4096), ("decode", 64, 16384), ("decode", 8, 65536), ("prefill", 4, 4096))
+VARIANTS = (("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))
 SWEEPS = {
-    # 1: register caps, smaller key tiles, warps (bench/archive/RESULTS-history.md).
-    "1": [
-        ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2)]),
-        ("decode", 64, 16384, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), C(1, 32, 1, 2, maxnreg=128), C(1, 32, 1, 2, maxnreg=168), C(1, 16, 1, 2),
-            C(1, 16, 1, 3), C(1, 32, 1, 3), C(1, 32, 2, 2, maxnreg=128), C(1, 64, 2, 2, maxnreg=128)]),
-        ("decode", 64, 16384, "int8_per_token_head", True, [
-            C(1, 32, 1, 2), C(1, 32, 1, 2, maxnreg=128), C(1, 16, 1, 2), C(1, 64, 2, 2, maxnreg=128)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [
-            C(1, 64, 2, 2), C(1, 32, 1, 2), C(1, 32, 1, 2, maxnreg=128), C(1, 64, 2, 2, maxnreg=128), C(1, 16, 1, 2)]),
-    ] + [
-        ("prefill", 4, 4096, mode, qq, [None, C(16, 128, 4, 2, 0, True), C(32, 64, 4, 2, 0, True),
-                                       C(32, 128, 8, 2, 0, True, 128)])
-        for mode, qq in (("none", False), ("int8_per_token_head", False), ("fp8_per_token_head", False),
-                         ("int8_per_token_head", True))
-    ],
-    # 2: bf16 decode at 4K (splits, stages), fp8 decode tiles, prefill tiles for int8 query dots.
-    "2": [
-        ("decode", 64, 4096, "none", False, [
-            C(1, 64, 4, 2), C(1, 64, 4, 2, 2048), C(1, 64, 4, 2, 1024), C(1, 64, 4, 3), C(1, 128, 4, 2),
-            C(1, 64, 8, 2), C(1, 32, 4, 2)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [
-            C(1, 64, 2, 3), C(1, 32, 2, 2), C(1, 64, 4, 2), C(1, 64, 2, 2, 4096), C(1, 32, 2, 2, 4096),
-            C(1, 64, 2, 2, 2048)]),
-        ("prefill", 4, 4096, "int8_per_token_head", True, [
-            C(16, 128, 4, 3, 0, True), C(16, 64, 4, 2, 0, True), C(8, 128, 4, 2, 0, True), C(16, 128, 8, 2, 0, True)]),
-        ("prefill", 4, 4096, "int8_per_token_head", False, [
-            C(32, 64, 8, 2, 0, True), C(16, 128, 8, 2, 0, True), C(32, 64, 8, 3, 0, True)]),
-        ("prefill", 4, 4096, "none", False, [C(32, 128, 8, 4, 0, True), C(32, 64, 8, 3, 0, True)]),
-    ],
-    # 3: quantized decode without software pipelining (fewer live registers, more programs/SM).
-    "3": [
-        ("decode", 64, 16384, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), C(1, 32, 1, 1), C(1, 64, 1, 1), C(1, 64, 2, 1), C(1, 128, 4, 1)]),
-        ("decode", 64, 16384, "int8_per_token_head", True, [C(1, 32, 1, 2), C(1, 32, 1, 1), C(1, 64, 2, 1)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [C(1, 64, 2, 2), C(1, 64, 2, 1), C(1, 32, 1, 1),
-                                                             C(1, 128, 4, 1)]),
-    ],
-    # 4: decode tiles of the group's real rows only (min_rows=1: 4 rows, not 16 padded).
-    "4": [
-        ("decode", 64, 16384, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), R(16, 1, 2), R(32, 1, 2), R(32, 2, 2), R(64, 2, 2), R(64, 4, 2), R(64, 4, 3),
-            R(128, 4, 2), R(128, 8, 2), R(128, 8, 3), R(64, 4, 2, 4096), R(64, 4, 2, 8192), R(64, 4, 2, -1)]),
-        ("decode", 64, 16384, "int8_per_token_head", True, [
-            C(1, 32, 1, 2), R(32, 1, 2), R(32, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [
-            C(1, 64, 2, 2), R(32, 1, 2), R(32, 2, 2), R(64, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2),
-            R(64, 4, 2, -1)]),
-        ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3), R(32, 2, 2), R(128, 8, 2)]),
-        ("decode", 64, 4096, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3), R(32, 2, 2), R(128, 8, 2)]),
-        ("decode", 64, 4096, "int8_per_token_head", False, [C(1, 32, 1, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2)]),
-        ("decode", 8, 65536, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), R(32, 1, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2), R(64, 4, 2, 2048), R(64, 4, 2, 1024)]),
-        ("decode", 8, 65536, "fp8_per_token_head", False, [C(1, 64, 2, 2), R(64, 4, 2), R(64, 4, 3), R(128, 8, 2),
-                                                          R(64, 4, 2, 2048)]),
-        ("decode", 8, 65536, "none", False, [C(1, 64, 4, 2), R(64, 4, 2), R(64, 4, 3)]),
-    ],
-    # 5: num_stages 5. The page lookup takes a pipeline stage of its own, so below 5 stages
-    # Triton keeps one K/V buffer and waits for each tile's copy right after issuing it.
-    "5": [
-        ("decode", 64, 16384, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), R(32, 1, 5), C(1, 32, 1, 5), R(16, 1, 5), R(64, 2, 5), R(64, 4, 5), R(128, 4, 5),
-            R(32, 1, 6), R(32, 1, 5, -1), R(32, 1, 5, 8192)]),
-        ("decode", 64, 16384, "int8_per_token_head", True, [C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5), R(128, 4, 5)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [
-            C(1, 64, 2, 2), R(32, 1, 5), R(64, 2, 5), R(64, 4, 5), R(128, 4, 5), R(64, 2, 5, 4096)]),
-        ("decode", 64, 16384, "none", False, [C(1, 64, 4, 2), R(64, 4, 5), C(1, 64, 4, 5), R(128, 8, 5)]),
-        ("decode", 64, 4096, "none", False, [C(1, 64, 4, 2), R(64, 4, 5), R(128, 8, 5)]),
-        ("decode", 64, 4096, "int8_per_token_head", False, [C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5)]),
-        ("decode", 8, 65536, "int8_per_token_head", False, [
-            C(1, 32, 1, 2), R(32, 1, 5), R(64, 2, 5), R(64, 2, 5, 2048), R(32, 1, 5, 2048)]),
-        ("decode", 8, 65536, "fp8_per_token_head", False, [C(1, 64, 2, 2), R(64, 2, 5), R(64, 2, 5, 2048)]),
-        ("decode", 8, 65536, "none", False, [C(1, 64, 4, 2), R(64, 4, 5)]),
-    ] + [
-        ("prefill", 4, 4096, mode, qq, [None, C(32, 64, 8, 5, 0, True), C(32, 64, 8, 6, 0, True),
-                                       C(32, 128, 8, 5, 0, True)])
-        for mode, qq in (("none", False), ("int8_per_token_head", False), ("fp8_per_token_head", False),
-                         ("int8_per_token_head", True))
-    ],    # 7: the table configs with V's addresses computed apart from K's and shared with them
-    # (A/B of same_kv_strides; the second line of each pair shares them).
-    "7": [
-        (kind, seqs, length, mode, qq, [None])
-        for kind, seqs, length, mode, qq in (
-            ("decode", 64, 16384, "int8_per_token_head", False), ("decode", 64, 16384, "fp8_per_token_head", False),
-            ("decode", 64, 16384, "int8_per_token_head", True), ("decode", 64, 16384, "none", False),
-            ("decode", 8, 65536, "int8_per_token_head", False), ("decode", 8, 65536, "fp8_per_token_head", False),
-            ("decode", 64, 4096, "int8_per_token_head", False), ("decode", 64, 4096, "none", False),
-            ("prefill", 4, 4096, "int8_per_token_head", False), ("prefill", 4, 4096, "none", False))
-    ],    # 8: split points and stages around the new quantized decode tables.
-    "8": [
-        ("decode", 64, 4096, "int8_per_token_head", False, [None, R(32, 1, 5, 2048), R(32, 1, 5, -1)]),
-        ("decode", 64, 4096, "fp8_per_token_head", False, [None, R(64, 2, 5, 1024), R(64, 2, 5, 2048)]),
-        ("decode", 64, 16384, "int8_per_token_head", False, [None, R(32, 1, 5, 8192), R(32, 1, 6)]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [None, R(64, 2, 6), R(64, 2, 5, 8192)]),
-        ("decode", 8, 65536, "int8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 4096)]),
-        ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(64, 2, 5, 1024), R(64, 2, 5, 4096)]),
-    ],    # 9: fp8 decode on 1-warp 32-key tiles (767 instructions per tile against int8's 917,
-    # bench/offline_facts.py), split like int8's.
-    "9": [
-        ("decode", 64, 16384, "int8_per_token_head", False, [None]),
-        ("decode", 64, 16384, "fp8_per_token_head", False, [None, R(32, 1, 5, 4096), R(32, 1, 5, 8192), R(32, 1, 6, 4096)]),
-        ("decode", 64, 4096, "fp8_per_token_head", False, [None, R(32, 1, 5, 1024), R(32, 1, 5, 2048)]),
-        ("decode", 8, 65536, "fp8_per_token_head", False, [None, R(32, 1, 5, 2048), R(32, 1, 5, 4096)]),
-    ],
+    "table": [(kind, seqs, length, mode, qq, [None]) for kind, seqs, length in SHAPES for mode, qq in VARIANTS],
 }
 
 
@@ -187,12 +83,6 @@ def main():
                     cfg = dataclasses.replace(cfg, split_keys=0)
                 label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
                          f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}")
-                if name == "7":
-                    shared = K.same_kv_strides
-                    K.same_kv_strides = lambda p: False
-                    print(f"[{name}] {label} apart: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
-                    K.same_kv_strides = shared
-                    label += " shared"
                 print(f"[{name}] {label}: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
             del p
             torch.cuda.empty_cache()

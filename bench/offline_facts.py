@@ -1,9 +1,10 @@
-"""Compiled-kernel facts of the Triton attention for an H200 (sm_90a), on a machine without a
-GPU: registers, spills, shared memory, MMA kind, K/V buffers of the software pipeline, and
-instructions per key tile in the main loops (SASS). kernel_facts.py measures the same kernels
-on the GPU; this answers "what will the compiler make of it" without spending device time.
+"""What will the compiler make of each attention table config for the H200 (sm_90a), without a
+GPU? Registers, spills, shared memory, MMA kind, K/V buffers of the software pipeline, and
+instructions per key tile in the main loops (SASS).
 
-    python bench/offline_facts.py                 (the table configs of issue 5's shapes)
+    python bench/offline_facts.py                 (CPU: the table configs of issue 5's shapes)
+
+kernel_facts.py measures the same kernels on the GPU, with their time.
 
 Triton compiles for a target given by hand (GPUTarget("cuda", 90, 32)); the wheel's ptxas and
 cuobjdump give the rest. The problem is built from meta tensors, the launch arguments by the

@@ -1,5 +1,5 @@
-"""Staged against direct quantized prefill on the GPU, by query tokens per sequence: where
-staging starts to pay (staging.STAGE_MIN_QUERY_LEN) and what its gather pass costs.
+"""From how many query tokens per sequence does staged quantized prefill beat the direct kernel
+(staging.STAGE_MIN_QUERY_LEN), and what does its gather pass cost? On the GPU.
 
     python3 bench/staging_sweep.py [SEQSxQUERY ...]
 

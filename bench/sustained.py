@@ -1,4 +1,6 @@
-"""Decode and prefill speed at full clock and under the GPU's power cap.
+"""How fast are decode and prefill at full clock, and once the GPU's power cap has lowered it?
+
+    python3 bench/sustained.py [decode] [prefill]       (on the GPU)
 
 On the H200 the quantized decode takes the board to its 700 W cap within a second of
 back-to-back launches; the SM clock then drops (1.6-1.7 GHz on average against 1.98), and a
@@ -13,9 +15,7 @@ gpu_bench.py's sit between these two ends:
 
 Prefill groups add torch SDPA (cuDNN, bf16, contiguous K/V) to the same rotation, so the
 prefill-vs-SDPA ratio is read at both ends too. Every kvzoo run is checked against float64
-attention first.
-
-    python3 bench/sustained.py [decode] [prefill]
+attention first. Inputs: bench/attention_probe.py's `make` (kvzoo.samples, session seed).
 """
 
 from __future__ import annotations

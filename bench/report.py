@@ -1,0 +1,718 @@
+"""What does kvzoo reach on the GPU, in a page a user reads in two minutes? Writes bench/RESULTS.md
+and its plots (bench/plots/*.png) from a benchmark run's JSON: every figure on the page is read
+from the run, and the words around the figures say why.
+
+    OUT=/tmp/run python3 bench/gpu_bench.py                       # on the GPU: /tmp/run/bench.json
+    OUT=/tmp/run python3 bench/host_cost.py                       # optional: /tmp/run/host_cost.json
+    python bench/real_model.py --json /tmp/run/real_model.json    # optional, CPU: the real-model table
+    python bench/report.py /tmp/run                               # writes bench/RESULTS.md, bench/plots/
+
+RUN is a folder holding bench.json (and, when present, host_cost.json and real_model.json) or a
+bench.json itself. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
+plots need `pip install "kvzoo[plots]"`). The JSON shapes read here are the ones gpu_bench.py,
+host_cost.py and real_model.py write; a section whose JSON is absent says where its last
+figures are instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KVZOO = "triton-cuda"
+EAGER = KVZOO + " (eager)"
+QUANTIZED = ("int8", "fp8")
+# How each variant of gpu_bench.py's case names reads on the page (the benchmark's model dtype is bf16).
+VARIANT_LABEL = {
+    "none": "bf16", "int8": "int8", "fp8": "fp8", "int8 qk-int8": "int8 quantize_query",
+    "int8 direct": "int8 direct kernel", "fp8 direct": "fp8 direct kernel",
+}
+# Issue 5's smallest write size with a bandwidth target; smaller writes are launch-bound.
+WRITE_TARGET_TOKENS = 4096
+# Issue 5's decode contexts: the main shape's, and the split-KV shape's (few long sequences).
+DECODE_CONTEXT, SPLIT_CONTEXT = 16384, 65536
+# Issue 5's launch-bound writes, reported in microseconds: 1 to this many tokens.
+SMALL_WRITE_TOKENS = 16
+ARCHIVE = "archive/RESULTS-history.md"
+
+
+# ---------------------------------------------------------------------------------------------
+# the run, read
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str  # write, decode, prefill, mixed
+    shape: str  # as gpu_bench.py names it: "T=32768", "64x16384", "4x1024chunk+60dec"
+    variant: str  # none, int8, fp8, "int8 qk-int8", "int8 direct", "sdpa-bf16", "bf16", "copy of int8 bytes"
+    impl: str
+    time_us: float
+    metric: float | None
+    unit: str
+    pct: float | None
+    check: str
+    how: str
+
+    @property
+    def kvzoo(self) -> bool:
+        return self.impl == KVZOO
+
+    @property
+    def error(self) -> float | None:
+        found = re.search(r"err ([0-9.eE+-]+)", self.check)
+        return float(found.group(1)) if found else None
+
+    @property
+    def moved(self) -> float | None:
+        """Bytes the row counts as moved (GB/s rows only)."""
+        return self.metric * 1e9 * self.time_us * 1e-6 if self.unit == "GB/s" and self.metric else None
+
+
+def parse_case(case: str) -> tuple[str, str, str]:
+    """gpu_bench.py's case name as (op, shape, variant)."""
+    op, shape, *rest = case.split()
+    if rest[:1] == ["causal"]:
+        rest = rest[1:]
+    return op, shape, " ".join(rest)
+
+
+def numbers(shape: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", shape)]
+
+
+def size_of(shape: str) -> int:
+    """Tokens written, keys read or query tokens: what makes one shape of an op bigger than another."""
+    n = numbers(shape)
+    return n[0] * (n[1] if len(n) > 1 else 1)
+
+
+@dataclass
+class Run:
+    info: dict
+    ceilings: dict
+    rows: list[Row]
+    failed: list[str] = field(default_factory=list)
+    host_cost: dict | None = None
+    real_model: dict | None = None
+
+    @property
+    def dry(self) -> bool:
+        return self.info.get("gpu", "").startswith("cpu")
+
+    def find(self, op: str, shape: str, variant: str, impl: str | None = None) -> Row | None:
+        for r in self.rows:
+            if (r.op, r.shape, r.variant) == (op, shape, variant) and (impl is None or r.impl == impl):
+                return r
+        return None
+
+    def kvzoo(self, op: str, shape: str, variant: str) -> Row | None:
+        return self.find(op, shape, variant, KVZOO)
+
+    def shapes(self, op: str) -> list[str]:
+        """The shapes kvzoo's rows of the op have (its eager rows aside), smallest first."""
+        seen = {r.shape for r in self.rows if r.op == op and r.kvzoo}
+        return sorted(seen, key=size_of)
+
+    def largest(self, op: str) -> str | None:
+        shapes = self.shapes(op)
+        return shapes[-1] if shapes else None
+
+    def with_context(self, op: str, context: int) -> str | None:
+        return next((s for s in self.shapes(op) if len(numbers(s)) > 1 and numbers(s)[1] == context), None)
+
+    def write_shape(self, tokens: int) -> str | None:
+        return next((s for s in self.shapes("write") if numbers(s)[0] == tokens), None)
+
+    def eager_decode(self) -> Row | None:
+        return next((r for r in self.rows if r.op == "decode" and r.impl == EAGER), None)
+
+
+def load(source: Path, host_cost: Path | None = None, real_model: Path | None = None) -> Run:
+    """The run in `source` (a folder holding bench.json, or the file), with the optional JSONs
+    found beside it unless given."""
+    folder = source if source.is_dir() else source.parent
+    bench = source / "bench.json" if source.is_dir() else source
+    data = json.loads(bench.read_text())
+    rows, failed = [], []
+    for r in data["rows"]:
+        if r.get("error"):
+            failed.append(f"{r['case']} ({r['impl']}): {r['error']}")
+            continue
+        if r.get("time_us") is None:
+            continue
+        op, shape, variant = parse_case(r["case"])
+        rows.append(Row(op, shape, variant, r["impl"], r["time_us"], r.get("metric"), r.get("unit", ""),
+                        r.get("pct"), r.get("check", ""), r.get("how", "")))
+    run = Run(data["info"], data["ceilings"], rows, failed)
+    for attr, given, name in (("host_cost", host_cost, "host_cost.json"), ("real_model", real_model, "real_model.json")):
+        path = given or folder / name
+        if path.exists():
+            setattr(run, attr, json.loads(path.read_text()))
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# words around the figures
+
+
+def span(values: Iterable[float], spec: str = ".1f") -> str:
+    """'lo-hi', or one figure when both print the same."""
+    vals = sorted(values)
+    lo, hi = format(vals[0], spec), format(vals[-1], spec)
+    return lo if lo == hi else f"{lo} to {hi}" if "e" in spec else f"{lo}-{hi}"
+
+
+def versus(alt_us: float, us: float) -> str:
+    """An alternative's time against kvzoo's, from the alternative's side."""
+    r = alt_us / us
+    return f"{r:.2f}x slower" if r >= 1 else f"{1 / r:.2f}x faster"
+
+
+def us(t: float) -> str:
+    return f"{t:.1f} us"
+
+
+def label(op: str, shape: str) -> str:
+    n = numbers(shape)
+    if op == "write":
+        return f"write {n[0]} tokens"
+    if op == "decode":
+        return f"decode {n[0]} x {n[1]}"
+    if op == "prefill":
+        return f"prefill {n[0]} x {n[1]} causal"
+    if op == "mixed":
+        return f"mixed batch ({n[0]} x {n[1]} chunks + {n[2]} decodes)"
+    return f"{op} {shape}"
+
+
+def _alternatives(run: Run, row: Row) -> str:
+    parts = []
+    if row.op == "write":
+        index_copy = run.find("write", row.shape, "bf16", "torch index_copy_")
+        copy = run.find("write", row.shape, "copy of int8 bytes")
+        if index_copy:
+            parts.append(f"bf16 `index_copy_` {us(index_copy.time_us)} ({versus(index_copy.time_us, row.time_us)})")
+        if copy:
+            parts.append(f"a plain copy of the same bytes {us(copy.time_us)} ({copy.pct:.1f}% of limit)")
+        return "; ".join(parts) or "-"
+    bf16 = run.kvzoo(row.op, row.shape, "none")
+    if bf16 and row.variant != "none":
+        parts.append(f"kvzoo bf16 {versus(bf16.time_us, row.time_us)}")
+    sdpa = run.find(row.op, row.shape, "sdpa-bf16")
+    if sdpa:
+        parts.append(f"torch SDPA on contiguous bf16 {us(sdpa.time_us)} ({versus(sdpa.time_us, row.time_us)})")
+    return "; ".join(parts) or "-"
+
+
+# (op, which shape, variants): the rows of the page's table. "largest" is the op's biggest shape;
+# an int is the write of that many tokens or the decode at that context.
+HEADLINE: tuple[tuple[str, str | int, tuple[str, ...]], ...] = (
+    ("write", "largest", QUANTIZED),
+    ("write", WRITE_TARGET_TOKENS, ("int8",)),
+    ("decode", "largest", ("none", *QUANTIZED)),
+    ("decode", SPLIT_CONTEXT, ("int8",)),
+    ("prefill", "largest", ("none", *QUANTIZED)),
+    ("mixed", "largest", ("int8",)),
+)
+
+
+def headline_rows(run: Run) -> list[Row]:
+    picked: list[Row] = []
+    for op, which, variants in HEADLINE:
+        if which == "largest":
+            shape = run.largest(op)
+        elif op == "write":
+            shape = run.write_shape(which)
+        else:
+            shape = run.with_context(op, which)
+        for v in variants:
+            row = run.kvzoo(op, shape, v) if shape else None
+            if row and row not in picked:
+                picked.append(row)
+    return picked
+
+
+def _pct(row: Row) -> str:
+    return "-" if row.pct is None else f"{row.pct:.1f}"
+
+
+def table(run: Run) -> list[str]:
+    out = ["| what | kvzoo | % of limit | what a user would pick instead |", "|---|---|---|---|"]
+    for row in headline_rows(run):
+        out.append(f"| {label(row.op, row.shape)}, {VARIANT_LABEL.get(row.variant, row.variant)} | "
+                   f"{us(row.time_us)} | {_pct(row)} | {_alternatives(run, row)} |")
+    eager = run.eager_decode()
+    if eager:
+        n = numbers(eager.shape)
+        out.append(f"| eager API call, decode {n[0]} x {n[1]}, {eager.variant} | {us(eager.time_us)} | - | host time "
+                   "dominates: the plan's per-layer calls, or a CUDA graph of the step (host time below) |")
+    return out
+
+
+def _writes(run: Run) -> str | None:
+    big = run.largest("write")
+    rows = [r for v in QUANTIZED if (r := run.kvzoo("write", big, v))] if big else []
+    if not rows:
+        return None
+    copy = run.find("write", big, "copy of int8 bytes")
+    text = (f"**Writes** of {numbers(big)[0]} tokens stream at {span(r.pct for r in rows)}% of the copy ceiling"
+            + (f" (a plain copy of the same bytes: {copy.pct:.1f}%)." if copy else "."))
+    small = run.write_shape(WRITE_TARGET_TOKENS)
+    w, c = (run.kvzoo("write", small, "int8"), run.find("write", small, "copy of int8 bytes")) if small else (None, None)
+    if w and c and small != big:
+        text += (f" At {WRITE_TARGET_TOKENS} tokens the int8 write reaches {w.pct:.1f}% and a plain copy of the same "
+                 f"bytes {c.pct:.1f}%: a transfer that small stays under the ceiling's rate; the kernel's own "
+                 "share is the gap to the copy.")
+    graph = [r for r in run.rows if r.op == "write" and r.kvzoo and numbers(r.shape)[0] <= SMALL_WRITE_TOKENS
+             and r.how == "graph"]
+    eager = [r for r in run.rows if r.op == "write" and r.impl == EAGER]
+    if graph:
+        text += f" A CUDA graph replays a write of 1-{SMALL_WRITE_TOKENS} tokens in {span(r.time_us for r in graph)} us"
+        text += f"; an eager API call takes {span((r.time_us for r in eager), '.0f')} us." if eager else "."
+    return text
+
+
+def _decode(run: Run) -> str | None:
+    shapes = run.shapes("decode")
+    quant = [r for s in shapes for v in QUANTIZED if (r := run.kvzoo("decode", s, v))]
+    bf16 = [r for s in shapes if (r := run.kvzoo("decode", s, "none"))]
+    if not quant:
+        return None
+    text = (f"**Quantized decode** streams at {span(r.pct for r in quant)}% of the copy ceiling "
+            f"({', '.join(label('decode', s).removeprefix('decode ') for s in shapes)}). Each tile is a dependent "
+            "chain of conversions, dots and softmax, so the kernel slows with the SM clock, and the board's power "
+            "cap lowers the clock under sustained load: `bench/sustained.py` measures it at full clock and under "
+            "the cap ([docs/hardware.md](../docs/hardware.md)).")
+    if bf16:
+        text += (f" bf16 decode is bound by DRAM and reads at {span(r.pct for r in bf16)}% of the copy ceiling "
+                 "(a pure read streams faster than a copy, which the ceiling counts as read + write).")
+    pairs = [(q, b) for s in shapes if (q := run.kvzoo("decode", s, "int8")) and (b := run.kvzoo("decode", s, "none"))]
+    if pairs and all(q.moved and b.moved for q, b in pairs):
+        text += (f" int8 moves {span((q.moved / b.moved for q, b in pairs), '.3f')}x bf16's bytes, so at bf16's "
+                 f"rate it would run {span((b.moved / q.moved for q, b in pairs), '.2f')}x faster than kvzoo bf16; "
+                 f"it runs {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x.")
+    return text
+
+
+def _prefill(run: Run) -> str | None:
+    big = run.largest("prefill")
+    rows = [r for v in ("none", *QUANTIZED) if (r := run.kvzoo("prefill", big, v))] if big else []
+    if not rows:
+        return None
+    sdpa = run.find("prefill", big, "sdpa-bf16")
+    text = (f"**Prefill** reaches {span(r.pct for r in rows)}% of the bf16 matmul rate"
+            + (f", against SDPA's {sdpa.pct:.1f}%." if sdpa else "."))
+    direct = [(d, s) for v in QUANTIZED if (d := run.kvzoo("prefill", big, v + " direct"))
+              and (s := run.kvzoo("prefill", big, v))]
+    if direct:
+        text += (" Quantized prefill converts each key's codes once into an fp16 workspace (staging.py) and then "
+                 f"runs like bf16; the direct kernel, converting in every query tile, takes "
+                 f"{span((d.time_us / s.time_us for d, s in direct), '.2f')}x as long.")
+    text += (" How much of the gap to SDPA is Triton's own code generation: `bench/flash_bound.py` times a plain "
+             f"Triton flash kernel on contiguous bf16 on this shape (last figures in [the archive]({ARCHIVE})).")
+    mixed = run.largest("mixed")
+    pairs = [(q, b) for v in QUANTIZED if mixed and (q := run.kvzoo("mixed", mixed, v))
+             and (b := run.kvzoo("mixed", mixed, "none"))]
+    if pairs:
+        text += (f" The {label('mixed', mixed)} runs at {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x "
+                 "kvzoo bf16's speed with int8 and fp8 caches.")
+    return text
+
+
+def _quantize_query(run: Run) -> str | None:
+    pairs = [(q, d) for r in run.rows if r.kvzoo and r.variant == "int8 qk-int8"
+             for q, d in [(r, run.kvzoo(r.op, r.shape, "int8"))] if d]
+    if not pairs:
+        return None
+    by_op = "; ".join(f"{op} {span((d.time_us / q.time_us for q, d in pairs if q.op == op), '.2f')}x"
+                      for op in dict.fromkeys(q.op for q, _ in pairs))
+    errs = [q.error for q, _ in pairs if q.error is not None]
+    return ("**`quantize_query=True`** (QK^T on int8 codes) runs at this multiple of the default int8 path's speed: "
+            f"{by_op}" + (f"; its error is {span(errs, '.1e')}." if errs else "."))
+
+
+def _host(run: Run) -> str | None:
+    eager = run.eager_decode()
+    if not eager:
+        return None
+    n = numbers(eager.shape)
+    return (f"**Host time**: an eager API call (decode {n[0]} x {n[1]}, {eager.variant}) takes {us(eager.time_us)}, "
+            "almost all of it on the host (argument checks, Triton's launcher); a CUDA graph of the step removes it.")
+
+
+def prose(run: Run) -> list[str]:
+    return [f"- {p}" for p in (f(run) for f in (_writes, _decode, _prefill, _quantize_query, _host)) if p]
+
+
+def accuracy(run: Run) -> str | None:
+    plain = [r.error for r in run.rows if r.kvzoo and r.error is not None and "qk-int8" not in r.variant]
+    qq = [r.error for r in run.rows if r.kvzoo and r.error is not None and "qk-int8" in r.variant]
+    if not plain:
+        return None
+    return ("Accuracy, each attention row against float32 torch attention on the same cache (relative error, bf16 "
+            f"output rounding included): {span(plain, '.1e')}" + (f"; with `quantize_query=True` {span(qq, '.1e')}."
+                                                                  if qq else "."))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 5's targets
+
+
+@dataclass(frozen=True)
+class Target:
+    issue: int
+    text: str
+    measure: Callable[[Run], tuple[str, bool | None] | None]  # (figure, met) or None: not in this run
+
+
+def _pct_at(run: Run, shape: str | None, variants: Iterable[str], floor: float):
+    rows = [r for v in variants if shape and (r := run.kvzoo("decode", shape, v))]
+    if not rows:
+        return None
+    return ", ".join(f"{r.variant} {r.pct:.1f}%" for r in rows), all(r.pct >= floor for r in rows)
+
+
+def _ratio_target(run: Run, op: str, fast: str, slow: Callable[[str], Row | None], floor: float, strict=False):
+    found = [(s, f.time_us, b.time_us) for s in run.shapes(op)
+             if (f := run.kvzoo(op, s, fast)) and (b := slow(s))]
+    if not found:
+        return None
+    figure = ", ".join(f"{b / f:.2f}x at {label(op, s).removeprefix(op + ' ')}" for s, f, b in found)
+    return figure, all((b / f > floor) if strict else (b / f >= floor) for _, f, b in found)
+
+
+def _writes_target(run: Run):
+    rows = [r for s in run.shapes("write") if numbers(s)[0] >= WRITE_TARGET_TOKENS
+            for v in QUANTIZED if (r := run.kvzoo("write", s, v))]
+    if not rows:
+        return None
+    return f"{span(r.pct for r in rows)}%", all(r.pct >= 75 for r in rows)
+
+
+def _small_writes(run: Run):
+    rows = [r for r in run.rows if r.op == "write" and r.kvzoo and numbers(r.shape)[0] <= SMALL_WRITE_TOKENS]
+    return (f"{span(r.time_us for r in rows)} us ({', '.join(sorted({r.how for r in rows}))})", None) if rows else None
+
+
+def _prefill_vs_bf16(run: Run):
+    big = run.largest("prefill")
+    b = run.kvzoo("prefill", big, "none") if big else None
+    rows = [r for v in QUANTIZED if b and (r := run.kvzoo("prefill", big, v))]
+    if not rows:
+        return None
+    return (", ".join(f"{r.variant} {b.time_us / r.time_us:.2f}x" for r in rows),
+            all(r.time_us <= 1.1 * b.time_us for r in rows))
+
+
+def _prefill_vs_sdpa(run: Run):
+    big = run.largest("prefill")
+    sdpa = run.find("prefill", big, "sdpa-bf16") if big else None
+    rows = [r for v in QUANTIZED if sdpa and (r := run.kvzoo("prefill", big, v))]
+    if not rows:
+        return None
+    return (", ".join(f"{r.variant} {sdpa.time_us / r.time_us:.2f}x" for r in rows),
+            all(sdpa.time_us / r.time_us >= 0.6 for r in rows))
+
+
+def _decode_pct(run: Run, floor: float):
+    rows = [(s, r) for c in (DECODE_CONTEXT, SPLIT_CONTEXT) if (s := run.with_context("decode", c))
+            for v in QUANTIZED if (r := run.kvzoo("decode", s, v))]
+    if not rows:
+        return None
+    figure = ", ".join(f"{r.variant} {r.pct:.1f}% at {label('decode', s).removeprefix('decode ')}" for s, r in rows)
+    return figure, all(r.pct >= floor for _, r in rows)
+
+
+def _int8_vs_bf16(floor: float):
+    return lambda run: _ratio_target(run, "decode", "int8", lambda s: run.kvzoo("decode", s, "none"), floor)
+
+
+def _vs_sdpa(variant: str, floor: float, strict: bool = False):
+    return lambda run: _ratio_target(run, "decode", variant, lambda s: run.find("decode", s, "sdpa-bf16"), floor, strict)
+
+
+# What the issues ask of these rows (figures the issues fix, not measurements). Issue 20's
+# inline-layout and fp8-prefill targets need rows gpu_bench.py does not time yet.
+TARGETS = (
+    Target(5, f"int8/fp8 decode at {DECODE_CONTEXT} context >= 85% of the copy ceiling",
+           lambda run: _pct_at(run, run.with_context("decode", DECODE_CONTEXT), QUANTIZED, 85)),
+    Target(5, "int8 decode >= 1.8x kvzoo bf16", _int8_vs_bf16(1.8)),
+    Target(5, "bf16 decode >= 0.95x torch SDPA", _vs_sdpa("none", 0.95)),
+    Target(5, "int8 decode faster than torch SDPA", _vs_sdpa("int8", 1.0, strict=True)),
+    Target(5, "fp8 decode faster than torch SDPA", _vs_sdpa("fp8", 1.0, strict=True)),
+    Target(5, f"split-KV decode at {SPLIT_CONTEXT} context >= 85%",
+           lambda run: _pct_at(run, run.with_context("decode", SPLIT_CONTEXT), ("none", *QUANTIZED), 85)),
+    Target(5, f"int8/fp8 writes of >= {WRITE_TARGET_TOKENS} tokens >= 75% of the copy ceiling", _writes_target),
+    Target(5, f"writes of 1-{SMALL_WRITE_TOKENS} tokens: one launch, time reported", _small_writes),
+    Target(5, "int8/fp8 prefill within 10% of kvzoo bf16 (speed against it)", _prefill_vs_bf16),
+    Target(5, "int8/fp8 prefill >= 60% of torch SDPA's TFLOP/s (speed against it)", _prefill_vs_sdpa),
+    Target(20, f"int8/fp8 decode at {DECODE_CONTEXT} and {SPLIT_CONTEXT} context >= 90% of the copy ceiling",
+           lambda run: _decode_pct(run, 90)),
+    Target(20, "int8 decode >= 1.75x kvzoo bf16", _int8_vs_bf16(1.75)),
+)
+
+
+def targets(run: Run) -> list[str]:
+    out = ["| issue | target | this run | met? |", "|---|---|---|---|"]
+    for t in TARGETS:
+        got = t.measure(run)
+        figure, met = got if got else ("not in this run", None)
+        out.append(f"| {t.issue} | {t.text} | {figure} | {'-' if met is None else 'yes' if met else '**no**'} |")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the optional runs
+
+
+def host_cost_section(run: Run) -> list[str]:
+    hc = run.host_cost
+    if hc is None:
+        return ["**Host time per layer call**: not part of this run (`OUT=DIR python3 bench/host_cost.py` writes "
+                f"DIR/host_cost.json); the last figures are in [the archive]({ARCHIVE})."]
+    info = hc.get("info", {})
+    rows = hc.get("rows", [])
+    null = next((r for r in rows if r["row"].startswith("null op")), None)
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r is not null:
+            group, _, call = r["row"].partition(": ")
+            groups.setdefault(group, []).append({**r, "call": call})
+    where = ", ".join(str(info[k]) for k in ("date", "device") if info.get(k))
+    impls = [f"{op} {info[k]}" for op, k in (("write", "write_impl"), ("attention", "attention_impl")) if info.get(k)]
+    where += "".join(f", {i}" for i in impls)
+    head = (f"**Host time per layer call** ({where}, commit {info.get('commit', 'unknown')}, "
+            f"`{info.get('command', 'python3 bench/host_cost.py')}`: {info.get('case', '')}, median of "
+            f"{info.get('calls', '?')} calls per row, each followed by a synchronisation, rows round-robin"
+            + (f"; the null op, `{null['row']}`, takes {us(null['synchronised_us'])}" if null else "") + "). "
+            "Microseconds above the null op:")
+    out = [head, ""]
+    write, attention = groups.pop("write", []), groups.pop("attention", [])
+    if write or attention:
+        out += ["| call | write | attention |", "|---|---|---|"]
+        for i in range(max(len(write), len(attention))):
+            w = write[i] if i < len(write) else None
+            a = attention[i] if i < len(attention) else None
+            name = " / ".join(dict.fromkeys(x["call"] for x in (w, a) if x))
+            out.append(f"| {name} | {_above(w)} | {_above(a)} |")
+    for group, entries in groups.items():
+        out += ["", f"{group}: " + "; ".join(f"`{e['call']}` {us(e['above_null_us'])}" for e in entries) + "."]
+    return out
+
+
+def _above(entry: dict | None) -> str:
+    return "-" if entry is None else f"{entry['above_null_us']:.1f}"
+
+
+def real_model_section(run: Run) -> list[str]:
+    rm = run.real_model
+    if rm is None or not rm.get("formats"):
+        return ["**A real model** (perplexity per cache format, CPU): not part of this run (`python "
+                "bench/real_model.py --json DIR/real_model.json`); the last table is in "
+                f"[the archive]({ARCHIVE})."]
+    about = "; ".join(str(rm[k]) for k in ("model", "text", "versions", "machine") if rm.get(k))
+    first = next(iter(rm["formats"]))
+    out = [f"**A real model** (`{rm.get('command', 'python bench/real_model.py')}`): {about}.", "",
+           f"| cache | perplexity | vs {first} | KV bytes/token |", "|---|---|---|---|"]
+    for name, r in rm["formats"].items():
+        delta = r.get("delta")
+        shown = "-" if delta is None or delta == 0 else f"{100 * delta:+.3f}%"
+        out.append(f"| {name} | {r['ppl']:.4f} | {shown} | {r.get('bytes_per_token', float('nan')):,.0f} |")
+    speeds = rm.get("decode_tokens_per_s") or {}
+    if speeds:
+        out += ["", "CPU decode, tokens/s: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items()) + "."]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+
+
+def _timed_how(run: Run) -> str:
+    hows = sorted({r.how for r in headline_rows(run)})
+    if hows == ["graph"]:
+        return "Times are medians of CUDA-graph replays over rotated input sets (together larger than L2)."
+    return f"Times are medians over rotated input sets, timed as: {', '.join(hows)}."
+
+
+def page(run: Run, plots: dict[str, str] | None) -> str:
+    i, c = run.info, run.ceilings
+    out = ["# kvzoo results", "",
+           "<!-- Generated by bench/report.py from the JSON of a bench/gpu_bench.py run: edit report.py, "
+           "not this page. -->",
+           "Regenerate on the GPU: `OUT=/tmp/run python3 bench/gpu_bench.py && OUT=/tmp/run python3 "
+           "bench/host_cost.py`, then `python bench/report.py /tmp/run` (bench/report.py's docstring has the "
+           "optional real-model run).", ""]
+    if run.dry:
+        out += ["**DRY RUN**: these figures come from `gpu_bench.py --dry-run` on CPU under the Triton interpreter "
+                "at toy sizes. They check the scripts, and say nothing about speed.", ""]
+    out += [f"What kvzoo reaches on one {i.get('gpu', '?')}, measured {i.get('date', '?')} at commit "
+            f"{i.get('commit', 'unknown')} (torch {i.get('torch', '?')}, triton {i.get('triton', '?')}) with "
+            f"`{i.get('command', 'python3 bench/gpu_bench.py')}`. {_timed_how(run)} Every row was checked before it "
+            "was timed: write bytes equal the NumPy reference, attention error against float32 torch on the same "
+            f"cache. The ceilings come from the same run: device copy {c['copy_GBps']:,.0f} GB/s (read + write) and "
+            f"bf16 matmul {c['matmul_TFLOPs']:,.0f} TFLOP/s. \"% of limit\" is bytes moved over the copy ceiling, or "
+            "FLOPs over the matmul rate. The hardware facts the kernels rely on are in "
+            f"[docs/hardware.md](../docs/hardware.md); every earlier run is in [{ARCHIVE}]({ARCHIVE}).", ""]
+    out += table(run)
+    out += ["", "How far each kernel is from its limit, and why:", *prose(run)]
+    if run.failed:
+        out += ["", "Failed in this run (no figure): " + "; ".join(run.failed) + "."]
+    acc = accuracy(run)
+    if acc:
+        out += ["", acc]
+    out += ["", *targets(run)]
+    if plots:
+        out += ["", f"![achieved bandwidth and TFLOP/s against the measured ceilings]({plots['ceilings']})",
+                "", f"![kvzoo against the alternatives, per case]({plots['alternatives']})"]
+    out += ["", *host_cost_section(run), "", *real_model_section(run)]
+    out += ["", "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
+            "CPU backends: `pytest bench/bench_cpu.py --benchmark-only`, or `python bench/bench_cpu.py` for a "
+            "markdown table (last figures in the archive)."]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+
+# The alternatives' rows, by their variant in gpu_bench.py's case names.
+ALTERNATIVE_LABEL = {"bf16": "torch index_copy_ (bf16)", "copy of int8 bytes": "torch copy_ of the int8 bytes",
+                     "sdpa-bf16": "torch SDPA (contiguous bf16)"}
+COLOURS = {"none": "#4c72b0", "int8": "#dd8452", "fp8": "#55a868", "int8 qk-int8": "#c44e52",
+           "int8 direct": "#8172b3", "fp8 direct": "#937860"}
+OTHER = "#8c8c8c"
+
+
+def _provider(r: Row) -> str:
+    return VARIANT_LABEL.get(r.variant, r.variant) if r.kvzoo else ALTERNATIVE_LABEL.get(r.variant, r.impl)
+
+
+def _plotted_shapes(run: Run, op: str) -> list[str]:
+    shapes = run.shapes(op)
+    if op == "write":  # launch-bound below the target size: their bandwidth says nothing
+        big = [s for s in shapes if numbers(s)[0] >= WRITE_TARGET_TOKENS]
+        return big or shapes[-1:]
+    return shapes
+
+
+def plot_ceilings(run: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("GB/s", "copy_GBps", "device copy", ("write", "decode")),
+              ("TFLOP/s", "matmul_TFLOPs", "bf16 matmul", ("prefill", "mixed")))
+    per_panel = [[r for op in ops for s in _plotted_shapes(run, op) for r in run.rows
+                  if r.op == op and r.shape == s and r.unit == unit and r.impl != EAGER and r.metric is not None]
+                 for unit, _, _, ops in panels]
+    height = max(3.0, 0.28 * max(len(r) for r in per_panel) + 1.5)
+    fig, axes = plt.subplots(1, 2, figsize=(13, height))
+    for ax, (unit, key, name, _), rows in zip(axes, panels, per_panel):
+        ceiling = run.ceilings[key]
+        labels = [f"{label(r.op, r.shape)}, {_provider(r)}" for r in rows]
+        colours = [COLOURS.get(r.variant, OTHER) if r.kvzoo else OTHER for r in rows]
+        y = range(len(rows))
+        ax.barh(list(y), [r.metric for r in rows], color=colours)
+        ax.axvline(ceiling, color="black", linestyle="--", linewidth=1)
+        ax.text(ceiling, 1.01, f"{name}: {ceiling:,.0f} {unit}", transform=ax.get_xaxis_transform(), fontsize=8,
+                ha="right", va="bottom")
+        for yi, r in zip(y, rows):
+            ax.text(r.metric, yi, f" {r.pct:.0f}%", va="center", fontsize=7)
+        ax.set_yticks(list(y), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"achieved {unit} (kvzoo in colour, alternatives in grey)")
+    fig.suptitle(f"kvzoo on {run.info.get('gpu', '?')}, commit {run.info.get('commit', 'unknown')}: achieved "
+                 "rate against the measured ceilings", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_alternatives(run: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = []  # (case label, [(provider, time_us, colour)])
+    for op in ("write", "decode", "prefill", "mixed"):
+        for s in _plotted_shapes(run, op):
+            rows = [r for r in run.rows if r.op == op and r.shape == s and r.impl != EAGER]
+            rows.sort(key=lambda r: (not r.kvzoo, list(COLOURS).index(r.variant) if r.variant in COLOURS else 0))
+            bars = [(_provider(r), r.time_us, COLOURS.get(r.variant, OTHER) if r.kvzoo else OTHER) for r in rows]
+            base = run.kvzoo(op, s, "none")
+            if bars and base:
+                groups.append((label(op, s), bars, base.time_us))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 1.2 + 1.1 * sum(len(b) for _, b, _ in groups) * 0.28),
+                             squeeze=False)
+    for ax, (name, bars, base) in zip(axes[:, 0], groups):
+        speed = [base / t for _, t, _ in bars]
+        y = range(len(bars))
+        ax.barh(list(y), speed, color=[c for *_, c in bars])
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        for yi, (_, t, _), s in zip(y, bars, speed):
+            ax.text(s, yi, f" {t:,.1f} us", va="center", fontsize=7)
+        ax.set_yticks(list(y), [p for p, *_ in bars], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=8, loc="left")
+        ax.set_xlim(0, max(speed) * 1.35)
+    axes[-1, 0].set_xlabel("speed relative to kvzoo bf16 on the same case (> 1: faster); time per call beside "
+                           "each bar")
+    fig.suptitle(f"kvzoo against the alternatives, {run.info.get('gpu', '?')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(run: Run, folder: Path, page_path: Path) -> dict[str, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    made = {}
+    for name, draw in (("ceilings", plot_ceilings), ("alternatives", plot_alternatives)):
+        target = folder / f"{name}.png"
+        draw(run, target)
+        made[name] = Path(_relative(target, page_path.parent)).as_posix()
+    return made
+
+
+def _relative(target: Path, start: Path) -> str:
+    return os.path.relpath(target.resolve(), start.resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, help="a folder holding bench.json (and host_cost.json, real_model.json), or a bench.json")
+    ap.add_argument("--host-cost", type=Path, help="host_cost.json (default: beside bench.json)")
+    ap.add_argument("--real-model", type=Path, help="real_model.py's --json output (default: beside bench.json)")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the page (default bench/RESULTS.md)")
+    ap.add_argument("--plots", type=Path, default=HERE / "plots", help="the plots' folder (default bench/plots)")
+    ap.add_argument("--no-plots", action="store_true", help="the page without plots (no matplotlib needed)")
+    args = ap.parse_args(argv)
+    run = load(args.run, args.host_cost, args.real_model)
+    plots = None
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print('report: the plots need matplotlib (pip install "kvzoo[plots]"), or pass --no-plots',
+                  file=sys.stderr)
+            return 2
+        plots = write_plots(run, args.plots, args.out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(page(run, plots))
+    print(f"wrote {args.out}" + (f" and {len(plots)} plots in {args.plots}" if plots else ""))
+    if run.dry:
+        print("report: a --dry-run's figures; do not commit this page", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""bench/report.py: the results page and plots it writes from a benchmark run's JSON.
+
+Two inputs: HAND_BUILT below, a fixture with round made-up figures (not a measurement) whose
+expected lines can be worked out by hand, and tests/data/gpu_bench_dry_run.json, a file that
+`OUT=... python bench/gpu_bench.py --dry-run` wrote on CPU (so the report reads the shape the
+benchmark really writes). Neither is a result: the pages built here go to tmp_path.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRY_RUN_JSON = Path(__file__).parent / "data" / "gpu_bench_dry_run.json"
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("kvzoo_bench_report", ROOT / "bench" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _row(case, impl, time_us, pct=None, unit="GB/s", metric=None, check="", how="graph", error=""):
+    return dict(case=case, impl=impl, time_us=time_us, metric=metric, unit=unit, pct=pct, ratios={}, check=check,
+                how=how, error=error)
+
+
+K, SDPA = "triton-cuda", "torch sdpa"
+# A fixture, not a measurement: round figures, so every expected line below follows by hand.
+HAND_BUILT = {
+    "info": {"gpu": "FIXTURE GPU", "torch": "0.0", "triton": "0.0", "quick": False, "seed": 1,
+             "cases": ["write", "decode", "prefill"], "date": "2000-01-01 00:00 UTC", "commit": "abc1234",
+             "command": "python3 bench/gpu_bench.py"},
+    "ceilings": {"copy_GBps": 4000.0, "matmul_TFLOPs": 800.0},
+    "rows": [
+        _row("write T=1 int8", K, 2.0, 0.1, metric=4.0),
+        _row("write T=1 int8", K + " (eager)", 150.0, 0.0, metric=0.1, how="eager API call"),
+        _row("write T=4096 none", K, 20.0, 50.0, metric=2000.0, check="bytes ok"),
+        _row("write T=4096 bf16", "torch index_copy_", 40.0, 25.0, metric=1000.0),
+        _row("write T=4096 int8", K, 10.0, 60.0, metric=2400.0, check="bytes ok"),
+        _row("write T=4096 fp8", K, 11.0, 55.0, metric=2200.0, check="bytes ok"),
+        _row("write T=4096 copy of int8 bytes", "torch copy_", 8.0, 75.0, metric=3000.0),
+        _row("write T=32768 none", K, 100.0, 80.0, metric=3200.0, check="bytes ok"),
+        _row("write T=32768 bf16", "torch index_copy_", 200.0, 40.0, metric=1600.0),
+        _row("write T=32768 int8", K, 50.0, 90.0, metric=3600.0, check="bytes ok"),
+        _row("write T=32768 fp8", K, 52.0, 88.0, metric=3520.0, check="bytes ok"),
+        _row("write T=32768 copy of int8 bytes", "torch copy_", 48.0, 94.0, metric=3760.0),
+        _row("decode 64x16384 none", K, 1000.0, 100.0, metric=4000.0, check="err 2.0e-03"),
+        _row("decode 64x16384 int8", K, 500.0, 90.0, metric=3600.0, check="err 1.5e-03"),
+        _row("decode 64x16384 fp8", K, 520.0, 86.0, metric=3440.0, check="err 1.7e-03"),
+        _row("decode 64x16384 int8 qk-int8", K, 480.0, 93.0, metric=3720.0, check="err 1.2e-02"),
+        _row("decode 64x16384 sdpa-bf16", SDPA, 1100.0, 95.0, metric=3800.0),
+        _row("decode 64x4096 fp8", K, None, error="RuntimeError: a fixture's failure"),
+        _row("decode 8x65536 none", K, 500.0, 100.0, metric=4000.0, check="err 2.0e-03"),
+        _row("decode 8x65536 int8", K, 280.0, 80.0, metric=3200.0, check="err 1.6e-03"),
+        _row("decode 8x65536 fp8", K, 290.0, 78.0, metric=3120.0, check="err 1.6e-03"),
+        _row("decode 8x65536 sdpa-bf16", SDPA, 800.0, 60.0, metric=2400.0),
+        _row("decode 8x256 int8", K + " (eager)", 200.0, 0.5, metric=20.0, how="eager API call"),
+        _row("prefill 4x4096 causal none", K, 1500.0, 50.0, "TFLOP/s", 400.0, "err 2.0e-03"),
+        _row("prefill 4x4096 causal int8", K, 1400.0, 53.6, "TFLOP/s", 428.8, "err 1.6e-03"),
+        _row("prefill 4x4096 causal fp8", K, 1450.0, 51.7, "TFLOP/s", 413.6, "err 1.6e-03"),
+        _row("prefill 4x4096 causal int8 direct", K, 2300.0, 32.6, "TFLOP/s", 260.8, "err 1.6e-03"),
+        _row("prefill 4x4096 causal fp8 direct", K, 2200.0, 34.1, "TFLOP/s", 272.8, "err 1.6e-03"),
+        _row("prefill 4x4096 causal sdpa-bf16", SDPA, 1000.0, 75.0, "TFLOP/s", 600.0),
+        _row("mixed 4x1024chunk+60dec none", K, 1000.0, 30.0, "TFLOP/s", 240.0, "err 2.0e-03"),
+        _row("mixed 4x1024chunk+60dec int8", K, 800.0, 37.5, "TFLOP/s", 300.0, "err 1.6e-03"),
+        _row("mixed 4x1024chunk+60dec fp8", K, 780.0, 38.5, "TFLOP/s", 308.0, "err 1.6e-03"),
+    ],
+}
+# host_cost.py's JSON (fixture): write and attention rows side by side, a step row, the null op.
+HOST_COST = {
+    "info": {"device": "FIXTURE GPU", "commit": "abc1234", "command": "python3 bench/host_cost.py",
+             "case": "int8 decode 8 x 256", "calls": 200, "date": "2000-01-01 00:00 UTC"},
+    "rows": [
+        {"row": "null op (torch.empty(0) + sync)", "returns_us": 5.0, "synchronised_us": 10.0, "above_null_us": 0.0},
+        {"row": "write: plan.write", "returns_us": 60.0, "synchronised_us": 80.0, "above_null_us": 70.0},
+        {"row": "attention: plan.attention", "returns_us": 90.0, "synchronised_us": 116.0, "above_null_us": 106.0},
+        {"row": "write: impl.run(problem)", "returns_us": 50.0, "synchronised_us": 60.0, "above_null_us": 50.0},
+        {"row": "attention: impl.run(problem)", "returns_us": 80.0, "synchronised_us": 95.0, "above_null_us": 85.0},
+        {"row": "step: plan_step validate=False", "returns_us": 200.0, "synchronised_us": 210.0,
+         "above_null_us": 200.0},
+    ],
+}
+# real_model.py --json (fixture): only the keys the page reads.
+REAL_MODEL = {
+    "command": "python bench/real_model.py", "model": "FIXTURE model", "text": "FIXTURE text",
+    "formats": {"DynamicCache": {"ppl": 10.0, "delta": 0.0, "bytes_per_token": 46080},
+                "kvzoo int8 nearest": {"ppl": 10.05, "delta": 0.005, "bytes_per_token": 12240}},
+    "decode_tokens_per_s": {"DynamicCache": 13.5, "kvzoo int8 nearest": 11.0},
+}
+
+
+def _write(folder: Path, **files: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / f"{name}.json").write_text(json.dumps(data))
+    return folder
+
+
+def _page(report, folder: Path) -> str:
+    return report.page(report.load(folder), None)
+
+
+def test_table_rows_and_their_alternatives_come_from_the_json(report, tmp_path):
+    text = _page(report, _write(tmp_path, bench=HAND_BUILT))
+    expected = [
+        "| write 32768 tokens, int8 | 50.0 us | 90.0 | bf16 `index_copy_` 200.0 us (4.00x slower); a plain copy "
+        "of the same bytes 48.0 us (94.0% of limit) |",
+        "| write 32768 tokens, fp8 | 52.0 us | 88.0 |",
+        "| write 4096 tokens, int8 | 10.0 us | 60.0 | bf16 `index_copy_` 40.0 us (4.00x slower); a plain copy of "
+        "the same bytes 8.0 us (75.0% of limit) |",
+        "| decode 64 x 16384, bf16 | 1000.0 us | 100.0 | torch SDPA on contiguous bf16 1100.0 us (1.10x slower) |",
+        "| decode 64 x 16384, int8 | 500.0 us | 90.0 | kvzoo bf16 2.00x slower; torch SDPA on contiguous bf16 "
+        "1100.0 us (2.20x slower) |",
+        "| decode 64 x 16384, fp8 | 520.0 us | 86.0 |",
+        "| decode 8 x 65536, int8 | 280.0 us | 80.0 | kvzoo bf16 1.79x slower; torch SDPA on contiguous bf16 "
+        "800.0 us (2.86x slower) |",
+        "| prefill 4 x 4096 causal, bf16 | 1500.0 us | 50.0 | torch SDPA on contiguous bf16 1000.0 us (1.50x faster) |",
+        "| prefill 4 x 4096 causal, int8 | 1400.0 us | 53.6 | kvzoo bf16 1.07x slower; torch SDPA on contiguous bf16 "
+        "1000.0 us (1.40x faster) |",
+        "| prefill 4 x 4096 causal, fp8 | 1450.0 us | 51.7 |",
+        "| mixed batch (4 x 1024 chunks + 60 decodes), int8 | 800.0 us | 37.5 | kvzoo bf16 1.25x slower |",
+        "| eager API call, decode 8 x 256, int8 | 200.0 us | - |",
+    ]
+    at = [text.find(line) for line in expected]
+    assert all(i >= 0 for i in at), [line for line, i in zip(expected, at) if i < 0]
+    assert at == sorted(at), "the table's rows are out of order"
+    assert "FIXTURE GPU, measured 2000-01-01 00:00 UTC at commit abc1234" in text
+    assert "`python3 bench/gpu_bench.py`" in text
+    assert "device copy 4,000 GB/s (read + write) and bf16 matmul 800 TFLOP/s" in text
+    assert "Times are medians of CUDA-graph replays" in text
+    assert "DRY RUN" not in text
+    assert "decode 64x4096 fp8 (triton-cuda): RuntimeError: a fixture's failure" in text
+
+
+def test_prose_states_the_runs_figures(report, tmp_path):
+    text = _page(report, _write(tmp_path, bench=HAND_BUILT))
+    assert "**Writes** of 32768 tokens stream at 88.0-90.0% of the copy ceiling (a plain copy of the same bytes: 94.0%)" in text
+    assert "At 4096 tokens the int8 write reaches 60.0% and a plain copy of the same bytes 75.0%" in text
+    assert "A CUDA graph replays a write of 1-16 tokens in 2.0 us; an eager API call takes 150 us." in text
+    assert "**Quantized decode** streams at 78.0-90.0% of the copy ceiling (8 x 65536, 64 x 16384)" in text
+    assert "bf16 decode is bound by DRAM and reads at 100.0% of the copy ceiling" in text
+    # int8 moves 3600 * 500 / (4000 * 1000) = 0.45 and 3200 * 280 / (4000 * 500) = 0.448 of bf16's bytes.
+    assert "int8 moves 0.448-0.450x bf16's bytes, so at bf16's rate it would run 2.22-2.23x faster" in text
+    assert "it runs 1.79-2.00x." in text
+    assert "**Prefill** reaches 50.0-53.6% of the bf16 matmul rate, against SDPA's 75.0%." in text
+    assert "the direct kernel, converting in every query tile, takes 1.52-1.64x as long" in text
+    assert "runs at 1.25-1.28x kvzoo bf16's speed with int8 and fp8 caches" in text
+    assert "path's speed: decode 1.04x; its error is 1.2e-02." in text
+    assert "an eager API call (decode 8 x 256, int8) takes 200.0 us" in text
+    assert "1.5e-03 to 2.0e-03; with `quantize_query=True` 1.2e-02." in text
+
+
+def test_targets_say_met_or_not_from_the_figures(report, tmp_path):
+    text = _page(report, _write(tmp_path, bench=HAND_BUILT))
+    for line in (
+        "| 20 | int8/fp8 decode at 16384 and 65536 context >= 90% of the copy ceiling | int8 90.0% at 64 x 16384, fp8 "
+        "86.0% at 64 x 16384, int8 80.0% at 8 x 65536, fp8 78.0% at 8 x 65536 | **no** |",
+        "| 20 | int8 decode >= 1.75x kvzoo bf16 | 1.79x at 8 x 65536, 2.00x at 64 x 16384 | yes |",
+        "| 5 | int8/fp8 decode at 16384 context >= 85% of the copy ceiling | int8 90.0%, fp8 86.0% | yes |",
+        "| 5 | int8 decode >= 1.8x kvzoo bf16 | 1.79x at 8 x 65536, 2.00x at 64 x 16384 | **no** |",
+        "| 5 | bf16 decode >= 0.95x torch SDPA | 1.60x at 8 x 65536, 1.10x at 64 x 16384 | yes |",
+        "| 5 | split-KV decode at 65536 context >= 85% | none 100.0%, int8 80.0%, fp8 78.0% | **no** |",
+        "| 5 | int8/fp8 writes of >= 4096 tokens >= 75% of the copy ceiling | 55.0-90.0% | **no** |",
+        "| 5 | writes of 1-16 tokens: one launch, time reported | 2.0 us (graph) | - |",
+        "| 5 | int8/fp8 prefill within 10% of kvzoo bf16 (speed against it) | int8 1.07x, fp8 1.03x | yes |",
+        "| 5 | int8/fp8 prefill >= 60% of torch SDPA's TFLOP/s (speed against it) | int8 0.71x, fp8 0.69x | yes |",
+    ):
+        assert line in text, line
+
+
+def test_a_changed_figure_changes_the_page(report, tmp_path):
+    slower = copy.deepcopy(HAND_BUILT)
+    for r in slower["rows"]:
+        if r["case"] == "decode 64x16384 int8":
+            r["time_us"], r["pct"] = 625.0, 72.0
+    text = _page(report, _write(tmp_path, bench=slower))
+    assert "| decode 64 x 16384, int8 | 625.0 us | 72.0 | kvzoo bf16 1.60x slower;" in text
+    assert "| 5 | int8/fp8 decode at 16384 context >= 85% of the copy ceiling | int8 72.0%, fp8 86.0% | **no** |" in text
+
+
+def test_optional_runs_absent_and_present(report, tmp_path):
+    alone = _page(report, _write(tmp_path / "alone", bench=HAND_BUILT))
+    assert "**Host time per layer call**: not part of this run" in alone
+    assert "**A real model** (perplexity per cache format, CPU): not part of this run" in alone
+
+    both = _page(report, _write(tmp_path / "both", bench=HAND_BUILT, host_cost=HOST_COST, real_model=REAL_MODEL))
+    assert "the null op, `null op (torch.empty(0) + sync)`, takes 10.0 us" in both
+    assert "| plan.write / plan.attention | 70.0 | 106.0 |" in both
+    assert "| impl.run(problem) | 50.0 | 85.0 |" in both
+    assert "step: `plan_step validate=False` 200.0 us." in both
+    assert "| cache | perplexity | vs DynamicCache | KV bytes/token |" in both
+    assert "| DynamicCache | 10.0000 | - | 46,080 |" in both
+    assert "| kvzoo int8 nearest | 10.0500 | +0.500% | 12,240 |" in both
+    assert "CPU decode, tokens/s: DynamicCache 13.5, kvzoo int8 nearest 11.0." in both
+
+
+def test_a_json_without_commit_or_command_still_reads(report, tmp_path):
+    old = copy.deepcopy(HAND_BUILT)
+    del old["info"]["commit"], old["info"]["command"]
+    text = _page(report, _write(tmp_path, bench=old))
+    assert "at commit unknown" in text and "`python3 bench/gpu_bench.py`" in text
+
+
+def test_the_dry_run_json_gives_a_page_marked_dry_and_both_plots(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, plots = tmp_path / "RESULTS.md", tmp_path / "plots"
+    assert report.main([str(DRY_RUN_JSON), "--out", str(out), "--plots", str(plots)]) == 0
+    text = out.read_text()
+    assert "**DRY RUN**" in text
+    info = json.loads(DRY_RUN_JSON.read_text())["info"]
+    assert f"at commit {info['commit']}" in text and f"`{info['command']}`" in text
+    run = report.load(DRY_RUN_JSON)
+    assert report.headline_rows(run), "the dry run's shapes gave no table rows"
+    assert text.count("\n| write ") + text.count("\n| decode ") + text.count("\n| prefill ") >= 7
+    for name in ("ceilings", "alternatives"):
+        png = plots / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](plots/{name}.png)" in text
+
+
+def test_no_plots_needs_no_matplotlib_and_writes_none(report, tmp_path):
+    out, plots = tmp_path / "RESULTS.md", tmp_path / "plots"
+    assert report.main([str(_write(tmp_path / "run", bench=HAND_BUILT)), "--out", str(out), "--plots", str(plots),
+                        "--no-plots"]) == 0
+    assert not plots.exists() and "](plots/" not in out.read_text()
+
+
+def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
+    """The benchmark and the report agree on the JSON today, not only on the stored file (the write
+    cases only: about 20 s on two cores under the Triton interpreter)."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--dry-run", "--cases", "write"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = report.page(report.load(tmp_path), None)
+    assert "**DRY RUN**" in text and "| write " in text
+
+
+def test_report_reads_what_host_cost_writes(report, tmp_path):
+    """host_cost.py's own JSON (its CPU smoke run) beside a bench.json."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_cost.py"), "--quick", "--cpu"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (tmp_path / "bench.json").write_text(json.dumps(HAND_BUILT))
+    text = _page(report, tmp_path)
+    assert "**Host time per layer call** (" in text and "| call | write | attention |" in text
+    assert "plan.write / plan.attention" in text
