@@ -171,7 +171,9 @@ def _define_reshape_and_cache() -> None:
 
 
 def _define_paged_attention() -> None:
-    # lse comes last, defaulted, so the schema's earlier positions are those callers already use.
+    # lse is a mutated argument without a default, before the defaulted ones: torch 2.11's
+    # in-place bookkeeping indexes mutated arguments by schema position among those passed, so
+    # a defaulted mutated argument left out of a call fails there (torch 2.13 copes).
     @torch.library.custom_op("kvzoo::paged_attention", mutates_args=("out", "lse"), device_types=DEVICE_TYPES)
     def _op(
         out: torch.Tensor,
@@ -194,10 +196,10 @@ def _define_paged_attention() -> None:
         max_seq_len: int,
         batch_invariant: bool,
         quantize_query: bool,
+        lse: torch.Tensor | None,
         num_prefills: int | None = None,
         validate: bool = True,
         impl: str | None = None,
-        lse: torch.Tensor | None = None,
     ) -> None:
         api.paged_attention(
             query, key_cache, value_cache, mode=kv_cache_dtype, block_tables=block_tables, seq_lens=seq_lens,
@@ -211,8 +213,8 @@ def _define_paged_attention() -> None:
     @_op.register_fake
     def _fake(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache,
               v_scale_cache, k_scale, v_scale, sinks, kv_cache_dtype, softmax_scale, sliding_window, softcap,
-              max_query_len, max_seq_len, batch_invariant, quantize_query, num_prefills=None, validate=True,
-              impl=None, lse=None) -> None:
+              max_query_len, max_seq_len, batch_invariant, quantize_query, lse, num_prefills=None, validate=True,
+              impl=None) -> None:
         _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
         _check_lse_meta(lse, query)
 
@@ -418,8 +420,8 @@ def paged_attention(
     torch.ops.kvzoo.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache, v_scale_cache,
         _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), sinks, _mode_name(kv_cache_dtype),
-        softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, batch_invariant, quantize_query,
-        num_prefills, validate, impl, lse,
+        softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, batch_invariant, quantize_query, lse,
+        num_prefills, validate, impl,
     )
     return (out, lse) if return_lse else out
 
@@ -566,7 +568,7 @@ def _define_step_attention() -> None:
         k_scale_cache: torch.Tensor | None,
         v_scale_cache: torch.Tensor | None,
         plan_name: str,
-        lse: torch.Tensor | None = None,
+        lse: torch.Tensor | None,  # no default: see _define_paged_attention
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
@@ -576,7 +578,7 @@ def _define_step_attention() -> None:
                        k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=lse is not None, lse=lse)
 
     @_op.register_fake
-    def _fake(out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse=None,
+    def _fake(out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse,
               k_scale=None, v_scale=None, sinks=None) -> None:
         _check_query_meta(out, query, key_cache, value_cache)
         _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)

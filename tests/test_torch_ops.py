@@ -208,9 +208,9 @@ def test_opcheck_paged_attention(mode):
     args = (out, query, t.key_cache, t.value_cache, step.block_tables, step.seq_lens, step.query_start_loc,
             t.k_scale_cache, t.v_scale_cache, None, None, None, mode, 0.17, None, None,
             step.max_query_len, step.max_seq_len, False, False)
-    _opcheck(torch.ops.kvzoo.paged_attention.default, args, grad_arg=1)
-    # With lse, the optional mutated argument the schema adds last (after the defaulted ones).
-    _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, None, True, None, lse), grad_arg=1)
+    _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, None), grad_arg=1)
+    # With lse, the optional mutated argument (before the defaulted ones).
+    _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, lse), grad_arg=1)
 
 
 def test_ops_refuse_inputs_that_require_grad():
@@ -238,13 +238,13 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
         with pytest.raises(kvzoo.KVZooInputError, match="out: dtype"):
             torch.ops.kvzoo.paged_attention(query.half(), query, t.key_cache, t.value_cache, index[None], index[:1],
                                             index, t.k_scale_cache, t.v_scale_cache, None, None, None,
-                                            "int8_per_token_head", 0.2, None, None, 3, 3, False, False)
+                                            "int8_per_token_head", 0.2, None, None, 3, 3, False, False, None)
         attend = (query, t.key_cache, t.value_cache, index[None], index[:1], index, t.k_scale_cache,
                   t.v_scale_cache, None, None, None, "int8_per_token_head", 0.2, None, None, 3, 3, False, False)
         for bad, match in ((torch.empty(3, g.num_q_heads + 1), "lse: expected"),
                            (torch.empty(3, g.num_q_heads, dtype=torch.float16), "lse: expected dtype")):
             with pytest.raises(kvzoo.KVZooInputError, match=match):
-                torch.ops.kvzoo.paged_attention(torch.empty_like(query), *attend, lse=bad)
+                torch.ops.kvzoo.paged_attention(torch.empty_like(query), *attend, bad)
         # The step ops' fakes: no plan is registered and none is looked up while tracing.
         with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
             torch.ops.kvzoo.step_write(key, key[:2], t.key_cache, t.value_cache, t.k_scale_cache,
@@ -254,7 +254,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
                                        t.v_scale_cache, "nowhere")
         with pytest.raises(kvzoo.KVZooInputError, match="out: shape"):
             torch.ops.kvzoo.step_attention(query[:2], query, t.key_cache, t.value_cache, t.k_scale_cache,
-                                           t.v_scale_cache, "nowhere")
+                                           t.v_scale_cache, "nowhere", None)
         with pytest.raises(kvzoo.KVZooInputError, match="lse: expected"):
             torch.ops.kvzoo.step_attention(torch.empty_like(query), query, t.key_cache, t.value_cache,
                                            t.k_scale_cache, t.v_scale_cache, "nowhere", torch.empty(2, g.num_q_heads))
@@ -268,11 +268,12 @@ def test_schema_names_and_mutated_arguments():
     step_write, step_attend = torch.ops.kvzoo.step_write.default, torch.ops.kvzoo.step_attention.default
     assert mutated(write) == mutated(step_write) == ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"]
     assert mutated(attend) == mutated(step_attend) == ["out", "lse"]
-    # The arguments engines already pass by position keep their places; lse is appended.
+    # The arguments engines already pass by position keep their places; lse, a mutated argument
+    # without a default, goes before the defaulted ones (torch 2.11 needs every mutated argument passed).
     attend_names = [a.name for a in attend._schema.arguments]
     assert attend_names[:12] == ["out", "query", "key_cache", "value_cache", "block_tables", "seq_lens",
                                  "query_start_loc", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale", "sinks"]
-    assert attend_names[-4:] == ["num_prefills", "validate", "impl", "lse"]
+    assert attend_names[-4:] == ["lse", "num_prefills", "validate", "impl"]
     assert [a.name for a in step_write._schema.arguments][:7] == [
         "key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "plan_name"]
     assert [a.name for a in step_attend._schema.arguments][:8] == [
@@ -579,7 +580,7 @@ def test_opcheck_step_ops(mode):
         _opcheck(torch.ops.kvzoo.step_write.default,
                  (key, value, *_cache_args(t), "opcheck"), grad_arg=0)
         attend = (out, query, *_cache_args(t), "opcheck")
-        _opcheck(torch.ops.kvzoo.step_attention.default, attend, grad_arg=1)
+        _opcheck(torch.ops.kvzoo.step_attention.default, (*attend, None), grad_arg=1)
         _opcheck(torch.ops.kvzoo.step_attention.default, (*attend, lse), grad_arg=1)
 
 
