@@ -101,6 +101,8 @@ class Run:
     failed: list[str] = field(default_factory=list)
     host_cost: dict | None = None
     real_model: dict | None = None
+    # real_model.py --ablate runs (real_model_ablate*.json beside bench.json), by file name.
+    ablations: list[dict] = field(default_factory=list)
 
     @property
     def dry(self) -> bool:
@@ -155,6 +157,7 @@ def load(source: Path, host_cost: Path | None = None, real_model: Path | None = 
         path = given or folder / name
         if path.exists():
             setattr(run, attr, json.loads(path.read_text()))
+    run.ablations = [json.loads(p.read_text()) for p in sorted(folder.glob("real_model_ablate*.json"))]
     return run
 
 
@@ -515,6 +518,25 @@ def _above(entry: dict | None, key: str = "above_null_us") -> str:
     return "-" if entry is None or key not in entry else f"{entry[key]:.1f}"
 
 
+def ablation_section(run: Run) -> list[str]:
+    """What bounds a format on the real model (real_model.py --ablate): each row against its own
+    group's unquantized row (kvzoo's real kernels, or a DynamicCache reading rounded K/V)."""
+    out: list[str] = []
+    for ab in run.ablations:
+        rows = ab.get("ablation", {}).get("rows", {})
+        out += ["", f"**What bounds fp8 on the real model** (`{ab.get('command', 'python bench/real_model.py --ablate')}`; "
+                f"{ab.get('text', '')}). Perplexity change against the same group's unquantized row; the interval "
+                "is a paired bootstrap over chunks:", "", "| row | what | change | 95% interval |", "|---|---|---|---|"]
+        for name, r in rows.items():
+            if not r.get("delta"):
+                continue
+            interval = r.get("interval")
+            shown = f"[{100 * interval[0]:+.2f}%, {100 * interval[1]:+.2f}%]" if interval else "-"
+            out.append(f"| {name} | {r.get('what', '')} | {100 * r['delta']:+.3f}% | {shown} |")
+        out += [f"- {check}" for check in ab.get("ablation", {}).get("checks", [])]
+    return out
+
+
 def real_model_section(run: Run) -> list[str]:
     rm = run.real_model
     if rm is None or not rm.get("formats"):
@@ -576,7 +598,7 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
     if plots:
         out += ["", f"![achieved bandwidth and TFLOP/s against the measured ceilings]({plots['ceilings']})",
                 "", f"![kvzoo against the alternatives, per case]({plots['alternatives']})"]
-    out += ["", *host_cost_section(run), "", *real_model_section(run)]
+    out += ["", *host_cost_section(run), "", *real_model_section(run), *ablation_section(run)]
     out += ["", "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
             "CPU backends: `pytest bench/bench_cpu.py --benchmark-only`, or `python bench/bench_cpu.py` for a "
             "markdown table (last figures in the archive)."]
