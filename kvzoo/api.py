@@ -55,7 +55,7 @@ Array = Any
 # met before skips the registry's selection and the implementation's per-call set-up
 # (Implementation.prepare); its arguments are still checked in full. Cleared when full: an
 # engine meets a handful of signatures per model.
-_PREPARED: dict[tuple, tuple[Any, _registry.Implementation, Any]] = {}
+_PREPARED: dict[tuple, tuple[Any, _registry.Implementation, Any, bool]] = {}
 _MAX_PREPARED = 256
 
 
@@ -64,23 +64,29 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     reg = _registry.default()
     # The object the entry was made for: a key's id() cannot be reused while it is held here.
     held = impl if isinstance(impl, _registry.Implementation) else reg
+    operands = problem.operands()
     key = (op, id(held), impl if isinstance(impl, str) else None, reg.generation, problem.host_fields(),
-           _registry.prepared_signature(problem.operands()))
+           _registry.prepared_signature(operands))
     entry = _PREPARED.get(key)
     if entry is not None and entry[0] is held:
-        chosen, launch = entry[1], entry[2]
-        problem = _for_chosen(chosen, problem)
+        _, chosen, launch, as_given = entry
+        if not as_given:
+            problem = _for_chosen(chosen, problem)
+            operands = problem.operands()
         if launch is not None:
-            launch(problem.operands())
+            launch(operands)
         else:
             chosen.run(problem)
         return
     chosen = reg.select(problem, op, impl)
+    given = problem
     problem = _for_chosen(chosen, problem)
     launch = chosen.prepare(problem) if chosen.prepare is not None else None
     if len(_PREPARED) >= _MAX_PREPARED:
         _PREPARED.clear()
-    _PREPARED[key] = (held, chosen, launch)
+    # as_given: the chosen implementation takes these arrays as they come (its array kind, unit
+    # strides already), which the signature decides for every later call of the key.
+    _PREPARED[key] = (held, chosen, launch, problem is given)
     if launch is not None:
         launch(problem.operands())
     else:
