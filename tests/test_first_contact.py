@@ -120,3 +120,17 @@ def test_readme_plan_example_runs():
     scope: dict = {"torch": torch, "kvzoo": kvzoo}
     exec(compile(plan_blocks[0], "README.md", "exec"), scope)
     assert tuple(scope["out"].shape) == (25, 4, 64) and bool(torch.isfinite(scope["out"]).all())
+
+
+def test_readme_step_ops_example_runs_after_the_plan_example():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    plan_block = next(b for b in blocks if "plan_step" in b)
+    ops_block = next(b for b in blocks if "step_plans" in b)
+    import kvzoo
+
+    scope: dict = {"torch": torch, "kvzoo": kvzoo}
+    exec(compile(plan_block, "README.md", "exec"), scope)
+    exec(compile(ops_block, "README.md", "exec"), scope)
+    out, lse = scope["out"], scope["lse"]
+    assert tuple(out.shape) == (25, 4, 64) and tuple(lse.shape) == (25, 4)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
