@@ -63,11 +63,15 @@ MODES = ("none", "int8_per_token_head", "fp8_per_token_head")
 # modes with staging off ("variant" = mode[+qq][+direct]).
 QQ = "+qq"
 DIRECT = "+direct"
+# Decode also reads the inline page (vLLM's engine layout: each row's scale after its codes).
+INLINE = "+inline"
 ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
+DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE)
 PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT)
 SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8",
          "int8_per_token_head" + QQ: "int8 qk-int8", "int8_per_token_head" + DIRECT: "int8 direct",
-         "fp8_per_token_head" + DIRECT: "fp8 direct"}
+         "fp8_per_token_head" + DIRECT: "fp8 direct", "int8_per_token_head" + INLINE: "int8 inline",
+         "fp8_per_token_head" + INLINE: "fp8 inline"}
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
 # Seconds of untimed replays before each timing. Each kvzoo row's host-side check leaves the
@@ -80,7 +84,7 @@ ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw qu
 
 def _variant(variant: str) -> tuple[str, bool]:
     """(cache mode, quantize_query) of an attention variant name."""
-    return variant.removesuffix(DIRECT).removesuffix(QQ), QQ in variant
+    return variant.removesuffix(DIRECT).removesuffix(INLINE).removesuffix(QQ), QQ in variant
 
 
 @functools.cache
@@ -463,7 +467,14 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
         fill="torch",
     )
     b = s.batch
-    return AttnSet(s.query, s.caches, s.block_tables, s.seq_lens, s.query_start_loc, torch.empty_like(s.query),
+    caches = s.caches
+    if variant.endswith(INLINE):
+        # The same codes and scales copied into an inline page (drawn separate: the device fill
+        # builds separate caches only).
+        caches = kvzoo.allocate_inline(*s.caches.key_cache.shape[:3], D, _variant(variant)[0], device=DEVICE)
+        for name in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"):
+            getattr(caches, name).copy_(getattr(s.caches, name))
+    return AttnSet(s.query, caches, s.block_tables, s.seq_lens, s.query_start_loc, torch.empty_like(s.query),
                    b.max_query_len, b.max_seq_len, b.num_prefills)
 
 
@@ -648,7 +659,8 @@ def bench_decode(ceil, quick: bool) -> None:
     for batch, ctx in shapes:
         q_lens, seq_lens = [1] * batch, [ctx] * batch
         _attention_cases(
-            f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, "bw", lambda b=batch, c=ctx: _sdpa_decode(b, c, reps)
+            f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, "bw", lambda b=batch, c=ctx: _sdpa_decode(b, c, reps),
+            DECODE_VARIANTS,
         )
     if not DRY:
         attempt("decode 8x256 int8", IMPL + " (eager)", _decode_eager, ceil)
