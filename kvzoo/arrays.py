@@ -12,6 +12,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .formats import FORMATS
+
 try:
     import torch
 except ImportError:  # torch is optional for NumPy-only users
@@ -28,9 +30,12 @@ _NUMPY_DTYPES: dict[str, Any] = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "float64": np.dtype(np.float64),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    # Every code format's storage dtype (the float8 ones are ml_dtypes types).
+    **{f.storage_dtype: np.dtype(getattr(ml_dtypes, f.storage_dtype)) for f in FORMATS.values() if f.kind == "float"},
 }
+# dtypes NumPy has only through ml_dtypes, which torch.from_numpy / .numpy() cannot take: they
+# cross between the two as same-width integers.
+_THROUGH_CARRIER = frozenset({"bfloat16", *(f.storage_dtype for f in FORMATS.values() if f.kind == "float")})
 # Same-width unsigned/signed ints used to move dtypes NumPy and torch do not share.
 _CARRIER = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -81,7 +86,7 @@ def as_numpy(x: Any) -> np.ndarray:
     if x.device.type != "cpu":
         raise ValueError(f"expected a CPU tensor for a NumPy backend, got device {x.device}")
     name = dtype_name(x)
-    if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"):
+    if name in _THROUGH_CARRIER:
         carrier = _CARRIER[x.element_size()]
         return x.view(torch_dtype(carrier)).numpy().view(numpy_dtype(name))
     return x.numpy()
@@ -107,7 +112,7 @@ def as_torch(x: Any) -> Any:
 
 def _from_numpy(x: np.ndarray) -> Any:
     name = x.dtype.name
-    if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"):
+    if name in _THROUGH_CARRIER:
         carrier = _CARRIER[x.dtype.itemsize]
         return torch.from_numpy(x.view(numpy_dtype(carrier))).view(torch_dtype(name))
     return torch.from_numpy(x)

@@ -10,12 +10,14 @@ kvzoo_spec/oracle.py keeps its own, independent definitions; tests/test_formats.
 two against each other.
 
 Adding a format (int4, say): a CodeFormat row here (bits=4, so codes_per_byte 2 and
-storage_width(D) = ceil(D / 2) uint8; zero_point for an unsigned encoding), a QuantMode using
-it in kvzoo/modes.py, the same definitions written independently in the oracle, and an entry
-in the table of each backend that implements it (numpy_vectorized ENCODERS, numba FORMAT_KINDS,
-triton formats.FORMAT_CODES). The API's shapes, the layouts and the conformance inputs follow
-from the row; a backend without the entry leaves the mode out (tests/test_formats.py prints
-the table). What packing does to the kernels' addressing is each backend's own work.
+storage_width(D) = ceil(D / 2) uint8; zero_point for an unsigned encoding; the bytes stored for
+NaN and for +-Inf), a QuantMode using it in kvzoo/modes.py, the same definitions written
+independently in the oracle, and an entry in the table of each backend that implements it
+(numpy_vectorized ENCODERS, numba FORMAT_KINDS, triton formats.FORMAT_CODES) with that backend's
+encoder and decoder. The API's shapes and dtypes (kvzoo.arrays), the layouts and the
+conformance inputs follow from the row; a backend without the entry leaves the mode out
+(tests/test_formats.py prints the table). What packing does to the kernels' addressing is each
+backend's own work.
 
     >>> from kvzoo.formats import FORMATS
     >>> f = FORMATS["float8_e4m3fn"]
@@ -55,9 +57,14 @@ class CodeFormat:
     # divisor of a per-token-head scale (absmax / qmax).
     qmax: float
     qmin: float
-    # Byte stored for a non-finite y: the format's NaN, or 0 where it has none (int8: the
+    # Byte stored for y = NaN: the format's NaN, or 0 where it has none (int8: a per-token-head
     # row's scale carries the poison instead).
     nan_code: int
+    # Bytes stored for y = +Inf and y = -Inf. Only a static scale lets y be infinite (x / s may
+    # overflow; a per-token-head row's y never is), so this is the per-tensor modes' rule: the
+    # format's own infinities where it has them, its NaN where it has none (e4m3), and for int8
+    # the ends of its range, the saturation of vLLM's clamp.
+    inf_codes: tuple[int, int]
     exponent_bits: int = 0
     mantissa_bits: int = 0
     exponent_bias: int = 0
@@ -136,16 +143,22 @@ def _code_of_value(fmt: CodeFormat) -> np.ndarray:
     return codes
 
 
-INT8 = CodeFormat("int8", "int", 8, True, "int8", qmax=127.0, qmin=-128.0, nan_code=0)
+INT8 = CodeFormat("int8", "int", 8, True, "int8", qmax=127.0, qmin=-128.0, nan_code=0, inf_codes=(0x7F, 0x80))
 FLOAT8_E4M3FN = CodeFormat(
     "float8_e4m3fn", "float", 8, True, "float8_e4m3fn", qmax=448.0, qmin=-448.0, nan_code=0x7F,
-    exponent_bits=4, mantissa_bits=3, exponent_bias=7,
+    inf_codes=(0x7F, 0x7F), exponent_bits=4, mantissa_bits=3, exponent_bias=7,
 )
 # ROCm MI300's variant: one NaN (0x80, "negative zero"), bias 8, largest finite 240. The clamp
 # at 224 follows vLLM, whose ROCm path reported accuracy problems at 240.
 FLOAT8_E4M3FNUZ = CodeFormat(
     "float8_e4m3fnuz", "float", 8, True, "float8_e4m3fnuz", qmax=224.0, qmin=-224.0, nan_code=0x80,
-    exponent_bits=4, mantissa_bits=3, exponent_bias=8,
+    inf_codes=(0x80, 0x80), exponent_bits=4, mantissa_bits=3, exponent_bias=8,
+)
+# IEEE-style: exponent 31 is Inf (mantissa 0) or NaN. The clamp at the largest finite value is
+# vLLM's __NV_SATFINITE; 0x7F is the NaN torch's cast stores.
+FLOAT8_E5M2 = CodeFormat(
+    "float8_e5m2", "float", 8, True, "float8_e5m2", qmax=57344.0, qmin=-57344.0, nan_code=0x7F,
+    inf_codes=(0x7C, 0xFC), exponent_bits=5, mantissa_bits=2, exponent_bias=15,
 )
 
-FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ)}
+FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2)}

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import fail
-from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, INT8, CodeFormat
+from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, INT8, CodeFormat
 
 Granularity = Literal["none", "per_tensor", "per_token_head"]
 Rounding = Literal["nearest", "trunc"]
@@ -71,8 +71,19 @@ class QuantMode:
         return 0 if self.format is None else self.format.nan_code
 
     @property
+    def inf_codes(self) -> tuple[int, int]:
+        """Bytes stored for y = +Inf and -Inf (only a static scale's x / s can be infinite)."""
+        return (0, 0) if self.format is None else self.format.inf_codes
+
+    @property
     def scale_floor(self) -> np.float32:
         return SCALE_FLOOR
+
+    @property
+    def holds_nan(self) -> bool:
+        """Whether a cache of this mode can hold a value that decodes to NaN: the model dtype, a
+        per-row scale, or a format with a NaN code (int8_per_tensor has none of them)."""
+        return self.format is None or self.per_token_head or bool(self.format.nan_codes)
 
     def cache_width(self, head_size: int) -> int:
         """Last-axis length of a cache holding rows of head_size elements."""
@@ -94,10 +105,14 @@ FP8_PER_TENSOR = QuantMode("fp8_per_tensor", "per_tensor", FLOAT8_E4M3FN)
 INT8_PER_TOKEN_HEAD = QuantMode("int8_per_token_head", "per_token_head", INT8, ROUNDINGS)
 FP8_PER_TOKEN_HEAD = QuantMode("fp8_per_token_head", "per_token_head", FLOAT8_E4M3FN)
 FP8_E4M3FNUZ_PER_TOKEN_HEAD = QuantMode("fp8_e4m3fnuz_per_token_head", "per_token_head", FLOAT8_E4M3FNUZ)
+# vLLM's static-scale int8 (PR 41954): round-to-nearest-even only, as its cache write does.
+INT8_PER_TENSOR = QuantMode("int8_per_tensor", "per_tensor", INT8)
+FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2)
 
 MODES: dict[str, QuantMode] = {
     m.name: m
-    for m in (NONE, FP8_PER_TENSOR, INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD, FP8_E4M3FNUZ_PER_TOKEN_HEAD)
+    for m in (NONE, FP8_PER_TENSOR, INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD, FP8_E4M3FNUZ_PER_TOKEN_HEAD,
+              INT8_PER_TENSOR, FP8_E5M2_PER_TENSOR)
 }
 
 # Strings engines pass as kv_cache_dtype, mapped to kvzoo modes.
@@ -115,13 +130,15 @@ _ALIASES: dict[str, str] = {
     "fp8_per_token_head": "fp8_per_token_head",
     "fp8_e4m3_per_token_head": "fp8_per_token_head",
     "fp8_e4m3fnuz_per_token_head": "fp8_e4m3fnuz_per_token_head",
+    "int8_per_tensor": "int8_per_tensor",
+    # vLLM's fp8_e5m2 is per tensor, like every fp8 string without a granularity.
+    "fp8_e5m2": "fp8_e5m2_per_tensor",
+    "fp8_e5m2_per_tensor": "fp8_e5m2_per_tensor",
 }
 
 
 # Engine kv-cache dtypes kvzoo knows of but does not implement.
-NOT_IMPLEMENTED: frozenset[str] = frozenset(
-    {"fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int4_per_token_head", "int8_per_tensor"}
-)
+NOT_IMPLEMENTED: frozenset[str] = frozenset({"fp8_inc", "fp8_ds_mla", "int4_per_token_head"})
 
 
 def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:

@@ -90,7 +90,7 @@ class CacheWrite(_Problem):
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] (codes, or model dtype for
     mode none), any strides. k_scale_cache / v_scale_cache: [num_blocks, block_size, Hkv]
     float32 for per-token-head modes, else None. k_scale / v_scale: float32 [1] arrays for
-    fp8_per_tensor, else None. slot_mapping: [T] int32/int64; negative means skip.
+    the per-tensor modes, else None. slot_mapping: [T] int32/int64; negative means skip.
     """
 
     key: Array

@@ -173,22 +173,26 @@ def fill_quantized(mode: QuantMode, rng: np.random.Generator, shape: tuple[int, 
     return codes, scales
 
 
-def unit_static_scale(rng: np.random.Generator) -> float:
-    """A per-tensor scale that makes fill_quantized's codes (about +-150) decode to order 1."""
-    return float(np.float32(rng.uniform(0.004, 0.02)))
+def unit_static_scale(rng: np.random.Generator, mode: QuantMode | None = None) -> float:
+    """A per-tensor scale that makes fill_quantized's codes (about +-qmax / 3: +-150 for e4m3fn,
+    the default) decode to order 1."""
+    unit = 448.0 if mode is None else float(mode.qmax)
+    return float(np.float32(rng.uniform(0.004, 0.02) * (448.0 / unit)))
 
 
-def wide_static_scale(rng: np.random.Generator) -> np.float32:
-    """A per-tensor scale anywhere in [1/16, 32) with a random mantissa: the conformance
+def wide_static_scale(rng: np.random.Generator, mode: QuantMode | None = None) -> np.float32:
+    """A per-tensor scale anywhere in [1/16, 32) with a random mantissa (for e4m3fn, the default;
+    times 448 / qmax for another format, so its codes decode to the same sizes): the conformance
     suite's, so scales that are not powers of two and span decades are checked."""
-    return np.float32(2.0 ** rng.integers(-4, 5) * rng.uniform(1.0, 2.0))
+    unit = 448.0 if mode is None else float(mode.qmax)
+    return np.float32(2.0 ** rng.integers(-4, 5) * rng.uniform(1.0, 2.0) * (448.0 / unit))
 
 
-def _one_static(rng: np.random.Generator, spec: Any) -> np.float32:
+def _one_static(rng: np.random.Generator, spec: Any, mode: QuantMode | None = None) -> np.float32:
     if spec == "unit":
-        return np.float32(unit_static_scale(rng))
+        return np.float32(unit_static_scale(rng, mode))
     if spec == "wide":
-        return wide_static_scale(rng)
+        return wide_static_scale(rng, mode)
     return np.float32(spec)
 
 
@@ -197,7 +201,7 @@ def _static_pair(mode: QuantMode, rng: np.random.Generator, spec: Any) -> tuple[
     if not mode.per_tensor:
         return None, None
     if isinstance(spec, str):
-        return _one_static(rng, spec), _one_static(rng, spec)
+        return _one_static(rng, spec, mode), _one_static(rng, spec, mode)
     return np.float32(spec[0]), np.float32(spec[1])
 
 
@@ -444,6 +448,8 @@ def paged_sample(
     cache_dtype = cache_dtype or query_dtype
     if layout not in ("separate", "inline"):
         raise ValueError(f"layout {layout!r}: expected 'separate' or 'inline'")
+    if poison and not mode.holds_nan:
+        raise ValueError(f"poison: mode {mode.name!r} has no code that decodes to NaN and no per-row scale")
     if fill == "torch" and (kind != "torch" or layout != "separate" or poison):
         raise ValueError("fill='torch' builds separate torch caches without poison")
     b = draw_batch(rng, batch, block_size=block_size, size=size, q_lens=q_lens, seq_lens=seq_lens,
@@ -613,7 +619,7 @@ def write_sample(
     T, H, D, BS = num_tokens, num_kv_heads, head_size, block_size
     if num_blocks is None:
         num_blocks = max(1, -(-T // BS)) + 2
-    static = _one_static(rng, static_scale) if mode.per_tensor else None
+    static = _one_static(rng, static_scale, mode) if mode.per_tensor else None
     k32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if key32 is None else np.asarray(key32, np.float32)
     v32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if value32 is None else np.asarray(value32, np.float32)
     slots, oracle_slots = write_slots(rng, T, num_blocks, BS, order=slot_order, negative=negative_slots,

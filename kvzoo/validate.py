@@ -171,7 +171,8 @@ def host_ints(x: Any) -> np.ndarray:
 def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
     """A per-tensor scale as a float32 [1] array of the same kind and device as `like`."""
     if value is None:
-        fail(f"{name}: required for fp8_per_tensor (the caller's static scale)")
+        fail(f"{name}: required for the per-tensor modes (fp8_per_tensor, int8_per_tensor, fp8_e5m2_per_tensor): "
+             "the caller's static scale")
     if is_array(value):
         require_array(name, value)
         if int(np.prod(value.shape)) != 1:

@@ -31,31 +31,61 @@ _ONE = np.float32(1.0)
 @dataclass(frozen=True)
 class _Fp8Format:
     name: str
+    exponent_bits: int
     bias: int
-    # e4m3fn: only S.1111.111 is NaN (no infinities). e4m3fnuz: only 0x80 is NaN (no -0).
-    fnuz: bool
+    # What the format spends its top codes on. "fn" (e4m3fn): only S.1111.111 is NaN, no
+    # infinities. "fnuz" (e4m3fnuz): only 0x80 is NaN, no -0, no infinities. "ieee" (e5m2):
+    # the all-ones exponent is +-Inf with a zero mantissa and NaN otherwise.
+    specials: str
+
+    @property
+    def mantissa_bits(self) -> int:
+        return 7 - self.exponent_bits
+
+    def _fields(self, code: int) -> tuple[bool, int, int]:
+        m = self.mantissa_bits
+        return bool(code & 0x80), (code & 0x7F) >> m, code & ((1 << m) - 1)
+
+    def _top_exponent(self, code: int) -> bool:
+        return self._fields(code)[1] == (1 << self.exponent_bits) - 1
 
     def is_nan_code(self, code: int) -> bool:
-        if self.fnuz:
+        if self.specials == "fnuz":
             return code == 0x80
-        return (code & 0x7F) == 0x7F
+        if self.specials == "fn":
+            return (code & 0x7F) == 0x7F
+        return self._top_exponent(code) and self._fields(code)[2] != 0
+
+    def is_inf_code(self, code: int) -> bool:
+        return self.specials == "ieee" and self._top_exponent(code) and self._fields(code)[2] == 0
+
+    @property
+    def has_infinities(self) -> bool:
+        return self.specials == "ieee"
+
+    def inf_code(self, negative: bool) -> int:
+        """The code of +Inf or -Inf (formats with infinities only)."""
+        assert self.has_infinities
+        return (0x80 if negative else 0) | (((1 << self.exponent_bits) - 1) << self.mantissa_bits)
 
     def value(self, code: int) -> float:
         """Exact value of one code byte (a Python float, i.e. float64, exact for 8-bit formats)."""
         if self.is_nan_code(code):
             return math.nan
-        negative = bool(code & 0x80)
-        exponent = (code >> 3) & 0xF
-        mantissa = code & 0x7
-        if exponent == 0:  # subnormal: 0.mmm * 2^(1 - bias)
-            magnitude = math.ldexp(mantissa, 1 - self.bias - 3)
+        negative, exponent, mantissa = self._fields(code)
+        m = self.mantissa_bits
+        if self.is_inf_code(code):
+            magnitude = math.inf
+        elif exponent == 0:  # subnormal: 0.mm * 2^(1 - bias)
+            magnitude = math.ldexp(mantissa, 1 - self.bias - m)
         else:
-            magnitude = math.ldexp(8 + mantissa, exponent - self.bias - 3)
+            magnitude = math.ldexp((1 << m) + mantissa, exponent - self.bias - m)
         return -magnitude if negative else magnitude
 
 
-E4M3FN = _Fp8Format("float8_e4m3fn", bias=7, fnuz=False)
-E4M3FNUZ = _Fp8Format("float8_e4m3fnuz", bias=8, fnuz=True)
+E4M3FN = _Fp8Format("float8_e4m3fn", exponent_bits=4, bias=7, specials="fn")
+E4M3FNUZ = _Fp8Format("float8_e4m3fnuz", exponent_bits=4, bias=8, specials="fnuz")
+E5M2 = _Fp8Format("float8_e5m2", exponent_bits=5, bias=15, specials="ieee")
 
 
 class _Fp8Encoder:
@@ -69,7 +99,8 @@ class _Fp8Encoder:
 
     def __init__(self, fmt: _Fp8Format):
         self.fmt = fmt
-        max_code = 0x7E if not fmt.fnuz else 0x7F
+        # The finite non-negative codes run from 0x00 up to the first NaN or Inf code.
+        max_code = max(c for c in range(0x80) if math.isfinite(fmt.value(c)))
         self.magnitudes = np.array([fmt.value(c) for c in range(max_code + 1)], dtype=np.float64)
         assert np.all(np.diff(self.magnitudes) > 0)
         self.midpoints = (self.magnitudes[:-1] + self.magnitudes[1:]) / 2
@@ -85,7 +116,7 @@ class _Fp8Encoder:
         on_midpoint = (i < len(self.midpoints)) & (self.midpoints[np.minimum(i, len(self.midpoints) - 1)] == a)
         i = np.where(on_midpoint & (i % 2 == 1), i + 1, i)
         negative = np.signbit(y64)
-        if self.fmt.fnuz:
+        if self.fmt.specials == "fnuz":
             # fnuz has one zero (0x00); 0x80 is its NaN, so a negative zero result is 0x00.
             negative = negative & (i != 0)
         return (i | np.where(negative, 0x80, 0)).astype(np.uint8)
@@ -95,7 +126,7 @@ class _Fp8Encoder:
         return np.array([self.fmt.value(c) for c in range(256)], dtype=np.float32)
 
 
-_ENCODERS = {f.name: _Fp8Encoder(f) for f in (E4M3FN, E4M3FNUZ)}
+_ENCODERS = {f.name: _Fp8Encoder(f) for f in (E4M3FN, E4M3FNUZ, E5M2)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,6 +141,7 @@ class OracleMode:
     qmax: np.float32 = np.float32(0)
     qmin: np.float32 = np.float32(0)
     nan_code: int = 0
+    roundings: tuple[str, ...] = ("nearest",)
 
 
 ORACLE_MODES = {
@@ -117,11 +149,15 @@ ORACLE_MODES = {
     for m in (
         OracleMode("none", "none", None),
         OracleMode("fp8_per_tensor", "per_tensor", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
-        OracleMode("int8_per_token_head", "per_token_head", "int8", np.float32(127), np.float32(-128), 0x00),
+        OracleMode("int8_per_token_head", "per_token_head", "int8", np.float32(127), np.float32(-128), 0x00,
+                   ("nearest", "trunc")),
         OracleMode("fp8_per_token_head", "per_token_head", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
         OracleMode(
             "fp8_e4m3fnuz_per_token_head", "per_token_head", "float8_e4m3fnuz", np.float32(224), np.float32(-224), 0x80
         ),
+        # vLLM's int8_per_tensor rounds half to even only (no "trunc"), and clamps to [-128, 127].
+        OracleMode("int8_per_tensor", "per_tensor", "int8", np.float32(127), np.float32(-128), 0x00),
+        OracleMode("fp8_e5m2_per_tensor", "per_tensor", "float8_e5m2", np.float32(57344), np.float32(-57344), 0x7F),
     )
 }
 
@@ -135,8 +171,8 @@ def _mode(mode_name: str) -> OracleMode:
 def _check_rounding(mode: OracleMode, rounding: str) -> None:
     if rounding not in ("nearest", "trunc"):
         raise ValueError(f"rounding must be 'nearest' or 'trunc', got {rounding!r}")
-    if rounding == "trunc" and mode.code != "int8":
-        raise ValueError(f"rounding='trunc' exists for int8 modes only, not {mode.name}")
+    if rounding not in mode.roundings:
+        raise ValueError(f"rounding={rounding!r} is not defined for {mode.name} (only {list(mode.roundings)})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,17 +200,26 @@ def widen_to_float32(x: np.ndarray) -> np.ndarray:
 def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
     """Codes of one row of y = x * inv (or x / s): the non-finite rule, the clamp, the rounding."""
     codes = np.empty(y.shape, dtype=np.uint8)
-    finite = np.isfinite(y)
-    codes[~finite] = mode.nan_code
-    clamped = np.minimum(np.maximum(y[finite], mode.qmin), mode.qmax)
+    nan = np.isnan(y)
+    codes[nan] = mode.nan_code
+    if mode.code == "int8":
+        # int8 has no NaN and no infinity: an infinite y is beyond the range like any other and
+        # saturates at its end (vLLM's clamp to [-128, 127]).
+        rounded = ~nan
+    else:
+        fmt = _ENCODERS[mode.code].fmt
+        for i in np.flatnonzero(np.isinf(y)):
+            codes[i] = fmt.inf_code(bool(y[i] < 0)) if fmt.has_infinities else mode.nan_code
+        rounded = np.isfinite(y)
+    clamped = np.minimum(np.maximum(y[rounded], mode.qmin), mode.qmax)
     if mode.code == "int8":
         if rounding == "nearest":
             ints = [round(float(v)) for v in clamped]  # Python's round() is half to even
         else:
             ints = [math.trunc(float(v)) for v in clamped]
-        codes[finite] = np.array(ints, dtype=np.int64).astype(np.int8).view(np.uint8)
+        codes[rounded] = np.array(ints, dtype=np.int64).astype(np.int8).view(np.uint8)
     else:
-        codes[finite] = _ENCODERS[mode.code].encode(clamped)
+        codes[rounded] = _ENCODERS[mode.code].encode(clamped)
     return codes
 
 
@@ -213,7 +258,7 @@ def _static_scale(static_scale) -> np.float32:
 def quantize_rows(x: np.ndarray, mode_name: str, *, rounding: str = "nearest", static_scale=None):
     """Quantize rows x [N, D] (float32) -> (codes uint8 [N, D], scales float32 [N]).
 
-    For fp8_per_tensor the scales are the static scale repeated (nothing per row is stored).
+    For the per-tensor modes the scales are the static scale repeated (nothing per row is stored).
     """
     mode = _mode(mode_name)
     _check_rounding(mode, rounding)

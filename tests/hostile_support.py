@@ -548,8 +548,8 @@ def fill_codes(mode_name: str, rng: np.random.Generator, shape: tuple[int, ...],
     return samples.fill_quantized(MODES[mode_name], rng, shape, model_dtype)
 
 
-def static_scale(rng: np.random.Generator) -> float:
-    return samples.unit_static_scale(rng)
+def static_scale(rng: np.random.Generator, mode_name: str | None = None) -> float:
+    return samples.unit_static_scale(rng, None if mode_name is None else MODES[mode_name])
 
 
 def cache_dtype(mode_name: str, model_dtype: str, storage: str = "code") -> str:
@@ -633,7 +633,7 @@ def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, impl:
             codes_r.set_values(codes if mode.code_dtype is None else codes)
             if scale_r is not None:
                 scale_r.set_values(scales)
-    statics = (static_scale(rng), static_scale(rng)) if mode.per_tensor else (None, None)
+    statics = (static_scale(rng, mode_name), static_scale(rng, mode_name)) if mode.per_tensor else (None, None)
     return Caches(mode_name, key, value, ks, vs, *statics)
 
 

@@ -26,7 +26,37 @@ def test_every_mode_is_an_oracle_mode_with_the_same_constants():
         assert (None if mode.format is None else mode.format.storage_dtype) == spec.code
         assert np.float32(mode.qmax) == spec.qmax and np.float32(mode.qmin) == spec.qmin
         assert mode.nan_code == spec.nan_code
+        assert mode.roundings == spec.roundings
         assert mode.scale_floor == oracle.SCALE_FLOOR
+
+
+@pytest.mark.parametrize("name", CODED_MODES)
+def test_non_finite_codes_are_the_oracle_encoding_of_nan_and_inf(name):
+    """The format row's NaN and +-Inf bytes are what the oracle's encoder, from its own rules,
+    stores for y = NaN, +Inf and -Inf (every format: a per-token-head row never reaches +-Inf,
+    a per-tensor one does)."""
+    mode = MODES[name]
+    y = np.float32([np.nan, -np.nan, np.inf, -np.inf])
+    codes = oracle._encode_y(y, oracle.ORACLE_MODES[name], "nearest")
+    assert list(codes) == [mode.nan_code, mode.nan_code, *mode.inf_codes]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_inf_codes_follow_the_format(name):
+    """Infinities where the format has them, its NaN where it has none, the ends of the range
+    for int8 (which has neither)."""
+    fmt = FORMATS[name]
+    values = fmt.code_values()
+    pos, neg = fmt.inf_codes
+    if fmt.kind == "int":
+        assert not np.isnan(values).any()
+        assert (values[pos], values[neg]) == (fmt.qmax, fmt.qmin)
+    elif np.isinf(values).any():
+        assert (values[pos], values[neg]) == (np.inf, -np.inf)
+    else:
+        assert pos == neg == fmt.nan_code
+    if fmt.kind == "float":
+        assert fmt.nan_code in fmt.nan_codes
 
 
 @pytest.mark.parametrize("name", CODED_MODES)
@@ -77,6 +107,7 @@ def test_storage_widths_and_scale_shapes():
             assert fmt.storage_width(d) * fmt.codes_per_byte >= d > (fmt.storage_width(d) - 1) * fmt.codes_per_byte
     assert MODES["int8_per_token_head"].scale_shape(3, 16, 2) == (3, 16, 2)
     assert MODES["fp8_per_tensor"].scale_shape(3, 16, 2) == (1,)
+    assert MODES["int8_per_tensor"].scale_shape(3, 16, 2) == MODES["fp8_e5m2_per_tensor"].scale_shape(3, 16, 2) == (1,)
     assert MODES["none"].scale_shape(3, 16, 2) is None
 
 
@@ -123,5 +154,9 @@ def test_float_fields_describe_the_values(name):
         e = (code >> fmt.mantissa_bits) & (2**fmt.exponent_bits - 1)
         m = code & (2**fmt.mantissa_bits - 1)
         frac = m / 2**fmt.mantissa_bits
+        if np.isinf(values[code]):
+            # IEEE-style formats spend the top exponent on Inf (mantissa 0) and NaN.
+            assert e == 2**fmt.exponent_bits - 1 and m == 0 and values[code] == sign * np.inf, (name, code)
+            continue
         want = sign * (frac * 2.0 ** (1 - fmt.exponent_bias) if e == 0 else (1 + frac) * 2.0 ** (e - fmt.exponent_bias))
         assert values[code] == want, (name, code)

@@ -72,7 +72,11 @@ from kvzoo.modes import MODES
 from kvzoo_spec import oracle
 
 H, HQ, D, BS = 2, 4, 16, 4
-QUANTIZED = ("int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor")
+# Every mode with a code format (per-token-head first), so a new mode goes through each test
+# below; the inline layout takes the per-token-head ones only.
+PER_TOKEN_HEAD = tuple(name for name, m in MODES.items() if m.per_token_head)
+PER_TENSOR = tuple(name for name, m in MODES.items() if m.per_tensor)
+QUANTIZED = PER_TOKEN_HEAD + PER_TENSOR
 ALL_MODES = tuple(MODES)
 
 # Derandomized (the data inside each example still comes from the session SEED); no shrink
@@ -525,7 +529,7 @@ def test_write_single_element_negative_strides(impl, which):
     w.run_accepted(impl, sm, slots, extra_guards=[g])
 
 
-@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
+@pytest.mark.parametrize("mode", QUANTIZED)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_long_prefill_hostile_indices(impl, mode):
     """Prompt-sized query runs (128+ tokens: the Triton backend stages them) beside a decode,
@@ -747,8 +751,7 @@ def test_attention_read_only_out_refused(impl):
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_read_only_reads_accepted(impl):
     require_usable(impl, kind="numpy")
-    mode = pick_mode(impl, "ro-reads", candidates=("int8_per_token_head", "fp8_per_token_head",
-                                                   "fp8_e4m3fnuz_per_token_head"))
+    mode = pick_mode(impl, "ro-reads", candidates=PER_TOKEN_HEAD)
     rng = rng_for("hostile-ro-reads", impl.name)
     a = AttentionSetup(rng, mode, "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, guards = a.index_tensors("numpy", "int64", rng)
@@ -1037,7 +1040,7 @@ def test_dequantize_stride0_cache_accepted(impl):
 def test_write_views_of_one_buffer_accepted(impl, layout, kind):
     """Disjoint views of one buffer are not aliases: the inline page (SPEC 5, here with gaps
     between rows) and scale caches interleaved in one float32 buffer."""
-    mode = pick_mode(impl, "one-buffer", layout, kind, candidates=QUANTIZED[:3])
+    mode = pick_mode(impl, "one-buffer", layout, kind, candidates=PER_TOKEN_HEAD)
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-one-buffer", impl.name, layout, kind)
     w = WriteSetup(rng, mode, kind, T=7, layout=layout, impl=impl)
@@ -1048,7 +1051,7 @@ def test_write_views_of_one_buffer_accepted(impl, layout, kind):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_inline_page_with_gaps(impl, kind):
-    mode = pick_mode(impl, "inline-attn", kind, candidates=QUANTIZED[:3])
+    mode = pick_mode(impl, "inline-attn", kind, candidates=PER_TOKEN_HEAD)
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-inline-attn", impl.name, kind)
     a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"), layout="inline", impl=impl)
@@ -1058,7 +1061,7 @@ def test_attention_inline_page_with_gaps(impl, kind):
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_inline_page_with_gaps(impl):
-    mode = pick_mode(impl, "inline-deq", candidates=QUANTIZED[:3])
+    mode = pick_mode(impl, "inline-deq", candidates=PER_TOKEN_HEAD)
     require_usable(impl, mode)
     rng = rng_for("hostile-inline-deq", impl.name)
     caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, layout="inline", impl=impl)
@@ -1327,9 +1330,10 @@ BAD_STATIC = [1e39, float("inf"), float("nan"), 0.0, -1.0, "abc"]
 @pytest.mark.parametrize("value", BAD_STATIC, ids=repr)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_static_scale_refused(impl, value, which):
-    require_usable(impl, "fp8_per_tensor")
+    mode = pick_mode(impl, "static-write", repr(value), which, candidates=PER_TENSOR)
+    require_usable(impl, mode)
     rng = rng_for("hostile-static-write", impl.name, repr(value), which)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
+    w = WriteSetup(rng, mode, "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
     kw[which] = value
     call_refused(impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
@@ -1339,9 +1343,10 @@ def test_write_static_scale_refused(impl, value, which):
 @pytest.mark.parametrize("value", ["tensor-inf", "tensor-two", "tensor-float64"])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_static_scale_tensor_refused(impl, value):
-    require_usable(impl, "fp8_per_tensor")
+    mode = pick_mode(impl, "static-tensor", value, candidates=PER_TENSOR)
+    require_usable(impl, mode)
     rng = rng_for("hostile-static-tensor", impl.name, value)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
+    w = WriteSetup(rng, mode, "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
     kw["k_scale"] = case_tensor({"tensor-inf": torch.tensor([float("inf")]), "tensor-two": torch.tensor([0.5, 0.5]),
                                  "tensor-float64": torch.tensor([0.5], dtype=torch.float64)}[value], impl)
@@ -1352,9 +1357,10 @@ def test_write_static_scale_tensor_refused(impl, value):
 @pytest.mark.parametrize("form", ["float32-tensor", "offset-view", "numpy-float32"])
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_static_scale_forms_accepted(impl, form):
-    require_usable(impl, "fp8_per_tensor")
+    mode = pick_mode(impl, "static-forms", form, candidates=PER_TENSOR)
+    require_usable(impl, mode)
     rng = rng_for("hostile-static-forms", impl.name, form)
-    w = WriteSetup(rng, "fp8_per_tensor", "torch", T=5, impl=impl)
+    w = WriteSetup(rng, mode, "torch", T=5, impl=impl)
     k = w.caches.k_static
     slots = w.valid_slots(rng)
     kw = w.caches.api_kwargs()
@@ -1367,9 +1373,10 @@ def test_write_static_scale_forms_accepted(impl, form):
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_static_scale_refused(impl):
-    require_usable(impl, "fp8_per_tensor")
+    mode = pick_mode(impl, "static-attn", candidates=PER_TENSOR)
+    require_usable(impl, mode)
     rng = rng_for("hostile-static-attn", impl.name)
-    a = AttentionSetup(rng, "fp8_per_tensor", "torch", make_batch(rng, "mixed"), impl=impl)
+    a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     a.caches.k_static = 1e39
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), ["k_scale"], a.caches.regions + [a.out])
@@ -1377,10 +1384,11 @@ def test_attention_static_scale_refused(impl):
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_static_scale_refused(impl):
-    require_usable(impl, "fp8_per_tensor")
+    mode = pick_mode(impl, "static-deq", candidates=PER_TENSOR)
+    require_usable(impl, mode)
     rng = rng_for("hostile-static-deq", impl.name)
-    caches = make_caches(rng, "fp8_per_tensor", (3, BS, H, D), "torch", realistic=False, impl=impl)
-    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, mode="fp8_per_tensor", scale=1e39, impl=impl),
+    caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False, impl=impl)
+    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, mode=mode, scale=1e39, impl=impl),
                  ["scale"], caches.regions)
 
 

@@ -20,6 +20,7 @@ from kvzoo import registry as registry_module  # noqa: E402
 from kvzoo.backends import numba_cpu  # noqa: E402
 from kvzoo.backends.numba_cpu import formats as bits  # noqa: E402
 from kvzoo.backends.numba_cpu import kernels  # noqa: E402
+from kvzoo.formats import FORMATS  # noqa: E402
 from kvzoo.modes import MODES  # noqa: E402
 
 POISON = 0x55
@@ -27,29 +28,41 @@ POISON = 0x55
 FP8_FORMATS = {
     "e4m3fn": (bits.E4M3FN, ml_dtypes.float8_e4m3fn, 448.0, 0x7F),
     "e4m3fnuz": (bits.E4M3FNUZ, ml_dtypes.float8_e4m3fnuz, 240.0, 0x80),
+    "e5m2": (bits.E5M2, ml_dtypes.float8_e5m2, 57344.0, 0x7F),
 }
 
+# The bytes the spec stores for y = NaN, +Inf, -Inf per format code, written out here rather
+# than read from kvzoo.formats (int8: NaN 0, its scale is NaN; the infinities saturate).
+_SPECIAL_CODES = {bits.I8: (0, 0x7F, 0x80), bits.E4M3FN: (0x7F, 0x7F, 0x7F), bits.E4M3FNUZ: (0x80, 0x80, 0x80),
+                  bits.E5M2: (0x7F, 0x7C, 0xFC)}
 
-# The byte the spec stores for a non-finite y, per format code (int8: 0; its scale is NaN).
-_NONFINITE_CODE = {bits.I8: 0, bits.E4M3FN: 0x7F, bits.E4M3FNUZ: 0x80}
+
+def test_special_codes_are_the_format_rows():
+    kinds = numba_cpu.FORMAT_KINDS
+    for name, kind in kinds.items():
+        fmt = FORMATS[name]
+        assert _SPECIAL_CODES[kind] == (fmt.nan_code, *fmt.inf_codes), name
 
 
 def _encode(y: np.ndarray, fmt: int, qmax: float, qmin: float, trunc: bool = False) -> np.ndarray:
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.full(y.shape, POISON, dtype=np.uint8)
     kernels.encode_codes_array(y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin),
-                               np.int32(_NONFINITE_CODE[fmt]))
+                               *(np.int32(c) for c in _SPECIAL_CODES[fmt]))
     return out
 
 
-def _expected_fp8(y: np.ndarray, ml_type, qmax: float, nan_code: int) -> np.ndarray:
-    """The spec through ml_dtypes: clamp, one RNE cast; non-finite -> NaN code; fnuz has no -0."""
+def _expected_fp8(y: np.ndarray, ml_type, qmax: float, fmt: int) -> np.ndarray:
+    """The spec through ml_dtypes: clamp, one RNE cast; NaN and +-Inf -> the format's codes;
+    fnuz has no -0."""
+    nan_code, inf_pos, inf_neg = _SPECIAL_CODES[fmt]
     finite = np.isfinite(y)
     clamped = np.clip(np.where(finite, y, 0), np.float32(-qmax), np.float32(qmax)).astype(np.float32)
     codes = clamped.astype(ml_type).view(np.uint8)
     if ml_type == ml_dtypes.float8_e4m3fnuz:
         codes = np.where(codes == 0x80, np.uint8(0), codes)  # ml_dtypes' "-0" is fnuz NaN
-    return np.where(finite, codes, np.uint8(nan_code))
+    special = np.where(np.isnan(y), np.uint8(nan_code), np.where(y > 0, np.uint8(inf_pos), np.uint8(inf_neg)))
+    return np.where(finite, codes, special)
 
 
 def _boundaries(ml_type) -> np.ndarray:
@@ -61,7 +74,8 @@ def _boundaries(ml_type) -> np.ndarray:
     assert np.array_equal(mids.astype(np.float64), (values[:-1].astype(np.float64) + values[1:]) / 2)
     tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
     extra = np.array(
-        [0.0, -0.0, tiny, -tiny, np.finfo(np.float32).tiny, 1e30, -1e30, 465.0, 464.0, 250.0, -250.0],
+        [0.0, -0.0, tiny, -tiny, np.finfo(np.float32).tiny, 1e30, -1e30, 465.0, 464.0, 250.0, -250.0,
+         61440.0, -61440.0, 65504.0, 65536.0, 1e5],
         dtype=np.float32,
     )
     base = np.concatenate([values, mids, extra])
@@ -75,7 +89,7 @@ def test_fp8_every_rounding_boundary(name):
     fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
     y = _boundaries(ml_type)
     got = _encode(y, fmt, qmax, -qmax)
-    want = _expected_fp8(y, ml_type, qmax, nan_code)
+    want = _expected_fp8(y, ml_type, qmax, fmt)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
 
@@ -88,9 +102,10 @@ def test_fp8_random_values_and_specials(name):
     y = (rng.standard_normal(n) * np.exp2(rng.integers(-24, 10, n))).astype(np.float32)
     y[:6] = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0]
     got = _encode(y, fmt, qmax, -qmax)
-    assert np.array_equal(got, _expected_fp8(y, ml_type, qmax, nan_code))
-    assert got[0] == got[1] == got[2] == got[3] == nan_code
-    assert got[4] == (0x80 if name == "e4m3fn" else 0x00)
+    assert np.array_equal(got, _expected_fp8(y, ml_type, qmax, fmt))
+    assert got[0] == got[1] == nan_code
+    assert (got[2], got[3]) == ((0x7C, 0xFC) if name == "e5m2" else (nan_code, nan_code))
+    assert got[4] == (0x00 if name == "e4m3fnuz" else 0x80)
     assert got[5] == 0x00
 
 
@@ -105,7 +120,7 @@ def test_fp8_every_code_round_trips(name):
     assert same.all(), codes[~same]
     # Every finite code encodes back to itself (the one zero of fnuz aside).
     finite = np.isfinite(decoded)
-    back = _encode(decoded[finite], fmt, 448.0, -448.0)
+    back = _encode(decoded[finite], fmt, qmax, -qmax)
     expect = codes[finite]
     if name == "e4m3fnuz":
         assert not finite[0x80]
@@ -120,12 +135,13 @@ def test_int8_codes_and_rounding_boundaries():
 
     halves = np.arange(-131, 131, 0.5, dtype=np.float32)
     y = np.concatenate([halves, np.nextafter(halves, np.inf), np.nextafter(halves, -np.inf)])
-    y = np.concatenate([y, np.float32([np.nan, np.inf, -np.inf, -0.0, 1e-45])]).astype(np.float32)
-    finite = np.isfinite(y)
-    clamped = np.clip(np.where(finite, y, 0), -128, 127).astype(np.float32)
+    y = np.concatenate([y, np.float32([np.nan, np.inf, -np.inf, -0.0, 1e-45, 1e30, -1e30])]).astype(np.float32)
+    nan = np.isnan(y)
+    # An infinite y saturates like any other beyond the range; NaN is code 0.
+    clamped = np.clip(np.where(nan, 0, y), -128, 127).astype(np.float32)
     for trunc, rule in ((False, np.rint), (True, np.trunc)):
         got = _encode(y, bits.I8, 127.0, -128.0, trunc=trunc)
-        want = np.where(finite, rule(clamped).astype(np.int8).view(np.uint8), np.uint8(0))
+        want = np.where(nan, np.uint8(0), rule(clamped).astype(np.int8).view(np.uint8))
         assert np.array_equal(got, want), trunc
 
 
@@ -139,19 +155,39 @@ def test_half_and_bfloat16_widening_is_exact():
         assert same.all(), every[~same][:10]
 
 
+def _every_float32_pattern(encode, expected):
+    """encode(y) == expected(y) for y over all 2^32 float32 bit patterns, in chunks."""
+    chunk = 1 << 24
+    for start in range(0, 1 << 32, chunk):
+        y = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        got = encode(y)
+        with np.errstate(invalid="ignore"):
+            want = expected(y)
+        if not np.array_equal(got, want):
+            i = int(np.nonzero(got != want)[0][0])
+            pytest.fail(f"bits {start + i:#010x}: got {got[i]:#04x}, want {want[i]:#04x}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FP8_FORMATS))
 def test_fp8_all_float32_bit_patterns(name):
     fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
-    chunk = 1 << 24
-    for start in range(0, 1 << 32, chunk):
-        y = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32).view(np.float32)
-        got = _encode(y, fmt, qmax, -qmax)
-        with np.errstate(invalid="ignore"):
-            want = _expected_fp8(y, ml_type, qmax, nan_code)
-        if not np.array_equal(got, want):
-            i = int(np.nonzero(got != want)[0][0])
-            pytest.fail(f"bits {start + i:#010x}: got {got[i]:#04x}, want {want[i]:#04x}")
+    _every_float32_pattern(lambda y: _encode(y, fmt, qmax, -qmax), lambda y: _expected_fp8(y, ml_type, qmax, fmt))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trunc", [False, True], ids=["nearest", "trunc"])
+def test_int8_all_float32_bit_patterns(trunc):
+    """int8 (both modes' encoder): NaN 0, everything else clamped to [-128, 127] (an infinity
+    too) and rounded half to even, or toward zero."""
+    rule = np.trunc if trunc else np.rint
+
+    def expected(y):
+        nan = np.isnan(y)
+        clamped = np.clip(np.where(nan, 0, y), -128, 127).astype(np.float32)
+        return np.where(nan, np.uint8(0), rule(clamped).astype(np.int8).view(np.uint8))
+
+    _every_float32_pattern(lambda y: _encode(y, bits.I8, 127.0, -128.0, trunc=trunc), expected)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +237,8 @@ def test_byte_exact_llvm_has_no_fast_math_flags():
     fresh = numba.njit(**options, cache=False)(kernels.encode_codes_array.py_func)
     y = np.float32([1.0, -0.0, np.nan])
     out = np.empty(y.shape, np.uint8)
-    fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0), np.int32(0x7F))
+    fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0), np.int32(0x7F), np.int32(0x7F),
+          np.int32(0x7F))
     irs = list(fresh.inspect_llvm().values())
     assert irs and all("fmul" in ir and "fcmp" in ir for ir in irs), "no compiled IR to inspect"
     for ir in irs:
@@ -233,6 +270,27 @@ def test_signed_zero_and_nan_rows_follow_the_spec():
         assert scales[0, 0, 0] == np.float32(1e-6).view(np.uint32)
         assert (codes[0, 1, 1] == MODES[mode].nan_code).all()
         assert scales[0, 1, 1] == 0x7FC00000
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if MODES[m].per_tensor])
+def test_per_tensor_specials_follow_the_spec(mode):
+    """NaN, +-Inf and an x / s that overflows float32, through the whole write (the checked
+    loop of a static scale), byte for byte the oracle's."""
+    import kvzoo
+    from kvzoo.layout import allocate_separate
+    from kvzoo_spec import oracle
+
+    d = 16
+    row = np.float32([np.nan, np.inf, -np.inf, 3e38, -3e38, -0.0, 0.0, 1e-45, -1e-45, 1e5, -1e5, 2.5, -2.5, 7.0,
+                      65504.0, 0.1875])
+    key = np.stack([row, row[::-1].copy()]).reshape(2, 1, d)
+    s = np.float32(0.375)
+    cache = allocate_separate(1, 2, 1, d, mode, device=None)
+    kvzoo.reshape_and_cache(key, key, cache.key_cache, cache.value_cache, np.arange(2), mode=mode, k_scale=s,
+                            v_scale=s, impl="numba")
+    want, _ = oracle.quantize_rows(key.reshape(2, d), mode, static_scale=s)
+    assert np.array_equal(cache.key_cache.view(np.uint8).reshape(2, d), want)
+    assert np.array_equal(cache.value_cache.view(np.uint8).reshape(2, d), want)
 
 
 # ----------------------------------------------------------------------------------------------

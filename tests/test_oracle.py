@@ -25,12 +25,16 @@ GOLDEN = Path(__file__).resolve().parents[1] / "kvzoo_spec" / "golden"
 FLOOR = np.float32(1e-6)
 NAN_BITS = 0x7FC00000
 
-# name, ml_dtypes type, exponent bias, NaN codes, per-token-head mode using it, its QMAX
+# name, ml_dtypes type, exponent bias, mantissa bits, NaN codes, Inf codes (+, -), a mode using
+# it, that mode's QMAX
 FORMATS = {
-    "e4m3fn": (ml_dtypes.float8_e4m3fn, 7, {0x7F, 0xFF}, "fp8_per_token_head", 448.0),
-    "e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, 8, {0x80}, "fp8_e4m3fnuz_per_token_head", 224.0),
+    "e4m3fn": (ml_dtypes.float8_e4m3fn, 7, 3, {0x7F, 0xFF}, (), "fp8_per_token_head", 448.0),
+    "e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, 8, 3, {0x80}, (), "fp8_e4m3fnuz_per_token_head", 224.0),
+    "e5m2": (ml_dtypes.float8_e5m2, 15, 2, {0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF}, (0x7C, 0xFC), "fp8_e5m2_per_tensor",
+             57344.0),
 }
 PTH_MODES = ("int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head")
+PER_TENSOR_MODES = ("fp8_per_tensor", "int8_per_tensor", "fp8_e5m2_per_tensor")
 NAN_CODE = {"int8_per_token_head": 0x00, "fp8_per_token_head": 0x7F, "fp8_e4m3fnuz_per_token_head": 0x80}
 
 
@@ -38,24 +42,28 @@ def f32_bits(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
 
-def by_definition(code: int, bias: int, nan_codes: set[int]) -> float:
+def by_definition(code: int, bias: int, nan_codes: set[int], mant: int = 3, inf_codes=()) -> float:
     """An fp8 code's value from IEEE-style field definitions, written independently."""
     if code in nan_codes:
         return math.nan
     sign = -1.0 if code >> 7 else 1.0
-    e, m = (code >> 3) & 15, code & 7
+    if code in inf_codes:
+        return sign * math.inf
+    e, m = (code & 0x7F) >> mant, code & ((1 << mant) - 1)
     if e == 0:
-        return sign * (m / 8) * 2.0 ** (1 - bias)
-    return sign * (1 + m / 8) * 2.0 ** (e - bias)
+        return sign * (m / 2**mant) * 2.0 ** (1 - bias)
+    return sign * (1 + m / 2**mant) * 2.0 ** (e - bias)
 
 
 def quantize_with_unit_scale(y: np.ndarray, mode: str, rounding: str = "nearest") -> np.ndarray:
-    """Codes of the values y (|y| <= QMAX) when the row's scale is exactly 1.
+    """Codes of the values y (|y| <= QMAX) when the scale is exactly 1.
 
-    The row's first element is QMAX, so absmax / QMAX = 1, inv = 1 and y reaches the encoder
-    unchanged.
+    Per-token-head: the row's first element is QMAX, so absmax / QMAX = 1, inv = 1 and y reaches
+    the encoder unchanged. Per-tensor: a static scale of 1, and x / 1 is x.
     """
-    qmax = {"int8_per_token_head": 127.0, **{v[3]: v[4] for v in FORMATS.values()}}[mode]
+    if mode in PER_TENSOR_MODES:
+        return oracle.quantize_rows(np.asarray(y, np.float32)[None], mode, rounding=rounding, static_scale=1.0)[0][0]
+    qmax = {"int8_per_token_head": 127.0, **{v[5]: v[6] for v in FORMATS.values()}}[mode]
     rows = np.empty((len(y), 2), dtype=np.float32)
     rows[:, 0] = qmax
     rows[:, 1] = y
@@ -70,25 +78,25 @@ def quantize_with_unit_scale(y: np.ndarray, mode: str, rounding: str = "nearest"
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_fp8_code_decodes_to_its_definition(fmt):
-    dtype, bias, nan_codes, mode, _ = FORMATS[fmt]
+    dtype, bias, mant, nan_codes, inf_codes, mode, _ = FORMATS[fmt]
     codes = np.arange(256, dtype=np.uint8)
-    expected = np.array([by_definition(c, bias, nan_codes) for c in range(256)], dtype=np.float64)
+    expected = np.array([by_definition(c, bias, nan_codes, mant, inf_codes) for c in range(256)], dtype=np.float64)
     got = oracle.decode_rows(codes[None, :], np.ones(1, np.float32), mode)[0]
     via_ml_dtypes = codes.view(dtype).astype(np.float64)
     for actual in (got.astype(np.float64), via_ml_dtypes):
         assert np.array_equal(np.isnan(actual), np.isnan(expected))
         finite = ~np.isnan(expected)
         assert np.array_equal(actual[finite], expected[finite])
-        # Signed zeros: e4m3fn has -0 at 0x80; e4m3fnuz has none (0x80 is its NaN).
+        # Signed zeros: e4m3fn and e5m2 have -0 at 0x80; e4m3fnuz has none (0x80 is its NaN).
         assert np.array_equal(np.signbit(actual[finite]), np.signbit(expected[finite]))
     assert len(nan_codes) == int(np.isnan(expected).sum())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_midpoints_round_to_even_and_neighbours_to_nearest(fmt):
-    dtype, bias, nan_codes, mode, qmax = FORMATS[fmt]
-    positive = [c for c in range(128) if c not in nan_codes and by_definition(c, bias, nan_codes) <= qmax]
-    values = [by_definition(c, bias, nan_codes) for c in positive]
+    dtype, bias, mant, nan_codes, inf_codes, mode, qmax = FORMATS[fmt]
+    positive = [c for c in range(128) if c not in nan_codes and by_definition(c, bias, nan_codes, mant, inf_codes) <= qmax]
+    values = [by_definition(c, bias, nan_codes, mant, inf_codes) for c in positive]
     ys, want = [], []
     for lo_code, lo, hi in zip(positive, values, values[1:]):
         mid = np.float32((lo + hi) / 2)
@@ -114,17 +122,17 @@ def test_fp8_midpoints_round_to_even_and_neighbours_to_nearest(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_clamp_and_below_smallest_subnormal(fmt):
-    dtype, bias, nan_codes, mode, qmax = FORMATS[fmt]
-    smallest = 2.0 ** (1 - bias - 3)
+    dtype, bias, mant, nan_codes, inf_codes, mode, qmax = FORMATS[fmt]
+    smallest = 2.0 ** (1 - bias - mant)
     half = np.float32(smallest / 2)
     y = np.array([half, np.nextafter(half, np.float32(1)), np.nextafter(half, np.float32(0)), 1e-30, 0.0], np.float32)
     got_pos = quantize_with_unit_scale(y, mode)
     assert list(got_pos) == [0x00, 0x01, 0x00, 0x00, 0x00]
     got_neg = quantize_with_unit_scale(-y, mode)
-    neg_zero = 0x80 if fmt == "e4m3fn" else 0x00
+    neg_zero = 0x00 if fmt == "e4m3fnuz" else 0x80
     assert list(got_neg) == [neg_zero, 0x81, neg_zero, neg_zero, neg_zero]
     # Rounding that would leave the clamp range is stopped by the clamp (scale exactly 1).
-    top = [c for c in range(128) if by_definition(c, bias, nan_codes) == qmax][0]
+    top = [c for c in range(128) if by_definition(c, bias, nan_codes, mant, inf_codes) == qmax][0]
     near_top = np.array([qmax, np.nextafter(np.float32(qmax), np.float32(0))], np.float32)
     assert list(quantize_with_unit_scale(near_top, mode)) == [top, top]
 
@@ -153,12 +161,14 @@ def test_int8_ties_and_neighbours(rounding):
 
 def test_trunc_only_for_int8_and_static_scale_checked():
     x = rng_for("trunc").standard_normal((2, 8)).astype(np.float32)
-    for mode in ("fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"):
+    # vLLM's int8_per_tensor rounds to nearest only; "trunc" is the per-token-head int8 store's.
+    for mode in ("fp8_per_token_head", "fp8_e4m3fnuz_per_token_head", *PER_TENSOR_MODES):
         with pytest.raises(ValueError):
-            oracle.quantize_rows(x, mode, rounding="trunc")
-    for bad in (0.0, -1.0, np.inf, np.nan):
-        with pytest.raises(ValueError):
-            oracle.quantize_rows(x, "fp8_per_tensor", static_scale=bad)
+            oracle.quantize_rows(x, mode, rounding="trunc", static_scale=0.5)
+    for mode in PER_TENSOR_MODES:
+        for bad in (0.0, -1.0, np.inf, np.nan):
+            with pytest.raises(ValueError):
+                oracle.quantize_rows(x, mode, static_scale=bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +282,43 @@ def test_per_tensor_specials():
     assert len(differ) > 0
     codes, _ = oracle.quantize_rows(differ[None], "fp8_per_tensor", static_scale=s)
     assert np.array_equal(codes[0], (differ / s).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+SPECIAL_X = [np.nan, np.inf, -np.inf, 3e38, 449 * 0.375, -1000.0, -0.0, 0.0, 1e-30, -1e-30, 1e5 * 0.375, 61440 * 0.375]
+
+
+def test_int8_per_tensor_is_vllms_rule():
+    """vLLM's int8_per_tensor write: rint(x / s) clamped to [-128, 127] (its tests' reference is
+    torch.round(x / s).clamp(-128, 127)); kvzoo fixes what vLLM leaves to the hardware: NaN is 0,
+    an infinite y saturates like a finite one beyond the range, and there is no -0."""
+    s = np.float32(0.375)
+    codes, scales = oracle.quantize_rows(np.float32(SPECIAL_X)[None], "int8_per_tensor", static_scale=s)
+    assert list(codes[0]) == [0x00, 0x7F, 0x80, 0x7F, 0x7F, 0x80, 0x00, 0x00, 0x00, 0x00, 0x7F, 0x7F]
+    assert np.all(scales == s)
+    # Every tie n + 1/2 (and its float32 neighbours) of the whole range, -128 included, and x
+    # where x / s and x * (1 / s) differ: the division is what is rounded.
+    n = np.arange(-130, 130, dtype=np.float64)
+    ties = ((n + 0.5) * float(s)).astype(np.float32)
+    xs = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf)),
+                         rng_for("int8_per_tensor").uniform(-60, 60, 4096).astype(np.float32)])
+    codes, _ = oracle.quantize_rows(xs[None], "int8_per_tensor", static_scale=s)
+    want = np.clip(np.rint((xs / s).astype(np.float64)), -128, 127).astype(np.int8)
+    assert np.array_equal(codes[0].view(np.int8), want)
+    assert (codes[0].view(np.int8) == -128).any() and (codes[0].view(np.int8) == 127).any()
+    inv = np.float32(1) / s
+    assert ((xs / s) != (xs * inv)).any()
+
+
+def test_fp8_e5m2_per_tensor_specials():
+    """Finite y beyond +-57344 saturates (vLLM's __NV_SATFINITE); +-Inf, from the input or from an
+    x / s beyond float32, is stored as +-Inf; NaN as 0x7F; the sign of zero is kept."""
+    s = np.float32(0.375)
+    codes, _ = oracle.quantize_rows(np.float32(SPECIAL_X)[None], "fp8_e5m2_per_tensor", static_scale=s)
+    assert list(codes[0]) == [0x7F, 0x7C, 0xFC, 0x7C, 0x5F, 0xE9, 0x80, 0x00, 0x00, 0x80, 0x7B, 0x7B]
+    xs = rng_for("e5m2_per_tensor_div").uniform(-3e4, 3e4, 4096).astype(np.float32)
+    codes, _ = oracle.quantize_rows(xs[None], "fp8_e5m2_per_tensor", static_scale=s)
+    assert np.array_equal(codes[0], np.clip(xs / s, -57344, 57344).astype(ml_dtypes.float8_e5m2).view(np.uint8))
+    assert ((xs / s) != (xs * (np.float32(1) / s))).any()
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
@@ -449,7 +496,7 @@ def test_golden_files_regenerate_identically():
 
 def test_golden_rows_decode_and_cover_the_specials():
     files = sorted(GOLDEN.glob("rows-*.npz"))
-    assert len(files) == 15
+    assert len(files) == 21
     for path in files:
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
@@ -466,5 +513,5 @@ def test_golden_rows_decode_and_cover_the_specials():
             tiny = float(np.finfo(np.float16).smallest_normal) if meta["dtype"] == "float16" else 1.1754944e-38
             assert ((np.abs(x) < tiny) & (x != 0)).any()
             assert (np.abs(x[np.isfinite(x)]) > 6e4).any()
-            if mode != "fp8_per_tensor":
+            if oracle.ORACLE_MODES[mode].granularity != "per_tensor":
                 assert (z["scales"] == f32_bits(FLOOR)).any() and (z["scales"] == NAN_BITS).any()

@@ -223,7 +223,8 @@ def test_an_option_one_backend_lacks_goes_to_one_that_has_it():
 @pytest.mark.parametrize("engine, mode", [
     ("auto", "none"), ("bfloat16", "none"), ("float16", "none"), ("float32", "none"), ("fp8", "fp8_per_tensor"),
     ("fp8_e4m3", "fp8_per_tensor"), (" INT8_PER_TOKEN_HEAD ", "int8_per_token_head"),
-    ("fp8_per_token_head", "fp8_per_token_head"),
+    ("fp8_per_token_head", "fp8_per_token_head"), ("int8_per_tensor", "int8_per_tensor"),
+    ("fp8_e5m2", "fp8_e5m2_per_tensor"), ("fp8_e5m2_per_tensor", "fp8_e5m2_per_tensor"),
 ])
 def test_engine_kv_cache_dtype_strings(engine, mode):
     assert kvzoo.get_kv_quant_mode(engine).name == mode

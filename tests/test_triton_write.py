@@ -34,8 +34,10 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 IMPL = "triton-rocm" if ON_GPU and torch.version.hip else "triton-cuda"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (not the interpreter)")
 
-_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
-_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN, "float8_e4m3fnuz": encode.CODE_E4M3FNUZ}
+_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+        "float8_e5m2": ml_dtypes.float8_e5m2}
+_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN, "float8_e4m3fnuz": encode.CODE_E4M3FNUZ,
+         "float8_e5m2": encode.CODE_E5M2}
 _BLOCK = 1024
 
 
@@ -48,13 +50,15 @@ def _encode_kernel(
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    INF_POS: tl.constexpr,
+    INF_NEG: tl.constexpr,
     TRUNC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    code = encode.encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, TRUNC)
+    code = encode.encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, INF_POS, INF_NEG, TRUNC)
     tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
@@ -86,6 +90,8 @@ def _run_encode(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarra
         QMIN=mode.qmin,
         QMAX=mode.qmax,
         NAN_CODE=mode.nan_code,
+        INF_POS=mode.inf_codes[0],
+        INF_NEG=mode.inf_codes[1],
         TRUNC=trunc,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
@@ -94,7 +100,8 @@ def _run_encode(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarra
 
 
 def _expected_codes(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.ndarray:
-    """The spec's encode, written with NumPy / ml_dtypes (RNE casts)."""
+    """The spec's encode, written with NumPy / ml_dtypes (RNE casts): NaN and +-Inf to the
+    format's bytes, the rest clamped and rounded."""
     mode = MODES[mode_name]
     finite = np.isfinite(y)
     yc = np.clip(np.where(finite, y, 0), np.float32(mode.qmin), np.float32(mode.qmax)).astype(np.float32)
@@ -102,7 +109,9 @@ def _expected_codes(y: np.ndarray, mode_name: str, trunc: bool = False) -> np.nd
         codes = (np.trunc(yc) if trunc else np.rint(yc)).astype(np.int8).view(np.uint8)
     else:
         codes = yc.astype(_FP8[mode.code_dtype]).view(np.uint8)
-    return np.where(finite, codes, np.uint8(mode.nan_code))
+    inf_pos, inf_neg = (np.uint8(c) for c in mode.inf_codes)
+    special = np.where(np.isnan(y), np.uint8(mode.nan_code), np.where(y > 0, inf_pos, inf_neg))
+    return np.where(finite, codes, special)
 
 
 def _fp8_probe_values(dtype) -> np.ndarray:
@@ -129,7 +138,8 @@ def _random_bit_patterns(n: int, seed: int) -> np.ndarray:
     rng = rng_for("triton write", "bit patterns", seed)
     bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
     near = rng.uniform(-600, 600, size=n).astype(np.float32)
-    return np.concatenate([bits, near, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
+    wide = rng.uniform(-7e4, 7e4, size=n).astype(np.float32)  # e5m2's range and past it
+    return np.concatenate([bits, near, wide, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0])])
 
 
 @triton.jit
@@ -138,8 +148,8 @@ def _both_e4m3_encoders_kernel(base, out_ptr, n, BLOCK: tl.constexpr):
     # give different bytes, through both the clamping and the per-row encoders.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y = (base + i.to(tl.int64)).to(tl.uint32).to(tl.float32, bitcast=True)
-    clamped_hw = encode.encode_codes(y, encode.CODE_E4M3FN_CVT, -448.0, 448.0, 0x7F, False) & 0xFF
-    clamped_int = encode.encode_codes(y, encode.CODE_E4M3FN, -448.0, 448.0, 0x7F, False) & 0xFF
+    clamped_hw = encode.encode_codes(y, encode.CODE_E4M3FN_CVT, -448.0, 448.0, 0x7F, 0x7F, 0x7F, False) & 0xFF
+    clamped_int = encode.encode_codes(y, encode.CODE_E4M3FN, -448.0, 448.0, 0x7F, 0x7F, 0x7F, False) & 0xFF
     # The per-row encoder only ever sees |y| <= 448 (plus an ulp) or NaN.
     r = tl.where(tl.abs(y) <= 448.0, y, float("nan"))
     row_hw = encode.encode_row_codes(r, encode.CODE_E4M3FN_CVT, 0x7F, False) & 0xFF
@@ -172,7 +182,7 @@ def test_fp8_write_uses_the_hardware_convert_on_hopper():
     assert write_kernels._encoder_code(encode.CODE_E4M3FN, t.cpu()) == encode.CODE_E4M3FN
 
 
-@pytest.mark.parametrize("mode_name", ["fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
+@pytest.mark.parametrize("mode_name", ["fp8_per_token_head", "fp8_e4m3fnuz_per_token_head", "fp8_e5m2_per_tensor"])
 def test_fp8_encode_matches_single_rne(mode_name):
     dtype = _FP8[MODES[mode_name].code_dtype]
     y = np.concatenate([_fp8_probe_values(dtype), _random_bit_patterns(20000, 1)])
@@ -243,7 +253,8 @@ def test_row_encode_matches_clamped_encode(mode_name, trunc):
     assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
 
 
-@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
+@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head",
+                                       "fp8_e5m2_per_tensor"])
 def test_decode_every_code(mode_name):
     mode = MODES[mode_name]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -257,7 +268,7 @@ def test_decode_every_code(mode_name):
     got = out.cpu().numpy()
     assert np.array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
-    # Compared as bits so -0.0 (e4m3fn 0x80) must come back as -0.0.
+    # Compared as bits so -0.0 (e4m3fn and e5m2 0x80) must come back as -0.0, and e5m2's Inf as Inf.
     assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
 
 
@@ -398,20 +409,24 @@ from kvzoo.backends.triton import write_kernels as wk
 
 k = wk._reshape_and_cache_kernel
 out = {}
-for code, qmax, qmin, nan, cache in ((1, 127.0, -128.0, 0, "*i8"), (2, 448.0, -448.0, 0x7F, "*u8"),
-                                     (3, 224.0, -224.0, 0x80, "*u8")):
+# (CODE, PER_TENSOR, QMAX, QMIN, NaN code, Inf codes, cache type): each format's row encoder, and
+# the static-scale encoder of every format a per-tensor mode uses.
+for code, per_tensor, qmax, qmin, nan, infs, cache in (
+        (1, False, 127.0, -128.0, 0, (0x7F, 0x80), "*i8"), (2, False, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8"),
+        (3, False, 224.0, -224.0, 0x80, (0x80, 0x80), "*u8"), (1, True, 127.0, -128.0, 0, (0x7F, 0x80), "*i8"),
+        (2, True, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8"), (5, True, 57344.0, -57344.0, 0x7F, (0x7C, 0xFC), "*u8")):
     types = dict(key_ptr="*i16", value_ptr="*i16", key_cache_ptr=cache, value_cache_ptr=cache,
                  k_scale_cache_ptr="*i32", v_scale_cache_ptr="*i32", k_scale_ptr="*fp32",
                  v_scale_ptr="*fp32", slot_ptr="*i64")
-    consts = dict(CODE=code, PER_TENSOR=False, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
-                  SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128)
+    consts = dict(CODE=code, PER_TENSOR=per_tensor, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
+                  INF_POS=infs[0], INF_NEG=infs[1], SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
     # Fusion on: the helpers must be contraction-proof without the launch flag.
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(enable_fp_fusion=True)).asm["ptx"]
-    out[code] = {name: len(re.findall(pat, ptx)) for name, pat in (
+    out[f"{code}-{'tensor' if per_tensor else 'row'}"] = {name: len(re.findall(pat, ptx)) for name, pat in (
         ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
         ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
 print(json.dumps(out))

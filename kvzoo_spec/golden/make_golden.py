@@ -29,8 +29,9 @@ from kvzoo_spec import oracle  # noqa: E402
 
 D_ROWS = 16
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-QUANT_MODES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head")
-PER_TOKEN_HEAD = QUANT_MODES[1:]
+QUANT_MODES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head",
+               "int8_per_tensor", "fp8_e5m2_per_tensor")
+PER_TOKEN_HEAD = tuple(m for m in QUANT_MODES if oracle.ORACLE_MODES[m].granularity == "per_token_head")
 # A few significant bits, not a power of two: x / s and x * (1/s) differ for many x, and
 # x = midpoint * s is exact in every input dtype.
 STATIC_SCALE = np.float32(0.375)
@@ -38,7 +39,7 @@ STATIC_V_SCALE = np.float32(0.0123)
 
 
 def roundings(mode: str) -> tuple[str, ...]:
-    return ("nearest", "trunc") if mode.startswith("int8") else ("nearest",)
+    return oracle.ORACLE_MODES[mode].roundings
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,13 +107,24 @@ def pack_rows(values: np.ndarray, anchor, dtype) -> list[np.ndarray]:
 
 
 def midpoints_of(mode_name: str) -> np.ndarray:
-    """Positive rounding midpoints of the mode's code values that lie inside its clamp range."""
+    """Positive rounding midpoints of the mode's code values that lie inside its clamp range
+    (int8 per tensor: and 127.5, whose negative is one)."""
     mode = oracle.ORACLE_MODES[mode_name]
     if mode.code == "int8":
-        return np.arange(0, 127, dtype=np.float64) + 0.5
-    enc = oracle._Fp8Encoder(oracle.E4M3FN if mode.code == "float8_e4m3fn" else oracle.E4M3FNUZ)
-    mids = enc.midpoints
+        # A static scale can put y anywhere, -127.5 (a tie that rounds to -128) too.
+        top = 128 if mode.granularity == "per_tensor" else 127
+        return np.arange(0, top, dtype=np.float64) + 0.5
+    mids = oracle._ENCODERS[mode.code].midpoints
     return mids[mids < float(mode.qmax)]
+
+
+def below_qmax(mode_name: str) -> float:
+    """The largest code value below QMAX."""
+    mode = oracle.ORACLE_MODES[mode_name]
+    if mode.code == "int8":
+        return float(mode.qmax) - 1
+    magnitudes = oracle._ENCODERS[mode.code].magnitudes
+    return float(magnitudes[magnitudes < float(mode.qmax)].max())
 
 
 def midpoint_rows(mode_name: str, dtype) -> list[np.ndarray]:
@@ -126,7 +138,11 @@ def midpoint_rows(mode_name: str, dtype) -> list[np.ndarray]:
     mids = np.concatenate([mids, -mids])
     factor = float(STATIC_SCALE) if mode.granularity == "per_tensor" else 2.0**-4
     x = (mids * factor).astype(dtype)
-    assert np.array_equal(x.astype(np.float64), mids * factor), "midpoints must be exact"
+    exact = x.astype(np.float64) == mids * factor
+    # bfloat16 (8 significant bits) cannot hold int8's upper midpoints times a static scale of
+    # 2 significant bits; every other case is exact, and those keep all their midpoints.
+    assert exact.all() or (mode.granularity == "per_tensor" and mode.code == "int8"), "midpoints must be exact"
+    x = x[exact]
     x = np.concatenate([x, neighbours(x)])
     return pack_rows(x, float(mode.qmax) * factor, dtype)
 
@@ -172,10 +188,12 @@ def special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[np.nda
     # The largest finite values of the dtype.
     rows.append(np.array([big, -big] + list(rng.uniform(-big, big, D - 2))))
     rows.append(np.array([big] * 4 + [-big] * 4 + list(rng.uniform(-big, big, D - 8))))
-    # Beyond the clamp (per-tensor: |x / s| > 448, and x / s overflowing float32).
+    # Beyond the clamp (per-tensor: |x / s| > QMAX, the midpoint past QMAX, where rounding
+    # without the clamp would leave the range, and x / s overflowing float32).
     if mode.granularity == "per_tensor":
-        s = float(STATIC_SCALE)
-        over = [449 * s, -449 * s, 464 * s, 1000 * s, -1e4 * s, 448 * s, 447 * s]
+        s, q = float(STATIC_SCALE), float(mode.qmax)
+        past = q + (q - below_qmax(mode_name)) / 2
+        over = [(q + 1) * s, -(q + 1) * s, past * s, 1000 * s, -1e4 * s, q * s, (q - 1) * s]
         rows.append(np.array(over + list(normal())[: D - len(over)]))
     out = [np.asarray(r, dtype=np.float64).astype(dtype) for r in rows]
     return out + midpoint_rows(mode_name, dtype)

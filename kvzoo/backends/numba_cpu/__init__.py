@@ -23,7 +23,7 @@ from ...arrays import dtype_name
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...modes import MODES
 from ...registry import Implementation
-from .formats import E4M3FN, E4M3FNUZ, I8
+from .formats import FORMAT_KINDS
 from .strided import KINDS, flat, stride_problem
 
 NAME = "numba"
@@ -35,9 +35,6 @@ _PREFILL_ROWS = 64
 # fp32 dot products and online softmax over up to ~100K keys: measured ~1e-6; bound loosely.
 ATTENTION_RTOL = 2e-5
 
-# The backend's table: kvzoo.formats name -> the element kind its kernels dispatch on. A
-# format missing here is a mode the registration leaves out (a declared refusal).
-FORMAT_KINDS = {"int8": I8, "float8_e4m3fn": E4M3FN, "float8_e4m3fnuz": E4M3FNUZ}
 _MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in FORMAT_KINDS)
 
 
@@ -147,8 +144,8 @@ def run_reshape_and_cache(p: Any) -> None:
         kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
         bs, heads, hsize,
         np.int64(FORMAT_KINDS[mode.format.name]), p.rounding == "trunc",
-        np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code), np.float32(mode.scale_floor),
-        mode.per_tensor, kts, vts,
+        np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code), *(np.int32(c) for c in mode.inf_codes),
+        np.float32(mode.scale_floor), mode.per_tensor, kts, vts,
     )  # fmt: skip
 
 

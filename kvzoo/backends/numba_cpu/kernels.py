@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
+from .formats import BF16, E4M3FN, E4M3FNUZ, E5M2, F16, F32, I8
 
 # ----------------------------------------------------------------------------------------------
 # Bit-level helpers: reinterpretation, widening, fp8 coding. They live in this file because
@@ -165,11 +165,33 @@ def encode_e4m3(y, fnuz):
 
 
 @njit(inline="always")
+def encode_e5m2(y):
+    """One RNE rounding of a finite float32 y (|y| <= 57344) to e5m2, the sign of zero kept.
+
+    The same two ranges as encode_e4m3 with 2 mantissa bits and bias 15: integer round-half-even
+    of the fp32 bits to 2 mantissa bits above the smallest normal 2^-14, and |y| * 2^16 (exact,
+    in [0, 4)) rounded by adding and removing 2^23 below it.
+    """
+    u = i32_from_f32(y)
+    a = u & _i32(0x7FFFFFFF)
+    sign = (u >> _i32(24)) & _i32(0x80)
+    rounded = (a + (_i32(0xFFFFF) + ((a >> _i32(21)) & _i32(1)))) >> _i32(21)
+    normal = rounded - _i32(112 << 2)
+    f = f32_from_bits(a) * np.float32(65536.0)
+    sub = _i32((f + _F32_MAGIC) - _F32_MAGIC)
+    code = normal if a >= _i32(0x38800000) else sub  # 2^-14, smallest normal
+    return code | sign
+
+
+@njit(inline="always")
 def decode_code(raw, kind):
-    """Exact float32 value of one stored 8-bit code (int8 or e4m3 family); NaN codes -> NaN."""
+    """Exact float32 value of one stored 8-bit code (int8, e4m3 family, e5m2); NaN codes -> NaN."""
     c = _i32(raw) & _i32(0xFF)
     if kind == I8:
         return np.float32((c ^ _i32(0x80)) - _i32(0x80))
+    if kind == E5M2:
+        # e5m2 is the top byte of an IEEE half: its Inf and NaN codes come out as Inf and NaN.
+        return f32_from_f16_bits(c << _i32(8))
     # e4m3 bits shifted into a half's exponent/mantissa fields are that half times 2^-8
     # (2^-7 for fnuz): the bias differs by 8 (9), subnormals included. The hardware half ->
     # single conversion is exact and the power-of-two multiply too.
@@ -181,6 +203,12 @@ def decode_code(raw, kind):
         v = f32_from_f16_bits(half) * np.float32(128.0)
         nan = c == _i32(0x80)
     return np.float32(np.nan) if nan else v
+
+
+@njit(inline="always")
+def is_code_kind(kind):
+    """Whether kind is a quantized code (the formats' kinds) rather than a model dtype."""
+    return kind >= I8
 
 
 @njit(inline="always")
@@ -219,15 +247,19 @@ def _finite_code(y, fmt, trunc, qmax, qmin):
     yc = min(max(y, qmin), qmax)
     if fmt == I8:
         return _i32(yc) if trunc else _i32((yc + _RNE_MAGIC) - _RNE_MAGIC)
+    if fmt == E5M2:
+        return encode_e5m2(yc)
     return encode_e4m3(yc, fmt == E4M3FNUZ)
 
 
 @njit(inline="always")
-def _code(y, fmt, trunc, qmax, qmin, nan_code):
-    """Code of y = x * inv (or x / s): non-finite -> nan_code (the format's), else clamp + round."""
-    finite = (i32_from_f32(y) & _i32(0x7FFFFFFF)) < _i32(0x7F800000)
+def _code(y, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg):
+    """Code of y = x * inv (or x / s): NaN -> nan_code, +-Inf -> inf_pos / inf_neg (the
+    format's), else clamp + round."""
+    magnitude = i32_from_f32(y) & _i32(0x7FFFFFFF)
     c = _finite_code(y, fmt, trunc, qmax, qmin)
-    return c if finite else nan_code
+    special = nan_code if magnitude > _i32(0x7F800000) else (inf_neg if y < _ZERO else inf_pos)
+    return c if magnitude < _i32(0x7F800000) else special
 
 
 @njit(inline="always")
@@ -272,7 +304,7 @@ def _load_row_absmax_overload(src, s0, sd, kind, xf, n):
 
 
 @njit(inline="always")
-def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, checked):
+def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, checked):
     if not checked and dd == 1:
         # Finite scale, so every x is finite and |x * inv| <= ~qmax: no y can be non-finite.
         # Contiguous codes (both layouts): a unit-stride loop LLVM can vectorize. Strided codes
@@ -281,10 +313,10 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code,
             dst[_u(d0 + d)] = _finite_code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin)
     elif div:
         for d in range(n):
-            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin, nan_code)
+            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] / mul, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg)
     else:
         for d in range(n):
-            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin, nan_code)
+            dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg)
 
 
 # A compiled function rather than inlined: inlining both calls into _write_tokens tripled the
@@ -292,7 +324,10 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code,
 # refcount updates of its array arguments, which otherwise cost an atomic increment and
 # decrement per array per row, on counters both threads share (measured ~30% of the write).
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, tscale):
+def _quantize_row(
+    src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor,
+    per_tensor, tscale,
+):  # fmt: skip
     """Quantize one row of n elements; returns the bits to store as its scale."""
     amax = _load_row_absmax(src, s0, sd, kind, xf, n)
     if per_tensor:
@@ -310,13 +345,20 @@ def _quantize_row(src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin,
     checked = per_tensor or not ((i32_from_f32(scale) & _i32(0x7FFFFFFF)) < _i32(0x7F800000))
     if fmt == I8:
         if trunc:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin, nan_code, checked)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin,
+                         nan_code, inf_pos, inf_neg, checked)
         else:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin, nan_code, checked)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin,
+                         nan_code, inf_pos, inf_neg, checked)
     elif fmt == E4M3FN:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin, nan_code, checked)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin,
+                     nan_code, inf_pos, inf_neg, checked)
+    elif fmt == E5M2:
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E5M2, False, qmax, qmin,
+                     nan_code, inf_pos, inf_neg, checked)
     else:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin, nan_code, checked)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin,
+                     nan_code, inf_pos, inf_neg, checked)
     return _i32(_CANONICAL_NAN) if scale != scale else i32_from_f32(scale)
 
 
@@ -327,7 +369,7 @@ def _write_tokens(
     t_lo, t_hi, xf, key, ks_, value, vs_, kind, slots, num_slots,
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
     block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
+    fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
 ):  # fmt: skip
     """The write of tokens t_lo..t_hi-1 (see write_quantized)."""
     for t in range(t_lo, t_hi):
@@ -342,12 +384,12 @@ def _write_tokens(
             kbits = _quantize_row(
                 key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
                 kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
-                head_size, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale,
+                head_size, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale,
             )  # fmt: skip
             vbits = _quantize_row(
                 value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
                 vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
-                head_size, fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, v_tscale,
+                head_size, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, v_tscale,
             )  # fmt: skip
             if not per_tensor:
                 ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
@@ -359,7 +401,7 @@ def write_quantized(
     key, ks_, value, vs_, kind, slots, num_slots,
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
     block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
+    fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
 ):  # fmt: skip
     """reshape_and_cache for quantized modes; parallel over chunks of tokens, heads inside.
 
@@ -374,7 +416,7 @@ def write_quantized(
             key, ks_, value, vs_, kind, slots, num_slots,
             kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
             block_size, num_heads, head_size,
-            fmt, trunc, qmax, qmin, nan_code, floor, per_tensor, k_tscale, v_tscale,
+            fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
         )  # fmt: skip
 
 
@@ -424,6 +466,8 @@ def _decode_row_any(src, s0, sd, kind, dst, d0, dd, n, scale, scaled):
         _decode_row(src, s0, sd, E4M3FN, dst, d0, dd, n, scale, scaled)
     elif kind == E4M3FNUZ:
         _decode_row(src, s0, sd, E4M3FNUZ, dst, d0, dd, n, scale, scaled)
+    elif kind == E5M2:
+        _decode_row(src, s0, sd, E5M2, dst, d0, dd, n, scale, scaled)
     elif kind == BF16:
         _decode_row(src, s0, sd, BF16, dst, d0, dd, n, scale, scaled)
     elif kind == F16:
@@ -537,6 +581,8 @@ def _decode_rows_any_overload(src, st, kind, block_tables, seq, bi, off, g, n, d
                 _decode_rows(src, st, I8, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             elif kind == E4M3FN:
                 _decode_rows(src, st, E4M3FN, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+            elif kind == E5M2:
+                _decode_rows(src, st, E5M2, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             else:
                 _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
@@ -652,6 +698,8 @@ def _scores(q, rows, src, rowa, kind, n, hd, out, factor):
         _scores_of(q, rows, src, rowa, E4M3FN, n, hd, out, factor)
     elif kind == E4M3FNUZ:
         _scores_of(q, rows, src, rowa, E4M3FNUZ, n, hd, out, factor)
+    elif kind == E5M2:
+        _scores_of(q, rows, src, rowa, E5M2, n, hd, out, factor)
     else:
         _scores_of(q, rows, src, rowa, I8, n, hd, out, factor)
 
@@ -748,6 +796,8 @@ def _accumulate(acc, w, src, rowa, kind, rows, n, hd):
         _accumulate_of(acc, w, src, rowa, E4M3FN, rows, n, hd)
     elif kind == E4M3FNUZ:
         _accumulate_of(acc, w, src, rowa, E4M3FNUZ, rows, n, hd)
+    elif kind == E5M2:
+        _accumulate_of(acc, w, src, rowa, E5M2, rows, n, hd)
     else:
         _accumulate_of(acc, w, src, rowa, I8, rows, n, hd)
 
@@ -939,7 +989,7 @@ def _attention_item(
     # are scaled to unit size by a power of two with softmax_scale folded in, and each row's
     # undo meets the key scale before the dot does (kscale * undo: the logit's own scale, in
     # range wherever the logit is). Mode none's q . k is the logit's size already: kept as is.
-    codes = kv_kind == I8 or kv_kind == E4M3FN or kv_kind == E4M3FNUZ
+    codes = is_code_kind(kv_kind)
     key_unit = _ONE if codes else softmax_scale
 
     # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
@@ -1099,23 +1149,26 @@ def attention(
 
 
 @njit(**_OPTS)
-def encode_codes_array(x, out, fmt, trunc, qmax, qmin, nan_code):
-    """The write path's encoder on already-scaled values y: non-finite -> the format's NaN
-    code, else clamp to [qmin, qmax] and round (int8 half-even or trunc; fp8 RNE)."""
+def encode_codes_array(x, out, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg):
+    """The write path's encoder on already-scaled values y: NaN -> nan_code, +-Inf -> inf_pos /
+    inf_neg (the format's), else clamp to [qmin, qmax] and round (int8 half-even or trunc; fp8 RNE)."""
+    n = x.shape[0]
     if fmt == I8:
         if trunc:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, True, qmax, qmin, nan_code, True)
+            _store_codes(x, _ONE, False, out, 0, 1, n, I8, True, qmax, qmin, nan_code, inf_pos, inf_neg, True)
         else:
-            _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], I8, False, qmax, qmin, nan_code, True)
+            _store_codes(x, _ONE, False, out, 0, 1, n, I8, False, qmax, qmin, nan_code, inf_pos, inf_neg, True)
     elif fmt == E4M3FN:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FN, False, qmax, qmin, nan_code, True)
+        _store_codes(x, _ONE, False, out, 0, 1, n, E4M3FN, False, qmax, qmin, nan_code, inf_pos, inf_neg, True)
+    elif fmt == E5M2:
+        _store_codes(x, _ONE, False, out, 0, 1, n, E5M2, False, qmax, qmin, nan_code, inf_pos, inf_neg, True)
     else:
-        _store_codes(x, _ONE, False, out, 0, 1, x.shape[0], E4M3FNUZ, False, qmax, qmin, nan_code, True)
+        _store_codes(x, _ONE, False, out, 0, 1, n, E4M3FNUZ, False, qmax, qmin, nan_code, inf_pos, inf_neg, True)
 
 
 @njit(**_OPTS)
 def decode_codes_array(codes, kind, out):
-    """Decode every element of an array of kind I8 / E4M3FN / E4M3FNUZ / BF16 / F16 / F32."""
+    """Decode every element of an array of kind I8 / E4M3FN / E4M3FNUZ / E5M2 / BF16 / F16 / F32."""
     _decode_row_any(codes, 0, 1, kind, out, 0, 1, codes.shape[0], _ONE, False)
 
 

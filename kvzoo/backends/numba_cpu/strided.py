@@ -10,17 +10,17 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .formats import BF16, E4M3FN, E4M3FNUZ, F16, F32, I8
+from ...formats import FORMATS
+from .formats import BF16, F16, F32, FORMAT_KINDS, I8
 
-# dtype name -> (element kind, unsigned carrier dtype the kernels receive)
+# dtype name -> (element kind, unsigned carrier dtype the kernels receive): the model dtypes,
+# and the storage dtype of every format in the backend's table.
 KINDS: dict[str, tuple[int, type]] = {
     "float32": (F32, np.uint32),
     "bfloat16": (BF16, np.uint16),
     "float16": (F16, np.uint16),
-    "int8": (I8, np.uint8),
     "uint8": (I8, np.uint8),
-    "float8_e4m3fn": (E4M3FN, np.uint8),
-    "float8_e4m3fnuz": (E4M3FNUZ, np.uint8),
+    **{FORMATS[name].storage_dtype: (kind, np.uint8) for name, kind in FORMAT_KINDS.items()},
 }
 
 
@@ -45,9 +45,11 @@ def flat(a: np.ndarray, carrier: type | None = None) -> tuple[np.ndarray, tuple[
     low = a[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(a.shape, strides))]
     offset = sum((n - 1) * -s for n, s in zip(a.shape, strides) if s < 0)
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(a.shape, strides))
+    if carrier is not None and low.dtype != np.dtype(carrier):
+        # Before as_strided: it rebuilds the array from its typestr, which NumPy cannot read
+        # back for ml_dtypes' float8_e5m2 ('<f1').
+        low = low.view(carrier)
     base = as_strided(low, shape=(extent,), strides=(itemsize,))
-    if carrier is not None and base.dtype != np.dtype(carrier):
-        base = base.view(carrier)
     return base, (offset, *strides)
 
 

@@ -40,7 +40,9 @@ def encode(y: np.ndarray, codec: Codec) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         clamped = np.clip(np.where(finite, y, 0), np.float32(fmt.qmin), np.float32(fmt.qmax))
     codes = ENCODERS[fmt.name](clamped, codec.rounding)
-    return np.where(finite, codes, np.uint8(fmt.nan_code))
+    inf_pos, inf_neg = (np.uint8(c) for c in fmt.inf_codes)
+    special = np.where(np.isnan(y), np.uint8(fmt.nan_code), np.where(y > 0, inf_pos, inf_neg))
+    return np.where(finite, codes, special)
 
 
 def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
@@ -63,6 +65,7 @@ ENCODERS = {
     "int8": _encode_int8,
     "float8_e4m3fn": _minifloat_encoder(ml_dtypes.float8_e4m3fn),
     "float8_e4m3fnuz": _minifloat_encoder(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2": _minifloat_encoder(ml_dtypes.float8_e5m2),
 }
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from . import platform as _platform
 
 # The kernels' constexpr CODE values (host-side ints) live with the format table.
-from .formats import CODE_COPY, CODE_E4M3FN, CODE_E4M3FN_CVT, CODE_E4M3FNUZ, CODE_INT8  # noqa: F401
+from .formats import CODE_COPY, CODE_E4M3FN, CODE_E4M3FN_CVT, CODE_E4M3FNUZ, CODE_E5M2, CODE_INT8  # noqa: F401
 
 # 1.5 * 2**23: adding then subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # half to even (the addition's own RNE does the work).
@@ -143,19 +143,21 @@ def int8_code_bits(y):
 
 
 @triton.jit
-def e4m3_magnitude_code(a, BIAS: tl.constexpr):
-    """RNE of a non-negative finite fp32 (bits `a`, within the format's range) to an e4m3
-    magnitude code (7 bits) for exponent bias BIAS (7: e4m3fn, 8: e4m3fnuz)."""
+def minifloat_magnitude_code(a, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """RNE of a non-negative finite fp32 (bits `a`, within the format's range) to the 7-bit
+    magnitude code of an 8-bit minifloat with MANT mantissa bits and exponent bias BIAS
+    (e4m3fn: 3, 7; e4m3fnuz: 3, 8; e5m2: 2, 15)."""
     # One fp32 add rounds both ranges: with E the exponent of |y|, pinned below at the smallest
-    # normal's (1 - BIAS), M = 2**(E + 20) has an ulp of 2**(E - 3), the e4m3 step at E (the
-    # subnormal step too, once pinned). So |y| + M, still in [M, 2M), is |y| rounded (RNE) to
-    # that step, and its bits minus M's count k steps: k in 8..16 for a normal (16 is the next
-    # binade's first code) and 0..8 below it. The code is k plus 8 per binade above the first:
-    # code = (sum - M) + 8 * (E + BIAS - 1), with M's bits (e + 20) << 23 for the biased e.
+    # normal's (1 - BIAS), M = 2**(E + 23 - MANT) has an ulp of 2**(E - MANT), the format's step
+    # at E (the subnormal step too, once pinned). So |y| + M, still in [M, 2M), is |y| rounded
+    # (RNE) to that step, and its bits minus M's count k steps: k in 2**MANT..2**(MANT + 1) for a
+    # normal (the top is the next binade's first code) and 0..2**MANT below it. The code is k
+    # plus 2**MANT per binade above the first: code = (sum - M) + 2**MANT * (E + BIAS - 1), with
+    # M's bits (e + 23 - MANT) << 23 for the biased e.
     # Exact for fp32 subnormal inputs as well: the adder keeps them, no flush.
     e = tl.maximum(a >> 23, 128 - BIAS)
-    total = float_bits(bits_float(a) + bits_float((e + 20) << 23))
-    return total + e * (8 - (1 << 23)) + ((BIAS - 128) * 8 - (20 << 23))
+    total = float_bits(bits_float(a) + bits_float((e + (23 - MANT)) << 23))
+    return total + e * ((1 << MANT) - (1 << 23)) + (((BIAS - 128) << MANT) - ((23 - MANT) << 23))
 
 
 @triton.jit
@@ -173,28 +175,35 @@ def _finite_codes(yc, CODE: tl.constexpr, TRUNC: tl.constexpr):
         bits = float_bits(yc)
         sign = (bits >> 24) & 0x80
         if CODE == 2:
-            code = e4m3_magnitude_code(bits & 0x7FFFFFFF, 7) + sign
+            code = minifloat_magnitude_code(bits & 0x7FFFFFFF, 3, 7) + sign
+        elif CODE == 5:
+            code = minifloat_magnitude_code(bits & 0x7FFFFFFF, 2, 15) + sign
         else:
-            mag = e4m3_magnitude_code(bits & 0x7FFFFFFF, 8)
+            mag = minifloat_magnitude_code(bits & 0x7FFFFFFF, 3, 8)
             code = tl.where(mag == 0, 0, mag + sign)  # 0x80 is e4m3fnuz's NaN, not -0
     return code
 
 
 @triton.jit
 def encode_codes(
-    y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.constexpr
+    y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, NAN_CODE: tl.constexpr,
+    INF_POS: tl.constexpr, INF_NEG: tl.constexpr, TRUNC: tl.constexpr,
 ):
     """y = x / scale (fp32) -> code bytes in the low 8 bits of an int32 (the caller's cast to
     the 8-bit cache type keeps them; the upper bits are not meaningful).
 
-    Non-finite y -> NAN_CODE; otherwise clamp to [QMIN, QMAX] and round (int8: half to even, or
-    toward zero when TRUNC; fp8: one RNE from fp32, e4m3fnuz has no -0).
+    NaN -> NAN_CODE, +Inf -> INF_POS, -Inf -> INF_NEG (the format's); otherwise clamp to
+    [QMIN, QMAX] and round (int8: half to even, or toward zero when TRUNC; fp8: one RNE from
+    fp32, e4m3fnuz has no -0).
     """
+    bits = float_bits(y)
     finite = is_finite(y)
     # Non-finite lanes are zeroed first so no conversion or add below ever sees a NaN or Inf
     # (a signalling NaN would raise NumPy's invalid-value warning under the interpreter).
     yc = tl.minimum(tl.maximum(tl.where(finite, y, 0.0), QMIN), QMAX)
-    return tl.where(finite, _finite_codes(yc, CODE, TRUNC), NAN_CODE)
+    # Told apart by their bits: a float compare on a NaN lane would warn there too.
+    special = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, NAN_CODE, tl.where(bits < 0, INF_NEG, INF_POS))
+    return tl.where(finite, _finite_codes(yc, CODE, TRUNC), special)
 
 
 @triton.jit
@@ -223,13 +232,14 @@ def encode_row_codes(y, CODE: tl.constexpr, NAN_CODE: tl.constexpr, TRUNC: tl.co
 
 
 @triton.jit
-def e4m3_value(b, BIAS: tl.constexpr):
-    """Exact fp32 value of e4m3 code bytes b (int32 0..255), NaN codes not yet handled."""
-    exp = (b >> 3) & 0xF
-    mant = b & 0x7
-    normal = bits_float(((exp + (127 - BIAS)) << 23) | (mant << 20))
-    # Subnormals are mant * 2**(-2-BIAS): the product with that power of two is exact.
-    unit = bits_float(tl.full(b.shape, (125 - BIAS) << 23, tl.int32))
+def minifloat_value(b, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """Exact fp32 value of 8-bit minifloat code bytes b (int32 0..255) with MANT mantissa bits
+    and exponent bias BIAS; NaN and Inf codes not yet handled."""
+    exp = (b & 0x7F) >> MANT
+    mant = b & ((1 << MANT) - 1)
+    normal = bits_float(((exp + (127 - BIAS)) << 23) | (mant << (23 - MANT)))
+    # Subnormals are mant * 2**(1-BIAS-MANT): the product with that power of two is exact.
+    unit = bits_float(tl.full(b.shape, (128 - BIAS - MANT) << 23, tl.int32))
     mag = tl.where(exp == 0, mant.to(tl.float32) * unit, normal)
     # The sign goes in as a bit: Triton negates as 0 - x, which turns -0 (0x80) into +0.
     return bits_float(float_bits(mag) | ((b & 0x80) << 24))
@@ -244,7 +254,12 @@ def decode_codes(raw, CODE: tl.constexpr):
         b = raw.to(tl.int32) & 0xFF
         nan = bits_float(tl.full(b.shape, CANONICAL_NAN_BITS, tl.int32))
         if CODE == 2:
-            value = tl.where((b & 0x7F) == 0x7F, nan, e4m3_value(b, 7))
+            value = tl.where((b & 0x7F) == 0x7F, nan, minifloat_value(b, 3, 7))
+        elif CODE == 5:
+            # Exponent 31: +-Inf with a zero mantissa, NaN otherwise.
+            inf = bits_float(0x7F800000 | ((b & 0x80) << 24))
+            top = tl.where((b & 0x3) == 0, inf, nan)
+            value = tl.where((b & 0x7C) == 0x7C, top, minifloat_value(b, 2, 15))
         else:
-            value = tl.where(b == 0x80, nan, e4m3_value(b, 8))
+            value = tl.where(b == 0x80, nan, minifloat_value(b, 3, 8))
     return value

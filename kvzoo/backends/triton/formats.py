@@ -18,16 +18,20 @@ CODE_E4M3FNUZ = 3
 # rounding (the conformance suite checks it on the GPU). sm_90+ only, never under the
 # interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
 CODE_E4M3FN_CVT = 4
+CODE_E5M2 = 5
 
 FORMAT_CODES: dict[str, int] = {
     "int8": CODE_INT8,
     "float8_e4m3fn": CODE_E4M3FN,
     "float8_e4m3fnuz": CODE_E4M3FNUZ,
+    "float8_e5m2": CODE_E5M2,
 }
 
-# fp8 is e4m3fn on CUDA GPUs and e4m3fnuz on ROCm's MI300.
+# fp8 is e4m3fn on CUDA GPUs and e4m3fnuz on ROCm's MI300. e5m2 is an OCP format of NVIDIA's
+# (sm_89+ convert it in hardware, every generation through fp16): MI300's own e5m2 is the fnuz
+# variant, and vLLM's ROCm paged attention declines fp8_e5m2.
 PLATFORM_FORMATS: dict[str, frozenset[str]] = {
-    "cuda": frozenset({"int8", "float8_e4m3fn"}),
+    "cuda": frozenset({"int8", "float8_e4m3fn", "float8_e5m2"}),
     "rocm": frozenset({"int8", "float8_e4m3fnuz"}),
 }
 

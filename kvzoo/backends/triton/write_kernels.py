@@ -105,6 +105,8 @@ def _store_rows(
     QMAX: tl.constexpr,
     QMIN: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    INF_POS: tl.constexpr,
+    INF_NEG: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
     TRUNC: tl.constexpr,
 ):
@@ -122,7 +124,7 @@ def _store_rows(
         if PER_TENSOR:
             s = tl.load(static_scale_ptr)
             y = tl.math.div_rn(x, tl.broadcast_to(s, x.shape))
-            code = encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, TRUNC)
+            code = encode_codes(y, CODE, QMIN, QMAX, NAN_CODE, INF_POS, INF_NEG, TRUNC)
         else:
             scale, scale_bits = row_scale(row_absmax_bits(x, 1), QMAX, SCALE_FLOOR)
             inv = reciprocal(scale)
@@ -174,6 +176,8 @@ def _reshape_and_cache_kernel(
     QMAX: tl.constexpr,
     QMIN: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    INF_POS: tl.constexpr,
+    INF_NEG: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
     TRUNC: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -226,6 +230,8 @@ def _reshape_and_cache_kernel(
         QMAX,
         QMIN,
         NAN_CODE,
+        INF_POS,
+        INF_NEG,
         SCALE_FLOOR,
         TRUNC,
     )
@@ -252,6 +258,8 @@ def _reshape_and_cache_kernel(
         QMAX,
         QMIN,
         NAN_CODE,
+        INF_POS,
+        INF_NEG,
         SCALE_FLOOR,
         TRUNC,
     )
@@ -422,6 +430,8 @@ def _write_call(p, scale_floor: float):
         QMAX=float(mode.qmax),
         QMIN=float(mode.qmin),
         NAN_CODE=int(mode.nan_code),
+        INF_POS=int(mode.inf_codes[0]),
+        INF_NEG=int(mode.inf_codes[1]),
         SCALE_FLOOR=float(scale_floor),
         TRUNC=(p.rounding == "trunc"),
         BLOCK_H=block_h,

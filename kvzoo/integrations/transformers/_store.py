@@ -37,7 +37,7 @@ class LayerStore:
     """Code (and scale) tensors of one attention layer, [num_blocks, block_size, Hkv, ...].
 
     mode, layout: as kvzoo.PagedKVCache ("separate" or "inline"). model_dtype: the dtype of the
-    model's K/V (the cache dtype of mode "none"). k_scale / v_scale: fp8_per_tensor's static
+    model's K/V (the cache dtype of mode "none"). k_scale / v_scale: a per-tensor mode's static
     scales (floats), kept here as one-element float32 device tensors.
     """
 

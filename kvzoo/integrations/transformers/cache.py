@@ -191,12 +191,12 @@ class KVZooCache(Cache):
     config: the model's config (model.config; its decoder text config is used): the number of
         layers, sliding-window layer types, and the attention implementation checked on update.
     mode: a kvzoo mode or engine string ("none", "int8_per_token_head", "fp8_per_token_head",
-        "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor", "fp8", ...).
+        "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor", "fp8", "int8_per_tensor", "fp8_e5m2", ...).
     layout: "separate" (vLLM's tensors) or "inline" (one page buffer; per-token-head modes).
     block_size: tokens per page. num_blocks: pages allocated up front (the pool doubles when it
         runs out); max_num_blocks: a ceiling (None: none).
-    rounding: "nearest" or "trunc" (int8 only). k_scale, v_scale: fp8_per_tensor's static scales,
-        one float or one per layer (see static_fp8_scales).
+    rounding: "nearest" or "trunc" (int8_per_token_head only). k_scale, v_scale: a per-tensor
+        mode's static scales, one float or one per layer (see static_fp8_scales).
     impl: a kvzoo implementation name for both operations, or {"reshape_and_cache": ..., 
         "paged_attention": ...}; None lets kvzoo's registry choose. validate: run kvzoo's full
         argument checks on every call (host reads of the metadata per layer; for debugging).
@@ -225,7 +225,7 @@ class KVZooCache(Cache):
         if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
             raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
         if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
-            raise ValueError(f"k_scale/v_scale: only fp8_per_tensor takes static scales, not {self.mode.name!r}")
+            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
         self.pages = PageTable(block_size, num_blocks, max_num_blocks)
         self._config = text
         self._step: ForwardStep | None = None
@@ -365,10 +365,11 @@ class KVZooCache(Cache):
 
 
 def static_fp8_scales(cache: Any, qmax: float = 448.0) -> tuple[list[float], list[float]]:
-    """Per-layer static (k_scale, v_scale) for fp8_per_tensor from a calibration run: absmax / qmax.
+    """Per-layer static (k_scale, v_scale) for a per-tensor mode from a calibration run: absmax / qmax.
 
     cache: a filled transformers DynamicCache (its layers' keys/values [B, Hkv, T, D]), e.g. the
-    one returned by a forward pass over calibration text. qmax: 448 (float8_e4m3fn's largest value).
+    one returned by a forward pass over calibration text. qmax: the mode's (kvzoo.get_kv_quant_mode
+    (mode).qmax): 448 for fp8_per_tensor (the default), 127 for int8_per_tensor, 57344 for fp8_e5m2.
     Padding rows in the calibration batch count too: calibrate on unpadded text.
     """
     k_scales, v_scales = [], []
