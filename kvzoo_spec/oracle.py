@@ -507,3 +507,282 @@ def attention_f64(
                 with np.errstate(all="ignore"):
                     lse[t, h] = m + np.log(denominator)
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# int4 per-token-head (SPEC.md section 12). Not a registered mode: no backend implements it yet,
+# so these functions stand beside ORACLE_MODES instead of in it.
+
+INT4_QMAX = 15
+# The sign vector of the randomized Hadamard rotation for D <= 512: bit i set means sign -1 for
+# element i. For a smaller D the signs are the first D of these (SPEC.md section 12.2).
+INT4_RHT_SIGN_BITS_512 = int(
+    "75625346365fdb8932d9dff1cfc7869167fc4ca6e46ae22557563834b291e3cc"
+    "05dfbc5fcdf467b754503bbeb55b747e9480abc759bbc2937f7fca4e9a8ca6f2",
+    16,
+)
+INT4_MAX_HEAD_SIZE = 512
+INT4_MODES = ("int4_per_token_head", "int4_per_token_head_norot")
+
+
+def _int4_check_head_size(D: int) -> None:
+    if D < 2 or D > INT4_MAX_HEAD_SIZE or D & (D - 1):
+        raise ValueError(f"head_size must be a power of two in [2, {INT4_MAX_HEAD_SIZE}], got {D}")
+
+
+def int4_rht_signs(D: int) -> np.ndarray:
+    """The rotation's D signs as float32 +-1 (SPEC.md 12.2)."""
+    _int4_check_head_size(D)
+    return np.array([-1.0 if (INT4_RHT_SIGN_BITS_512 >> i) & 1 else 1.0 for i in range(D)], dtype=np.float32)
+
+
+def int4_fwht(x: np.ndarray) -> np.ndarray:
+    """Unnormalized Walsh-Hadamard transform along the last axis, as the butterfly of 12.2.
+
+    Stage h = 1, 2, 4, ..., D/2: for every i with (i & h) == 0, (x[i], x[i+h]) becomes
+    (x[i] + x[i+h], x[i] - x[i+h]), one correctly rounded add / subtract each in the array's own
+    dtype (float32 or float64). The operations of one stage are independent of each other, so
+    only the stage order matters.
+    """
+    y = np.array(x, copy=True)
+    D = y.shape[-1]
+    h = 1
+    while h < D:
+        v = y.reshape(*y.shape[:-1], D // (2 * h), 2, h)
+        a = v[..., 0, :].copy()
+        b = v[..., 1, :].copy()
+        with np.errstate(all="ignore"):
+            v[..., 0, :] = a + b
+            v[..., 1, :] = a - b
+        h *= 2
+    return y
+
+
+def _round_f32_to_bf16_bits(xf: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (sign kept)."""
+    bits = np.ascontiguousarray(xf, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(xf)
+    rounded = np.where(nan, ((bits >> 16) & 0x8000) | 0x7FC0, rounded)
+    return rounded.astype(np.uint16)
+
+
+def _narrow_like(yf: np.ndarray, dtype) -> np.ndarray:
+    """Round float32 values to `dtype` (nearest even) and widen them back, exactly."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return yf.astype(np.float32, copy=True)
+    if dtype == np.float16:
+        with np.errstate(all="ignore"):
+            return yf.astype(np.float16).astype(np.float32)  # IEEE RNE, overflow to +-Inf
+    if dtype.name == "bfloat16":
+        return (_round_f32_to_bf16_bits(yf).astype(np.uint32) << 16).view(np.float32)
+    raise TypeError(f"input dtype must be bfloat16, float16 or float32, got {dtype}")
+
+
+def int4_rotate(x: np.ndarray) -> np.ndarray:
+    """Forward rotation of rows x[..., D] (SPEC.md 12.2): float32 [..., D].
+
+    xf = widen(x); r = fwht(xf * signs) in float32; then r is rounded to x's dtype and widened
+    back (bfloat16 / float16 inputs; a no-op for float32).
+    """
+    x = np.asarray(x)
+    xf = widen_to_float32(x)
+    D = xf.shape[-1]
+    r = int4_fwht((xf * int4_rht_signs(D)).astype(np.float32))
+    return _narrow_like(r, x.dtype)
+
+
+def int4_unrotate(y: np.ndarray) -> np.ndarray:
+    """Inverse rotation in float32: fl(fl(fwht(y) * signs) / D) (SPEC.md 12.2)."""
+    y = np.asarray(y, dtype=np.float32)
+    D = y.shape[-1]
+    with np.errstate(all="ignore"):
+        return ((int4_fwht(y) * int4_rht_signs(D)).astype(np.float32) / np.float32(D)).astype(np.float32)
+
+
+def int4_unrotate_f64(y: np.ndarray) -> np.ndarray:
+    """Inverse rotation in float64, for references: signs * fwht(y) / D."""
+    y = np.asarray(y, dtype=np.float64)
+    D = y.shape[-1]
+    with np.errstate(all="ignore"):
+        return int4_fwht(y) * int4_rht_signs(D).astype(np.float64) / D
+
+
+def _int4_round(t: np.float32) -> int:
+    """The rounding of 12.3: t < 0 -> 0; else trunc(fl(t + 0.5)), capped at 15."""
+    if not t >= 0:  # negative (a NaN never reaches here)
+        return 0
+    if t >= INT4_QMAX:
+        return INT4_QMAX
+    return min(INT4_QMAX, int(np.float32(t + np.float32(0.5))))
+
+
+def int4_quantize_row_f32(r: np.ndarray) -> tuple[np.ndarray, np.uint32]:
+    """One float32 row (already rotated, or not: the 'norot' variant) -> (codes 0..15 [D], scale bits)."""
+    r = np.asarray(r, dtype=np.float32)
+    D = r.shape[0]
+    if not np.all(np.isfinite(r)):
+        return np.zeros(D, dtype=np.uint8), np.uint32(CANONICAL_NAN_BITS)
+    mx = max(float(v) for v in r)
+    mn = min(float(v) for v in r)
+    hi = np.float32(mx) if mx > 0 else np.float32(0.0)
+    lo = np.float32(mn) if mn < 0 else np.float32(0.0)
+    with np.errstate(over="ignore"):
+        rng = np.float32(hi - lo)
+    if not np.isfinite(rng):
+        return np.zeros(D, dtype=np.uint8), np.uint32(CANONICAL_NAN_BITS)
+    q = np.float32(rng / np.float32(INT4_QMAX))
+    scale = q if q > SCALE_FLOOR else SCALE_FLOOR
+    zp = _int4_round(np.float32(-lo / scale))
+    inv = np.float32(_ONE / scale)
+    zpf = np.float32(zp)
+    codes = np.empty(D, dtype=np.uint8)
+    for i in range(D):
+        y = np.float32(np.float32(r[i] * inv) + zpf)
+        codes[i] = _int4_round(y)
+    bits = (int(np.array([scale], dtype=np.float32).view(np.uint32)[0]) & 0xFFFFFFF0) | zp
+    return codes, np.uint32(bits)
+
+
+def int4_pack(codes: np.ndarray) -> np.ndarray:
+    """codes [..., D] in 0..15 -> bytes [..., D/2]: byte j = code[2j] | code[2j+1] << 4."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def int4_unpack(packed: np.ndarray) -> np.ndarray:
+    """bytes [..., D/2] -> codes [..., D] (even element from the low nibble)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    codes = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), dtype=np.uint8)
+    codes[..., 0::2] = packed & 0xF
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+def int4_quantize_rows(x: np.ndarray, mode_name: str = "int4_per_token_head"):
+    """Rows x[N, D] (bf16 / fp16 / fp32) -> (packed uint8 [N, D/2], scales float32 [N]).
+
+    The scale's low 4 bits hold the zero point (SPEC.md 12.3, 12.4).
+    """
+    if mode_name not in INT4_MODES:
+        raise ValueError(f"not an int4 mode: {mode_name!r}")
+    x = np.asarray(x)
+    N, D = x.shape
+    _int4_check_head_size(D)
+    r = int4_rotate(x) if mode_name == "int4_per_token_head" else widen_to_float32(x)
+    codes = np.empty((N, D), dtype=np.uint8)
+    bits = np.empty(N, dtype=np.uint32)
+    for n in range(N):
+        codes[n], bits[n] = int4_quantize_row_f32(r[n])
+    return int4_pack(codes), bits.view(np.float32)
+
+
+def int4_split_scale(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stored float32 scales -> (scale with the low 4 bits cleared, float32; zero point, int)."""
+    bits = np.ascontiguousarray(scales, dtype=np.float32).view(np.uint32)
+    return (bits & np.uint32(0xFFFFFFF0)).view(np.float32), (bits & 0xF).astype(np.int64)
+
+
+def int4_decode_rows(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Decode in the stored (rotated) domain: fl(float32(code - zp) * scale_t), float32 [..., D]."""
+    codes = int4_unpack(packed).astype(np.int64)
+    s, zp = int4_split_scale(np.asarray(scales, dtype=np.float32))
+    with np.errstate(all="ignore"):
+        return ((codes - zp[..., None]).astype(np.float32) * s[..., None]).astype(np.float32)
+
+
+def int4_dequantize_rows_f64(packed, scales, mode_name: str = "int4_per_token_head") -> np.ndarray:
+    """Decode and undo the rotation in float64: the rows' values in the model's basis."""
+    d = int4_decode_rows(packed, scales).astype(np.float64)
+    return int4_unrotate_f64(d) if mode_name == "int4_per_token_head" else d
+
+
+def int4_reshape_and_cache(key, value, slot_mapping, *, num_blocks, block_size,
+                           mode_name: str = "int4_per_token_head"):
+    """key/value [T, H, D] -> (key_cache, value_cache uint8 [NB, BS, H, D/2],
+    k_scale_cache, v_scale_cache float32 [NB, BS, H]); unwritten bytes 0."""
+    key, value = np.asarray(key), np.asarray(value)
+    T, H, D = key.shape
+    kc = np.zeros((num_blocks, block_size, H, D // 2), dtype=np.uint8)
+    vc = np.zeros_like(kc)
+    ks = np.zeros((num_blocks, block_size, H), dtype=np.float32)
+    vs = np.zeros_like(ks)
+    for t, slot in enumerate(np.asarray(slot_mapping).tolist()):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), block_size)
+        kc[b, o], ks[b, o] = int4_quantize_rows(key[t], mode_name)
+        vc[b, o], vs[b, o] = int4_quantize_rows(value[t], mode_name)
+    return kc, vc, ks, vs
+
+
+def int4_attention_f64(
+    query,
+    key_cache,
+    value_cache,
+    k_scale_cache,
+    v_scale_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    *,
+    mode_name: str = "int4_per_token_head",
+    softmax_scale=None,
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+):
+    """Paged attention over int4 caches (SPEC.md 12.6), in float64, the way kernels compute it.
+
+    The query is rotated (float64 butterfly of its float32 value), the logits are taken on the
+    codes with the sum(q)*zp correction, softmax_scale / D and the key scale folded after the
+    dot; values are accumulated as p * v_scale * (code - zp); the output is un-rotated
+    (signs * fwht(o) / D). Masking, sinks and softcap are those of SPEC.md section 8.
+    """
+    rotate = mode_name == "int4_per_token_head"
+    query = np.asarray(query)
+    q = widen_to_float32(query).astype(np.float64)
+    T, Hq, D = q.shape
+    _int4_check_head_size(D)
+    signs = int4_rht_signs(D).astype(np.float64)
+    qr = int4_fwht(q * signs) if rotate else q
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    code_scale = scale / D if rotate else scale
+    kcodes = int4_unpack(key_cache).astype(np.float64)
+    vcodes = int4_unpack(value_cache).astype(np.float64)
+    ks, kzp = int4_split_scale(k_scale_cache)
+    vs, vzp = int4_split_scale(v_scale_cache)
+    BS, Hkv = kcodes.shape[1], kcodes.shape[2]
+    group = Hq // Hkv
+    qsl = np.asarray(query_start_loc).tolist()
+    block_tables = np.asarray(block_tables)
+    out = np.zeros((T, Hq, D), dtype=np.float64)
+    for s, seq_len in enumerate(np.asarray(seq_lens).tolist()):
+        q_len = qsl[s + 1] - qsl[s]
+        where = [(int(block_tables[s, i // BS]), i % BS) for i in range(seq_len)]
+        for j in range(q_len):
+            t = qsl[s] + j
+            p = seq_len - q_len + j
+            lo = 0 if sliding_window is None else max(0, p - int(sliding_window) + 1)
+            idx = where[lo : p + 1]
+            for h in range(Hq):
+                kvh = h // group
+                c = np.array([kcodes[b, o, kvh] for b, o in idx])
+                zk = np.array([float(kzp[b, o, kvh]) for b, o in idx])
+                sk = np.array([float(ks[b, o, kvh]) for b, o in idx])
+                with np.errstate(all="ignore"):
+                    logits = (c @ qr[t, h] - qr[t, h].sum() * zk) * (code_scale * sk)
+                    if softcap is not None:
+                        logits = softcap * np.tanh(logits / softcap)
+                    m = logits.max()
+                    if sinks is not None:
+                        m = max(m, float(sinks[h]))
+                    w = np.exp(logits - m)
+                    den = w.sum() + (math.exp(float(sinks[h]) - m) if sinks is not None else 0.0)
+                    pv = w * np.array([float(vs[b, o, kvh]) for b, o in idx])
+                    vc = np.array([vcodes[b, o, kvh] for b, o in idx])
+                    zv = np.array([float(vzp[b, o, kvh]) for b, o in idx])
+                    o_rot = (pv @ vc - (pv * zv).sum()) / den
+                    out[t, h] = int4_unrotate_f64(o_rot) if rotate else o_rot
+    return out
