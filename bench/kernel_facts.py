@@ -34,18 +34,24 @@ def facts(kernel) -> str:
 
 def one(p, cfg, decode: bool, copy_bw, mm):
     """A staged config times the attention on the workspace, the gather staged once before."""
-    kw = dict(per_seq=decode, skip_decode=cfg.stage_kv)
-    target = p
     if cfg.stage_kv:
-        target, kw["q_undo"] = staging.staged_problem(p)
+        staged = staging.staged_problem(p)
+
+        def call():
+            return K.staged_kernel_call(staged, "cuda", cfg)
+    else:
+
+        def call():
+            return K.kernel_call(p, "cuda", cfg, per_seq=decode, skip_decode=False)
+
     try:
         p.out.fill_(float("nan"))
-        kernel = K._launch(target, "cuda", cfg, **kw)
+        kernel = K._launch(call())
         torch.cuda.synchronize()
     except Exception as exc:  # one config failing must not end the run
         return f"FAILED {type(exc).__name__}: {str(exc)[:100]}"
     e = err(p, [0])
-    ms = triton.testing.do_bench(lambda: K._launch(target, "cuda", cfg, **kw), warmup=25, rep=150, return_mode="median")
+    ms = triton.testing.do_bench(lambda: K._launch(call()), warmup=25, rep=150, return_mode="median")
     if decode:
         speed = f"{decode_bytes(p) / ms / 1e6:6.0f} GB/s {100 * decode_bytes(p) / ms / 1e6 / copy_bw:5.1f}%"
     else:

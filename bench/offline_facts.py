@@ -8,7 +8,7 @@ kernel_facts.py measures the same kernels on the GPU, with their time.
 
 Triton compiles for a target given by hand (GPUTarget("cuda", 90, 32)); the wheel's ptxas and
 cuobjdump give the rest. The problem is built from meta tensors, the launch arguments by the
-kernel's own `kernel_call`, so what compiles here is what `_launch` would launch (argument
+kernel's own `kernel_call` (`staged_kernel_call`), so what compiles here is what `_launch` would launch (argument
 specialisation follows Triton's rules: ints equal to 1 become constants, ints and pointers
 divisible by 16 are marked so).
 """
@@ -88,7 +88,7 @@ def meta_staged(p: Attention) -> staging.Staged:
 
 
 def compile_call(call: K.KernelCall):
-    fn = K._attention_kernel
+    fn = call.kernel
     names = [n for n in fn.arg_names if n not in call.constexprs]
     signature, constexprs, attrs = {}, dict(call.constexprs), {}
     for name, value in zip(names, call.args):
@@ -160,8 +160,10 @@ def main() -> None:
         if cfg.stage_kv:  # and the direct kernel it replaced
             variants.append((K.direct_prefill_config(p), True))
         for c, shared in variants:
-            target, q_undo = meta_staged(p) if c.stage_kv else (p, None)
-            call = K.kernel_call(target, "cuda", c, per_seq=decode, skip_decode=c.stage_kv, q_undo=q_undo)
+            if c.stage_kv:
+                call = K.staged_kernel_call(meta_staged(p), "cuda", c)
+            else:
+                call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "

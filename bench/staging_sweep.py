@@ -75,9 +75,9 @@ def main() -> None:
             t_direct = timed(lambda p=p, cfg=direct_cfg: K.run(p, "cuda", prefill=cfg))
             t_staged = timed(lambda p=p, cfg=staged_cfg: K.run(p, "cuda", prefill=cfg))
             t_gather = timed(lambda p=p: staging.staged_problem(p))
-            w, undo = staging.staged_problem(p)
-            t_attend = timed(lambda w=w, cfg=staged_cfg, undo=undo: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True,
-                                                                  q_undo=undo))
+            staged = staging.staged_problem(p)
+            w = staged.problem
+            t_attend = timed(lambda staged=staged, cfg=staged_cfg: K._launch(K.staged_kernel_call(staged, "cuda", cfg)))
             keys = seqs * CONTEXT * p.num_kv_heads * p.head_size * 2  # K and V elements
             scale_bytes = seqs * CONTEXT * p.num_kv_heads * 4 * 3 if p.k_scale_cache is not None else 0
             # Codes in, fp16 out; K and V scales in, plus one counted out per row (an upper bound:
@@ -92,17 +92,16 @@ def main() -> None:
                 for label, change in VARIANTS.items():
                     cfg = dataclasses.replace(staged_cfg, **change)
                     w.out.fill_(float("nan"))
-                    K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True, q_undo=undo)
+                    K._launch(K.staged_kernel_call(staged, "cuda", cfg))
                     e = err(p, last)  # w shares p.out; ref_seq decodes p's cache
-                    t = timed(lambda w=w, cfg=cfg, undo=undo: K._launch(w, "cuda", cfg, per_seq=False, skip_decode=True,
-                                                             q_undo=undo))
+                    t = timed(lambda staged=staged, cfg=cfg: K._launch(K.staged_kernel_call(staged, "cuda", cfg)))
                     print(f"       attend on the workspace, {label:28}: {t:9.1f} us (table {t_attend:.1f}), err {e:.1e}")
             if q >= staging.STAGE_MIN_QUERY_LEN:
                 table = staging.GATHER_ROWS, staging.GATHER_WARPS
                 for staging.GATHER_ROWS, staging.GATHER_WARPS in GATHER_VARIANTS:
                     p.out.fill_(float("nan"))
                     again = staging.staged_problem(p)
-                    K._launch(again.problem, "cuda", staged_cfg, per_seq=False, skip_decode=True, q_undo=again.q_undo)
+                    K._launch(K.staged_kernel_call(again, "cuda", staged_cfg))
                     e = err(p, last)
                     t = timed(lambda p=p: staging.staged_problem(p))
                     print(f"       gather, {staging.GATHER_ROWS:3d} rows {staging.GATHER_WARPS} warps a program: "

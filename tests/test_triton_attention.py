@@ -382,19 +382,52 @@ def test_slot_kernel_places_prefills_in_batch_order_across_its_loop_steps(num_sl
     assert first_page.cpu().tolist() == (slot * pages_per_slot).tolist()
 
 
-def test_staged_tiles_launch_only_with_the_staged_query_factors():
-    # A staged config on the paged problem (or the factors beside a direct config) would run
-    # and give wrong numbers; the launch builder refuses both.
+def test_staged_tiles_launch_only_on_the_staged_workspace_with_its_query_factors():
+    # Staged tiles on the paged problem, or the staged rows without their factors, would run and
+    # give wrong numbers. So the staged kernel is its own entry, launched from staging's Staged
+    # (the workspace problem and the factors, made together) under a StagedConfig, and the
+    # paged kernel takes neither the factors nor a StagedConfig.
     k = _kernels()
     p = make_problem([1, 130], [40, 200])
-    with pytest.raises(ValueError, match="stage_kv"):
-        k.kernel_call(p, "cuda", k.staged_prefill_config(p), per_seq=False, skip_decode=True)
+    staged_cfg, direct_cfg = k.staged_prefill_config(p), k.direct_prefill_config(p)
+    assert "q_undo_ptr" not in k._attention_kernel.arg_names
+    assert staged_cfg.stage_kv and not direct_cfg.stage_kv
+    with pytest.raises(TypeError, match="StagedConfig"):
+        k.kernel_call(p, "cuda", staged_cfg, per_seq=False, skip_decode=True)
     staged = k._staging.staged_problem(p)
-    with pytest.raises(ValueError, match="stage_kv"):
-        k.kernel_call(p, "cuda", k.direct_prefill_config(p), per_seq=False, skip_decode=False, q_undo=staged.q_undo)
-    call = k.kernel_call(staged.problem, "cuda", k.staged_prefill_config(p), per_seq=False, skip_decode=True,
-                         q_undo=staged.q_undo)
-    assert call.constexprs["Q_STAGED"] and call.constexprs["STAGED"]
+    with pytest.raises(TypeError, match="q_undo"):
+        k.kernel_call(p, "cuda", direct_cfg, per_seq=False, skip_decode=False, q_undo=staged.q_undo)
+    with pytest.raises(TypeError, match="Staged"):
+        k.staged_kernel_call(p, "cuda", staged_cfg)
+    with pytest.raises(TypeError, match="StagedConfig"):
+        k.staged_kernel_call(staged, "cuda", direct_cfg)
+    call = k.staged_kernel_call(staged, "cuda", staged_cfg)
+    assert call.kernel is k._staged_attention_kernel
+    w = staged.problem
+    assert all(a is b for a, b in zip(call.args, (w.query, staged.q_undo, w.key_cache, w.value_cache)))
+    assert k.kernel_call(p, "cuda", direct_cfg, per_seq=False, skip_decode=False).kernel is k._attention_kernel
+
+
+def test_every_platform_format_has_tile_rows():
+    # A format a platform registers picks its decode and split rows by what its codes are; one
+    # the tables have no kind for must fail here rather than in a launch.
+    import types
+
+    from kvzoo.backends.triton import attention_tables as tables
+    from kvzoo.modes import MODES
+
+    k = _kernels()
+    for name in set().union(*platform.PLATFORM_MODES.values()):
+        codes = k._cache_codes(types.SimpleNamespace(mode=MODES[name]))
+        assert codes in tables.SPLIT_RULES, name
+        for size in (64, 128, 256):
+            assert (size, codes) in tables.DECODE_TILES, (name, size)
+    for size in (64, 128, 256):
+        assert all((size, operand) in tables.PREFILL_TILES for operand in tables.KOperand)
+    # Every timed row names the command and the commit that chose it.
+    for row in (*tables.DECODE_TILES.values(), *tables.PREFILL_TILES.values(), *tables.SPLIT_RULES.values()):
+        assert row.chosen_by and all(run.settled for run in row.chosen_by)
+        assert row.chosen_by is tables.NOT_TIMED or all(run.command and run.commit for run in row.chosen_by)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,7 +1,8 @@
 """Registers the Triton unified paged attention ("triton-cuda", "triton-rocm").
 
-Kernels live in attention_kernels.py and are imported on the first run, so this module loads
-(and lists the implementations as unavailable, with the reason) on machines without triton.
+Kernels live in attention_kernels.py (their pieces in attention_tiles.py, their tile tables in
+attention_tables.py) and are imported on the first run, so this module loads (and lists the
+implementations as unavailable, with the reason) on machines without triton.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ about half again as long as bf16's. Staging converts each key once. One
 gather pass writes, for every sequence with more than one query token, the fp16 operands the
 direct kernel builds per tile (SCALE_IN_CODES): codes x (scale / the page's largest scale),
 with that largest scale kept per page. The workspace is itself a per-token-head cache whose
-scale is constant over each page of STAGE_PAGE keys, so the attention kernel streams it like a
-bf16 cache and applies one scale per key tile (STAGED).
+scale is constant over each page of STAGE_PAGE keys, so the staged attention kernel
+(attention_kernels._staged_attention_kernel) streams it like a bf16 cache and applies one
+scale per key tile.
 
 The numbers are the direct kernel's: codes and ratios exact or rounded to fp16 the same way,
 the query rescaled into fp16 the same way (here by _stage_query_kernel, once per row: a query
@@ -54,20 +55,23 @@ STAGE_MAX_BYTES = 1 << 30
 # kernel repeats per query tile outweighs staging's extra pass over their context: at 64
 # query tokens staging loses, from 128 it wins (bench/staging_sweep.py).
 STAGE_MIN_QUERY_LEN = 128
+# The codes _stage_rows converts in hardware where compiled, as the Triton dtype of their bytes.
+_HW_DTYPES = {CODE_INT8: tl.int8, CODE_E4M3FN: tl.float8e4nv}
 
 
 @triton.jit
 def _stage_rows(
     codes_ptr, scales_ptr, ws_ptr, page_scale_ptr, block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
     s_b, s_t, s_h, s_d, s_sb, s_st, s_sh, head, store_page_scale,
-    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
+    CODE: tl.constexpr, HW_DTYPE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
 ):
     """One tensor's rows: fp16 codes x (scale / page max) to ws_ptr (per-token-head: and the
-    page max, by the page's first program), or the codes alone (per-tensor)."""
+    page max, by the page's first program), or the codes alone (per-tensor). HW_DTYPE: the
+    Triton dtype the code bytes convert from in hardware, or None for the integer decoder."""
     raw = tl.load(codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + d[None, :] * s_d, mask=mask, other=0)
-    if HW_CONVERT:
+    if HW_DTYPE is not None:
         # int8 or e4m3 straight to fp16 (one conversion instruction per code, or per pair).
-        x = (raw if CODE == 1 else raw.to(tl.float8e4nv, bitcast=True)).to(tl.float16)
+        x = raw.to(HW_DTYPE, bitcast=True).to(tl.float16)
     else:
         x = decode_codes(raw, CODE).to(tl.float16)
     if PER_TOKEN_HEAD:
@@ -92,7 +96,7 @@ def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, 
     sequence's first workspace page (a slot's pages are consecutive)."""
     used = tl.program_id(0) * 0
     start = used
-    # while, not range(): see the interpreter note in attention_kernels._attend_range.
+    # while, not range(): see the interpreter note in attention_tiles._attend_range.
     while start < num_seqs:
         seq = start + tl.arange(0, BLOCK)
         ok = seq < num_seqs
@@ -116,7 +120,7 @@ def _stage_kernel(
     s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
     s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
     s_bt, s_wt, s_wh, s_wsp, s_wsh,
-    CODE: tl.constexpr, HW_CONVERT: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
+    CODE: tl.constexpr, HW_DTYPE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """ROWS rows of one workspace page of one KV head, of K (even programs) or V (odd)."""
@@ -151,12 +155,12 @@ def _stage_kernel(
         _stage_rows(k_ptr, ks_ptr, ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
                     block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
                     s_kb, s_kt, s_kh, s_kd, s_ksb, s_kst, s_ksh, head, first_of_page,
-                    CODE, HW_CONVERT, PER_TOKEN_HEAD)
+                    CODE, HW_DTYPE, PER_TOKEN_HEAD)
     else:
         _stage_rows(v_ptr, vs_ptr, ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
                     block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
                     s_vb, s_vt, s_vh, s_vd, s_vsb, s_vst, s_vsh, head, first_of_page,
-                    CODE, HW_CONVERT, PER_TOKEN_HEAD)
+                    CODE, HW_DTYPE, PER_TOKEN_HEAD)
 
 
 @triton.jit
@@ -224,7 +228,7 @@ class Staged(NamedTuple):
 def staged_problem(p: Attention, fill: float | None = None) -> Staged:
     """Gathers the prefill sequences' context into a fresh workspace, and the query into fp16.
     The problem's block_tables hold one column, each sequence's first workspace page: a slot's
-    pages are consecutive, and the STAGED kernel reads nothing else. Decode tokens still read
+    pages are consecutive, and the staged kernel reads nothing else. Decode tokens still read
     the codes, so callers run them on `p`."""
     shape = workspace_shape(p)
     pages, _, heads, dim = shape
@@ -246,7 +250,7 @@ def staged_problem(p: Attention, fill: float | None = None) -> Staged:
     code = code_of(p.mode)
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
     # ROCm's fnuz codes take the integer decoder.
-    hw_convert = not _platform.interpreted() and code in (CODE_INT8, CODE_E4M3FN)
+    hw_dtype = None if _platform.interpreted() else _HW_DTYPES.get(code)
     kind = torch.int8 if code == CODE_INT8 else torch.uint8
     k_codes, v_codes = p.key_cache.view(kind), p.value_cache.view(kind)
     k_scales, v_scales = (p.k_scale_cache, p.v_scale_cache) if per_token_head else (dummy, dummy)
@@ -257,7 +261,7 @@ def staged_problem(p: Attention, fill: float | None = None) -> Staged:
         dim, p.block_size, pages_per_seq, *k_codes.stride(), *v_codes.stride(),
         *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
         p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2), *(k_pages.stride() if per_token_head else (0, 0)),
-        CODE=code, HW_CONVERT=hw_convert, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
+        CODE=code, HW_DTYPE=hw_dtype, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=GATHER_WARPS,
     )
     scales = {}

@@ -1,0 +1,572 @@
+"""The pieces the attention kernels (attention_kernels.py) are made of: what one key tile does on
+the paged cache (`paged_tile`) and on staged prefill's workspace (`staged_tile`), the small
+helpers those compose, and the parts around the key loop both kernels share (the tile's query
+rows, its key range, the state it starts from, its stores).
+
+Every function here is @triton.jit and inlined into the kernel that calls it. A tile's operand
+path is chosen once per tile by its constexprs: how the logits come from the K operand (int8
+query codes against the codes as loaded, converted codes with the per-key scales folded in,
+converted codes with the scales on the logits or per row, the workspace's fp16 rows), and
+likewise how P meets V.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import encode as _encode
+from .attention_constants import (
+    CONVERT_BF16_BITS,
+    CONVERT_E4M3_ASM,
+    CONVERT_I8_ASM,
+    CONVERT_I8_OFFSET,
+    CONVERT_I8_OFFSET_CAST,
+    CONVERT_TABLE,
+    I8_OFFSET,
+    LN2,
+    LOG2E,
+    SCALE_TENSOR,
+    SCALE_TOKEN_HEAD,
+    offset_codes,
+)
+
+# ----------------------------------------------------------------------------------------
+# Codes to dot operands.
+
+
+@triton.jit
+def _int8x4_to_fp16_offset(x, PURE: tl.constexpr):
+    # 0x6400 | (c ^ 0x80) is the fp16 1024 + (c + 128) = 1152 + c, exact (fp16 spacing is 1 in
+    # [1024, 2048)): one xor and two byte permutes per four codes, against four int->float
+    # conversions, the slow unit on this path. Callers subtract 1152 per code, or per row
+    # after the dot (1152 * sum of the other operand's row) where that factors out.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, hi;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 hi, 0x64646464;
+        prmt.b32 $0, t, hi, 0x5140;
+        prmt.b32 $1, t, hi, 0x7362;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e4m3x4_to_fp16(x, PURE: tl.constexpr):
+    # The same instruction Triton's cast emits; written out so that it can be marked impure.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def codes_to_dot(x, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr, PURE: tl.constexpr):
+    # PURE=False keeps the conversion where the codes were loaded (rows contiguous along D):
+    # a pure one is moved by Triton into the MMA operand layout, which for V (reduced over
+    # keys, strided in memory) turns every code into a 1-byte shared-memory load.
+    if CODE_CONVERT == CONVERT_I8_ASM:
+        return _int8x4_to_fp16_offset(x, PURE) - I8_OFFSET
+    elif CODE_CONVERT == CONVERT_I8_OFFSET:
+        return _int8x4_to_fp16_offset(x, PURE)
+    elif CODE_CONVERT == CONVERT_I8_OFFSET_CAST:
+        return x.to(tl.float16) + I8_OFFSET
+    elif CODE_CONVERT == CONVERT_E4M3_ASM:
+        return _e4m3x4_to_fp16(x, PURE)
+    elif CODE_CONVERT == CONVERT_TABLE:
+        return tl.load(table_ptr + x.to(tl.uint8, bitcast=True).to(tl.int32)).to(DOT_DTYPE)
+    elif CODE_CONVERT == CONVERT_BF16_BITS:
+        return _encode.widen_bf16_bits(x)
+    else:
+        return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def unit_ratios(scales):
+    """(scales / unit, unit) for a tile's per-key scales, unit their largest: 16-bit operands
+    normalised so that they cannot overflow. The unit is at least the smallest normal float32,
+    so 1 / unit stays finite and a tile of subnormal scales (keys near 1e-37, the ones that
+    meet query rows near 1e37 at logits of O(1)) gets ratios below 1 instead of Inf."""
+    unit = tl.maximum(tl.max(scales, axis=0), _encode.SMALLEST_NORMAL)
+    return scales * (1.0 / unit), unit
+
+
+# ----------------------------------------------------------------------------------------
+# Loads.
+
+
+@triton.jit
+def load_keys(ptrs, key_ok, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=key_ok, other=0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=key_ok[:, None] & (d < HEAD_D)[None, :], other=0.0)
+    elif HEAD_D < BLOCK_D:
+        return tl.load(ptrs, mask=(d < HEAD_D)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def paged_rows(page, in_page, kv_head, stride_b, stride_t, stride_h):
+    """Offsets of the rows of keys (page, in_page) of one KV head in a paged cache."""
+    return page * stride_b + in_page * stride_t + kv_head * stride_h
+
+
+# ----------------------------------------------------------------------------------------
+# Logits of a tile: [rows, keys] in log2 units (or natural ones before a softcap).
+
+
+@triton.jit
+def logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    # The per-key scales folded into the fp16 K operand (normalised by the tile's largest, so
+    # they cannot overflow) instead of scaling the [rows, keys] logits: cheaper when the tile
+    # has many rows (prefill).
+    k = codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
+    k_ratio, k_unit = unit_ratios(ks)
+    k = k * k_ratio.to(DOT_DTYPE)[:, None]
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (row_scale * k_unit)[:, None]
+
+
+@triton.jit
+def dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+    """q . the converted K codes, unscaled: what the offset conversions add taken back out."""
+    k = codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, PURE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        s = s - q_offset[:, None]
+    return s
+
+
+@triton.jit
+def logits_key_scales(q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE: tl.constexpr,
+                      CODE_CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+    # The dot is of the rescaled row (absmax near 2^14) with the codes, so its size is fixed;
+    # the row's undo (the query's magnitude) and the key's scale meet first, as the logit's own
+    # scale: s * ks alone overflows for huge keys beside tiny query rows, s * row_scale alone
+    # for huge query rows. Two products either way.
+    s = dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, PURE)
+    return s * (row_scale[:, None] * ks[None, :])
+
+
+@triton.jit
+def logits_row_scales(q, kc, row_scale, q_offset, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+    # Mode none and static scales: one factor per row carries them all.
+    return dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, PURE) * row_scale[:, None]
+
+
+# ----------------------------------------------------------------------------------------
+# The online softmax.
+
+
+@triton.jit
+def softcap_logits(s, softcap):
+    # tanh through exp (the interpreter has no libdevice); saturates cleanly to +-1.
+    e2 = tl.exp(2.0 * (s / softcap))
+    return (softcap * (1.0 - 2.0 / (e2 + 1.0))) * LOG2E
+
+
+@triton.jit
+def mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW: tl.constexpr):
+    """s with the keys a row may not see at -inf (past the cache, after the row's position,
+    before its window), and which those are."""
+    visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (keys[None, :] > pos[:, None] - window)
+    return tl.where(visible, s, float("-inf")), visible
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """The running max and sum after logits s: (m, l, p, alpha), p the tile's weights and alpha
+    the factor that moves what came before to the new max."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 there so no inf - inf.
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, p, alpha
+
+
+# ----------------------------------------------------------------------------------------
+# P . V of a tile, added to acc (rescaled by alpha).
+
+
+@triton.jit
+def pv_folded_scales(p, v, vs, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # The per-key scales folded into the fp16 V operand, as logits_folded_scales does for K.
+    # (Unlike K's, V's tile scale is not floored: that cost 8 bytes of spills in fp8 prefill on
+    # sm_90a, and no query magnitude needs subnormal V scales.)
+    v_max = tl.max(vs, axis=0)
+    v_ratio = vs * tl.where(v_max > 0.0, 1.0 / v_max, 0.0)
+    v = v * v_ratio.to(DOT_DTYPE)[:, None]
+    pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    return acc * alpha[:, None] + pv * v_max
+
+
+@triton.jit
+def pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  CODE_CONVERT: tl.constexpr, MASKED: tl.constexpr):
+    # The probabilities scaled by the value's scale before the dot (decode: few rows).
+    pv = p * vs[None, :]
+    if MASKED:
+        # Hidden keys may hold a NaN scale (a poisoned row): zero them after the product.
+        pv = tl.where(visible, pv, 0.0)
+    # Normalise each row by its largest weight so the fp16 operand cannot overflow. The
+    # weight is floored at the smallest normal float32: a tile whose keys all sit ~90
+    # below the row's largest logit (log2 units) has subnormal weights, whose reciprocal
+    # would be Inf (and NaN in the output).
+    w = tl.maximum(tl.max(pv, axis=1), _encode.SMALLEST_NORMAL)
+    pv = (pv * (1.0 / w)[:, None]).to(DOT_DTYPE)
+    pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
+    return acc * alpha[:, None] + pv_v * w[:, None]
+
+
+@triton.jit
+def pv_row_scales(p, v, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  CODE_CONVERT: tl.constexpr):
+    # Mode none and static scales (the static V scale multiplies acc once, at the end).
+    p16 = p.to(DOT_DTYPE)
+    pv_v = tl.dot(p16, v, input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        pv_v = pv_v - I8_OFFSET * tl.sum(p16.to(tl.float32), axis=1)[:, None]
+    return acc * alpha[:, None] + pv_v
+
+
+# ----------------------------------------------------------------------------------------
+# Key tiles. A tile function takes (start, kv_end, bt_row, m, l, acc, v_unit, MASKED, *its own
+# arguments), for the keys [start, start + BLOCK_N) below kv_end of the sequence whose
+# block_tables row bt_row points at, and returns the updated (m, l, acc, v_unit); MASKED=False
+# is for tiles every row sees whole (no bounds, causal or window tests).
+
+
+@triton.jit
+def paged_tile(
+    start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED: tl.constexpr,
+    q, row_scale, q_offset, pos, window, softcap, kv_head,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+):
+    """One key tile on the paged cache, its keys gathered through the sequence's block-table row
+    (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
+
+    SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (prefill; decode scales
+    logits and probabilities). QK_INT8: q holds int8 codes (quantize_query)."""
+    d = tl.arange(0, BLOCK_D)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_end
+    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
+    in_page = keys % PAGE
+    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh)
+    kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    if QK_INT8:
+        tl.static_assert(SCALE_MODE == SCALE_TOKEN_HEAD, "quantize_query takes per-token-head scales")
+    if SCALE_MODE == SCALE_TOKEN_HEAD:
+        ks = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        if QK_INT8:
+            # q holds int8 codes (quantize_query) and meets the K codes as loaded in an int8 dot,
+            # exact in int32. s is an integer and row_scale at least SCALE_FLOOR times the logit
+            # unit, so s * ks first overflows only where the logit does too (for any softmax_scale
+            # above 1e-13), and an exact 0 stays 0 (the product of the two scales first could be
+            # Inf there). Written here, not as a helper of its own: that compiled the quantize_query
+            # prefill's loop to other SASS (the same instructions, scheduled otherwise).
+            s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
+        elif SCALE_IN_CODES:
+            s = logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION)
+        else:
+            s = logits_key_scales(q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT,
+                                  DOT_PRECISION, True)
+    else:
+        s = logits_row_scales(q, kc, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION,
+                              not SCALE_IN_CODES)
+    if HAS_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    visible = key_ok
+    if MASKED:
+        s, visible = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
+    m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
+
+    if SAME_KV_STRIDES:
+        # V (and its scales) sit at K's offsets: one address computation serves both.
+        vc = load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    else:
+        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh)
+        vc = load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    v = codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
+    if SCALE_MODE == SCALE_TOKEN_HEAD:
+        if SAME_KV_STRIDES:
+            vs = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        else:
+            vs = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
+        if SCALE_IN_CODES:
+            acc = pv_folded_scales(p, v, vs, acc, alpha, DOT_DTYPE, DOT_PRECISION)
+        else:
+            acc = pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, MASKED)
+    else:
+        acc = pv_row_scales(p, v, acc, alpha, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT)
+    return m_i, l_i, acc, v_unit
+
+
+@triton.jit
+def staged_tile(
+    start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED: tl.constexpr,
+    q, row_scale, pos, window, softcap, kv_head,
+    k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_wb, stride_wt, stride_wh, stride_wd,
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """One key tile on staging.py's workspace: fp16 K and V as logits_folded_scales and
+    pv_folded_scales would build them, with one scale per page of keys (the tile's page),
+    nothing to convert or fold. The block_tables row holds one column, the sequence's first
+    workspace page; acc is kept in units of the current page's V scale, v_unit."""
+    d = tl.arange(0, BLOCK_D)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_end
+    # The workspace gives each sequence consecutive pages of one contiguous buffer (staging.py),
+    # so its keys sit at one stride: a tile's addresses are one scalar plus offsets the compiler
+    # hoists out of the loop, where a page lookup per key would cost dozens of instructions per
+    # tile. A tile never spans two pages: one K and V scale per tile. This pays only together
+    # with the staged query (staging.py): the compiler schedules either change alone worse.
+    first_page = tl.load(bt_row).to(tl.int64)
+    page = first_page + start // PAGE
+    tile_off = first_page * stride_wb + start.to(tl.int64) * stride_wt + kv_head * stride_wh
+    in_tile = tl.arange(0, BLOCK_N)[:, None] * stride_wt + d[None, :] * stride_wd
+    kc = load_rows(k_ptr + tile_off + in_tile, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    s = tl.dot(q, tl.trans(kc))
+    if SCALE_MODE == SCALE_TOKEN_HEAD:
+        s = s * (row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh))[:, None]
+    else:
+        s = s * row_scale[:, None]
+    if HAS_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    if MASKED:
+        s, _ = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
+    m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
+
+    vc = load_rows(v_ptr + tile_off + in_tile, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    if SCALE_MODE == SCALE_TOKEN_HEAD:
+        # acc is kept in units of the current page's V scale: moving to a new page costs one
+        # factor per row, folded into alpha, instead of a product per element.
+        page_unit = tl.load(vs_ptr + page * stride_vsb + kv_head * stride_vsh)
+        alpha = alpha * (v_unit / page_unit)
+        v_unit = page_unit
+    acc = tl.dot(p.to(tl.float16), vc, acc * alpha[:, None])
+    return m_i, l_i, acc, v_unit
+
+
+@triton.jit
+def _attend_range(lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE: tl.constexpr, tile_args,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi."""
+    if INTERPRETED:
+        # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
+        # into the ints range() needs; a while loop compares them instead. Compiled code keeps
+        # the for loop, which Triton software-pipelines.
+        start = lo
+        while start < hi:
+            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
+    return m_i, l_i, acc, v_unit
+
+
+@triton.jit
+def attend(seq, q_block, q_len, seq_len, context, block_tables_ptr, stride_bt, window, split, split_keys, sinks_ptr,
+           head, row_ok, TILE: tl.constexpr, tile_args, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+           WITH_SINK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The online softmax of a query tile over every key its rows see (within this program's
+    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
+    Masked tiles come before the whole ones (a window only), then the whole tiles without
+    masks, then the masked tiles at the causal edge."""
+    kv_begin, kv_end, tile_first, tile_last = _key_range(context, q_block, q_len, seq_len, window, split, split_keys,
+                                                        BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT)
+    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
+    for phase in tl.static_range(3):
+        if phase == 0:
+            lo = kv_begin
+            hi = full_begin
+        elif phase == 1:
+            lo = full_begin
+            hi = full_end
+        else:
+            lo = full_end
+            hi = kv_end
+        if HAS_WINDOW or phase != 0:
+            m_i, l_i, acc, v_unit = _attend_range(lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args,
+                                                  phase != 1, BLOCK_N, INTERPRETED)
+    return m_i, l_i, acc, v_unit
+
+
+# ----------------------------------------------------------------------------------------
+# Around the key loop.
+
+
+@triton.jit
+def find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q: tl.constexpr):
+    # Sequence s owns virtual q-blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1):
+    # at least ceil(q_len / BLOCK_Q) of them, with no host-side prefix sum.
+    # Tensors from the start: num_seqs may arrive as a constexpr (Triton specialises 1).
+    lo = tl.program_id(0) * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= vblock:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def query_block(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """(seq, q_start, q_len, q_block) of this program of a prefill grid: program_id(0) counts
+    virtual query blocks (find_seq), which a caller past its sequence's last block skips."""
+    vblock = tl.program_id(0)
+    if LONGEST_FIRST:
+        vblock = tl.num_programs(0) - 1 - vblock
+    seq = find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    return seq, q_start, q_len, vblock - (q_start // BLOCK_Q + seq)
+
+
+@triton.jit
+def tile_rows(q_block, q_start, q_len, context, kv_head, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+              G_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr):
+    """The tile's rows: (row_ok, head, pos, token, d, d_ok). Row r is query token r // G_PAD of
+    this block and query head r % G_PAD of the KV head's group."""
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = rows // G_PAD
+    row_head = rows % G_PAD
+    q_idx = q_block * BLOCK_Q + row_tok
+    row_ok = (row_tok < BLOCK_Q) & (q_idx < q_len) & (row_head < GROUP)
+    head = kv_head * GROUP + row_head
+    pos = context + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_D
+    token = (q_start + q_idx).to(tl.int64)
+    return row_ok, head, pos, token, d, d_ok
+
+
+@triton.jit
+def logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Logit scale per row: what carries the row's magnitude (row_scale: the undo of its
+    power-of-two rescaling, or its int8 scale), times a static key scale, times the logit unit
+    last (log2 units for exp2; softcap needs natural units first). Magnitudes meet first, so a
+    huge query row and a tiny static scale cancel before anything else can overflow."""
+    if SCALE_MODE == SCALE_TENSOR:
+        row_scale = row_scale * tl.load(ks_ptr)
+    if HAS_SOFTCAP:
+        row_scale = row_scale * softmax_scale
+    else:
+        row_scale = row_scale * (softmax_scale * LOG2E)
+    return row_scale
+
+
+@triton.jit
+def _key_range(context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+    """(kv_begin, kv_end, tile_first, tile_last): the keys this tile needs, up to its last row's
+    position and from the window of its first row (within this program's split), and those
+    two rows' positions."""
+    tile_first = context + q_block * BLOCK_Q
+    tile_last = context + tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
+    kv_end = tl.minimum(tile_last + 1, seq_len)
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(tile_first - window + 1, 0)
+    if SPLIT:
+        kv_begin = tl.maximum(kv_begin, split * split_keys)
+        kv_end = tl.minimum(kv_end, (split + 1) * split_keys)
+    # Tiles start on multiples of BLOCK_N whatever the window, so a row's tiling is fixed.
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    return kv_begin, kv_end, tile_first, tile_last
+
+
+@triton.jit
+def _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[full_begin, full_end): the tiles every row sees whole, which skip the masks: keys at or
+    before the first row's position (causal) and inside the last row's window."""
+    full_end = tl.maximum((tl.minimum(tile_first + 1, kv_end) // BLOCK_N) * BLOCK_N, kv_begin)
+    full_begin = kv_begin
+    if HAS_WINDOW:
+        full_begin = tl.minimum(tl.cdiv(tl.maximum(tile_last - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        full_begin = tl.maximum(full_begin, kv_begin)
+    return full_begin, full_end
+
+
+@triton.jit
+def _initial_state(sinks_ptr, head, row_ok, BLOCK_M: tl.constexpr, WITH_SINK: tl.constexpr):
+    """(m, l) before the first key: the sink joins the denominator as exp(sink - m) and adds no
+    value."""
+    if WITH_SINK:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_od,
+               stride_lt, stride_lh, HAS_LSE: tl.constexpr):
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+    )
+    if HAS_LSE:
+        # m and l are in log2 units; a row with no term (m = -inf, l = 0) gives -inf.
+        # Padding rows (not stored) take log2(1): no log of their zero sum.
+        m_use = tl.where(m_i > float("-inf"), m_i, 0.0)
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh,
+                 (m_use + tl.log2(tl.where(row_ok, l_i, 1.0))) * LN2, mask=row_ok)
