@@ -572,3 +572,18 @@ def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():
         poisoned.v_scale_cache[blocks, offsets] = float("nan")
     check(clean)
     assert torch.equal(run(poisoned), clean.out)
+
+
+def test_row_align_is_what_every_cache_row_offset_divides_by():
+    # The inline page's rows are head_size + 4 bytes apart: the kernel is told 4 (or 8), which
+    # Triton's own integer specialisation (multiples of 16) cannot see; separate caches get 16.
+    from kvzoo.backends.triton.attention_kernels import row_align
+    from kvzoo.layout import allocate_inline, allocate_separate
+
+    for head_size, want in ((128, 4), (64, 4), (36, 8), (60, 16)):
+        t = allocate_inline(3, 16, 2, head_size, "int8_per_token_head", device="cpu")
+        assert row_align(t.key_cache, t.value_cache) == want, head_size
+    s = allocate_separate(3, 16, 2, 128, "int8_per_token_head", device="cpu")
+    assert row_align(s.key_cache, s.value_cache) == 16
+    odd = allocate_separate(3, 16, 2, 130, "none", model_dtype="bfloat16", device="cpu")
+    assert row_align(odd.key_cache, odd.value_cache) == 2

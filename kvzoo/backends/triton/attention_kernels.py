@@ -103,7 +103,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, ROW_ALIGN: tl.constexpr, SCALE_FLOOR: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
@@ -163,7 +163,7 @@ def _attention_kernel(
          stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
          BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-         HAS_SOFTCAP, HAS_WINDOW, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES),
+         HAS_SOFTCAP, HAS_WINDOW, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, ROW_ALIGN),
         BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SPLIT, HAS_SINKS and not SPLIT, INTERPRETED,
     )
 
@@ -573,6 +573,16 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     return slots, merge_slots + tuple((_MERGE_AT[a],) for a in partials)
 
 
+def row_align(k: torch.Tensor, v: torch.Tensor) -> int:
+    """The largest power of two, up to 16, dividing the page, token and head strides of K and V
+    (in elements): what every row offset is a multiple of."""
+    align = 16
+    for stride in (*k.stride()[:3], *v.stride()[:3]):
+        while stride % align:
+            align //= 2
+    return align
+
+
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
     """_attention_kernel's launch of `p` under `cfg`: one program per decode token (per_seq) or
     per query block, skip_decode leaving 1-token sequences to a decode launch."""
@@ -626,7 +636,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         Q_RESCALE=ops.q_rescale, HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
         PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p),
+        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), ROW_ALIGN=row_align(ops.k, ops.v),
         SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
         # The split path's rows are written by the merge: the split programs store partials only.

@@ -133,9 +133,17 @@ def load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOCK
 
 
 @triton.jit
-def paged_rows(page, in_page, kv_head, stride_b, stride_t, stride_h):
-    """Offsets of the rows of keys (page, in_page) of one KV head in a paged cache."""
-    return page * stride_b + in_page * stride_t + kv_head * stride_h
+def paged_rows(page, in_page, kv_head, stride_b, stride_t, stride_h, ROW_ALIGN: tl.constexpr):
+    """Offsets of the rows of keys (page, in_page) of one KV head in a paged cache. ROW_ALIGN:
+    elements every row offset is a multiple of, when Triton cannot see it (under 16)."""
+    rows = page * stride_b + in_page * stride_t + kv_head * stride_h
+    if ROW_ALIGN > 1 and ROW_ALIGN < 16:
+        # Triton marks an integer argument divisible only by 16, so the inline page's rows
+        # (head_size + 4 bytes apart) looked byte-aligned: the tile loads were one byte per
+        # element and the copies unpipelined. Their true 4-byte alignment lets them go 4 at a
+        # time through cp.async (docs/hardware.md).
+        rows = tl.multiple_of(rows, ROW_ALIGN)
+    return rows
 
 
 # ----------------------------------------------------------------------------------------
@@ -283,7 +291,7 @@ def paged_tile(
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
-    SAME_KV_STRIDES: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """One key tile on the paged cache, its keys gathered through the sequence's block-table row
     (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
@@ -295,7 +303,7 @@ def paged_tile(
     key_ok = keys < kv_end
     page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
-    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh)
+    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, ROW_ALIGN)
     kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if QK_INT8:
         tl.static_assert(SCALE_MODE == SCALE_TOKEN_HEAD, "quantize_query takes per-token-head scales")
@@ -328,7 +336,7 @@ def paged_tile(
         # V (and its scales) sit at K's offsets: one address computation serves both.
         vc = load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     else:
-        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh)
+        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, ROW_ALIGN)
         vc = load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     v = codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if SCALE_MODE == SCALE_TOKEN_HEAD:
