@@ -29,28 +29,58 @@ SEQS, HQ, HKV, D, BS, BLOCKS_PER_SEQ = 64, 32, 8, 128, 16, 4
 
 
 def no_op(op: str) -> Implementation:
-    return Implementation(f"no-op {op}", op, "any", frozenset({MODE}), run=lambda problem: None,
-                          array_kind="torch")
+    return Implementation(f"no-op {op}", op, "any", frozenset({MODE}), run=lambda problem: None, array_kind="torch")
 
 
 def calls() -> dict[str, callable]:
     rng = rng_for("api_overhead")
     longest = BS * BLOCKS_PER_SEQ
-    a = samples.paged_sample(rng, MODE, q_lens=[1] * SEQS, seq_lens=rng.integers(1, longest + 1, SEQS), block_size=BS,
-                             num_q_heads=HQ, num_kv_heads=HKV, head_size=D, query_dtype="bfloat16")
-    w = samples.write_sample(rng, MODE, num_tokens=SEQS, num_kv_heads=HKV, head_size=D, block_size=BS,
-                             poison=False, index_dtype="int32")
+    a = samples.paged_sample(
+        rng,
+        MODE,
+        q_lens=[1] * SEQS,
+        seq_lens=rng.integers(1, longest + 1, SEQS),
+        block_size=BS,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_size=D,
+        query_dtype="bfloat16",
+    )
+    w = samples.write_sample(
+        rng, MODE, num_tokens=SEQS, num_kv_heads=HKV, head_size=D, block_size=BS, poison=False, index_dtype="int32"
+    )
     out = torch.empty_like(a.query)
     ac, wc = a.caches, w.caches
     attention, write = no_op("paged_attention"), no_op("reshape_and_cache")
     return {
         "paged_attention (decode, 64 seqs)": lambda: kvzoo.paged_attention(
-            a.query, ac.key_cache, ac.value_cache, mode=MODE, block_tables=a.block_tables, seq_lens=a.seq_lens,
-            query_start_loc=a.query_start_loc, k_scale_cache=ac.k_scale_cache, v_scale_cache=ac.v_scale_cache,
-            out=out, max_query_len=1, max_seq_len=longest, impl=attention, validate=False),
+            a.query,
+            ac.key_cache,
+            ac.value_cache,
+            mode=MODE,
+            block_tables=a.block_tables,
+            seq_lens=a.seq_lens,
+            query_start_loc=a.query_start_loc,
+            k_scale_cache=ac.k_scale_cache,
+            v_scale_cache=ac.v_scale_cache,
+            out=out,
+            max_query_len=1,
+            max_seq_len=longest,
+            impl=attention,
+            validate=False,
+        ),
         "reshape_and_cache (64 tokens)": lambda: kvzoo.reshape_and_cache(
-            w.key, w.value, wc.key_cache, wc.value_cache, w.slot_mapping, mode=MODE, k_scale_cache=wc.k_scale_cache,
-            v_scale_cache=wc.v_scale_cache, impl=write, validate=False),
+            w.key,
+            w.value,
+            wc.key_cache,
+            wc.value_cache,
+            w.slot_mapping,
+            mode=MODE,
+            k_scale_cache=wc.k_scale_cache,
+            v_scale_cache=wc.v_scale_cache,
+            impl=write,
+            validate=False,
+        ),
     }
 
 
@@ -68,7 +98,9 @@ def triton_launch_preparation() -> dict[str, callable]:
     cfg = kernels.decode_config(p, False)
     return {
         "triton decode_config": lambda: kernels.decode_config(p, False),
-        "triton kernel_call (argument lists)": lambda: kernels.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False),
+        "triton kernel_call (argument lists)": lambda: kernels.kernel_call(
+            p, "cuda", cfg, per_seq=True, skip_decode=False
+        ),
     }
 
 

@@ -61,16 +61,36 @@ def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
     """num_seqs sequences of seq_len keys whose last q_len tokens are queried, drawn on the GPU by
     kvzoo.samples (scattered pages, no spare ones); `seed` tells draws of one shape apart."""
     s = samples.paged_sample(
-        rng_for("attention_probe", num_seqs, q_len, seq_len, mode, seed), mode, q_lens=[q_len] * num_seqs,
-        seq_lens=[seq_len] * num_seqs, block_size=BS, num_q_heads=HQ, num_kv_heads=HKV, head_size=D,
-        query_dtype="bfloat16", device=DEV, spare_blocks=0, spare_columns=0, fill="torch",
+        rng_for("attention_probe", num_seqs, q_len, seq_len, mode, seed),
+        mode,
+        q_lens=[q_len] * num_seqs,
+        seq_lens=[seq_len] * num_seqs,
+        block_size=BS,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_size=D,
+        query_dtype="bfloat16",
+        device=DEV,
+        spare_blocks=0,
+        spare_columns=0,
+        fill="torch",
     )
     c = s.caches
     return Attention(
-        mode=s.mode, query=s.query, key_cache=c.key_cache, value_cache=c.value_cache, block_tables=s.block_tables,
-        seq_lens=s.seq_lens, query_start_loc=s.query_start_loc, out=torch.full_like(s.query, float("nan")),
-        max_query_len=q_len, max_seq_len=seq_len, softmax_scale=1 / math.sqrt(D), k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache, quantize_query=quantize_query,
+        mode=s.mode,
+        query=s.query,
+        key_cache=c.key_cache,
+        value_cache=c.value_cache,
+        block_tables=s.block_tables,
+        seq_lens=s.seq_lens,
+        query_start_loc=s.query_start_loc,
+        out=torch.full_like(s.query, float("nan")),
+        max_query_len=q_len,
+        max_seq_len=seq_len,
+        softmax_scale=1 / math.sqrt(D),
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        quantize_query=quantize_query,
     )
 
 
@@ -162,8 +182,12 @@ def sdpa_prefill(num_seqs, seq_len, mm):
     best = None
     for tag, fn in (
         ("gqa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
-        ("expanded", lambda: F.scaled_dot_product_attention(
-            q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), is_causal=True)),
+        (
+            "expanded",
+            lambda: F.scaled_dot_product_attention(
+                q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), is_causal=True
+            ),
+        ),
     ):
         ms = bench(fn)
         row(f"sdpa prefill {num_seqs}x{seq_len} causal {tag}", ms, tflops=flops / ms / 1e9, mm=mm)
@@ -214,16 +238,19 @@ def main():
             row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
             run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
             unsplit = dataclasses.replace(table, split_keys=0)
-            run_variant(f"{mode} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c),
-                        copy_bw, [0])
+            run_variant(f"{mode} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c), copy_bw, [0])
             for bn, w, st in [] if quick else variants:
                 sk = -(-table.split_keys // bn) * bn
                 cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
-                run_variant(f"{mode[:4]}{' qq' * qq} bn{bn} w{w} s{st} sk{sk}", p,
-                            lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [S - 1])
+                run_variant(
+                    f"{mode[:4]}{' qq' * qq} bn{bn} w{w} s{st} sk{sk}",
+                    p,
+                    lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+                    copy_bw,
+                    [S - 1],
+                )
             inv = dataclasses.replace(p, batch_invariant=True)
-            run_variant(f"{mode} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"),
-                        copy_bw, [1])
+            run_variant(f"{mode} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"), copy_bw, [1])
             del p, inv
             torch.cuda.empty_cache()
 
@@ -238,8 +265,9 @@ def main():
             run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
             if mode.startswith("int8") and not quick:
                 cfg = dataclasses.replace(table, block_n=64, num_warps=1, split_keys=4096)
-                run_variant(f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
-                            copy_bw, [0])
+                run_variant(
+                    f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [0]
+                )
             del p
             torch.cuda.empty_cache()
 
@@ -252,12 +280,28 @@ def main():
             p = make(S, L, L, mode, quantize_query=qq)
             table = K.prefill_config(p)
             row(f"-- prefill {S}x{L} {mode}{' qq' * qq}: table {table}", 0.0)
-            run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [1], flops=flops, mm=mm)
-            for cfg in [] if quick else (C(16, 128, 4, 2, 0, True), C(32, 128, 8, 3, 0, True),
-                                         C(16, 64, 4, 3, 0, True), C(32, 128, 8, 2, 0, True)):
-                run_variant(f"{mode[:4]}{' qq' * qq} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", p,
-                            lambda cfg=cfg, p=p: K.run(p, "cuda", prefill=cfg), copy_bw, [1],
-                            flops=flops, mm=mm)
+            run_variant(
+                f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [1], flops=flops, mm=mm
+            )
+            for cfg in (
+                []
+                if quick
+                else (
+                    C(16, 128, 4, 2, 0, True),
+                    C(32, 128, 8, 3, 0, True),
+                    C(16, 64, 4, 3, 0, True),
+                    C(32, 128, 8, 2, 0, True),
+                )
+            ):
+                run_variant(
+                    f"{mode[:4]}{' qq' * qq} bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}",
+                    p,
+                    lambda cfg=cfg, p=p: K.run(p, "cuda", prefill=cfg),
+                    copy_bw,
+                    [1],
+                    flops=flops,
+                    mm=mm,
+                )
             del p
             torch.cuda.empty_cache()
 

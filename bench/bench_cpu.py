@@ -64,8 +64,14 @@ class WriteCase:
 def write_case(mode: str, tokens: int = 4096, heads: int = 8, head_size: int = 128) -> WriteCase:
     # Every slot of a zeroed cache, in random order.
     w = samples.write_sample(
-        rng_for("bench_cpu", "write", mode, tokens, heads, head_size), mode, num_tokens=tokens, num_kv_heads=heads,
-        head_size=head_size, block_size=BLOCK, num_blocks=tokens // BLOCK, poison=False,
+        rng_for("bench_cpu", "write", mode, tokens, heads, head_size),
+        mode,
+        num_tokens=tokens,
+        num_kv_heads=heads,
+        head_size=head_size,
+        block_size=BLOCK,
+        num_blocks=tokens // BLOCK,
+        poison=False,
     )
     return WriteCase(w.key, w.value, w.slot_mapping, mode, w.caches)
 
@@ -73,9 +79,16 @@ def write_case(mode: str, tokens: int = 4096, heads: int = 8, head_size: int = 1
 def run_write(case: WriteCase, impl: str) -> None:
     c = case.cache
     kvzoo.reshape_and_cache(
-        case.key, case.value, c.key_cache, c.value_cache, case.slots, mode=case.mode,
-        k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl,
-    )  # fmt: skip
+        case.key,
+        case.value,
+        c.key_cache,
+        c.value_cache,
+        case.slots,
+        mode=case.mode,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+    )
 
 
 @dataclass
@@ -104,22 +117,39 @@ def attn_case(mode: str, num_seqs: int, context: int, q_len: int, hq=32, hkv=8, 
     # faster and lighter than the host fill's float64 temporaries. Tables exactly cover each
     # sequence's pages (_torch_dequantize reads whole rows).
     s = samples.paged_sample(
-        rng_for("bench_cpu", "attention", mode, num_seqs, context, q_len, hq, hkv, head_size), mode,
-        q_lens=[q_len] * num_seqs, seq_lens=[context] * num_seqs, block_size=BLOCK, num_q_heads=hq,
-        num_kv_heads=hkv, head_size=head_size, query_dtype="bfloat16", device="cpu", spare_blocks=0,
-        spare_columns=0, fill="torch",
+        rng_for("bench_cpu", "attention", mode, num_seqs, context, q_len, hq, hkv, head_size),
+        mode,
+        q_lens=[q_len] * num_seqs,
+        seq_lens=[context] * num_seqs,
+        block_size=BLOCK,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_size=head_size,
+        query_dtype="bfloat16",
+        device="cpu",
+        spare_blocks=0,
+        spare_columns=0,
+        fill="torch",
     )
-    return AttnCase(mode, s.query, s.caches, s.block_tables, s.seq_lens, s.query_start_loc, num_seqs, context,
-                    q_len > 1)
+    return AttnCase(
+        mode, s.query, s.caches, s.block_tables, s.seq_lens, s.query_start_loc, num_seqs, context, q_len > 1
+    )
 
 
 def run_attention(case: AttnCase, impl: str) -> torch.Tensor:
     c = case.cache
     return kvzoo.paged_attention(
-        case.query, c.key_cache, c.value_cache, mode=case.mode, block_tables=case.block_tables,
-        seq_lens=case.seq_lens, query_start_loc=case.query_start_loc,
-        k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl,
-    )  # fmt: skip
+        case.query,
+        c.key_cache,
+        c.value_cache,
+        mode=case.mode,
+        block_tables=case.block_tables,
+        seq_lens=case.seq_lens,
+        query_start_loc=case.query_start_loc,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+    )
 
 
 def _torch_dequantize(codes: torch.Tensor, scales: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -288,12 +318,16 @@ def main() -> None:
     lines = []
     say = lines.append
     load = os.getloadavg()
-    say(f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
+    say(
+        f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, numba threads {_numba_threads()}, torch threads {torch.get_num_threads()}, "
-        f"commit {_commit()}, load average before the run {load[0]:.2f}.")  # fmt: skip
-    say("Command: `python bench/bench_cpu.py`. Each cell: median (best) of repeated calls through the "
+        f"commit {_commit()}, load average before the run {load[0]:.2f}."
+    )
+    say(
+        "Command: `python bench/bench_cpu.py`. Each cell: median (best) of repeated calls through the "
         "public API (validation included); all providers timed in the same process one after the other; "
-        "ratios are median/median (best/best).")  # fmt: skip
+        "ratios are median/median (best/best)."
+    )
     say("")
 
     bw = memcpy_bandwidth()
@@ -318,8 +352,10 @@ def main() -> None:
 
     say("### Decode attention, 16 sequences x 4096 context, 32 query / 8 KV heads, head 128")
     say("")
-    say("torch = gather + dequantize to fp32 in torch ops, then torch CPU "
-        "`scaled_dot_product_attention` (GQA); the dequantize is counted.")  # fmt: skip
+    say(
+        "torch = gather + dequantize to fp32 in torch ops, then torch CPU "
+        "`scaled_dot_product_attention` (GQA); the dequantize is counted."
+    )
     say("")
     say("| mode | numba ms | numpy ms | torch ms | vs numpy | vs torch | numba GB/s of K/V codes |")
     say("|---|---|---|---|---|---|---|")
@@ -344,8 +380,10 @@ def main() -> None:
         t_nb = timed(lambda case=case: run_attention(case, "numba"), slow)
         t_th = timed(lambda case=case: run_torch_sdpa(case), slow)
         c = case.cache
-        kv = (_torch_dequantize(c.key_cache, c.k_scale_cache, case.block_tables),
-              _torch_dequantize(c.value_cache, c.v_scale_cache, case.block_tables))  # fmt: skip
+        kv = (
+            _torch_dequantize(c.key_cache, c.k_scale_cache, case.block_tables),
+            _torch_dequantize(c.value_cache, c.v_scale_cache, case.block_tables),
+        )
         t_sdpa = timed(lambda case=case, kv=kv: run_torch_sdpa(case, dequantize=False, kv=kv), slow)
         f = case.flops
         say(

@@ -34,8 +34,20 @@ BATCH, LENGTH = 4, 4096
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start, rows, logit_scale,
-          BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, DIAGONAL: tl.constexpr):
+def _tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    start,
+    rows,
+    logit_scale,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
     keys = start + tl.arange(0, BLOCK_N)
     k = tl.load(k_ptrs + start * HEAD_D)
     s = tl.dot(q, k)
@@ -51,9 +63,20 @@ def _tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start, rows, logit_scale,
 
 
 @triton.jit
-def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, logit_scale,
-                  LENGTH: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTED_Q: tl.constexpr):
+def _flash_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    logit_scale,
+    LENGTH: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTED_Q: tl.constexpr,
+):
     # Longest query blocks first: under the causal mask later blocks see more keys.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -85,15 +108,35 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, logit_scale,
 def flash(q, k, v, out, block_m, block_n, warps, stages, computed_q=False):
     batch, heads, length, head_d = q.shape
     grid = (length // block_m, batch * heads)
-    _flash_kernel[grid](q, k, v, out, head_d**-0.5 * 1.4426950408889634, LENGTH=length, NUM_Q_HEADS=heads,
-                        GROUP=heads // k.shape[1], HEAD_D=head_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                        COMPUTED_Q=computed_q, num_warps=warps, num_stages=stages)
+    _flash_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        head_d**-0.5 * 1.4426950408889634,
+        LENGTH=length,
+        NUM_Q_HEADS=heads,
+        GROUP=heads // k.shape[1],
+        HEAD_D=head_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        COMPUTED_Q=computed_q,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 # (block_m, block_n, warps, stages[, computed q]): the last row is the first with q computed
 # in the kernel (as kvzoo's prefill did with its fp16 rescale before staging the query).
-CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3),
-           (128, 128, 8, 3, True)]
+CONFIGS = [
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 2),
+    (128, 64, 8, 4),
+    (64, 64, 4, 3),
+    (128, 128, 8, 3, True),
+]
 
 
 def main() -> None:
@@ -117,7 +160,9 @@ def main() -> None:
         if not e < 2e-2:
             print(f"flash {cfg}: WRONG (max abs err {e:.1e} against SDPA)")
             continue
-        rows.append((f"triton flash, contiguous bf16 {cfg}", bench(lambda cfg=cfg, out=out: flash(q, k, v, out, *cfg)), e))
+        rows.append(
+            (f"triton flash, contiguous bf16 {cfg}", bench(lambda cfg=cfg, out=out: flash(q, k, v, out, *cfg)), e)
+        )
     for mode in ("none", "int8_per_token_head"):
         p = dataclasses.replace(make(BATCH, LENGTH, LENGTH, mode), num_prefills=BATCH)
         K.run(p, "cuda")
@@ -127,8 +172,10 @@ def main() -> None:
     best = min((ms for name, ms, _ in rows if name.startswith("triton")), default=float("nan"))
     print(f"{BATCH} x {LENGTH} causal, {HQ} query / {HKV} KV heads, head {D}; do_bench medians")
     for name, ms, e in rows:
-        print(f"  {name:48s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  sdpa/this {sdpa_ms / ms:4.2f}x"
-              f"  best triton flash/this {best / ms:4.2f}x" + (f"  err {e:.1e}" if e == e else ""))
+        print(
+            f"  {name:48s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  sdpa/this {sdpa_ms / ms:4.2f}x"
+            f"  best triton flash/this {best / ms:4.2f}x" + (f"  err {e:.1e}" if e == e else "")
+        )
 
 
 if __name__ == "__main__":

@@ -68,10 +68,16 @@ INLINE = "+inline"
 ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
 DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE)
 PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT)
-SHORT = {"none": "none", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8",
-         "int8_per_token_head" + QQ: "int8 qk-int8", "int8_per_token_head" + DIRECT: "int8 direct",
-         "fp8_per_token_head" + DIRECT: "fp8 direct", "int8_per_token_head" + INLINE: "int8 inline",
-         "fp8_per_token_head" + INLINE: "fp8 inline"}
+SHORT = {
+    "none": "none",
+    "int8_per_token_head": "int8",
+    "fp8_per_token_head": "fp8",
+    "int8_per_token_head" + QQ: "int8 qk-int8",
+    "int8_per_token_head" + DIRECT: "int8 direct",
+    "fp8_per_token_head" + DIRECT: "fp8 direct",
+    "int8_per_token_head" + INLINE: "int8 inline",
+    "fp8_per_token_head" + INLINE: "fp8 inline",
+}
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
 # Seconds of untimed replays before each timing. Each kvzoo row's host-side check leaves the
@@ -260,8 +266,17 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
     # vLLM-like slots: each sequence's tokens fill its blocks in order, blocks placed at random.
     # Zeroed caches: _check_write poisons the one set it checks.
     w = samples.write_sample(
-        rng, mode, num_tokens=tokens, num_kv_heads=HKV, head_size=D, block_size=BLOCK, dtype="bfloat16",
-        device=DEVICE, slot_order="paged", num_blocks=2 * -(-tokens // BLOCK), poison=False,
+        rng,
+        mode,
+        num_tokens=tokens,
+        num_kv_heads=HKV,
+        head_size=D,
+        block_size=BLOCK,
+        dtype="bfloat16",
+        device=DEVICE,
+        slot_order="paged",
+        num_blocks=2 * -(-tokens // BLOCK),
+        poison=False,
     )
     return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=w.caches, mode=mode)
 
@@ -389,8 +404,17 @@ def _same_size_copy(ceil, tokens: int, reps: int, times: dict) -> None:
     t, how = measure(lambda i: dst[i].copy_(src[i]), sets, reps)
     times["copy"] = t
     gbs = nbytes / t / 1e9
-    add_row(Row(f"write T={tokens} copy of int8 bytes", "torch copy_", t * 1e6, gbs, "GB/s",
-                100 * gbs / ceil["copy_GBps"], how=how))
+    add_row(
+        Row(
+            f"write T={tokens} copy of int8 bytes",
+            "torch copy_",
+            t * 1e6,
+            gbs,
+            "GB/s",
+            100 * gbs / ceil["copy_GBps"],
+            how=how,
+        )
+    )
     free()
 
 
@@ -462,8 +486,18 @@ class AttnSet:
 def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
     # fill="torch": caches of GBs and the query are drawn on the GPU, by a generator seeded from rng.
     s = samples.paged_sample(
-        rng, _variant(variant)[0], q_lens=q_lens, seq_lens=seq_lens, block_size=BLOCK, num_q_heads=HQ,
-        num_kv_heads=HKV, head_size=D, query_dtype="bfloat16", device=DEVICE, spare_blocks=0, spare_columns=0,
+        rng,
+        _variant(variant)[0],
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        block_size=BLOCK,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_size=D,
+        query_dtype="bfloat16",
+        device=DEVICE,
+        spare_blocks=0,
+        spare_columns=0,
         fill="torch",
     )
     b = s.batch
@@ -474,8 +508,17 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
         caches = kvzoo.allocate_inline(*s.caches.key_cache.shape[:3], D, _variant(variant)[0], device=DEVICE)
         for name in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"):
             getattr(caches, name).copy_(getattr(s.caches, name))
-    return AttnSet(s.query, caches, s.block_tables, s.seq_lens, s.query_start_loc, torch.empty_like(s.query),
-                   b.max_query_len, b.max_seq_len, b.num_prefills)
+    return AttnSet(
+        s.query,
+        caches,
+        s.block_tables,
+        s.seq_lens,
+        s.query_start_loc,
+        torch.empty_like(s.query),
+        b.max_query_len,
+        b.max_seq_len,
+        b.num_prefills,
+    )
 
 
 def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
@@ -649,8 +692,17 @@ def _decode_eager(ceil) -> None:
     sync()
     t = (time.perf_counter() - t0) / calls
     gbs = _attn_bytes(mode, q_lens, seq_lens) / t / 1e9
-    add_row(Row("decode 8x256 int8", IMPL + " (eager)", t * 1e6, gbs, "GB/s", 100 * gbs / ceil["copy_GBps"],
-                how="eager API call"))
+    add_row(
+        Row(
+            "decode 8x256 int8",
+            IMPL + " (eager)",
+            t * 1e6,
+            gbs,
+            "GB/s",
+            100 * gbs / ceil["copy_GBps"],
+            how="eager API call",
+        )
+    )
 
 
 def bench_decode(ceil, quick: bool) -> None:
@@ -659,7 +711,13 @@ def bench_decode(ceil, quick: bool) -> None:
     for batch, ctx in shapes:
         q_lens, seq_lens = [1] * batch, [ctx] * batch
         _attention_cases(
-            f"decode {batch}x{ctx}", q_lens, seq_lens, ceil, reps, "bw", lambda b=batch, c=ctx: _sdpa_decode(b, c, reps),
+            f"decode {batch}x{ctx}",
+            q_lens,
+            seq_lens,
+            ceil,
+            reps,
+            "bw",
+            lambda b=batch, c=ctx: _sdpa_decode(b, c, reps),
             DECODE_VARIANTS,
         )
     if not DRY:
@@ -693,10 +751,15 @@ def _commit() -> str:
         return named
     root = str(Path(__file__).resolve().parents[1])
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+uncommitted" if changed else "")

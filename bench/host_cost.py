@@ -158,9 +158,15 @@ def build(shape: Shape, mode: str, device: str, impl: str | None):
     g = torch.Generator().manual_seed(4)
     blocks_per_seq = -(-shape.seq_len // shape.block_size)
     num_blocks = shape.seqs * blocks_per_seq
-    spec = kvzoo.CacheSpec(mode, num_blocks=num_blocks, block_size=shape.block_size,
-                           num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, model_dtype="bfloat16",
-                           device=device)
+    spec = kvzoo.CacheSpec(
+        mode,
+        num_blocks=num_blocks,
+        block_size=shape.block_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_size=shape.head_size,
+        model_dtype="bfloat16",
+        device=device,
+    )
     caches = spec.allocate()
     table = torch.randperm(num_blocks, generator=g).to(torch.int32).view(shape.seqs, blocks_per_seq)
     seq_lens = torch.full((shape.seqs,), shape.seq_len, dtype=torch.int32)
@@ -170,10 +176,20 @@ def build(shape: Shape, mode: str, device: str, impl: str | None):
     def rows(heads):
         return torch.randn(shape.seqs, heads, shape.head_size, generator=g).to(torch.bfloat16).to(device)
 
-    meta = dict(block_tables=table.to(device), seq_lens=seq_lens.to(device),
-                query_start_loc=torch.arange(shape.seqs + 1, dtype=torch.int32, device=device))
-    s = dict(spec=spec, caches=caches, meta=meta, slot_mapping=slots.to(torch.int32).to(device),
-             key=rows(shape.num_kv_heads), value=rows(shape.num_kv_heads), query=rows(shape.num_q_heads))
+    meta = dict(
+        block_tables=table.to(device),
+        seq_lens=seq_lens.to(device),
+        query_start_loc=torch.arange(shape.seqs + 1, dtype=torch.int32, device=device),
+    )
+    s = dict(
+        spec=spec,
+        caches=caches,
+        meta=meta,
+        slot_mapping=slots.to(torch.int32).to(device),
+        key=rows(shape.num_kv_heads),
+        value=rows(shape.num_kv_heads),
+        query=rows(shape.num_q_heads),
+    )
     s["out"] = torch.empty_like(s["query"])
     s["plan_args"] = dict(**meta, slot_mapping=s["slot_mapping"], num_q_heads=shape.num_q_heads, impl=impl)
     s["bounds"] = dict(max_query_len=1, max_seq_len=shape.seq_len, num_prefills=0)
@@ -188,13 +204,24 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     scales = dict(k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
 
     def write(validate):
-        return lambda: kvzoo.reshape_and_cache(key, value, c.key_cache, c.value_cache, slots, mode=mode, **scales,
-                                               impl=impl, validate=validate)
+        return lambda: kvzoo.reshape_and_cache(
+            key, value, c.key_cache, c.value_cache, slots, mode=mode, **scales, impl=impl, validate=validate
+        )
 
     def attend(validate):
         bounds = {} if validate else s["bounds"]
-        return lambda: kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode=mode, **meta, **scales,
-                                             out=out, impl=impl, validate=validate, **bounds)
+        return lambda: kvzoo.paged_attention(
+            query,
+            c.key_cache,
+            c.value_cache,
+            mode=mode,
+            **meta,
+            **scales,
+            out=out,
+            impl=impl,
+            validate=validate,
+            **bounds,
+        )
 
     plan_write = lambda: plan.write(key, value, c)
     plan_attention = lambda: plan.attention(query, c, out=out)
@@ -205,31 +232,36 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
         "null op (torch.empty(0) + sync)": lambda: torch.empty(0, device=device),
         "write: CUDA-graph replay of the plan's call": graph_replay(plan_write, device),
         "write: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "write_impl", plan_write),
-        "write: Triton launch (kernel[grid](...))": bare_triton(w_impl, write_problem,
-                                                               "kvzoo.backends.triton.write_kernels",
-                                                               ("_reshape_and_cache_kernel",)),
+        "write: Triton launch (kernel[grid](...))": bare_triton(
+            w_impl, write_problem, "kvzoo.backends.triton.write_kernels", ("_reshape_and_cache_kernel",)
+        ),
         "write: impl.run(problem)": lambda: w_impl.run(write_problem),
         "write: plan.write": plan_write,
         "write: reshape_and_cache validate=False": write(False),
         "write: reshape_and_cache validate=True": write(True),
         "attention: CUDA-graph replay of the plan's call": graph_replay(plan_attention, device),
         "attention: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "attention_impl", plan_attention),
-        "attention: Triton launch (kernel[grid](...))": bare_triton(a_impl, attention_problem,
-                                                                   "kvzoo.backends.triton.attention_kernels",
-                                                                   ("_attention_kernel", "_merge_splits_kernel")),
+        "attention: Triton launch (kernel[grid](...))": bare_triton(
+            a_impl,
+            attention_problem,
+            "kvzoo.backends.triton.attention_kernels",
+            ("_attention_kernel", "_merge_splits_kernel"),
+        ),
         "attention: impl.run(problem)": lambda: a_impl.run(attention_problem),
         "attention: plan.attention": plan_attention,
         "attention: paged_attention validate=False": attend(False),
         "attention: paged_attention validate=True": attend(True),
-        "step: plan_step validate=False": lambda: kvzoo.plan_step(spec, **s["plan_args"], validate=False,
-                                                                  **s["bounds"]),
+        "step: plan_step validate=False": lambda: kvzoo.plan_step(
+            spec, **s["plan_args"], validate=False, **s["bounds"]
+        ),
         "step: plan_step validate=True": lambda: kvzoo.plan_step(spec, **s["plan_args"]),
     }
     return {k: v for k, v in rows.items() if v is not None}, plan
 
 
-def measure(rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls_each: int,
-            warmup: int, burst: int = 32) -> dict[str, tuple[float, float, float]]:
+def measure(
+    rows: dict[str, Callable[[], None]], sync: Callable[[], None], calls_each: int, warmup: int, burst: int = 32
+) -> dict[str, tuple[float, float, float]]:
     """Per row, medians of: us until one call returns, us until the GPU is done with it, and us
     per call over `burst` calls made back to back (then one synchronisation)."""
     for fn in rows.values():
@@ -273,8 +305,13 @@ def _commit() -> str:
     if os.environ.get("KVZOO_BENCH_COMMIT"):
         return os.environ["KVZOO_BENCH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -294,35 +331,65 @@ def main(argv: list[str] | None = None) -> int:
     rows, plan = calls(s, args.impl, device)
     medians = measure(rows, sync_for(device), calls_each, 3 if args.quick else 20)
     null_returns, null, null_in_a_row = medians["null op (torch.empty(0) + sync)"]
-    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
-    case = (f"{args.mode} decode {shape.seqs} x {shape.seq_len}, Hq {shape.num_q_heads}, Hkv {shape.num_kv_heads}, "
-            f"D {shape.head_size}, block {shape.block_size}")
-    print(f"host_cost: {device} ({where}); write {plan.write_impl.name}, attention {plan.attention_impl.name}; "
-          f"{case}; median of {calls_each} calls per row")
+    where = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"CPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+    )
+    case = (
+        f"{args.mode} decode {shape.seqs} x {shape.seq_len}, Hq {shape.num_q_heads}, Hkv {shape.num_kv_heads}, "
+        f"D {shape.head_size}, block {shape.block_size}"
+    )
+    print(
+        f"host_cost: {device} ({where}); write {plan.write_impl.name}, attention {plan.attention_impl.name}; "
+        f"{case}; median of {calls_each} calls per row"
+    )
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, commit {_commit()}")
     width = max(len(n) for n in medians)
-    print(f"{'row (us per call)':{width}s}  {'returns':>8s}  {'synchronised':>12s}  {'above null op':>13s}  "
-          f"{'back to back':>12s}  {'above null op':>13s}")
+    print(
+        f"{'row (us per call)':{width}s}  {'returns':>8s}  {'synchronised':>12s}  {'above null op':>13s}  "
+        f"{'back to back':>12s}  {'above null op':>13s}"
+    )
     for name, (back, us, row) in medians.items():
         print(f"{name:{width}s}  {back:8.1f}  {us:12.1f}  {us - null:13.1f}  {row:12.1f}  {row - null_in_a_row:13.1f}")
     for column, base, label in ((1, null, "synchronised"), (2, null_in_a_row, "back to back")):
         above = {n: medians[n][column] - base for n in medians}
         worst_plan = max(above["write: plan.write"], above["attention: plan.attention"])
-        worst_functional = max(above["write: reshape_and_cache validate=False"],
-                               above["attention: paged_attention validate=False"])
-        print(f"{label}: plan per-layer, worst of write/attention, {worst_plan:.1f} us above the null op "
-              f"(H200 target <= {PLAN_TARGET_US:g}); functional validate=False {worst_functional:.1f} us "
-              f"(target <= {FUNCTIONAL_TARGET_US:g})")
+        worst_functional = max(
+            above["write: reshape_and_cache validate=False"], above["attention: paged_attention validate=False"]
+        )
+        print(
+            f"{label}: plan per-layer, worst of write/attention, {worst_plan:.1f} us above the null op "
+            f"(H200 target <= {PLAN_TARGET_US:g}); functional validate=False {worst_functional:.1f} us "
+            f"(target <= {FUNCTIONAL_TARGET_US:g})"
+        )
     out_dir = os.environ.get("OUT")
     if out_dir:
         import json
 
-        info = dict(device=where, torch=torch.__version__, python=sys.version.split()[0], commit=_commit(),
-                    command="python3 bench/host_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    case=case, calls=calls_each, write_impl=plan.write_impl.name,
-                    attention_impl=plan.attention_impl.name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-        rows_out = [dict(row=n, returns_us=b, synchronised_us=u, above_null_us=u - null, back_to_back_us=r,
-                         back_to_back_above_null_us=r - null_in_a_row) for n, (b, u, r) in medians.items()]
+        info = dict(
+            device=where,
+            torch=torch.__version__,
+            python=sys.version.split()[0],
+            commit=_commit(),
+            command="python3 bench/host_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            case=case,
+            calls=calls_each,
+            write_impl=plan.write_impl.name,
+            attention_impl=plan.attention_impl.name,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
+        rows_out = [
+            dict(
+                row=n,
+                returns_us=b,
+                synchronised_us=u,
+                above_null_us=u - null,
+                back_to_back_us=r,
+                back_to_back_above_null_us=r - null_in_a_row,
+            )
+            for n, (b, u, r) in medians.items()
+        ]
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(out_dir) / "host_cost.json", "w") as f:
             json.dump(dict(info=info, null_returns_us=null_returns, rows=rows_out), f, indent=1)

@@ -66,7 +66,12 @@ def one(p, cfg, decode: bool, copy_bw, mm):
 # sweep to compare configs; the earlier ones, with what they found, are in
 # bench/archive/RESULTS-history.md under the commits that ran them.
 SHAPES = (("decode", 64, 4096), ("decode", 64, 16384), ("decode", 8, 65536), ("prefill", 4, 4096))
-VARIANTS = (("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))
+VARIANTS = (
+    ("none", False),
+    ("int8_per_token_head", False),
+    ("int8_per_token_head", True),
+    ("fp8_per_token_head", False),
+)
 SWEEPS = {
     "table": [(kind, seqs, length, mode, qq, [None]) for kind, seqs, length in SHAPES for mode, qq in VARIANTS],
 }
@@ -87,8 +92,10 @@ def main():
                     cfg = dataclasses.replace(cfg, split_keys=-(-table.split_keys // cfg.block_n) * cfg.block_n)
                 elif cfg.split_keys < 0:
                     cfg = dataclasses.replace(cfg, split_keys=0)
-                label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
-                         f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}")
+                label = (
+                    f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else '   '} bq{cfg.block_q} "
+                    f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} r{cfg.maxnreg} sk{cfg.split_keys} m{cfg.min_rows}"
+                )
                 print(f"[{name}] {label}: {one(p, cfg, decode, copy_bw, mm)}", flush=True)
             del p
             torch.cuda.empty_cache()

@@ -45,8 +45,14 @@ H200_SMS = 132
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HQ, HKV, D, BS = 32, 8, 128, 16
 _TRITON_TYPES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
-    torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 
 
@@ -58,13 +64,23 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
     def t(shape, dtype):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    scales = (t((blocks, BS, HKV), torch.float32), t((blocks, BS, HKV), torch.float32)) if m.per_token_head else (None, None)
+    scales = (
+        (t((blocks, BS, HKV), torch.float32), t((blocks, BS, HKV), torch.float32)) if m.per_token_head else (None, None)
+    )
     return Attention(
-        mode=m, query=t((num_seqs * q_len, HQ, D), torch.bfloat16), key_cache=t((blocks, BS, HKV, D), code),
-        value_cache=t((blocks, BS, HKV, D), code), block_tables=t((num_seqs, seq_len // BS), torch.int32),
-        seq_lens=t((num_seqs,), torch.int32), query_start_loc=t((num_seqs + 1,), torch.int32),
-        out=t((num_seqs * q_len, HQ, D), torch.bfloat16), max_query_len=q_len, max_seq_len=seq_len,
-        softmax_scale=1 / math.sqrt(D), k_scale_cache=scales[0], v_scale_cache=scales[1],
+        mode=m,
+        query=t((num_seqs * q_len, HQ, D), torch.bfloat16),
+        key_cache=t((blocks, BS, HKV, D), code),
+        value_cache=t((blocks, BS, HKV, D), code),
+        block_tables=t((num_seqs, seq_len // BS), torch.int32),
+        seq_lens=t((num_seqs,), torch.int32),
+        query_start_loc=t((num_seqs + 1,), torch.int32),
+        out=t((num_seqs * q_len, HQ, D), torch.bfloat16),
+        max_query_len=q_len,
+        max_seq_len=seq_len,
+        softmax_scale=1 / math.sqrt(D),
+        k_scale_cache=scales[0],
+        v_scale_cache=scales[1],
         quantize_query=quantize_query,
     )
 
@@ -83,8 +99,9 @@ def meta_staged(p: Attention) -> staging.Staged:
     table = torch.empty((p.num_seqs, 1), dtype=torch.int32, device="meta")
     query = torch.empty(p.query.shape, dtype=torch.float16, device="meta")
     q_undo = torch.empty(p.query.shape[:2], dtype=torch.float32, device="meta")
-    return staging.Staged(dataclasses.replace(p, query=query, key_cache=cache, value_cache=cache, block_tables=table,
-                                              **scales), q_undo)
+    return staging.Staged(
+        dataclasses.replace(p, query=query, key_cache=cache, value_cache=cache, block_tables=table, **scales), q_undo
+    )
 
 
 def compile_call(call: K.KernelCall):
@@ -127,26 +144,45 @@ def facts(call: K.KernelCall) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(ck.asm["ptx"])
-        ptxas = subprocess.run([BIN / "ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
-                               capture_output=True, text=True, check=True).stderr
+        ptxas = subprocess.run(
+            [BIN / "ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin], capture_output=True, text=True, check=True
+        ).stderr
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", ptxas).group(1))
     buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:i8|bf16|f16|f8E4M3FN)", ck.asm["ttgir"])})
     mma = "wgmma" if "wgmma.mma_async" in ck.asm["ptx"] else "mma.sync"
     loops = ", ".join(str(sum(c.values())) for c in loop_bodies(sass))
-    return (f"regs {regs:3d} spills {spills:3d} smem {ck.metadata.shared // 1024:3d} KB "
-            f"K/V buffers {buffers} {mma:8s} instructions per loop [{loops}]")
+    return (
+        f"regs {regs:3d} spills {spills:3d} smem {ck.metadata.shared // 1024:3d} KB "
+        f"K/V buffers {buffers} {mma:8s} instructions per loop [{loops}]"
+    )
 
 
 def main() -> None:
     K._num_sms = lambda device_index: H200_SMS  # the table's split choice as on the H200
-    cases = [("decode", 64, 16384, mode, qq) for mode, qq in (
-        ("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))]
-    cases += [("prefill", 4, 4096, mode, qq) for mode, qq in (
-        ("none", False), ("int8_per_token_head", False), ("int8_per_token_head", True), ("fp8_per_token_head", False))]
-    print(f"triton {triton.__version__}, target sm_90a. Spills in bytes (kernel_facts.py reports 4-byte words). "
-          "Loops in code order: prefill's first is the sequence lookup; then whole tiles, masked tiles.")
+    cases = [
+        ("decode", 64, 16384, mode, qq)
+        for mode, qq in (
+            ("none", False),
+            ("int8_per_token_head", False),
+            ("int8_per_token_head", True),
+            ("fp8_per_token_head", False),
+        )
+    ]
+    cases += [
+        ("prefill", 4, 4096, mode, qq)
+        for mode, qq in (
+            ("none", False),
+            ("int8_per_token_head", False),
+            ("int8_per_token_head", True),
+            ("fp8_per_token_head", False),
+        )
+    ]
+    print(
+        f"triton {triton.__version__}, target sm_90a. Spills in bytes (kernel_facts.py reports 4-byte words). "
+        "Loops in code order: prefill's first is the sequence lookup; then whole tiles, masked tiles."
+    )
     for kind, seqs, length, mode, qq in cases:
         decode = kind == "decode"
         p = meta_problem(seqs, 1 if decode else length, length, mode, qq)
@@ -166,9 +202,11 @@ def main() -> None:
                 call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
-            label = (f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
-                     f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
-                     f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}")
+            label = (
+                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
+                f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
+                f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}"
+            )
             print(f"{label:70s} {facts(call)}", flush=True)
 
 

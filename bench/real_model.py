@@ -118,10 +118,26 @@ class Settings:
     decode_repeats: int
 
 
-FULL = Settings(windows=3, window=2048, chunk=256, stats_window=2048, attn_queries=64, decode_prompt=512,
-                decode_tokens=48, decode_repeats=2)
-QUICK = Settings(windows=1, window=512, chunk=128, stats_window=512, attn_queries=16, decode_prompt=64,
-                 decode_tokens=8, decode_repeats=1)
+FULL = Settings(
+    windows=3,
+    window=2048,
+    chunk=256,
+    stats_window=2048,
+    attn_queries=64,
+    decode_prompt=512,
+    decode_tokens=48,
+    decode_repeats=2,
+)
+QUICK = Settings(
+    windows=1,
+    window=512,
+    chunk=128,
+    stats_window=512,
+    attn_queries=16,
+    decode_prompt=64,
+    decode_tokens=8,
+    decode_repeats=1,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +188,7 @@ def corpus(tokenizer: Any) -> torch.Tensor:
 def windows(ids: torch.Tensor, count: int, length: int) -> list[torch.Tensor]:
     """`count` windows of `length` tokens at evenly spaced offsets."""
     step = (len(ids) - length) // max(count, 1)
-    return [ids[i * step:i * step + length] for i in range(count)]
+    return [ids[i * step : i * step + length] for i in range(count)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +241,9 @@ def formats(model: Any, static_scales: tuple[list[float], list[float]]) -> tuple
     skipped = []
     for label, backend, kwargs, module in QUANTIZED_CACHE:
         if module and importlib.util.find_spec(module.split(".")[0]) is None:
-            skipped.append(f"{label}: not installed (pip install {'optimum-quanto' if backend == 'quanto' else module})")
+            skipped.append(
+                f"{label}: not installed (pip install {'optimum-quanto' if backend == 'quanto' else module})"
+            )
             continue
         try:
             probe = QuantizedCache(backend, model.config, **kwargs)
@@ -258,8 +276,12 @@ def calibrate(model: Any, chunk: torch.Tensor) -> tuple[list[float], list[float]
     return static_fp8_scales(cache)
 
 
-def score(model: Any, fmt: Format, window: torch.Tensor, chunk: int,
-          ) -> tuple[float, int, Any, list[tuple[float, int]]]:
+def score(
+    model: Any,
+    fmt: Format,
+    window: torch.Tensor,
+    chunk: int,
+) -> tuple[float, int, Any, list[tuple[float, int]]]:
     """(sum of NLL, tokens scored, the cache, (NLL, tokens) of each scored chunk) for one window:
     chunk 0 prefills, the rest are scored."""
     set_attention(model, fmt.attention)
@@ -268,7 +290,7 @@ def score(model: Any, fmt: Format, window: torch.Tensor, chunk: int,
     last, chunks = None, []
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
-            piece = ids[:, start:start + chunk]
+            piece = ids[:, start : start + chunk]
             logits = model(piece, use_cache=True, **{cache_arg(): cache}).logits.float()
             if start:
                 # The previous chunk's last logit predicts this chunk's first token.
@@ -317,8 +339,11 @@ def capture_qkv(model: Any, window: torch.Tensor) -> list[tuple[torch.Tensor, to
     captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        captured[module.layer_idx] = (query[0].detach().float().cpu(), key[0].detach().float().cpu(),
-                                      value[0].detach().float().cpu())
+        captured[module.layer_idx] = (
+            query[0].detach().float().cpu(),
+            key[0].detach().float().cpu(),
+            value[0].detach().float().cpu(),
+        )
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("kvzoo_bench_capture", capture)
@@ -355,8 +380,12 @@ def _paged(x: torch.Tensor, block_size: int) -> np.ndarray:
     return rows.reshape(blocks, block_size, hkv, head)
 
 
-def attention_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], queries: int,
-                     static_scales: tuple[list[float], list[float]], block_size: int = 16) -> dict[str, dict]:
+def attention_errors(
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    queries: int,
+    static_scales: tuple[list[float], list[float]],
+    block_size: int = 16,
+) -> dict[str, dict]:
     """Per mode: the last `queries` positions attending their whole context, per layer, as
     relative errors max|out - ref| / max|ref| against float64 attention on the unquantized K/V
     ("total") and on the cache's own decoded K/V ("kernel")."""
@@ -370,25 +399,50 @@ def attention_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
             if mode == "fp8_per_tensor":
                 statics = {"k_scale": static_scales[0][layer], "v_scale": static_scales[1][layer]}
             cache = kvzoo.PagedKVCache(blocks, block_size, hkv, head, mode, model_dtype="float32", **statics)
-            cache.write(key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous(),
-                        torch.arange(length), rounding=rounding)
+            cache.write(
+                key.transpose(0, 1).contiguous(),
+                value.transpose(0, 1).contiguous(),
+                torch.arange(length),
+                rounding=rounding,
+            )
             q = query[:, -queries:].transpose(0, 1).contiguous()  # [queries, Hq, D]
             tables = torch.arange(blocks, dtype=torch.int32)[None]
             lens = torch.tensor([length], dtype=torch.int32)
             qsl = torch.tensor([0, queries], dtype=torch.int32)
-            out = cache.attention(q, block_tables=tables, seq_lens=lens, query_start_loc=qsl,
-                                  softmax_scale=head ** -0.5).numpy().astype(np.float64)
-            exact = attention_f64(q.numpy(), _paged(key, block_size), _paged(value, block_size), tables.numpy(),
-                                  lens.numpy(), qsl.numpy(), softmax_scale=head ** -0.5)
-            decoded = attention_f64(q.numpy(), cache.read("key").numpy(), cache.read("value").numpy(),
-                                    tables.numpy(), lens.numpy(), qsl.numpy(), softmax_scale=head ** -0.5)
+            out = (
+                cache.attention(q, block_tables=tables, seq_lens=lens, query_start_loc=qsl, softmax_scale=head**-0.5)
+                .numpy()
+                .astype(np.float64)
+            )
+            exact = attention_f64(
+                q.numpy(),
+                _paged(key, block_size),
+                _paged(value, block_size),
+                tables.numpy(),
+                lens.numpy(),
+                qsl.numpy(),
+                softmax_scale=head**-0.5,
+            )
+            decoded = attention_f64(
+                q.numpy(),
+                cache.read("key").numpy(),
+                cache.read("value").numpy(),
+                tables.numpy(),
+                lens.numpy(),
+                qsl.numpy(),
+                softmax_scale=head**-0.5,
+            )
             scale = np.abs(exact).max()
             totals.append(float(np.abs(out - exact).max() / scale))
             kernels.append(float(np.abs(out - decoded).max() / scale))
-            rms.append(float(np.sqrt(np.mean((out - exact) ** 2)) / np.sqrt(np.mean(exact ** 2))))
-        results[label] = {"total_max_rel_mean": float(np.mean(totals)), "total_max_rel_worst": float(np.max(totals)),
-                          "worst_layer": int(np.argmax(totals)), "rms_rel_mean": float(np.mean(rms)),
-                          "kernel_max_rel_worst": float(np.max(kernels))}
+            rms.append(float(np.sqrt(np.mean((out - exact) ** 2)) / np.sqrt(np.mean(exact**2))))
+        results[label] = {
+            "total_max_rel_mean": float(np.mean(totals)),
+            "total_max_rel_worst": float(np.max(totals)),
+            "worst_layer": int(np.argmax(totals)),
+            "rms_rel_mean": float(np.mean(rms)),
+            "kernel_max_rel_worst": float(np.max(kernels)),
+        }
     return results
 
 
@@ -450,8 +504,12 @@ def per_row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
     return (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(float(SCALE_FLOOR))
 
 
-def fake_quant_fp(x: torch.Tensor, mantissa_bits: int = 3, emin: int | None = FP8_EMIN, qmax: float = FP8_MAX,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quant_fp(
+    x: torch.Tensor,
+    mantissa_bits: int = 3,
+    emin: int | None = FP8_EMIN,
+    qmax: float = FP8_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dequantized x, y = x * (1 / scale) before the clamp): per-token-head rounding of float32 rows
     [..., D] to a minifloat, in the order and float32 arithmetic of SPEC/oracle (y = x * (1 / s),
     clamp, round, code * s)."""
@@ -474,8 +532,9 @@ def oracle_fp8(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(decode_rows(codes, scales, "fp8_per_token_head")).reshape(x.shape).to(x.device)
 
 
-def paired_interval(nll: np.ndarray, base: np.ndarray, tokens: np.ndarray, reps: int = 10000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
+def paired_interval(
+    nll: np.ndarray, base: np.ndarray, tokens: np.ndarray, reps: int = 10000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
     """(ppl / base ppl - 1, and a percentile bootstrap interval) over paired chunks.
 
     nll, base: each chunk's summed NLL under the row and under its reference (the same text);
@@ -510,20 +569,41 @@ class Fp8Tally:
     summed over every row the reference cache rounds; also the oracle agreement of the torch
     simulation and int8 per-token-head's error on the same rows."""
 
-    FIELDS = ("elements", "subnormal", "flushed", "clamped", "at_max", "max_y", "sq_x", "sq_err", "sq_err_top",
-              "sq_err_subnormal", "sq_err_outlier", "outlier_elements", "sq_err_int8", "sim_mismatch")
+    FIELDS = (
+        "elements",
+        "subnormal",
+        "flushed",
+        "clamped",
+        "at_max",
+        "max_y",
+        "sq_x",
+        "sq_err",
+        "sq_err_top",
+        "sq_err_subnormal",
+        "sq_err_outlier",
+        "outlier_elements",
+        "sq_err_int8",
+        "sim_mismatch",
+    )
 
     def __init__(self, outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.outliers = outliers
         self.sums = {side: dict.fromkeys(self.FIELDS, 0.0) for side in ("k", "v")}
 
-    def add(self, side: str, layer: int, x: torch.Tensor, y: torch.Tensor, xhat: torch.Tensor,
-            reference: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        side: str,
+        layer: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        xhat: torch.Tensor,
+        reference: torch.Tensor | None = None,
+    ) -> None:
         s = self.sums[side]
         q = round_minifloat(y.clamp(-FP8_MAX, FP8_MAX), 3)  # the code's value
         err2 = (xhat - x).double() ** 2
         nonzero = x != 0
-        subnormal = (q != 0) & (q.abs() < 2.0 ** FP8_EMIN)
+        subnormal = (q != 0) & (q.abs() < 2.0**FP8_EMIN)
         flushed = (q == 0) & nonzero
         mask = self.outliers[layer]["kv".index(side)][None, :, None, :].expand_as(x)  # x: [B, Hkv, Q, D]
         s["elements"] += x.numel()
@@ -554,8 +634,9 @@ def _rounding_cache_type() -> type:
             super().__init__(config=config)
             self.round_k, self.round_v = round_k, round_v
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if self.round_k is not None:
                 key_states = self.round_k(key_states, layer_idx)
             if self.round_v is not None:
@@ -600,8 +681,11 @@ def kvzoo_codes_vs_oracle(cache: Any, captured: dict[int, list[tuple[torch.Tenso
     return out
 
 
-def logit_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], queries: int,
-                 outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
+def logit_errors(
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    queries: int,
+    outliers: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, dict[str, float]]:
     """What rounding K alone does to attention on captured query/key (every layer): the last
     `queries` queries against every key they attend, exact K against rounded K, in float64.
 
@@ -626,7 +710,7 @@ def logit_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], que
         allowed = torch.arange(length)[None, :] <= torch.arange(length - queries, length)[:, None]  # [Q, T]
 
         def logits(k: torch.Tensor, q: torch.Tensor = q, group: int = group, head: int = head) -> torch.Tensor:
-            return q @ k.double().repeat_interleave(group, 0).transpose(1, 2) * head ** -0.5  # [Hq, Q, T]
+            return q @ k.double().repeat_interleave(group, 0).transpose(1, 2) * head**-0.5  # [Hq, Q, T]
 
         exact = logits(key)
         log_p = torch.log_softmax(exact.masked_fill(~allowed, -math.inf), -1)
@@ -636,21 +720,24 @@ def logit_errors(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], que
             log_r = torch.log_softmax(rounded.masked_fill(~allowed, -math.inf), -1)
             kl = (log_p.exp() * (log_p - log_r)).masked_fill(~allowed, 0).sum(-1)
             s = sums[name]
-            s["sq"] += float((diff ** 2).sum())
+            s["sq"] += float((diff**2).sum())
             s["n"] += diff.numel()
             s["kl"] += float(kl.sum())
             s["rows"] += kl.numel()
         xhat, y = fake_quant_fp(key)
         top = round_minifloat(y.clamp(-FP8_MAX, FP8_MAX), 3).abs() >= 256  # [Hkv, T, D]
-        weight = (q ** 2).sum(1).reshape(key.shape[0], group, head).sum(1)  # [Hkv, D]: sum of q_i^2 over queries
+        weight = (q**2).sum(1).reshape(key.shape[0], group, head).sum(1)  # [Hkv, D]: sum of q_i^2 over queries
         contribution = weight[:, None, :] * (xhat - key).double() ** 2
         shares["all"] += float(contribution.sum())
         shares["top"] += float(contribution[top].sum())
         shares["outlier"] += float(contribution[outliers[layer][0][:, None, :].expand_as(key)].sum())
-    out = {name: {"rms_logit_error": math.sqrt(s["sq"] / s["n"]), "mean_kl": s["kl"] / s["rows"]}
-           for name, s in sums.items()}
-    out["e4m3 (m3)"].update(variance_share_top=shares["top"] / shares["all"],
-                            variance_share_outlier=shares["outlier"] / shares["all"])
+    out = {
+        name: {"rms_logit_error": math.sqrt(s["sq"] / s["n"]), "mean_kl": s["kl"] / s["rows"]}
+        for name, s in sums.items()
+    }
+    out["e4m3 (m3)"].update(
+        variance_share_top=shares["top"] / shares["all"], variance_share_outlier=shares["outlier"] / shares["all"]
+    )
     return out
 
 
@@ -674,13 +761,19 @@ class AblationRow:
                 return cache if captured is None else capture_updates(cache, captured)
 
             return Format(self.label, make, "kvzoo_paged", "kvzoo", self.mode)
-        return Format(self.label, lambda m: _rounding_cache_type()(m.config, self.round_k, self.round_v), "sdpa",
-                      "dynamic")
+        return Format(
+            self.label, lambda m: _rounding_cache_type()(m.config, self.round_k, self.round_v), "sdpa", "dynamic"
+        )
 
 
 def ablation_rows(tally: Fp8Tally, outliers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[AblationRow]:
-    def sim(mantissa_bits: int = 3, emin: int | None = FP8_EMIN, side: int = 0, keep_outliers: bool = False,
-            jitter_seed: int | None = None):
+    def sim(
+        mantissa_bits: int = 3,
+        emin: int | None = FP8_EMIN,
+        side: int = 0,
+        keep_outliers: bool = False,
+        jitter_seed: int | None = None,
+    ):
         noise = None if jitter_seed is None else torch.Generator().manual_seed(jitter_seed)
 
         def round_one(x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -688,7 +781,7 @@ def ablation_rows(tally: Fp8Tally, outliers: list[tuple[torch.Tensor, torch.Tens
                 # A relative nudge of about 1e-6, the size of a float32 summation-order difference:
                 # it moves only values next to a rounding midpoint, so the row is another equally
                 # valid draw of the same rounding noise.
-                x = x * (1 + 2.0 ** -20 * torch.randn(x.shape, generator=noise))
+                x = x * (1 + 2.0**-20 * torch.randn(x.shape, generator=noise))
             out, _ = fake_quant_fp(x, mantissa_bits, emin)
             if keep_outliers:
                 out = torch.where(outliers[layer][side][None, :, None, :], x, out)
@@ -707,39 +800,73 @@ def ablation_rows(tally: Fp8Tally, outliers: list[tuple[torch.Tensor, torch.Tens
 
     return [
         AblationRow("kvzoo none", "kvzoo", "kvzoo cache + attention, unquantized"),
-        AblationRow("kvzoo fp8 e4m3fn", "kvzoo", "kvzoo fp8_per_token_head (K and V), its own kernels",
-                    mode="fp8_per_token_head", check_codes=True),
+        AblationRow(
+            "kvzoo fp8 e4m3fn",
+            "kvzoo",
+            "kvzoo fp8_per_token_head (K and V), its own kernels",
+            mode="fp8_per_token_head",
+            check_codes=True,
+        ),
         AblationRow("ref none", "ref", "DynamicCache + SDPA, unquantized"),
-        AblationRow("ref e4m3 oracle", "ref", "K and V rounded by kvzoo_spec.oracle (e4m3fn, per-token-head)",
-                    round_k=oracle("k"), round_v=oracle("v")),
+        AblationRow(
+            "ref e4m3 oracle",
+            "ref",
+            "K and V rounded by kvzoo_spec.oracle (e4m3fn, per-token-head)",
+            round_k=oracle("k"),
+            round_v=oracle("v"),
+        ),
         AblationRow("ref e4m3 K only", "ref", "only K rounded (sim, 3 mantissa bits)", round_k=sim(side=0)),
         AblationRow("ref e4m3 V only", "ref", "only V rounded (sim, 3 mantissa bits)", round_v=sim(side=1)),
-        AblationRow("ref m2", "ref", "K and V, 2 mantissa bits, e4m3's exponent range and 448 max",
-                    round_k=sim(2), round_v=sim(2)),
+        AblationRow(
+            "ref m2",
+            "ref",
+            "K and V, 2 mantissa bits, e4m3's exponent range and 448 max",
+            round_k=sim(2),
+            round_v=sim(2),
+        ),
         AblationRow("ref m4", "ref", "K and V, 4 mantissa bits, same range", round_k=sim(4), round_v=sim(4)),
         AblationRow("ref m5", "ref", "K and V, 5 mantissa bits, same range", round_k=sim(5), round_v=sim(5)),
-        AblationRow("ref e4m3 no subnormals", "ref", "K and V, 3 mantissa bits, no subnormals / underflow",
-                    round_k=sim(emin=None), round_v=sim(emin=None)),
-        AblationRow("ref e4m3 outliers exact", "ref", "K and V, 3 mantissa bits, outlier channels left unrounded",
-                    round_k=sim(side=0, keep_outliers=True), round_v=sim(side=1, keep_outliers=True)),
-        *(AblationRow(f"ref e4m3 jitter {seed}", "ref", "K and V, e4m3, inputs nudged by ~1e-6 relative first "
-                      "(another draw of the rounding noise)", round_k=sim(jitter_seed=2 * seed),
-                      round_v=sim(jitter_seed=2 * seed + 1)) for seed in (1, 2)),
+        AblationRow(
+            "ref e4m3 no subnormals",
+            "ref",
+            "K and V, 3 mantissa bits, no subnormals / underflow",
+            round_k=sim(emin=None),
+            round_v=sim(emin=None),
+        ),
+        AblationRow(
+            "ref e4m3 outliers exact",
+            "ref",
+            "K and V, 3 mantissa bits, outlier channels left unrounded",
+            round_k=sim(side=0, keep_outliers=True),
+            round_v=sim(side=1, keep_outliers=True),
+        ),
+        *(
+            AblationRow(
+                f"ref e4m3 jitter {seed}",
+                "ref",
+                "K and V, e4m3, inputs nudged by ~1e-6 relative first (another draw of the rounding noise)",
+                round_k=sim(jitter_seed=2 * seed),
+                round_v=sim(jitter_seed=2 * seed + 1),
+            )
+            for seed in (1, 2)
+        ),
     ]
 
 
 def run_ablation(model: Any, texts: list[torch.Tensor], settings: Settings, only: list[str]) -> dict[str, Any]:
     """Perplexity of every ablation row, with paired chunk-bootstrap intervals, the tallies and the checks."""
-    outliers = outlier_channels(model, texts[0][:settings.chunk])
+    outliers = outlier_channels(model, texts[0][: settings.chunk])
     tally = Fp8Tally(outliers)
     rows = ablation_rows(tally, outliers)
     if only:
         chosen = {r.label for r in rows if any(s in r.label for s in only)}
         groups = {r.group for r in rows if r.label in chosen}
         rows = [r for r in rows if r.label in chosen or (r.label.endswith(" none") and r.group in groups)]
-    print(f"\n## fp8 e4m3 per-token-head: what bounds it (--ablate)\n\noutlier channels (first chunk, > "
-          f"{OUTLIER_RATIO:g}x the median channel): K {sum(int(k.sum()) for k, _ in outliers)}, V "
-          f"{sum(int(v.sum()) for _, v in outliers)} of {len(outliers)} x {outliers[0][0].numel()} per side\n")
+    print(
+        f"\n## fp8 e4m3 per-token-head: what bounds it (--ablate)\n\noutlier channels (first chunk, > "
+        f"{OUTLIER_RATIO:g}x the median channel): K {sum(int(k.sum()) for k, _ in outliers)}, V "
+        f"{sum(int(v.sum()) for _, v in outliers)} of {len(outliers)} x {outliers[0][0].numel()} per side\n"
+    )
     for row in rows:
         t0 = time.perf_counter()
         chunks: list[tuple[float, int]] = []
@@ -754,13 +881,21 @@ def run_ablation(model: Any, texts: list[torch.Tensor], settings: Settings, only
             windows_nll.append((nll, count))
         nll = sum(n for n, _ in chunks)
         tokens = sum(c for _, c in chunks)
-        row.results.update(ppl=math.exp(nll / tokens), nll=nll, tokens=tokens, chunk_nll=chunks,
-                           window_nll=windows_nll, seconds=time.perf_counter() - t0)
+        row.results.update(
+            ppl=math.exp(nll / tokens),
+            nll=nll,
+            tokens=tokens,
+            chunk_nll=chunks,
+            window_nll=windows_nll,
+            seconds=time.perf_counter() - t0,
+        )
         print(f"  {row.label:26s} ppl {row.results['ppl']:.4f}  ({row.results['seconds']:.0f} s)", flush=True)
 
     base = {r.group: r for r in rows if r.label.endswith(" none")}
-    print("\n| row | what | perplexity | vs its unquantized row | 95% interval (chunks resampled) | "
-          "per window |\n|---|---|---|---|---|---|")
+    print(
+        "\n| row | what | perplexity | vs its unquantized row | 95% interval (chunks resampled) | "
+        "per window |\n|---|---|---|---|---|---|"
+    )
     for row in rows:
         ref = base[row.group].results
         mine = np.array([n for n, _ in row.results["chunk_nll"]])
@@ -768,69 +903,103 @@ def run_ablation(model: Any, texts: list[torch.Tensor], settings: Settings, only
         tokens = np.array([c for _, c in row.results["chunk_nll"]])
         point, lo, hi = paired_interval(mine, theirs, tokens)
         per_window = [math.expm1((a - b) / c) for (a, c), (b, _) in zip(row.results["window_nll"], ref["window_nll"])]
-        row.results.update(delta=point, interval=(lo, hi), window_delta=per_window,
-                           chunk_delta_sd=float(np.std((mine - theirs) / tokens, ddof=1)) if len(mine) > 1 else 0.0)
-        cells = "" if row is base[row.group] else (
-            f"{100 * point:+.3f}% | [{100 * lo:+.2f}%, {100 * hi:+.2f}%] | "
-            + ", ".join(f"{100 * d:+.2f}%" for d in per_window))
+        row.results.update(
+            delta=point,
+            interval=(lo, hi),
+            window_delta=per_window,
+            chunk_delta_sd=float(np.std((mine - theirs) / tokens, ddof=1)) if len(mine) > 1 else 0.0,
+        )
+        cells = (
+            ""
+            if row is base[row.group]
+            else (
+                f"{100 * point:+.3f}% | [{100 * lo:+.2f}%, {100 * hi:+.2f}%] | "
+                + ", ".join(f"{100 * d:+.2f}%" for d in per_window)
+            )
+        )
         print(f"| {row.label} | {row.what} | {row.results['ppl']:.4f} | {cells or '- | - | -'} |")
     scored = len(base[next(iter(base))].results["chunk_nll"])
-    print(f"\n({len(texts)} window(s) x {settings.window} tokens, {scored} scored chunks of {settings.chunk}; "
-          "interval: paired bootstrap over chunks, 10,000 resamples)")
+    print(
+        f"\n({len(texts)} window(s) x {settings.window} tokens, {scored} scored chunks of {settings.chunk}; "
+        "interval: paired bootstrap over chunks, 10,000 resamples)"
+    )
 
     by_label = {r.label: r for r in rows}
     lines = []
     check = by_label["kvzoo fp8 e4m3fn"].results.get("code_check") if "kvzoo fp8 e4m3fn" in by_label else None
     if check:
-        lines.append(f"kvzoo's fp8 codes vs kvzoo_spec.oracle.quantize_rows on the same K/V (window 0, every layer): "
-                     f"{check['code_mismatch']} of {check['code_bytes']} code bytes and {check['scale_mismatch']} of "
-                     f"{check['rows']} scales differ")
+        lines.append(
+            f"kvzoo's fp8 codes vs kvzoo_spec.oracle.quantize_rows on the same K/V (window 0, every layer): "
+            f"{check['code_mismatch']} of {check['code_bytes']} code bytes and {check['scale_mismatch']} of "
+            f"{check['rows']} scales differ"
+        )
     if "ref e4m3 oracle" in by_label:
         mismatch = tally.sums["k"]["sim_mismatch"] + tally.sums["v"]["sim_mismatch"]
         total = tally.sums["k"]["elements"] + tally.sums["v"]["elements"]
-        lines.append(f"this script's torch e4m3 simulation (the K-only ... outlier rows) vs the oracle, every rounded "
-                     f"element of the oracle row: {int(mismatch)} of {int(total)} differ")
+        lines.append(
+            f"this script's torch e4m3 simulation (the K-only ... outlier rows) vs the oracle, every rounded "
+            f"element of the oracle row: {int(mismatch)} of {int(total)} differ"
+        )
     if {"kvzoo fp8 e4m3fn", "ref e4m3 oracle"} <= by_label.keys():
         real, ref = by_label["kvzoo fp8 e4m3fn"].results, by_label["ref e4m3 oracle"].results
-        lines.append(f"kvzoo fp8 {100 * real['delta']:+.3f}% over kvzoo none vs oracle-rounded K/V read by SDPA "
-                     f"{100 * ref['delta']:+.3f}% over SDPA: {100 * (real['delta'] - ref['delta']):+.3f} points apart "
-                     "(the paths sum in different float32 orders, which moves a few values across rounding midpoints "
-                     "and from there a different draw of the rounding noise: set it against the jitter rows)")
+        lines.append(
+            f"kvzoo fp8 {100 * real['delta']:+.3f}% over kvzoo none vs oracle-rounded K/V read by SDPA "
+            f"{100 * ref['delta']:+.3f}% over SDPA: {100 * (real['delta'] - ref['delta']):+.3f} points apart "
+            "(the paths sum in different float32 orders, which moves a few values across rounding midpoints "
+            "and from there a different draw of the rounding noise: set it against the jitter rows)"
+        )
     for line in lines:
         print(line)
 
     stats = {}
     if tally.sums["k"]["elements"]:
-        print("\n| side | elements | subnormal codes | flushed to 0 | clamped (> 448) | code +-448 | e4m3 rel. RMS error | "
-              "int8 rel. RMS error (same rows) | error share: top binade | subnormal + flushed | outlier channels |"
-              "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        print(
+            "\n| side | elements | subnormal codes | flushed to 0 | clamped (> 448) | code +-448 | e4m3 rel. RMS error | "
+            "int8 rel. RMS error (same rows) | error share: top binade | subnormal + flushed | outlier channels |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|"
+        )
         for side, s in tally.sums.items():
             n = s["elements"]
-            stats[side] = {**s, "rel_rms": math.sqrt(s["sq_err"] / s["sq_x"]),
-                           "rel_rms_int8": math.sqrt(s["sq_err_int8"] / s["sq_x"])}
-            print(f"| {side.upper()} | {int(n)} | {s['subnormal'] / n:.3%} | {s['flushed'] / n:.3%} | "
-                  f"{s['clamped'] / n:.3%} | {s['at_max'] / n:.3%} | {stats[side]['rel_rms']:.4f} | "
-                  f"{stats[side]['rel_rms_int8']:.4f} | {s['sq_err_top'] / s['sq_err']:.1%} | "
-                  f"{s['sq_err_subnormal'] / s['sq_err']:.2%} | {s['sq_err_outlier'] / s['sq_err']:.1%} "
-                  f"({s['outlier_elements'] / n:.1%} of elements) |")
-        print("\n(rel. RMS error = sqrt(sum (x^ - x)^2 / sum x^2) over every element rounded in the oracle row; "
-              "top binade: codes of magnitude >= 256, spacing 32; error shares are of the summed squared error; "
-              "largest x / scale before the clamp: "
-              + ", ".join(f"{side.upper()} {s['max_y']:.5f}" for side, s in tally.sums.items()) + ")")
+            stats[side] = {
+                **s,
+                "rel_rms": math.sqrt(s["sq_err"] / s["sq_x"]),
+                "rel_rms_int8": math.sqrt(s["sq_err_int8"] / s["sq_x"]),
+            }
+            print(
+                f"| {side.upper()} | {int(n)} | {s['subnormal'] / n:.3%} | {s['flushed'] / n:.3%} | "
+                f"{s['clamped'] / n:.3%} | {s['at_max'] / n:.3%} | {stats[side]['rel_rms']:.4f} | "
+                f"{stats[side]['rel_rms_int8']:.4f} | {s['sq_err_top'] / s['sq_err']:.1%} | "
+                f"{s['sq_err_subnormal'] / s['sq_err']:.2%} | {s['sq_err_outlier'] / s['sq_err']:.1%} "
+                f"({s['outlier_elements'] / n:.1%} of elements) |"
+            )
+        print(
+            "\n(rel. RMS error = sqrt(sum (x^ - x)^2 / sum x^2) over every element rounded in the oracle row; "
+            "top binade: codes of magnitude >= 256, spacing 32; error shares are of the summed squared error; "
+            "largest x / scale before the clamp: "
+            + ", ".join(f"{side.upper()} {s['max_y']:.5f}" for side, s in tally.sums.items())
+            + ")"
+        )
     qkv = capture_qkv(model, texts[0])
     logit = logit_errors(qkv, settings.attn_queries, outliers)
-    print(f"\n## K rounding alone, on attention logits ({settings.attn_queries} last queries over the first window's "
-          f"{len(texts[0])} tokens, every layer, float64)\n")
+    print(
+        f"\n## K rounding alone, on attention logits ({settings.attn_queries} last queries over the first window's "
+        f"{len(texts[0])} tokens, every layer, float64)\n"
+    )
     print("| K rounded as | RMS logit error | mean KL(exact attention weights \\|\\| rounded) |\n|---|---|---|")
     for name, e in logit.items():
         print(f"| {name} | {e['rms_logit_error']:.4f} | {e['mean_kl']:.2e} |")
     e = logit["e4m3 (m3)"]
-    print(f"\n(e4m3's logit-error variance, sum of q_i^2 dK_i^2: {e['variance_share_top']:.1%} from top-binade codes, "
-          f"{e['variance_share_outlier']:.1%} from outlier channels)")
-    return {"rows": {r.label: {"group": r.group, "what": r.what, **r.results} for r in rows},
-            "checks": lines, "e4m3_statistics": stats, "k_logit_errors": logit,
-            "outlier_channels": {"k": sum(int(k.sum()) for k, _ in outliers),
-                                 "v": sum(int(v.sum()) for _, v in outliers)}}
+    print(
+        f"\n(e4m3's logit-error variance, sum of q_i^2 dK_i^2: {e['variance_share_top']:.1%} from top-binade codes, "
+        f"{e['variance_share_outlier']:.1%} from outlier channels)"
+    )
+    return {
+        "rows": {r.label: {"group": r.group, "what": r.what, **r.results} for r in rows},
+        "checks": lines,
+        "e4m3_statistics": stats,
+        "k_logit_errors": logit,
+        "outlier_channels": {"k": sum(int(k.sum()) for k, _ in outliers), "v": sum(int(v.sum()) for _, v in outliers)},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -844,15 +1013,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--skip-decode", action="store_true", help="leave out the decode-speed section")
-    parser.add_argument("--ablate", action="store_true",
-                        help="instead of sections 1-4: what bounds fp8 e4m3 per-token-head (K vs V, mantissa bits, "
-                             "subnormals, outlier channels, kvzoo against the oracle, chunk-bootstrap intervals)")
-    parser.add_argument("--only", default="",
-                        help="with --ablate: comma-separated parts of row labels to run (and their unquantized row)")
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="instead of sections 1-4: what bounds fp8 e4m3 per-token-head (K vs V, mantissa bits, "
+        "subnormals, outlier channels, kvzoo against the oracle, chunk-bootstrap intervals)",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="with --ablate: comma-separated parts of row labels to run (and their unquantized row)",
+    )
     parser.add_argument("--windows", type=int, help="number of text windows (default 3, --quick 1)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch and Numba threads (default 1: on a shared 2-core machine a second thread "
-                             "spin-waits and made decode 3-4x slower)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch and Numba threads (default 1: on a shared 2-core machine a second thread "
+        "spin-waits and made decode 3-4x slower)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
@@ -875,18 +1054,18 @@ def main(argv: list[str] | None = None) -> int:
     loaded = time.perf_counter() - began
     ids = corpus(tokenizer)
     texts = windows(ids, settings.windows, settings.window)
-    static_scales = calibrate(model, texts[0][:settings.chunk])
+    static_scales = calibrate(model, texts[0][: settings.chunk])
     fmts, skipped = formats(model, static_scales)
     report: dict[str, Any] = {
         "command": " ".join(["python", "bench/real_model.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch/Numba thread(s), "
-                   f"load average {os.getloadavg()[0]:.1f} at start",
+        f"load average {os.getloadavg()[0]:.1f} at start",
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, kvzoo {kvzoo.__version__}",
         "model": f"{name} ({model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query / "
-                 f"{model.config.num_key_value_heads} KV heads, head {model.config.head_dim}), {args.dtype} on "
-                 f"{args.device}, loaded in {loaded:.0f} s",
+        f"{model.config.num_key_value_heads} KV heads, head {model.config.head_dim}), {args.dtype} on "
+        f"{args.device}, loaded in {loaded:.0f} s",
         "text": f"pydoc_data.topics: {len(ids)} tokens; {settings.windows} window(s) of {settings.window} tokens, "
-                f"chunks of {settings.chunk} (chunk 0 prefilled, not scored)",
+        f"chunks of {settings.chunk} (chunk 0 prefilled, not scored)",
         "skipped": skipped,
     }
     if args.ablate:
@@ -911,8 +1090,14 @@ def main(argv: list[str] | None = None) -> int:
             a, b, cache, pieces = score(model, fmt, window, settings.chunk)
             nll, count = nll + a, count + b
             chunk_nll += pieces
-        fmt.results.update(nll=nll, tokens=count, ppl=math.exp(nll / count), seconds=time.perf_counter() - t0,
-                           bytes_per_token=bytes_per_token(fmt, cache, settings.window), chunk_nll=chunk_nll)
+        fmt.results.update(
+            nll=nll,
+            tokens=count,
+            ppl=math.exp(nll / count),
+            seconds=time.perf_counter() - t0,
+            bytes_per_token=bytes_per_token(fmt, cache, settings.window),
+            chunk_nll=chunk_nll,
+        )
         print(f"  {fmt.label:22s} ppl {fmt.results['ppl']:.4f}  ({fmt.results['seconds']:.0f} s)", flush=True)
     base = fmts[0].results["ppl"]
     unquantized = next(f for f in fmts if f.mode == "none").results["ppl"]
@@ -929,57 +1114,85 @@ def main(argv: list[str] | None = None) -> int:
             ok = r["ppl"] / unquantized - 1 <= TARGETS["fp8"]
             target = f"{'PASS' if ok else 'MISS'} (<= +1%)"
         print(f"| {fmt.label} | {r['ppl']:.4f} | {100 * r['delta']:+.3f}% | {r['bytes_per_token']:.0f} | {target} |")
-    print(f"\n(bytes/token measured from the tensors held after a {settings.window}-token window: kvzoo's "
-          "pages, DynamicCache's tensors, QuantizedCache's quantized tensors plus its full-precision residual)")
+    print(
+        f"\n(bytes/token measured from the tensors held after a {settings.window}-token window: kvzoo's "
+        "pages, DynamicCache's tensors, QuantizedCache's quantized tensors plus its full-precision residual)"
+    )
     none = next(f for f in fmts if f.mode == "none").results["chunk_nll"]
     intervals = []
     for fmt in fmts:
         if fmt.kind == "kvzoo" and fmt.mode != "none":
-            _, lo, hi = paired_interval([n for n, _ in fmt.results["chunk_nll"]], [n for n, _ in none],
-                                        [c for _, c in none])
+            _, lo, hi = paired_interval(
+                [n for n, _ in fmt.results["chunk_nll"]], [n for n, _ in none], [c for _, c in none]
+            )
             fmt.results["interval_vs_none"] = (lo, hi)
             intervals.append(f"{fmt.label.removeprefix('kvzoo ')} [{100 * lo:+.2f}%, {100 * hi:+.2f}%]")
     print("\nvs kvzoo none, 95% interval from resampling the scored chunks (paired bootstrap): " + ", ".join(intervals))
 
     # 2. K/V statistics
-    qkv = capture_qkv(model, ids[:settings.stats_window])
+    qkv = capture_qkv(model, ids[: settings.stats_window])
     stats = kv_statistics(qkv)
     print(f"\n## Per-layer K/V statistics ({settings.stats_window} tokens)\n")
-    print("| layer | K absmax | K outlier ch. (>4x median) | K max ch./median | K row spread | "
-          "V absmax | V outlier ch. | V max ch./median | V row spread |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| layer | K absmax | K outlier ch. (>4x median) | K max ch./median | K row spread | "
+        "V absmax | V outlier ch. | V max ch./median | V row spread |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for s in stats:
-        print(f"| {s['layer']} | {s['k_absmax']:.2f} | {s['k_outlier_channels']} | {s['k_channel_ratio']:.1f} | "
-              f"{s['k_row_spread']:.1f} | {s['v_absmax']:.2f} | {s['v_outlier_channels']} | "
-              f"{s['v_channel_ratio']:.1f} | {s['v_row_spread']:.1f} |")
-    print(f"\n(of {model.config.num_key_value_heads} x {model.config.head_dim} channels per layer; row spread = "
-          "max / median of the per-(token, head) absmax)")
+        print(
+            f"| {s['layer']} | {s['k_absmax']:.2f} | {s['k_outlier_channels']} | {s['k_channel_ratio']:.1f} | "
+            f"{s['k_row_spread']:.1f} | {s['v_absmax']:.2f} | {s['v_outlier_channels']} | "
+            f"{s['v_channel_ratio']:.1f} | {s['v_row_spread']:.1f} |"
+        )
+    print(
+        f"\n(of {model.config.num_key_value_heads} x {model.config.head_dim} channels per layer; row spread = "
+        "max / median of the per-(token, head) absmax)"
+    )
 
     # 3. attention error
     errors = attention_errors(qkv, settings.attn_queries, static_scales)
-    print(f"\n## Attention output error on the real K/V ({settings.attn_queries} last queries over "
-          f"{settings.stats_window} tokens, every layer)\n")
-    print("| mode | max err / max |ref|, mean over layers | worst layer | RMS rel., mean | kernel only, worst |\n"
-          "|---|---|---|---|---|")
+    print(
+        f"\n## Attention output error on the real K/V ({settings.attn_queries} last queries over "
+        f"{settings.stats_window} tokens, every layer)\n"
+    )
+    print(
+        "| mode | max err / max |ref|, mean over layers | worst layer | RMS rel., mean | kernel only, worst |\n"
+        "|---|---|---|---|---|"
+    )
     for label, e in errors.items():
-        print(f"| {label} | {e['total_max_rel_mean']:.2e} | {e['total_max_rel_worst']:.2e} (layer {e['worst_layer']}) "
-              f"| {e['rms_rel_mean']:.2e} | {e['kernel_max_rel_worst']:.1e} |")
+        print(
+            f"| {label} | {e['total_max_rel_mean']:.2e} | {e['total_max_rel_worst']:.2e} (layer {e['worst_layer']}) "
+            f"| {e['rms_rel_mean']:.2e} | {e['kernel_max_rel_worst']:.1e} |"
+        )
 
     # 4. decode speed
     speeds: dict[str, float] = {}
     if not args.skip_decode:
-        print(f"\n## Decode tokens/s (batch 1, {settings.decode_prompt}-token prompt, {settings.decode_tokens} "
-              f"tokens, best of {settings.decode_repeats})\n")
-        prompt = ids[:settings.decode_prompt]
-        picks = {"DynamicCache", "kvzoo none", "kvzoo int8 nearest", "kvzoo fp8 e4m3fn", "HF quanto int4",
-                 "HF hqq int4", "HF fp8 per-tensor"}
+        print(
+            f"\n## Decode tokens/s (batch 1, {settings.decode_prompt}-token prompt, {settings.decode_tokens} "
+            f"tokens, best of {settings.decode_repeats})\n"
+        )
+        prompt = ids[: settings.decode_prompt]
+        picks = {
+            "DynamicCache",
+            "kvzoo none",
+            "kvzoo int8 nearest",
+            "kvzoo fp8 e4m3fn",
+            "HF quanto int4",
+            "HF hqq int4",
+            "HF fp8 per-tensor",
+        }
         print("| format | tokens/s |\n|---|---|")
         for fmt in fmts:
             if fmt.label in picks:
                 speeds[fmt.label] = decode_speed(model, fmt, prompt, settings.decode_tokens, settings.decode_repeats)
                 print(f"| {fmt.label} | {speeds[fmt.label]:.1f} |", flush=True)
-    report.update(formats={f.label: {**f.results, "note": f.note} for f in fmts}, kv_statistics=stats,
-                  attention_errors=errors, decode_tokens_per_s=speeds,
-                  seconds=time.perf_counter() - began)
+    report.update(
+        formats={f.label: {**f.results, "note": f.note} for f in fmts},
+        kv_statistics=stats,
+        attention_errors=errors,
+        decode_tokens_per_s=speeds,
+        seconds=time.perf_counter() - began,
+    )
     print(f"\ntotal {report['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -31,9 +31,14 @@ EAGER = KVZOO + " (eager)"
 QUANTIZED = ("int8", "fp8")
 # How each variant of gpu_bench.py's case names reads on the page (the benchmark's model dtype is bf16).
 VARIANT_LABEL = {
-    "none": "bf16", "int8": "int8", "fp8": "fp8", "int8 qk-int8": "int8 quantize_query",
-    "int8 direct": "int8 direct kernel", "fp8 direct": "fp8 direct kernel",
-    "int8 inline": "int8 inline page", "fp8 inline": "fp8 inline page",
+    "none": "bf16",
+    "int8": "int8",
+    "fp8": "fp8",
+    "int8 qk-int8": "int8 quantize_query",
+    "int8 direct": "int8 direct kernel",
+    "fp8 direct": "fp8 direct kernel",
+    "int8 inline": "int8 inline page",
+    "fp8 inline": "fp8 inline page",
 }
 # Issue 5's smallest write size with a bandwidth target; smaller writes are launch-bound.
 WRITE_TARGET_TOKENS = 4096
@@ -151,10 +156,25 @@ def load(source: Path, host_cost: Path | None = None, real_model: Path | None = 
         if r.get("time_us") is None:
             continue
         op, shape, variant = parse_case(r["case"])
-        rows.append(Row(op, shape, variant, r["impl"], r["time_us"], r.get("metric"), r.get("unit", ""),
-                        r.get("pct"), r.get("check", ""), r.get("how", "")))
+        rows.append(
+            Row(
+                op,
+                shape,
+                variant,
+                r["impl"],
+                r["time_us"],
+                r.get("metric"),
+                r.get("unit", ""),
+                r.get("pct"),
+                r.get("check", ""),
+                r.get("how", ""),
+            )
+        )
     run = Run(data["info"], data["ceilings"], rows, failed)
-    for attr, given, name in (("host_cost", host_cost, "host_cost.json"), ("real_model", real_model, "real_model.json")):
+    for attr, given, name in (
+        ("host_cost", host_cost, "host_cost.json"),
+        ("real_model", real_model, "real_model.json"),
+    ):
         path = given or folder / name
         if path.exists():
             setattr(run, attr, json.loads(path.read_text()))
@@ -250,13 +270,17 @@ def _pct(row: Row) -> str:
 def table(run: Run) -> list[str]:
     out = ["| what | kvzoo | % of limit | what a user would pick instead |", "|---|---|---|---|"]
     for row in headline_rows(run):
-        out.append(f"| {label(row.op, row.shape)}, {VARIANT_LABEL.get(row.variant, row.variant)} | "
-                   f"{us(row.time_us)} | {_pct(row)} | {_alternatives(run, row)} |")
+        out.append(
+            f"| {label(row.op, row.shape)}, {VARIANT_LABEL.get(row.variant, row.variant)} | "
+            f"{us(row.time_us)} | {_pct(row)} | {_alternatives(run, row)} |"
+        )
     eager = run.eager_decode()
     if eager:
         n = numbers(eager.shape)
-        out.append(f"| eager API call, decode {n[0]} x {n[1]}, {eager.variant} | {us(eager.time_us)} | - | host time "
-                   "dominates: the plan's per-layer calls, or a CUDA graph of the step (host time below) |")
+        out.append(
+            f"| eager API call, decode {n[0]} x {n[1]}, {eager.variant} | {us(eager.time_us)} | - | host time "
+            "dominates: the plan's per-layer calls, or a CUDA graph of the step (host time below) |"
+        )
     return out
 
 
@@ -266,16 +290,24 @@ def _writes(run: Run) -> str | None:
     if not rows:
         return None
     copy = run.find("write", big, "copy of int8 bytes")
-    text = (f"**Writes** of {numbers(big)[0]} tokens stream at {span(r.pct for r in rows)}% of the copy ceiling"
-            + (f" (a plain copy of the same bytes: {copy.pct:.1f}%)." if copy else "."))
+    text = f"**Writes** of {numbers(big)[0]} tokens stream at {span(r.pct for r in rows)}% of the copy ceiling" + (
+        f" (a plain copy of the same bytes: {copy.pct:.1f}%)." if copy else "."
+    )
     small = run.write_shape(WRITE_TARGET_TOKENS)
-    w, c = (run.kvzoo("write", small, "int8"), run.find("write", small, "copy of int8 bytes")) if small else (None, None)
+    w, c = (
+        (run.kvzoo("write", small, "int8"), run.find("write", small, "copy of int8 bytes")) if small else (None, None)
+    )
     if w and c and small != big:
-        text += (f" At {WRITE_TARGET_TOKENS} tokens the int8 write reaches {w.pct:.1f}% and a plain copy of the same "
-                 f"bytes {c.pct:.1f}%: a transfer that small stays under the ceiling's rate; the kernel's own "
-                 "share is the gap to the copy.")
-    graph = [r for r in run.rows if r.op == "write" and r.kvzoo and numbers(r.shape)[0] <= SMALL_WRITE_TOKENS
-             and r.how == "graph"]
+        text += (
+            f" At {WRITE_TARGET_TOKENS} tokens the int8 write reaches {w.pct:.1f}% and a plain copy of the same "
+            f"bytes {c.pct:.1f}%: a transfer that small stays under the ceiling's rate; the kernel's own "
+            "share is the gap to the copy."
+        )
+    graph = [
+        r
+        for r in run.rows
+        if r.op == "write" and r.kvzoo and numbers(r.shape)[0] <= SMALL_WRITE_TOKENS and r.how == "graph"
+    ]
     eager = [r for r in run.rows if r.op == "write" and r.impl == EAGER]
     if graph:
         text += f" A CUDA graph replays a write of 1-{SMALL_WRITE_TOKENS} tokens in {span(r.time_us for r in graph)} us"
@@ -289,19 +321,25 @@ def _decode(run: Run) -> str | None:
     bf16 = [r for s in shapes if (r := run.kvzoo("decode", s, "none"))]
     if not quant:
         return None
-    text = (f"**Quantized decode** streams at {span(r.pct for r in quant)}% of the copy ceiling "
-            f"({', '.join(label('decode', s).removeprefix('decode ') for s in shapes)}). Each tile is a dependent "
-            "chain of conversions, dots and softmax, so the kernel slows with the SM clock, and the board's power "
-            "cap lowers the clock under sustained load: `bench/sustained.py` measures it at full clock and under "
-            "the cap ([docs/hardware.md](../docs/hardware.md)).")
+    text = (
+        f"**Quantized decode** streams at {span(r.pct for r in quant)}% of the copy ceiling "
+        f"({', '.join(label('decode', s).removeprefix('decode ') for s in shapes)}). Each tile is a dependent "
+        "chain of conversions, dots and softmax, so the kernel slows with the SM clock, and the board's power "
+        "cap lowers the clock under sustained load: `bench/sustained.py` measures it at full clock and under "
+        "the cap ([docs/hardware.md](../docs/hardware.md))."
+    )
     if bf16:
-        text += (f" bf16 decode is bound by DRAM and reads at {span(r.pct for r in bf16)}% of the copy ceiling "
-                 "(a pure read streams faster than a copy, which the ceiling counts as read + write).")
+        text += (
+            f" bf16 decode is bound by DRAM and reads at {span(r.pct for r in bf16)}% of the copy ceiling "
+            "(a pure read streams faster than a copy, which the ceiling counts as read + write)."
+        )
     pairs = [(q, b) for s in shapes if (q := run.kvzoo("decode", s, "int8")) and (b := run.kvzoo("decode", s, "none"))]
     if pairs and all(q.moved and b.moved for q, b in pairs):
-        text += (f" int8 moves {span((q.moved / b.moved for q, b in pairs), '.3f')}x bf16's bytes, so at bf16's "
-                 f"rate it would run {span((b.moved / q.moved for q, b in pairs), '.2f')}x faster than kvzoo bf16; "
-                 f"it runs {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x.")
+        text += (
+            f" int8 moves {span((q.moved / b.moved for q, b in pairs), '.3f')}x bf16's bytes, so at bf16's "
+            f"rate it would run {span((b.moved / q.moved for q, b in pairs), '.2f')}x faster than kvzoo bf16; "
+            f"it runs {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x."
+        )
     return text
 
 
@@ -311,35 +349,57 @@ def _prefill(run: Run) -> str | None:
     if not rows:
         return None
     sdpa = run.find("prefill", big, "sdpa-bf16")
-    text = (f"**Prefill** reaches {span(r.pct for r in rows)}% of the bf16 matmul rate"
-            + (f", against SDPA's {sdpa.pct:.1f}%." if sdpa else "."))
-    direct = [(d, s) for v in QUANTIZED if (d := run.kvzoo("prefill", big, v + " direct"))
-              and (s := run.kvzoo("prefill", big, v))]
+    text = f"**Prefill** reaches {span(r.pct for r in rows)}% of the bf16 matmul rate" + (
+        f", against SDPA's {sdpa.pct:.1f}%." if sdpa else "."
+    )
+    direct = [
+        (d, s)
+        for v in QUANTIZED
+        if (d := run.kvzoo("prefill", big, v + " direct")) and (s := run.kvzoo("prefill", big, v))
+    ]
     if direct:
-        text += (" Quantized prefill converts each key's codes once into an fp16 workspace (staging.py) and then "
-                 f"runs like bf16; the direct kernel, converting in every query tile, takes "
-                 f"{span((d.time_us / s.time_us for d, s in direct), '.2f')}x as long.")
-    text += (" How much of the gap to SDPA is Triton's own code generation: `bench/flash_bound.py` times a plain "
-             f"Triton flash kernel on contiguous bf16 on this shape (last figures in [the archive]({ARCHIVE})).")
+        text += (
+            " Quantized prefill converts each key's codes once into an fp16 workspace (staging.py) and then "
+            f"runs like bf16; the direct kernel, converting in every query tile, takes "
+            f"{span((d.time_us / s.time_us for d, s in direct), '.2f')}x as long."
+        )
+    text += (
+        " How much of the gap to SDPA is Triton's own code generation: `bench/flash_bound.py` times a plain "
+        f"Triton flash kernel on contiguous bf16 on this shape (last figures in [the archive]({ARCHIVE}))."
+    )
     mixed = run.largest("mixed")
-    pairs = [(q, b) for v in QUANTIZED if mixed and (q := run.kvzoo("mixed", mixed, v))
-             and (b := run.kvzoo("mixed", mixed, "none"))]
+    pairs = [
+        (q, b)
+        for v in QUANTIZED
+        if mixed and (q := run.kvzoo("mixed", mixed, v)) and (b := run.kvzoo("mixed", mixed, "none"))
+    ]
     if pairs:
-        text += (f" The {label('mixed', mixed)} runs at {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x "
-                 "kvzoo bf16's speed with int8 and fp8 caches.")
+        text += (
+            f" The {label('mixed', mixed)} runs at {span((b.time_us / q.time_us for q, b in pairs), '.2f')}x "
+            "kvzoo bf16's speed with int8 and fp8 caches."
+        )
     return text
 
 
 def _quantize_query(run: Run) -> str | None:
-    pairs = [(q, d) for r in run.rows if r.kvzoo and r.variant == "int8 qk-int8"
-             for q, d in [(r, run.kvzoo(r.op, r.shape, "int8"))] if d]
+    pairs = [
+        (q, d)
+        for r in run.rows
+        if r.kvzoo and r.variant == "int8 qk-int8"
+        for q, d in [(r, run.kvzoo(r.op, r.shape, "int8"))]
+        if d
+    ]
     if not pairs:
         return None
-    by_op = "; ".join(f"{op} {span((d.time_us / q.time_us for q, d in pairs if q.op == op), '.2f')}x"
-                      for op in dict.fromkeys(q.op for q, _ in pairs))
+    by_op = "; ".join(
+        f"{op} {span((d.time_us / q.time_us for q, d in pairs if q.op == op), '.2f')}x"
+        for op in dict.fromkeys(q.op for q, _ in pairs)
+    )
     errs = [q.error for q, _ in pairs if q.error is not None]
-    return ("**`quantize_query=True`** (QK^T on int8 codes) runs at this multiple of the default int8 path's speed: "
-            f"{by_op}" + (f"; its error is {span(errs, '.1e')}." if errs else "."))
+    return (
+        "**`quantize_query=True`** (QK^T on int8 codes) runs at this multiple of the default int8 path's speed: "
+        f"{by_op}" + (f"; its error is {span(errs, '.1e')}." if errs else ".")
+    )
 
 
 def _host(run: Run) -> str | None:
@@ -347,8 +407,10 @@ def _host(run: Run) -> str | None:
     if not eager:
         return None
     n = numbers(eager.shape)
-    return (f"**Host time**: an eager API call (decode {n[0]} x {n[1]}, {eager.variant}) takes {us(eager.time_us)}, "
-            "almost all of it on the host (argument checks, Triton's launcher); a CUDA graph of the step removes it.")
+    return (
+        f"**Host time**: an eager API call (decode {n[0]} x {n[1]}, {eager.variant}) takes {us(eager.time_us)}, "
+        "almost all of it on the host (argument checks, Triton's launcher); a CUDA graph of the step removes it."
+    )
 
 
 def prose(run: Run) -> list[str]:
@@ -360,9 +422,11 @@ def accuracy(run: Run) -> str | None:
     qq = [r.error for r in run.rows if r.kvzoo and r.error is not None and "qk-int8" in r.variant]
     if not plain:
         return None
-    return ("Accuracy, each attention row against float32 torch attention on the same cache (relative error, bf16 "
-            f"output rounding included): {span(plain, '.1e')}" + (f"; with `quantize_query=True` {span(qq, '.1e')}."
-                                                                  if qq else "."))
+    return (
+        "Accuracy, each attention row against float32 torch attention on the same cache (relative error, bf16 "
+        f"output rounding included): {span(plain, '.1e')}"
+        + (f"; with `quantize_query=True` {span(qq, '.1e')}." if qq else ".")
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,8 +448,7 @@ def _pct_at(run: Run, shape: str | None, variants: Iterable[str], floor: float):
 
 
 def _ratio_target(run: Run, op: str, fast: str, slow: Callable[[str], Row | None], floor: float, strict=False):
-    found = [(s, f.time_us, b.time_us) for s in run.shapes(op)
-             if (f := run.kvzoo(op, s, fast)) and (b := slow(s))]
+    found = [(s, f.time_us, b.time_us) for s in run.shapes(op) if (f := run.kvzoo(op, s, fast)) and (b := slow(s))]
     if not found:
         return None
     figure = ", ".join(f"{b / f:.2f}x at {label(op, s).removeprefix(op + ' ')}" for s, f, b in found)
@@ -393,8 +456,13 @@ def _ratio_target(run: Run, op: str, fast: str, slow: Callable[[str], Row | None
 
 
 def _writes_target(run: Run):
-    rows = [r for s in run.shapes("write") if numbers(s)[0] >= WRITE_TARGET_TOKENS
-            for v in QUANTIZED if (r := run.kvzoo("write", s, v))]
+    rows = [
+        r
+        for s in run.shapes("write")
+        if numbers(s)[0] >= WRITE_TARGET_TOKENS
+        for v in QUANTIZED
+        if (r := run.kvzoo("write", s, v))
+    ]
     if not rows:
         return None
     return f"{span(r.pct for r in rows)}%", all(r.pct >= 75 for r in rows)
@@ -411,8 +479,10 @@ def _prefill_vs_bf16(run: Run):
     rows = [r for v in QUANTIZED if b and (r := run.kvzoo("prefill", big, v))]
     if not rows:
         return None
-    return (", ".join(f"{r.variant} {b.time_us / r.time_us:.2f}x" for r in rows),
-            all(r.time_us <= 1.1 * b.time_us for r in rows))
+    return (
+        ", ".join(f"{r.variant} {b.time_us / r.time_us:.2f}x" for r in rows),
+        all(r.time_us <= 1.1 * b.time_us for r in rows),
+    )
 
 
 def _prefill_vs_sdpa(run: Run):
@@ -421,13 +491,20 @@ def _prefill_vs_sdpa(run: Run):
     rows = [r for v in QUANTIZED if sdpa and (r := run.kvzoo("prefill", big, v))]
     if not rows:
         return None
-    return (", ".join(f"{r.variant} {sdpa.time_us / r.time_us:.2f}x" for r in rows),
-            all(sdpa.time_us / r.time_us >= 0.6 for r in rows))
+    return (
+        ", ".join(f"{r.variant} {sdpa.time_us / r.time_us:.2f}x" for r in rows),
+        all(sdpa.time_us / r.time_us >= 0.6 for r in rows),
+    )
 
 
 def _decode_pct(run: Run, floor: float):
-    rows = [(s, r) for c in (DECODE_CONTEXT, SPLIT_CONTEXT) if (s := run.with_context("decode", c))
-            for v in QUANTIZED if (r := run.kvzoo("decode", s, v))]
+    rows = [
+        (s, r)
+        for c in (DECODE_CONTEXT, SPLIT_CONTEXT)
+        if (s := run.with_context("decode", c))
+        for v in QUANTIZED
+        if (r := run.kvzoo("decode", s, v))
+    ]
     if not rows:
         return None
     figure = ", ".join(f"{r.variant} {r.pct:.1f}% at {label('decode', s).removeprefix('decode ')}" for s, r in rows)
@@ -439,7 +516,9 @@ def _int8_vs_bf16(floor: float):
 
 
 def _vs_sdpa(variant: str, floor: float, strict: bool = False):
-    return lambda run: _ratio_target(run, "decode", variant, lambda s: run.find("decode", s, "sdpa-bf16"), floor, strict)
+    return lambda run: _ratio_target(
+        run, "decode", variant, lambda s: run.find("decode", s, "sdpa-bf16"), floor, strict
+    )
 
 
 def _inline_vs_separate(run: Run):
@@ -457,20 +536,29 @@ def _inline_vs_separate(run: Run):
 # What the issues ask of these rows (figures the issues fix, not measurements). Issue 20's
 # fp8-prefill target needs rows gpu_bench.py does not time yet.
 TARGETS = (
-    Target(5, f"int8/fp8 decode at {DECODE_CONTEXT} context >= 85% of the copy ceiling",
-           lambda run: _pct_at(run, run.with_context("decode", DECODE_CONTEXT), QUANTIZED, 85)),
+    Target(
+        5,
+        f"int8/fp8 decode at {DECODE_CONTEXT} context >= 85% of the copy ceiling",
+        lambda run: _pct_at(run, run.with_context("decode", DECODE_CONTEXT), QUANTIZED, 85),
+    ),
     Target(5, "int8 decode >= 1.8x kvzoo bf16", _int8_vs_bf16(1.8)),
     Target(5, "bf16 decode >= 0.95x torch SDPA", _vs_sdpa("none", 0.95)),
     Target(5, "int8 decode faster than torch SDPA", _vs_sdpa("int8", 1.0, strict=True)),
     Target(5, "fp8 decode faster than torch SDPA", _vs_sdpa("fp8", 1.0, strict=True)),
-    Target(5, f"split-KV decode at {SPLIT_CONTEXT} context >= 85%",
-           lambda run: _pct_at(run, run.with_context("decode", SPLIT_CONTEXT), ("none", *QUANTIZED), 85)),
+    Target(
+        5,
+        f"split-KV decode at {SPLIT_CONTEXT} context >= 85%",
+        lambda run: _pct_at(run, run.with_context("decode", SPLIT_CONTEXT), ("none", *QUANTIZED), 85),
+    ),
     Target(5, f"int8/fp8 writes of >= {WRITE_TARGET_TOKENS} tokens >= 75% of the copy ceiling", _writes_target),
     Target(5, f"writes of 1-{SMALL_WRITE_TOKENS} tokens: one launch, time reported", _small_writes),
     Target(5, "int8/fp8 prefill within 10% of kvzoo bf16 (speed against it)", _prefill_vs_bf16),
     Target(5, "int8/fp8 prefill >= 60% of torch SDPA's TFLOP/s (speed against it)", _prefill_vs_sdpa),
-    Target(20, f"int8/fp8 decode at {DECODE_CONTEXT} and {SPLIT_CONTEXT} context >= 90% of the copy ceiling",
-           lambda run: _decode_pct(run, 90)),
+    Target(
+        20,
+        f"int8/fp8 decode at {DECODE_CONTEXT} and {SPLIT_CONTEXT} context >= 90% of the copy ceiling",
+        lambda run: _decode_pct(run, 90),
+    ),
     Target(20, "int8 decode >= 1.75x kvzoo bf16", _int8_vs_bf16(1.75)),
     Target(20, "decode on the inline page >= 0.95x the separate layout's speed", _inline_vs_separate),
 )
@@ -492,8 +580,10 @@ def targets(run: Run) -> list[str]:
 def host_cost_section(run: Run) -> list[str]:
     hc = run.host_cost
     if hc is None:
-        return ["**Host time per layer call**: not part of this run (`OUT=DIR python3 bench/host_cost.py` writes "
-                f"DIR/host_cost.json); the last figures are in [the archive]({ARCHIVE})."]
+        return [
+            "**Host time per layer call**: not part of this run (`OUT=DIR python3 bench/host_cost.py` writes "
+            f"DIR/host_cost.json); the last figures are in [the archive]({ARCHIVE})."
+        ]
     info = hc.get("info", {})
     rows = hc.get("rows", [])
     null = next((r for r in rows if r["row"].startswith("null op")), None)
@@ -505,23 +595,30 @@ def host_cost_section(run: Run) -> list[str]:
     where = ", ".join(str(info[k]) for k in ("date", "device") if info.get(k))
     impls = [f"{op} {info[k]}" for op, k in (("write", "write_impl"), ("attention", "attention_impl")) if info.get(k)]
     where += "".join(f", {i}" for i in impls)
-    head = (f"**Host time per layer call** ({where}, commit {info.get('commit', 'unknown')}, "
-            f"`{info.get('command', 'python3 bench/host_cost.py')}`: {info.get('case', '')}, median of "
-            f"{info.get('calls', '?')} calls per row, each followed by a synchronisation, rows round-robin"
-            + (f"; the null op, `{null['row']}`, takes {us(null['synchronised_us'])}" if null else "") + "). "
-            "Microseconds above the null op, per call synchronised (the issue's measure) and per call over "
-            "32 calls back to back (what a step of 32 layers sees, with warm caches):")
+    head = (
+        f"**Host time per layer call** ({where}, commit {info.get('commit', 'unknown')}, "
+        f"`{info.get('command', 'python3 bench/host_cost.py')}`: {info.get('case', '')}, median of "
+        f"{info.get('calls', '?')} calls per row, each followed by a synchronisation, rows round-robin"
+        + (f"; the null op, `{null['row']}`, takes {us(null['synchronised_us'])}" if null else "")
+        + "). "
+        "Microseconds above the null op, per call synchronised (the issue's measure) and per call over "
+        "32 calls back to back (what a step of 32 layers sees, with warm caches):"
+    )
     out = [head, ""]
     write, attention = groups.pop("write", []), groups.pop("attention", [])
     if write or attention:
-        out += ["| call | write, synchronised | write, back to back | attention, synchronised | "
-                "attention, back to back |", "|---|---|---|---|---|"]
+        out += [
+            "| call | write, synchronised | write, back to back | attention, synchronised | attention, back to back |",
+            "|---|---|---|---|---|",
+        ]
         for i in range(max(len(write), len(attention))):
             w = write[i] if i < len(write) else None
             a = attention[i] if i < len(attention) else None
             name = " / ".join(dict.fromkeys(x["call"] for x in (w, a) if x))
-            out.append(f"| {name} | {_above(w)} | {_above(w, 'back_to_back_above_null_us')} | {_above(a)} | "
-                       f"{_above(a, 'back_to_back_above_null_us')} |")
+            out.append(
+                f"| {name} | {_above(w)} | {_above(w, 'back_to_back_above_null_us')} | {_above(a)} | "
+                f"{_above(a, 'back_to_back_above_null_us')} |"
+            )
     for group, entries in groups.items():
         out += ["", f"{group}: " + "; ".join(f"`{e['call']}` {us(e['above_null_us'])}" for e in entries) + "."]
     return out
@@ -538,9 +635,15 @@ def ablation_section(run: Run) -> list[str]:
     out: list[str] = []
     for ab in run.ablations:
         rows = ab.get("ablation", {}).get("rows", {})
-        out += ["", f"**What bounds fp8 on the real model** (`{ab.get('command', 'python bench/real_model.py --ablate')}`; "
-                f"{ab.get('text', '')}). Perplexity change against the same group's unquantized row; the interval "
-                "is a paired bootstrap over chunks:", "", "| row | what | change | 95% interval |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"**What bounds fp8 on the real model** (`{ab.get('command', 'python bench/real_model.py --ablate')}`; "
+            f"{ab.get('text', '')}). Perplexity change against the same group's unquantized row; the interval "
+            "is a paired bootstrap over chunks:",
+            "",
+            "| row | what | change | 95% interval |",
+            "|---|---|---|---|",
+        ]
         for name, r in rows.items():
             if not r.get("delta"):
                 continue
@@ -554,13 +657,19 @@ def ablation_section(run: Run) -> list[str]:
 def real_model_section(run: Run) -> list[str]:
     rm = run.real_model
     if rm is None or not rm.get("formats"):
-        return ["**A real model** (perplexity per cache format, CPU): not part of this run (`python "
-                "bench/real_model.py --json DIR/real_model.json`); the last table is in "
-                f"[the archive]({ARCHIVE})."]
+        return [
+            "**A real model** (perplexity per cache format, CPU): not part of this run (`python "
+            "bench/real_model.py --json DIR/real_model.json`); the last table is in "
+            f"[the archive]({ARCHIVE})."
+        ]
     about = "; ".join(str(rm[k]) for k in ("model", "text", "versions", "machine") if rm.get(k))
     first = next(iter(rm["formats"]))
-    out = [f"**A real model** (`{rm.get('command', 'python bench/real_model.py')}`): {about}.", "",
-           f"| cache | perplexity | vs {first} | KV bytes/token |", "|---|---|---|---|"]
+    out = [
+        f"**A real model** (`{rm.get('command', 'python bench/real_model.py')}`): {about}.",
+        "",
+        f"| cache | perplexity | vs {first} | KV bytes/token |",
+        "|---|---|---|---|",
+    ]
     for name, r in rm["formats"].items():
         delta = r.get("delta")
         shown = "-" if delta is None or delta == 0 else f"{100 * delta:+.3f}%"
@@ -584,23 +693,33 @@ def _timed_how(run: Run) -> str:
 
 def page(run: Run, plots: dict[str, str] | None) -> str:
     i, c = run.info, run.ceilings
-    out = ["# kvzoo results", "",
-           "<!-- Generated by bench/report.py from the JSON of a bench/gpu_bench.py run: edit report.py, "
-           "not this page. -->",
-           "Regenerate on the GPU: `OUT=/tmp/run python3 bench/gpu_bench.py && OUT=/tmp/run python3 "
-           "bench/host_cost.py`, then `python bench/report.py /tmp/run` (bench/report.py's docstring has the "
-           "optional real-model run).", ""]
+    out = [
+        "# kvzoo results",
+        "",
+        "<!-- Generated by bench/report.py from the JSON of a bench/gpu_bench.py run: edit report.py, "
+        "not this page. -->",
+        "Regenerate on the GPU: `OUT=/tmp/run python3 bench/gpu_bench.py && OUT=/tmp/run python3 "
+        "bench/host_cost.py`, then `python bench/report.py /tmp/run` (bench/report.py's docstring has the "
+        "optional real-model run).",
+        "",
+    ]
     if run.dry:
-        out += ["**DRY RUN**: these figures come from `gpu_bench.py --dry-run` on CPU under the Triton interpreter "
-                "at toy sizes. They check the scripts, and say nothing about speed.", ""]
-    out += [f"What kvzoo reaches on one {i.get('gpu', '?')}, measured {i.get('date', '?')} at commit "
-            f"{i.get('commit', 'unknown')} (torch {i.get('torch', '?')}, triton {i.get('triton', '?')}) with "
-            f"`{i.get('command', 'python3 bench/gpu_bench.py')}`. {_timed_how(run)} Every row was checked before it "
-            "was timed: write bytes equal the NumPy reference, attention error against float32 torch on the same "
-            f"cache. The ceilings come from the same run: device copy {c['copy_GBps']:,.0f} GB/s (read + write) and "
-            f"bf16 matmul {c['matmul_TFLOPs']:,.0f} TFLOP/s. \"% of limit\" is bytes moved over the copy ceiling, or "
-            "FLOPs over the matmul rate. The hardware facts the kernels rely on are in "
-            f"[docs/hardware.md](../docs/hardware.md); every earlier run is in [{ARCHIVE}]({ARCHIVE}).", ""]
+        out += [
+            "**DRY RUN**: these figures come from `gpu_bench.py --dry-run` on CPU under the Triton interpreter "
+            "at toy sizes. They check the scripts, and say nothing about speed.",
+            "",
+        ]
+    out += [
+        f"What kvzoo reaches on one {i.get('gpu', '?')}, measured {i.get('date', '?')} at commit "
+        f"{i.get('commit', 'unknown')} (torch {i.get('torch', '?')}, triton {i.get('triton', '?')}) with "
+        f"`{i.get('command', 'python3 bench/gpu_bench.py')}`. {_timed_how(run)} Every row was checked before it "
+        "was timed: write bytes equal the NumPy reference, attention error against float32 torch on the same "
+        f"cache. The ceilings come from the same run: device copy {c['copy_GBps']:,.0f} GB/s (read + write) and "
+        f'bf16 matmul {c["matmul_TFLOPs"]:,.0f} TFLOP/s. "% of limit" is bytes moved over the copy ceiling, or '
+        "FLOPs over the matmul rate. The hardware facts the kernels rely on are in "
+        f"[docs/hardware.md](../docs/hardware.md); every earlier run is in [{ARCHIVE}]({ARCHIVE}).",
+        "",
+    ]
     out += table(run)
     out += ["", "How far each kernel is from its limit, and why:", *prose(run)]
     if run.failed:
@@ -610,12 +729,19 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
         out += ["", acc]
     out += ["", *targets(run)]
     if plots:
-        out += ["", f"![achieved bandwidth and TFLOP/s against the measured ceilings]({plots['ceilings']})",
-                "", f"![kvzoo against the alternatives, per case]({plots['alternatives']})"]
+        out += [
+            "",
+            f"![achieved bandwidth and TFLOP/s against the measured ceilings]({plots['ceilings']})",
+            "",
+            f"![kvzoo against the alternatives, per case]({plots['alternatives']})",
+        ]
     out += ["", *host_cost_section(run), "", *real_model_section(run), *ablation_section(run)]
-    out += ["", "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
-            "CPU backends: `pytest bench/bench_cpu.py --benchmark-only`, or `python bench/bench_cpu.py` for a "
-            "markdown table (last figures in the archive)."]
+    out += [
+        "",
+        "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
+        "CPU backends: `pytest bench/bench_cpu.py --benchmark-only`, or `python bench/bench_cpu.py` for a "
+        "markdown table (last figures in the archive).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -624,10 +750,19 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
 
 
 # The alternatives' rows, by their variant in gpu_bench.py's case names.
-ALTERNATIVE_LABEL = {"bf16": "torch index_copy_ (bf16)", "copy of int8 bytes": "torch copy_ of the int8 bytes",
-                     "sdpa-bf16": "torch SDPA (contiguous bf16)"}
-COLOURS = {"none": "#4c72b0", "int8": "#dd8452", "fp8": "#55a868", "int8 qk-int8": "#c44e52",
-           "int8 direct": "#8172b3", "fp8 direct": "#937860"}
+ALTERNATIVE_LABEL = {
+    "bf16": "torch index_copy_ (bf16)",
+    "copy of int8 bytes": "torch copy_ of the int8 bytes",
+    "sdpa-bf16": "torch SDPA (contiguous bf16)",
+}
+COLOURS = {
+    "none": "#4c72b0",
+    "int8": "#dd8452",
+    "fp8": "#55a868",
+    "int8 qk-int8": "#c44e52",
+    "int8 direct": "#8172b3",
+    "fp8 direct": "#937860",
+}
 OTHER = "#8c8c8c"
 
 
@@ -649,11 +784,20 @@ def plot_ceilings(run: Run, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("GB/s", "copy_GBps", "device copy", ("write", "decode")),
-              ("TFLOP/s", "matmul_TFLOPs", "bf16 matmul", ("prefill", "mixed")))
-    per_panel = [[r for op in ops for s in _plotted_shapes(run, op) for r in run.rows
-                  if r.op == op and r.shape == s and r.unit == unit and r.impl != EAGER and r.metric is not None]
-                 for unit, _, _, ops in panels]
+    panels = (
+        ("GB/s", "copy_GBps", "device copy", ("write", "decode")),
+        ("TFLOP/s", "matmul_TFLOPs", "bf16 matmul", ("prefill", "mixed")),
+    )
+    per_panel = [
+        [
+            r
+            for op in ops
+            for s in _plotted_shapes(run, op)
+            for r in run.rows
+            if r.op == op and r.shape == s and r.unit == unit and r.impl != EAGER and r.metric is not None
+        ]
+        for unit, _, _, ops in panels
+    ]
     height = max(3.0, 0.28 * max(len(r) for r in per_panel) + 1.5)
     fig, axes = plt.subplots(1, 2, figsize=(13, height))
     for ax, (unit, key, name, _), rows in zip(axes, panels, per_panel):
@@ -663,15 +807,25 @@ def plot_ceilings(run: Run, path: Path) -> None:
         y = range(len(rows))
         ax.barh(list(y), [r.metric for r in rows], color=colours)
         ax.axvline(ceiling, color="black", linestyle="--", linewidth=1)
-        ax.text(ceiling, 1.01, f"{name}: {ceiling:,.0f} {unit}", transform=ax.get_xaxis_transform(), fontsize=8,
-                ha="right", va="bottom")
+        ax.text(
+            ceiling,
+            1.01,
+            f"{name}: {ceiling:,.0f} {unit}",
+            transform=ax.get_xaxis_transform(),
+            fontsize=8,
+            ha="right",
+            va="bottom",
+        )
         for yi, r in zip(y, rows):
             ax.text(r.metric, yi, f" {r.pct:.0f}%", va="center", fontsize=7)
         ax.set_yticks(list(y), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel(f"achieved {unit} (kvzoo in colour, alternatives in grey)")
-    fig.suptitle(f"kvzoo on {run.info.get('gpu', '?')}, commit {run.info.get('commit', 'unknown')}: achieved "
-                 "rate against the measured ceilings", fontsize=10)
+    fig.suptitle(
+        f"kvzoo on {run.info.get('gpu', '?')}, commit {run.info.get('commit', 'unknown')}: achieved "
+        "rate against the measured ceilings",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -692,8 +846,9 @@ def plot_alternatives(run: Run, path: Path) -> None:
             base = run.kvzoo(op, s, "none")
             if bars and base:
                 groups.append((label(op, s), bars, base.time_us))
-    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 1.2 + 1.1 * sum(len(b) for _, b, _ in groups) * 0.28),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(groups), 1, figsize=(9, 1.2 + 1.1 * sum(len(b) for _, b, _ in groups) * 0.28), squeeze=False
+    )
     for ax, (name, bars, base) in zip(axes[:, 0], groups):
         speed = [base / t for _, t, _ in bars]
         y = range(len(bars))
@@ -705,8 +860,7 @@ def plot_alternatives(run: Run, path: Path) -> None:
         ax.invert_yaxis()
         ax.set_title(name, fontsize=8, loc="left")
         ax.set_xlim(0, max(speed) * 1.35)
-    axes[-1, 0].set_xlabel("speed relative to kvzoo bf16 on the same case (> 1: faster); time per call beside "
-                           "each bar")
+    axes[-1, 0].set_xlabel("speed relative to kvzoo bf16 on the same case (> 1: faster); time per call beside each bar")
     fig.suptitle(f"kvzoo against the alternatives, {run.info.get('gpu', '?')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -729,7 +883,9 @@ def _relative(target: Path, start: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="a folder holding bench.json (and host_cost.json, real_model.json), or a bench.json")
+    ap.add_argument(
+        "run", type=Path, help="a folder holding bench.json (and host_cost.json, real_model.json), or a bench.json"
+    )
     ap.add_argument("--host-cost", type=Path, help="host_cost.json (default: beside bench.json)")
     ap.add_argument("--real-model", type=Path, help="real_model.py's --json output (default: beside bench.json)")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the page (default bench/RESULTS.md)")
@@ -742,8 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print('report: the plots need matplotlib (pip install "kvzoo[plots]"), or pass --no-plots',
-                  file=sys.stderr)
+            print('report: the plots need matplotlib (pip install "kvzoo[plots]"), or pass --no-plots', file=sys.stderr)
             return 2
         plots = write_plots(run, args.plots, args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)

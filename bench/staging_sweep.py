@@ -53,8 +53,10 @@ def main() -> None:
     wanted = sys.argv[1:] or [f"{seqs}x{q}" for seqs, q in SHAPES]
     copy_bw, _ = ceilings()
     print(f"copy ceiling {copy_bw:.0f} GB/s; context {CONTEXT}; times in us (CUDA-graph medians)")
-    print(f"{'mode':6} {'seqs x q':>10} {'direct':>9} {'staged':>9} {'gather':>8} {'gather GB/s':>11} "
-          f"{'attend':>9} {'bf16':>9} {'staged/direct':>13} {'staged/bf16':>11} {'err direct':>10} {'err staged':>10}")
+    print(
+        f"{'mode':6} {'seqs x q':>10} {'direct':>9} {'staged':>9} {'gather':>8} {'gather GB/s':>11} "
+        f"{'attend':>9} {'bf16':>9} {'staged/direct':>13} {'staged/bf16':>11} {'err direct':>10} {'err staged':>10}"
+    )
     for seqs, q in SHAPES:
         if f"{seqs}x{q}" not in wanted:
             continue
@@ -85,9 +87,11 @@ def main() -> None:
             # one fp32 factor a row.
             query_rows = seqs * q * p.num_q_heads
             gather_bytes = keys * (1 + 2) + scale_bytes + query_rows * (p.head_size * (2 + 2) + 4)
-            print(f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
-                  f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
-                  f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}")
+            print(
+                f"{mode[:4]:6} {f'{seqs}x{q}':>10} {t_direct:9.1f} {t_staged:9.1f} {t_gather:8.1f} "
+                f"{gather_bytes / t_gather / 1e3:11.0f} {t_attend:9.1f} {t_bf16:9.1f} {t_direct / t_staged:12.2f}x "
+                f"{t_staged / t_bf16:10.2f}x {e_direct:10.1e} {e_staged:10.1e}"
+            )
             if q >= 1024 and mode == MODES[0]:
                 for label, change in VARIANTS.items():
                     cfg = dataclasses.replace(staged_cfg, **change)
@@ -95,7 +99,9 @@ def main() -> None:
                     K._launch(K.staged_kernel_call(staged, "cuda", cfg))
                     e = err(p, last)  # w shares p.out; ref_seq decodes p's cache
                     t = timed(lambda staged=staged, cfg=cfg: K._launch(K.staged_kernel_call(staged, "cuda", cfg)))
-                    print(f"       attend on the workspace, {label:28}: {t:9.1f} us (table {t_attend:.1f}), err {e:.1e}")
+                    print(
+                        f"       attend on the workspace, {label:28}: {t:9.1f} us (table {t_attend:.1f}), err {e:.1e}"
+                    )
             if q >= staging.STAGE_MIN_QUERY_LEN:
                 table = staging.GATHER_ROWS, staging.GATHER_WARPS
                 for staging.GATHER_ROWS, staging.GATHER_WARPS in GATHER_VARIANTS:
@@ -104,9 +110,11 @@ def main() -> None:
                     K._launch(K.staged_kernel_call(again, "cuda", staged_cfg))
                     e = err(p, last)
                     t = timed(lambda p=p: staging.staged_problem(p))
-                    print(f"       gather, {staging.GATHER_ROWS:3d} rows {staging.GATHER_WARPS} warps a program: "
-                          f"{t:7.1f} us, {gather_bytes / t / 1e3:5.0f} GB/s (table {table[0]} rows {table[1]} warps: "
-                          f"{t_gather:.1f}), err {e:.1e}")
+                    print(
+                        f"       gather, {staging.GATHER_ROWS:3d} rows {staging.GATHER_WARPS} warps a program: "
+                        f"{t:7.1f} us, {gather_bytes / t / 1e3:5.0f} GB/s (table {table[0]} rows {table[1]} warps: "
+                        f"{t_gather:.1f}), err {e:.1e}"
+                    )
                 staging.GATHER_ROWS, staging.GATHER_WARPS = table
 
 

@@ -91,7 +91,12 @@ def decode_runs(group) -> dict:
             p.out.fill_(float("nan"))
             K.run(p, "cuda", decode=cfg)
             runs[f"decode {seqs}x{ctx} {mode} {name}"] = (
-                lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), decode_bytes(p), "bytes", err(p, [0, seqs - 1]), p)
+                lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+                decode_bytes(p),
+                "bytes",
+                err(p, [0, seqs - 1]),
+                p,
+            )
     return runs
 
 
@@ -102,15 +107,24 @@ def prefill_runs(seqs: int, length: int, modes) -> dict:
         p.out.fill_(float("nan"))
         K.run(p, "cuda")
         runs[f"prefill {seqs}x{length} {mode}"] = (
-            lambda p=p: K.run(p, "cuda"), prefill_flops(seqs, length), "flops", err(p, [0, seqs - 1]), p)
+            lambda p=p: K.run(p, "cuda"),
+            prefill_flops(seqs, length),
+            "flops",
+            err(p, [0, seqs - 1]),
+            p,
+        )
     q = torch.randn(seqs, HQ, length, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(seqs, HKV, length, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # Not checked here: gpu_bench.py times the same call; err is nan.
     runs[f"prefill {seqs}x{length} torch sdpa bf16"] = (
-        lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), prefill_flops(seqs, length), "flops", float("nan"),
-        (q, k, v))
+        lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+        prefill_flops(seqs, length),
+        "flops",
+        float("nan"),
+        (q, k, v),
+    )
     return runs
 
 
@@ -122,8 +136,9 @@ def measure_group(runs: dict, copy_bw: float) -> None:
         time.sleep(2.0)
         burst[label] = statistics.median(us(timed_replays(g, 30)))
     log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "200"], stdout=log)
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "200"], stdout=log
+    )
     blocks: dict[str, list] = {label: [] for label in graphs}
     start = time.time()
     while time.time() - start < SUSTAIN_S:
@@ -133,7 +148,7 @@ def measure_group(runs: dict, copy_bw: float) -> None:
     smi.terminate()
     smi.wait()
     samples = [tuple(float(x) for x in line.split(",")) for line in Path(log.name).read_text().splitlines() if line]
-    late = samples[len(samples) // 2:]
+    late = samples[len(samples) // 2 :]
     clock = statistics.mean(s[0] for s in late) if late else float("nan")
     power = statistics.mean(s[1] for s in late) if late else float("nan")
     print(f"group: SM clock {clock:.0f} MHz, board {power:.0f} W over the sustained half")
@@ -143,23 +158,32 @@ def measure_group(runs: dict, copy_bw: float) -> None:
             return f"{100 * amount / t_us / 1e3 / copy_bw:5.1f}% of copy"
         return f"{amount / t_us / 1e6:5.1f} TFLOP/s"
 
-    sustained = {label: statistics.median([t for when, block in blocks[label] if when >= SUSTAIN_S / 2
-                                           for t in us(block)]) for label in runs}
+    sustained = {
+        label: statistics.median([t for when, block in blocks[label] if when >= SUSTAIN_S / 2 for t in us(block)])
+        for label in runs
+    }
     sdpa = next((label for label in runs if "sdpa" in label), None)
     for label, (_, amount, unit, e, _) in runs.items():
         vs_sdpa = ""
         if sdpa is not None and label != sdpa:
-            vs_sdpa = (f"  vs sdpa {burst[sdpa] / burst[label]:.2f}x burst,"
-                       f" {sustained[sdpa] / sustained[label]:.2f}x sustained")
-        print(f"  {label:46s} burst {burst[label]:7.1f} us ({rate(amount, unit, burst[label])})"
-              f"  sustained {sustained[label]:7.1f} us ({rate(amount, unit, sustained[label])})"
-              f"  err {e:.1e}{vs_sdpa}", flush=True)
+            vs_sdpa = (
+                f"  vs sdpa {burst[sdpa] / burst[label]:.2f}x burst,"
+                f" {sustained[sdpa] / sustained[label]:.2f}x sustained"
+            )
+        print(
+            f"  {label:46s} burst {burst[label]:7.1f} us ({rate(amount, unit, burst[label])})"
+            f"  sustained {sustained[label]:7.1f} us ({rate(amount, unit, sustained[label])})"
+            f"  err {e:.1e}{vs_sdpa}",
+            flush=True,
+        )
 
 
 def main() -> None:
     copy_bw, _ = ceilings()
-    print(f"copy ceiling {copy_bw:.0f} GB/s; burst = first 30 replays after 2 s idle; sustained = last "
-          f"{SUSTAIN_S / 2:.0f} s of {SUSTAIN_S:.0f} s with the group interleaved (CUDA-graph medians, us)")
+    print(
+        f"copy ceiling {copy_bw:.0f} GB/s; burst = first 30 replays after 2 s idle; sustained = last "
+        f"{SUSTAIN_S / 2:.0f} s of {SUSTAIN_S:.0f} s with the group interleaved (CUDA-graph medians, us)"
+    )
     groups = [("decode", lambda g=g: decode_runs(g)) for g in GROUPS]
     groups += [("prefill", lambda g=g: prefill_runs(*g)) for g in PREFILL_GROUPS]
     wanted = sys.argv[1:] or ["decode", "prefill"]

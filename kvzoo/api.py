@@ -65,8 +65,14 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     # The object the entry was made for: a key's id() cannot be reused while it is held here.
     held = impl if isinstance(impl, _registry.Implementation) else reg
     operands = problem.operands()
-    key = (op, id(held), impl if isinstance(impl, str) else None, reg.generation, problem.host_fields(),
-           _registry.prepared_signature(operands))
+    key = (
+        op,
+        id(held),
+        impl if isinstance(impl, str) else None,
+        reg.generation,
+        problem.host_fields(),
+        _registry.prepared_signature(operands),
+    )
     entry = _PREPARED.get(key)
     if entry is not None and entry[0] is held:
         _, chosen, launch, as_given = entry
@@ -137,8 +143,10 @@ def check_rounding(mode: QuantMode, rounding: str) -> None:
         fail(f"rounding: expected one of {list(ROUNDINGS)}, got {rounding!r}")
     if rounding not in mode.roundings:
         takers = [m.name for m in MODES.values() if rounding in m.roundings]
-        fail(f"rounding: mode {mode.name!r} defines {list(mode.roundings)}, not {rounding!r} "
-             f"(modes with {rounding!r}: {takers})")
+        fail(
+            f"rounding: mode {mode.name!r} defines {list(mode.roundings)}, not {rounding!r} "
+            f"(modes with {rounding!r}: {takers})"
+        )
 
 
 def check_slot_mapping_shape(slot_mapping: Array, num_tokens: int) -> None:
@@ -154,8 +162,10 @@ def check_slot_values(slot_mapping: Array, num_blocks: int, block_size: int) -> 
     slots = host_ints(slot_mapping).astype(np.int64)
     capacity = num_blocks * block_size
     if slots.max() >= capacity:
-        fail(f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
-             f"({num_blocks} blocks x {block_size})")
+        fail(
+            f"slot_mapping: slot {int(slots.max())} is out of range; the cache holds {capacity} slots "
+            f"({num_blocks} blocks x {block_size})"
+        )
     used = np.sort(slots[slots >= 0])
     if (used[1:] == used[:-1]).any():
         fail("slot_mapping: a non-negative slot appears more than once; each slot takes one token")
@@ -199,18 +209,31 @@ def reshape_and_cache(
         require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size]")
         require_dtype(name, cache, cache_dtypes(mode, dtype_name(key)))
         require_writable(name, cache)
-    require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                  head_size=head_size)
+    require_sizes(
+        "key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
+    )
     key_cache, value_cache = as_code_storage(key_cache, mode), as_code_storage(value_cache, mode)
     check_slot_mapping_shape(slot_mapping, num_tokens)
     check_rounding(mode, rounding)
     require_same_device(
-        {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-         "slot_mapping": slot_mapping, "k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache}
+        {
+            "key": key,
+            "value": value,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "slot_mapping": slot_mapping,
+            "k_scale_cache": k_scale_cache,
+            "v_scale_cache": v_scale_cache,
+        }
     )
     statics = check_scale_inputs(
-        mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
-        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate, written=True,
+        mode,
+        key_cache,
+        {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
+        cache_shape[:3],
+        {"k_scale": k_scale, "v_scale": v_scale},
+        validate,
+        written=True,
     )
     if validate:
         check_slot_values(slot_mapping, num_blocks, block_size)
@@ -218,9 +241,17 @@ def reshape_and_cache(
         require_finite("key", key)
         require_finite("value", value)
     problem = CacheWrite(
-        mode=mode, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-        slot_mapping=slot_mapping, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-        k_scale=statics["k_scale"], v_scale=statics["v_scale"], rounding=rounding,
+        mode=mode,
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slot_mapping,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        k_scale=statics["k_scale"],
+        v_scale=statics["v_scale"],
+        rounding=rounding,
     )
     _run("reshape_and_cache", problem, impl)
 
@@ -233,16 +264,20 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     num_seqs, max_blocks = int(block_tables.shape[0]), int(block_tables.shape[1])
     require_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs] (one per block_tables row)")
     if max_blocks * block_size > INT32_MAX:
-        fail(f"block_tables: {max_blocks} blocks per sequence x block_size {block_size} is more positions than "
-             f"the kernels' int32 ({INT32_MAX})")
+        fail(
+            f"block_tables: {max_blocks} blocks per sequence x block_size {block_size} is more positions than "
+            f"the kernels' int32 ({INT32_MAX})"
+        )
     if not validate or num_seqs == 0:
         return
     lens = host_ints(seq_lens).astype(np.int64)
     if lens.min() < 0:
         fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
     if lens.max() > max_blocks * block_size:
-        fail(f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
-             f"block_tables x block_size {block_size}")
+        fail(
+            f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
+            f"block_tables x block_size {block_size}"
+        )
     table = host_ints(block_tables).astype(np.int64)
     used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)
     ids = table[used]
@@ -274,12 +309,15 @@ def dequantize(
     require_no_negative_strides("cache", cache)
     num_blocks, block_size, num_heads, width = (int(s) for s in cache.shape)
     head_size = width if mode.format is None else mode.format.head_size_of(width)
-    require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads,
-                  head_size=head_size)
+    require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads, head_size=head_size)
     cache = as_code_storage(cache, mode)
     statics = check_scale_inputs(
-        mode, cache, {"scale_cache": scale_cache}, (num_blocks, block_size, num_heads),
-        {"scale": scale}, validate,
+        mode,
+        cache,
+        {"scale_cache": scale_cache},
+        (num_blocks, block_size, num_heads),
+        {"scale": scale},
+        validate,
     )
     whole_cache = block_tables is None
     if whole_cache:
@@ -289,17 +327,23 @@ def dequantize(
         seq_lens = _index_like(cache, np.array([num_blocks * block_size], dtype=np.int32))
     elif seq_lens is None:
         fail("seq_lens: required with block_tables")
-    require_same_device({"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables,
-                         "seq_lens": seq_lens})
+    require_same_device(
+        {"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables, "seq_lens": seq_lens}
+    )
     check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     lens = host_ints(seq_lens).astype(np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])
     out = same_kind_empty(cache, (total, num_heads, head_size), "float32")
     problem = Dequantize(
-        mode=mode, cache=cache, block_tables=block_tables, seq_lens=seq_lens,
-        cu_seq_lens=_index_like(cache, cu.astype(np.int64)), out=out,
-        scale_cache=scale_cache, scale=statics["scale"],
+        mode=mode,
+        cache=cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        cu_seq_lens=_index_like(cache, cu.astype(np.int64)),
+        out=out,
+        scale_cache=scale_cache,
+        scale=statics["scale"],
     )
     _run("dequantize", problem, impl)
     return out.reshape(num_blocks, block_size, num_heads, head_size) if whole_cache else out
@@ -328,7 +372,11 @@ def check_sinks(sinks: Array, num_q_heads: int) -> None:
 
 
 def attention_scalars(
-    head_size: int, max_positions: int, softmax_scale: Any, sliding_window: Any, softcap: Any,
+    head_size: int,
+    max_positions: int,
+    softmax_scale: Any,
+    sliding_window: Any,
+    softcap: Any,
 ) -> tuple[float, int | None, float | None]:
     """(softmax_scale, sliding_window, softcap) as implementations receive them.
 
@@ -340,14 +388,20 @@ def attention_scalars(
             sliding_window = None
     if softcap is not None:
         softcap = normal_float32_scalar("softcap", softcap)
-    softmax_scale = (1.0 / math.sqrt(head_size) if softmax_scale is None
-                     else float32_scalar("softmax_scale", softmax_scale))
+    softmax_scale = (
+        1.0 / math.sqrt(head_size) if softmax_scale is None else float32_scalar("softmax_scale", softmax_scale)
+    )
     return float(softmax_scale), sliding_window, softcap
 
 
 def attention_bounds(
-    query_start_loc: Array, seq_lens: Array, num_tokens: int | None, validate: bool,
-    max_query_len: Any = None, max_seq_len: Any = None, num_prefills: Any = None,
+    query_start_loc: Array,
+    seq_lens: Array,
+    num_tokens: int | None,
+    validate: bool,
+    max_query_len: Any = None,
+    max_seq_len: Any = None,
+    num_prefills: Any = None,
 ) -> tuple[int, int, int | None, int | None]:
     """(max_query_len, max_seq_len, num_prefills, num_tokens): the kernels' host-side bounds.
 
@@ -362,12 +416,16 @@ def attention_bounds(
         if validate:
             expected = int(qsl[-1]) if num_tokens is None else num_tokens
             if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
-                fail(f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
-                     f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}")
+                fail(
+                    f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
+                    f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}"
+                )
             if (q_lens > lens).any():
                 s = int(np.argmax(q_lens > lens))
-                fail(f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
-                     f"{int(lens[s])}; the context includes this step's tokens")
+                fail(
+                    f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
+                    f"{int(lens[s])}; the context includes this step's tokens"
+                )
         if num_tokens is None:
             num_tokens = int(qsl[-1])
         max_query_len = int(q_lens.max()) if num_seqs else 0
@@ -442,13 +500,16 @@ def paged_attention(
     cache_dtypes = FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
-        require_shape(name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size(query)]")
+        require_shape(
+            name, cache, cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size(query)]"
+        )
         require_dtype(name, cache, cache_dtypes)
         require_no_negative_strides(name, cache)
     if mode.code_dtype is None:
         require_dtype("value_cache", value_cache, (dtype_name(key_cache),))
-    require_sizes("key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                  head_size=head_size)
+    require_sizes(
+        "key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
+    )
     require_sizes("query", num_q_heads=num_q_heads)
     if num_q_heads % num_kv_heads:
         fail(f"query: num_q_heads {num_q_heads} must be a multiple of the cache's num_kv_heads {num_kv_heads}")
@@ -456,7 +517,8 @@ def paged_attention(
     check_query_start_loc_shape(query_start_loc, seq_lens)
     require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     softmax_scale, sliding_window, softcap = attention_scalars(
-        head_size, int(block_tables.shape[1]) * block_size, softmax_scale, sliding_window, softcap)
+        head_size, int(block_tables.shape[1]) * block_size, softmax_scale, sliding_window, softcap
+    )
     if sinks is not None:
         check_sinks(sinks, num_q_heads)
     if out is None:
@@ -467,26 +529,56 @@ def paged_attention(
         require_dtype("out", out, (dtype_name(query),))
         require_writable("out", out)
     lse = lse_output(lse, return_lse, query, num_tokens, num_q_heads)
-    require_same_device({"query": query, "key_cache": key_cache, "value_cache": value_cache,
-                         "block_tables": block_tables, "seq_lens": seq_lens,
-                         "query_start_loc": query_start_loc, "k_scale_cache": k_scale_cache,
-                         "v_scale_cache": v_scale_cache, "sinks": sinks, "out": out, "lse": lse})
+    require_same_device(
+        {
+            "query": query,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+            "k_scale_cache": k_scale_cache,
+            "v_scale_cache": v_scale_cache,
+            "sinks": sinks,
+            "out": out,
+            "lse": lse,
+        }
+    )
     statics = check_scale_inputs(
-        mode, key_cache, {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
-        cache_shape[:3], {"k_scale": k_scale, "v_scale": v_scale}, validate,
+        mode,
+        key_cache,
+        {"k_scale_cache": k_scale_cache, "v_scale_cache": v_scale_cache},
+        cache_shape[:3],
+        {"k_scale": k_scale, "v_scale": v_scale},
+        validate,
     )
     check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     max_query_len, max_seq_len, num_prefills, _ = attention_bounds(
-        query_start_loc, seq_lens, num_tokens, validate, max_query_len, max_seq_len, num_prefills)
+        query_start_loc, seq_lens, num_tokens, validate, max_query_len, max_seq_len, num_prefills
+    )
     problem = Attention(
-        mode=mode, query=query, key_cache=key_cache, value_cache=value_cache,
-        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, out=out,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
-        softmax_scale=softmax_scale, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-        k_scale=statics["k_scale"], v_scale=statics["v_scale"],
-        sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-        batch_invariant=bool(batch_invariant), quantize_query=bool(quantize_query),
-        num_prefills=num_prefills, lse=lse,
+        mode=mode,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        out=out,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        softmax_scale=softmax_scale,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        k_scale=statics["k_scale"],
+        v_scale=statics["v_scale"],
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        batch_invariant=bool(batch_invariant),
+        quantize_query=bool(quantize_query),
+        num_prefills=num_prefills,
+        lse=lse,
     )
     if num_tokens:
         _run("paged_attention", problem, impl)
@@ -498,8 +590,9 @@ def lse_output(lse: Array | None, return_lse: bool, like: Array, num_tokens: int
     (checked like out: shape, float32, writable) or a new one of like's kind and device."""
     if not return_lse:
         if lse is not None:
-            fail("lse: given without return_lse=True; pass return_lse=True to have it written (and returned "
-                 "beside out)")
+            fail(
+                "lse: given without return_lse=True; pass return_lse=True to have it written (and returned beside out)"
+            )
         return None
     shape = (num_tokens, num_q_heads)
     if lse is None:

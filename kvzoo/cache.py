@@ -22,15 +22,29 @@ class PagedKVCache:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-        mode: str | QuantMode, *, layout: str = "separate", model_dtype: str = "bfloat16",
-        device: str | None = "cpu", k_scale: float | None = None, v_scale: float | None = None,
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        mode: str | QuantMode,
+        *,
+        layout: str = "separate",
+        model_dtype: str = "bfloat16",
+        device: str | None = "cpu",
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> None:
         self.mode = get_kv_quant_mode(mode)
         if layout == "separate":
             self.tensors: KVCacheTensors = allocate_separate(
-                num_blocks, block_size, num_kv_heads, head_size, self.mode,
-                model_dtype=model_dtype, device=device,
+                num_blocks,
+                block_size,
+                num_kv_heads,
+                head_size,
+                self.mode,
+                model_dtype=model_dtype,
+                device=device,
             )
         elif layout == "inline":
             self.tensors = allocate_inline(num_blocks, block_size, num_kv_heads, head_size, self.mode, device=device)
@@ -41,12 +55,21 @@ class PagedKVCache:
 
     def _scales(self) -> dict[str, Any]:
         t = self.tensors
-        return dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache,
-                    k_scale=self.k_scale, v_scale=self.v_scale)
+        return dict(
+            k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=self.k_scale, v_scale=self.v_scale
+        )
 
     def write(self, key: Any, value: Any, slot_mapping: Any, **options: Any) -> None:
-        api.reshape_and_cache(key, value, self.tensors.key_cache, self.tensors.value_cache,
-                              slot_mapping, mode=self.mode, **self._scales(), **options)
+        api.reshape_and_cache(
+            key,
+            value,
+            self.tensors.key_cache,
+            self.tensors.value_cache,
+            slot_mapping,
+            mode=self.mode,
+            **self._scales(),
+            **options,
+        )
 
     def read(self, which: str = "key", *, block_tables: Any = None, seq_lens: Any = None, **options: Any) -> Any:
         """Decoded float32 keys or values (whole cache, or the tokens of given sequences)."""
@@ -55,9 +78,11 @@ class PagedKVCache:
         t = self.tensors
         cache, scale_cache = (t.key_cache, t.k_scale_cache) if which == "key" else (t.value_cache, t.v_scale_cache)
         scale = self.k_scale if which == "key" else self.v_scale
-        return api.dequantize(cache, scale_cache, mode=self.mode, scale=scale,
-                              block_tables=block_tables, seq_lens=seq_lens, **options)
+        return api.dequantize(
+            cache, scale_cache, mode=self.mode, scale=scale, block_tables=block_tables, seq_lens=seq_lens, **options
+        )
 
     def attention(self, query: Any, **kwargs: Any) -> Any:
-        return api.paged_attention(query, self.tensors.key_cache, self.tensors.value_cache,
-                                   mode=self.mode, **self._scales(), **kwargs)
+        return api.paged_attention(
+            query, self.tensors.key_cache, self.tensors.value_cache, mode=self.mode, **self._scales(), **kwargs
+        )

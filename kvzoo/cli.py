@@ -31,9 +31,11 @@ def _registry(args: argparse.Namespace, command: str) -> Registry | None:
     reg.load(modules)
     failed = [m for m in modules if m in reg.import_errors and m not in before]
     for module in failed:
-        print(f"kvzoo {command}: --backend-module {module} could not be loaded: {reg.import_errors[module]} "
-              "(it must be importable, e.g. its directory on PYTHONPATH, and expose register(registry))",
-              file=sys.stderr)
+        print(
+            f"kvzoo {command}: --backend-module {module} could not be loaded: {reg.import_errors[module]} "
+            "(it must be importable, e.g. its directory on PYTHONPATH, and expose register(registry))",
+            file=sys.stderr,
+        )
     return None if failed else reg
 
 
@@ -51,13 +53,21 @@ def _list(args: argparse.Namespace) -> int:
         why = impl.unavailable()
         if why:
             reasons[impl.name] = why
-        rows.append((impl.name, impl.op, impl.platform, str(impl.priority),
-                     ",".join(short[m] for m in MODES if m in impl.modes),
-                     "available" if not why else "unavailable (below)"))
+        rows.append(
+            (
+                impl.name,
+                impl.op,
+                impl.platform,
+                str(impl.priority),
+                ",".join(short[m] for m in MODES if m in impl.modes),
+                "available" if not why else "unavailable (below)",
+            )
+        )
     _print_table(rows)
     notes = ["modes: " + ", ".join(f"{code} {name}" for name, code in short.items())]
-    notes += [f"{name} unavailable: " + "; ".join(w.removeprefix(f"{name}: ") for w in why)
-              for name, why in reasons.items()]
+    notes += [
+        f"{name} unavailable: " + "; ".join(w.removeprefix(f"{name}: ") for w in why) for name, why in reasons.items()
+    ]
     print()
     for note in notes:
         print(textwrap.fill(note, width=100, subsequent_indent="  "))
@@ -121,16 +131,19 @@ def _check(args: argparse.Namespace) -> int:
             traceback.print_exception(exc)
     total_failed = sum(f for _, f, _ in counts.values())
     total_passed = sum(p for p, _, _ in counts.values())
-    print(f"\n{total_passed} passed, {total_failed} failed, "
-          f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s")
+    print(
+        f"\n{total_passed} passed, {total_failed} failed, "
+        f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s"
+    )
     if not counts:
         print("kvzoo check: no check ran, so nothing was verified", file=sys.stderr)
         return 1
     # An implementation that declined every case it was given verified nothing: not a pass.
     idle = [f"{impl} {op}" for (impl, op), (p, f, _) in sorted(counts.items()) if not p and not f]
     if idle and not args.exitfirst:
-        print(f"kvzoo check: ran no check of: {', '.join(idle)} (every case was declined; -v says why)",
-              file=sys.stderr)
+        print(
+            f"kvzoo check: ran no check of: {', '.join(idle)} (every case was declined; -v says why)", file=sys.stderr
+        )
         return 1
     return 1 if total_failed else 0
 
@@ -157,8 +170,10 @@ def _warmup(args: argparse.Namespace) -> int:
         return 1
     start = time.perf_counter()
     numba_cpu.warmup()
-    print(f"kvzoo warmup: numba kernels compiled or loaded for every mode and input dtype in "
-          f"{time.perf_counter() - start:.1f}s")
+    print(
+        f"kvzoo warmup: numba kernels compiled or loaded for every mode and input dtype in "
+        f"{time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 
@@ -177,15 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
     check = sub.add_parser("check", help="run the conformance matrix on every available implementation")
     for command in (listing, check):
-        command.add_argument("--backend-module", action="append", metavar="MOD",
-                             help="also load backend module MOD, which exposes register(registry), "
-                                  "for a backend that is not installed (repeatable)")
+        command.add_argument(
+            "--backend-module",
+            action="append",
+            metavar="MOD",
+            help="also load backend module MOD, which exposes register(registry), "
+            "for a backend that is not installed (repeatable)",
+        )
     check.add_argument("--impl", action="append", help="only this implementation (repeatable)")
-    check.add_argument("--op", action="append",
-                       choices=["reshape_and_cache", "dequantize", "paged_attention", "golden"])
+    check.add_argument(
+        "--op", action="append", choices=["reshape_and_cache", "dequantize", "paged_attention", "golden"]
+    )
     check.add_argument("--mode", action="append", help="only cases of this mode (repeatable; engine names too)")
-    check.add_argument("--interpret", action="store_true",
-                       help="also check the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (slow)")
+    check.add_argument(
+        "--interpret",
+        action="store_true",
+        help="also check the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (slow)",
+    )
     check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     check.add_argument("-v", "--verbose", action="store_true", help="skip reasons, and tracebacks for failures")

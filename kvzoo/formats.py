@@ -145,20 +145,50 @@ def _code_of_value(fmt: CodeFormat) -> np.ndarray:
 
 INT8 = CodeFormat("int8", "int", 8, True, "int8", qmax=127.0, qmin=-128.0, nan_code=0, inf_codes=(0x7F, 0x80))
 FLOAT8_E4M3FN = CodeFormat(
-    "float8_e4m3fn", "float", 8, True, "float8_e4m3fn", qmax=448.0, qmin=-448.0, nan_code=0x7F,
-    inf_codes=(0x7F, 0x7F), exponent_bits=4, mantissa_bits=3, exponent_bias=7,
+    "float8_e4m3fn",
+    "float",
+    8,
+    True,
+    "float8_e4m3fn",
+    qmax=448.0,
+    qmin=-448.0,
+    nan_code=0x7F,
+    inf_codes=(0x7F, 0x7F),
+    exponent_bits=4,
+    mantissa_bits=3,
+    exponent_bias=7,
 )
 # ROCm MI300's variant: one NaN (0x80, "negative zero"), bias 8, largest finite 240. The clamp
 # at 224 follows vLLM, whose ROCm path reported accuracy problems at 240.
 FLOAT8_E4M3FNUZ = CodeFormat(
-    "float8_e4m3fnuz", "float", 8, True, "float8_e4m3fnuz", qmax=224.0, qmin=-224.0, nan_code=0x80,
-    inf_codes=(0x80, 0x80), exponent_bits=4, mantissa_bits=3, exponent_bias=8,
+    "float8_e4m3fnuz",
+    "float",
+    8,
+    True,
+    "float8_e4m3fnuz",
+    qmax=224.0,
+    qmin=-224.0,
+    nan_code=0x80,
+    inf_codes=(0x80, 0x80),
+    exponent_bits=4,
+    mantissa_bits=3,
+    exponent_bias=8,
 )
 # IEEE-style: exponent 31 is Inf (mantissa 0) or NaN. The clamp at the largest finite value is
 # vLLM's __NV_SATFINITE; 0x7F is the NaN torch's cast stores.
 FLOAT8_E5M2 = CodeFormat(
-    "float8_e5m2", "float", 8, True, "float8_e5m2", qmax=57344.0, qmin=-57344.0, nan_code=0x7F,
-    inf_codes=(0x7C, 0xFC), exponent_bits=5, mantissa_bits=2, exponent_bias=15,
+    "float8_e5m2",
+    "float",
+    8,
+    True,
+    "float8_e5m2",
+    qmax=57344.0,
+    qmin=-57344.0,
+    nan_code=0x7F,
+    inf_codes=(0x7C, 0xFC),
+    exponent_bits=5,
+    mantissa_bits=2,
+    exponent_bias=15,
 )
 
 FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2)}

@@ -42,14 +42,24 @@ def _zeros(shape, dtype: str, device: str | None):
 
 
 def _check_geometry(num_blocks: Any, block_size: Any, num_kv_heads: Any, head_size: Any) -> None:
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+    for name, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
         int_scalar(name, value, 1)
 
 
 def allocate_separate(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-    mode: str | QuantMode, *, model_dtype: str = "bfloat16", device: str | None = "cpu",
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    mode: str | QuantMode,
+    *,
+    model_dtype: str = "bfloat16",
+    device: str | None = "cpu",
 ) -> KVCacheTensors:
     """Zero-filled separate-layout tensors (device=None gives NumPy arrays).
 
@@ -62,14 +72,20 @@ def allocate_separate(
     dtype = mode.code_dtype or model_dtype
     scales = (
         (_zeros(shape[:3], "float32", device), _zeros(shape[:3], "float32", device))
-        if mode.per_token_head else (None, None)
+        if mode.per_token_head
+        else (None, None)
     )
     return KVCacheTensors(_zeros(shape, dtype, device), _zeros(shape, dtype, device), *scales)
 
 
 def allocate_inline(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-    mode: str | QuantMode, *, device: str | None = "cpu",
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    mode: str | QuantMode,
+    *,
+    device: str | None = "cpu",
 ) -> KVCacheTensors:
     """A zero-filled inline-layout page buffer and its four views (device=None gives NumPy)."""
     mode = get_kv_quant_mode(mode)
@@ -86,7 +102,9 @@ def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheT
     if head_size % SCALE_BYTES:
         fail(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
     if tuple(buffer.shape[1:2]) != (2,) or buffer.shape[-1] != head_size + SCALE_BYTES or len(buffer.shape) != 5:
-        fail(f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}")
+        fail(
+            f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}"
+        )
     code_dtype = mode.code_dtype
     if is_torch(buffer):
         codes = buffer[..., :head_size].view(torch_dtype(code_dtype))

@@ -44,7 +44,11 @@ __all__ = ["merge_attention_states"]
 
 
 def merge_attention_states(
-    out_a: Array, lse_a: Array, out_b: Array, lse_b: Array, out: Array | None = None,
+    out_a: Array,
+    lse_a: Array,
+    out_b: Array,
+    lse_b: Array,
+    out: Array | None = None,
     lse_out: Array | None = None,
 ) -> tuple[Array, Array]:
     """Attention over the union of two disjoint key sets, from each set's (out, lse).
@@ -88,8 +92,9 @@ def merge_attention_states(
         lse_out = same_kind_empty(lse_a, rows, "float32")
     else:
         _require_output("lse_out", lse_out, lse_a, "float32")
-    require_same_device({"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out,
-                         "lse_out": lse_out})
+    require_same_device(
+        {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out, "lse_out": lse_out}
+    )
     if memory.overlap(out, lse_out):
         fail("lse_out: shares memory with out; pass separate (non-overlapping) arrays")
     if is_torch(out_a):
@@ -107,8 +112,10 @@ def _require_output(name: str, x: Array, like: Array, dtype: str) -> None:
     require_dtype(name, x, (dtype,))
     require_writable(name, x)
     if memory.self_overlap(x):
-        fail(f"{name}: elements overlap one another (a stride-0 or overlapping view, shape {tuple(x.shape)}); "
-             "a written array needs one address per element")
+        fail(
+            f"{name}: elements overlap one another (a stride-0 or overlapping view, shape {tuple(x.shape)}); "
+            "a written array needs one address per element"
+        )
 
 
 def _merge_torch(out_a, lse_a, out_b, lse_b, out, lse_out) -> None:

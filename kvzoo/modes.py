@@ -50,7 +50,7 @@ class QuantMode:
 
     @property
     def code_kind(self) -> str | None:
-        """"int" or "float" (the format's kind), None for mode "none"."""
+        """ "int" or "float" (the format's kind), None for mode "none"."""
         return None if self.format is None else self.format.kind
 
     @property
@@ -111,8 +111,15 @@ FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2
 
 MODES: dict[str, QuantMode] = {
     m.name: m
-    for m in (NONE, FP8_PER_TENSOR, INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD, FP8_E4M3FNUZ_PER_TOKEN_HEAD,
-              INT8_PER_TENSOR, FP8_E5M2_PER_TENSOR)
+    for m in (
+        NONE,
+        FP8_PER_TENSOR,
+        INT8_PER_TOKEN_HEAD,
+        FP8_PER_TOKEN_HEAD,
+        FP8_E4M3FNUZ_PER_TOKEN_HEAD,
+        INT8_PER_TENSOR,
+        FP8_E5M2_PER_TENSOR,
+    )
 }
 
 # Strings engines pass as kv_cache_dtype, mapped to kvzoo modes.
@@ -149,8 +156,10 @@ def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
         fail(f"mode: expected a str or QuantMode, got {type(name).__name__}")
     key = name.strip().lower()
     if key in NOT_IMPLEMENTED:
-        fail(f"mode: {name!r} is an engine kv-cache dtype that kvzoo does not implement yet; "
-             f"implemented: {', '.join(sorted(_ALIASES))}")
+        fail(
+            f"mode: {name!r} is an engine kv-cache dtype that kvzoo does not implement yet; "
+            f"implemented: {', '.join(sorted(_ALIASES))}"
+        )
     if key not in _ALIASES:
         fail(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
     return MODES[_ALIASES[key]]

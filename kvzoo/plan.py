@@ -140,8 +140,10 @@ class CacheSpec:
             if not mode.per_token_head:
                 fail(f"layout: the inline layout stores per-row scales; mode {mode.name!r} has none")
             if self.head_size % SCALE_BYTES:
-                fail(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), "
-                     f"got {self.head_size}")
+                fail(
+                    f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), "
+                    f"got {self.head_size}"
+                )
         if self.model_dtype not in FLOAT_INPUTS:
             fail(f"model_dtype: expected one of {list(FLOAT_INPUTS)}, got {self.model_dtype!r}")
         if self.device is not None:
@@ -174,10 +176,18 @@ class CacheSpec:
     def allocate(self) -> KVCacheTensors:
         """A zero-filled cache of this spec (one layer's)."""
         if self.layout == "inline":
-            return allocate_inline(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size,
-                                   self.mode, device=self.device)
-        return allocate_separate(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size,
-                                 self.mode, model_dtype=self.model_dtype, device=self.device)
+            return allocate_inline(
+                self.num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.mode, device=self.device
+            )
+        return allocate_separate(
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.mode,
+            model_dtype=self.model_dtype,
+            device=self.device,
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,9 +201,7 @@ class _Layer:
 
     def __init__(self, arrays: tuple[Array, Array, Array | None, Array | None]) -> None:
         self.arrays = arrays  # key_cache, value_cache, k_scale_cache, v_scale_cache
-        self.extents = tuple(
-            (name, a, memory.byte_extent(a)) for name, a in zip(_CACHE_NAMES, arrays) if a is not None
-        )
+        self.extents = tuple((name, a, memory.byte_extent(a)) for name, a in zip(_CACHE_NAMES, arrays) if a is not None)
         self.views: dict[str, tuple] = {}  # array_kind -> arrays converted for it
         self.signatures: dict[str, tuple] = {}  # array_kind -> _signature of those views
         self.write_checked = False
@@ -215,11 +223,13 @@ class _Layer:
             if a is not None:
                 require_writable(name, a)
                 if memory.self_overlap(a):
-                    fail(f"{name}: elements overlap one another (a stride-0 or overlapping view, shape "
-                         f"{tuple(a.shape)}); a written array needs one address per element")
+                    fail(
+                        f"{name}: elements overlap one another (a stride-0 or overlapping view, shape "
+                        f"{tuple(a.shape)}); a written array needs one address per element"
+                    )
         written = self.extents
         for n, (name, a, extent) in enumerate(written):
-            _refuse_overlap(name, a, extent, written[n + 1:], "write")
+            _refuse_overlap(name, a, extent, written[n + 1 :], "write")
         self.write_checked = True
 
     def static(self, name: str, value: Any, like: Array) -> Array:
@@ -266,8 +276,10 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
         fail(f"caches: expected a kvzoo.KVCacheTensors or kvzoo.PagedKVCache, got {type(tensors).__name__}")
     mode = spec.mode
     if (tensors.buffer is not None) != (spec.layout == "inline"):
-        fail(f"caches: the CacheSpec's layout is {spec.layout!r}, but the caches "
-             f"{'are views of an inline buffer' if tensors.buffer is not None else 'have no inline buffer'}")
+        fail(
+            f"caches: the CacheSpec's layout is {spec.layout!r}, but the caches "
+            f"{'are views of an inline buffer' if tensors.buffer is not None else 'have no inline buffer'}"
+        )
     shape, layout = spec.cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size]"
     arrays: list[Array] = []
     for name in ("key_cache", "value_cache"):
@@ -281,8 +293,10 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
         x = getattr(tensors, name)
         if not mode.per_token_head:
             if x is not None:
-                fail(f"{name}: not used by mode {mode.name!r} (only per-token-head modes keep a scale per row); "
-                     "the caches must have None there")
+                fail(
+                    f"{name}: not used by mode {mode.name!r} (only per-token-head modes keep a scale per row); "
+                    "the caches must have None there"
+                )
             arrays.append(None)
             continue
         if x is None:
@@ -313,8 +327,10 @@ def _refuse_overlap(name: str, x: Array, extent: Any, others: Any, role: str) ->
         if theirs is None or high <= theirs[0] or theirs[1] <= low:
             continue
         if memory.overlap(x, y):
-            fail(f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
-                 "(non-overlapping) arrays")
+            fail(
+                f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
+                "(non-overlapping) arrays"
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -337,11 +353,15 @@ def _stand_in_caches(like: Array, spec: CacheSpec) -> tuple[Array, Array | None]
         return _stand_in(like, spec.cache_shape, code), scales
     if is_torch(like):
         base = torch.zeros(2 * SCALE_BYTES, dtype=torch.uint8, device=like.device)
-        return (base[:1].view(torch_dtype(code)).expand(spec.cache_shape),
-                base[SCALE_BYTES:].view(torch.float32).expand(spec.cache_shape[:3]))
+        return (
+            base[:1].view(torch_dtype(code)).expand(spec.cache_shape),
+            base[SCALE_BYTES:].view(torch.float32).expand(spec.cache_shape[:3]),
+        )
     base = np.zeros(2 * SCALE_BYTES, np.uint8)
-    return (as_strided(base[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4),
-            as_strided(base[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3))
+    return (
+        as_strided(base[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4),
+        as_strided(base[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3),
+    )
 
 
 def _impl_for(impl: ImplChoice, op: str) -> str | Implementation | None:
@@ -370,10 +390,32 @@ class StepPlan:
     """
 
     __slots__ = (
-        "spec", "num_q_heads", "softmax_scale", "sliding_window", "softcap", "sinks", "batch_invariant",
-        "quantize_query", "max_query_len", "max_seq_len", "num_prefills", "num_tokens", "block_tables",
-        "seq_lens", "query_start_loc", "slot_mapping", "write_impl", "attention_impl", "_forced",
-        "_device", "_layers", "_meta_extents", "_slot_extent", "_key_shape", "_query_tail", "_prepared",
+        "spec",
+        "num_q_heads",
+        "softmax_scale",
+        "sliding_window",
+        "softcap",
+        "sinks",
+        "batch_invariant",
+        "quantize_query",
+        "max_query_len",
+        "max_seq_len",
+        "num_prefills",
+        "num_tokens",
+        "block_tables",
+        "seq_lens",
+        "query_start_loc",
+        "slot_mapping",
+        "write_impl",
+        "attention_impl",
+        "_forced",
+        "_device",
+        "_layers",
+        "_meta_extents",
+        "_slot_extent",
+        "_key_shape",
+        "_query_tail",
+        "_prepared",
     )
 
     def __init__(self) -> None:
@@ -381,9 +423,11 @@ class StepPlan:
 
     def __repr__(self) -> str:
         impls = f"write={self.write_impl.name if self.write_impl else None}, attention={self.attention_impl.name}"
-        return (f"StepPlan({self.spec.mode.name}, {self.spec.layout}, seqs={int(self.seq_lens.shape[0])}, "
-                f"tokens={self.num_tokens}, max_query_len={self.max_query_len}, max_seq_len={self.max_seq_len}, "
-                f"num_prefills={self.num_prefills}, {impls})")
+        return (
+            f"StepPlan({self.spec.mode.name}, {self.spec.layout}, seqs={int(self.seq_lens.shape[0])}, "
+            f"tokens={self.num_tokens}, max_query_len={self.max_query_len}, max_seq_len={self.max_seq_len}, "
+            f"num_prefills={self.num_prefills}, {impls})"
+        )
 
     # Per-layer checks: metadata only, and the fewest calls that give the functional API's errors.
 
@@ -415,13 +459,16 @@ class StepPlan:
         if not mode.per_tensor:
             for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if s is not None:
-                    fail(f"{name}: not used by mode {mode.name!r} (only fp8_per_tensor takes a static scale); pass None")
+                    fail(
+                        f"{name}: not used by mode {mode.name!r} (only fp8_per_tensor takes a static scale); pass None"
+                    )
             return None, None
         like = layer.arrays[0]
         return layer.static("k_scale", k_scale, like), layer.static("v_scale", v_scale, like)
 
-    def _launch(self, op: str, impl: Implementation, operands: tuple, make_problem: Callable[[], Any],
-                layer: _Layer, own: tuple) -> None:
+    def _launch(
+        self, op: str, impl: Implementation, operands: tuple, make_problem: Callable[[], Any], layer: _Layer, own: tuple
+    ) -> None:
         """Run one layer's call: through the launch `impl` prepared for operands of this
         signature (dtypes, strides, alignment) where it has one, else through run. own: the
         operands that are not the layer's caches (whose signature the layer keeps)."""
@@ -468,10 +515,10 @@ class StepPlan:
         self._operand("key", key, shape, "[num_tokens, num_kv_heads, head_size]")
         require_array("value", value)
         self._operand("value", value, shape, "(same as key)")
-        ks, vs = self._statics(layer, k_scale if k_scale is not None else k_from,
-                               v_scale if v_scale is not None else v_from)
-        reads = [("key", key, memory.byte_extent(key)), ("value", value, memory.byte_extent(value)),
-                 self._slot_extent]
+        ks, vs = self._statics(
+            layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
+        )
+        reads = [("key", key, memory.byte_extent(key)), ("value", value, memory.byte_extent(value)), self._slot_extent]
         if ks is not None:
             reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
         for name, a, extent in layer.extents:
@@ -481,15 +528,39 @@ class StepPlan:
         kc, vc, ksc, vsc = layer.for_kind(kind)
         own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
         operands = (own[0], own[1], kc, vc, self.slot_mapping, ksc, vsc, own[2], own[3])  # CacheWrite's order
-        self._launch("reshape_and_cache", impl, operands, lambda: CacheWrite(
-            mode=self.spec.mode, key=own[0], value=own[1], key_cache=kc, value_cache=vc,
-            slot_mapping=self.slot_mapping, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=own[2],
-            v_scale=own[3], rounding=self.spec.rounding,
-        ), layer, own)
+        self._launch(
+            "reshape_and_cache",
+            impl,
+            operands,
+            lambda: CacheWrite(
+                mode=self.spec.mode,
+                key=own[0],
+                value=own[1],
+                key_cache=kc,
+                value_cache=vc,
+                slot_mapping=self.slot_mapping,
+                k_scale_cache=ksc,
+                v_scale_cache=vsc,
+                k_scale=own[2],
+                v_scale=own[3],
+                rounding=self.spec.rounding,
+            ),
+            layer,
+            own,
+        )
 
-    def attention(self, query: Array, caches: Any, out: Array | None = None, *, k_scale: Any = None,
-                  v_scale: Any = None, sinks: Array | None = None, return_lse: bool = False,
-                  lse: Array | None = None) -> Array | tuple[Array, Array]:
+    def attention(
+        self,
+        query: Array,
+        caches: Any,
+        out: Array | None = None,
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
+        sinks: Array | None = None,
+        return_lse: bool = False,
+        lse: Array | None = None,
+    ) -> Array | tuple[Array, Array]:
         """Causal attention of this step's query rows over this layer's paged cache.
 
         query: [num_tokens, num_q_heads, head_size], model_dtype, any strides. out: None (allocated)
@@ -513,8 +584,9 @@ class StepPlan:
             if _device_key(sinks) != self._device:
                 fail(f"sinks: on {_device_key(sinks)}, the plan's tensors are on {self._device}")
             reads.append(("sinks", sinks, memory.byte_extent(sinks)))
-        ks, vs = self._statics(layer, k_scale if k_scale is not None else k_from,
-                               v_scale if v_scale is not None else v_from)
+        ks, vs = self._statics(
+            layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
+        )
         if ks is not None:
             reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
         if out is None:
@@ -524,8 +596,10 @@ class StepPlan:
             self._operand("out", out, shape, "(same as query)")
             require_writable("out", out)
             if memory.self_overlap(out):
-                fail(f"out: elements overlap one another (a stride-0 or overlapping view, shape {tuple(out.shape)}); "
-                     "a written array needs one address per element")
+                fail(
+                    f"out: elements overlap one another (a stride-0 or overlapping view, shape {tuple(out.shape)}); "
+                    "a written array needs one address per element"
+                )
             _refuse_overlap("out", out, memory.byte_extent(out), reads, "read")
         given_lse = lse is not None
         lse = lse_output(lse, return_lse, query, num_tokens, self.num_q_heads)
@@ -533,8 +607,10 @@ class StepPlan:
             if _device_key(lse) != self._device:
                 fail(f"lse: on {_device_key(lse)}, the plan's tensors are on {self._device}")
             if memory.self_overlap(lse):
-                fail(f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
-                     "a written array needs one address per element")
+                fail(
+                    f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
+                    "a written array needs one address per element"
+                )
             _refuse_overlap("lse", lse, memory.byte_extent(lse), reads, "read")
             _refuse_overlap("lse", lse, memory.byte_extent(lse), [("out", out, memory.byte_extent(out))], "write")
         if num_tokens == 0:
@@ -547,28 +623,63 @@ class StepPlan:
             sinks = convert(sinks)
             if impl.index_strides == "unit":
                 sinks = unit_index_strides(_Sinks(sinks)).sinks
-        own = (convert(query), None if ks is None else convert(ks), None if vs is None else convert(vs), sinks,
-               convert(out), None if lse is None else convert(lse))
+        own = (
+            convert(query),
+            None if ks is None else convert(ks),
+            None if vs is None else convert(vs),
+            sinks,
+            convert(out),
+            None if lse is None else convert(lse),
+        )
         # Attention.operand_names() order; the metadata is the plan's own.
-        operands = (own[0], kc, vc, self.block_tables, self.seq_lens, self.query_start_loc, own[4], ksc, vsc,
-                    own[1], own[2], own[3], own[5])
+        operands = (
+            own[0],
+            kc,
+            vc,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            own[4],
+            ksc,
+            vsc,
+            own[1],
+            own[2],
+            own[3],
+            own[5],
+        )
 
         def problem() -> Attention:
             return Attention(
-                mode=self.spec.mode, query=operands[0], key_cache=kc, value_cache=vc,
-                block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
-                out=own[4], max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-                softmax_scale=self.softmax_scale, k_scale_cache=ksc, v_scale_cache=vsc, k_scale=own[1],
-                v_scale=own[2], sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
-                batch_invariant=self.batch_invariant, quantize_query=self.quantize_query,
-                num_prefills=self.num_prefills, lse=own[5],
+                mode=self.spec.mode,
+                query=operands[0],
+                key_cache=kc,
+                value_cache=vc,
+                block_tables=self.block_tables,
+                seq_lens=self.seq_lens,
+                query_start_loc=self.query_start_loc,
+                out=own[4],
+                max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len,
+                softmax_scale=self.softmax_scale,
+                k_scale_cache=ksc,
+                v_scale_cache=vsc,
+                k_scale=own[1],
+                v_scale=own[2],
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+                sinks=sinks,
+                batch_invariant=self.batch_invariant,
+                quantize_query=self.quantize_query,
+                num_prefills=self.num_prefills,
+                lse=own[5],
             )
 
         if lse is not None and "return_lse" not in impl.capabilities.options:
             # Planned without lse: an implementation that does not write it is not used for it.
             if self._forced["paged_attention"]:
-                raise NoImplementationError(f"impl={impl.name!r} cannot run this paged_attention call: "
-                                            f"{impl.name}: does not take return_lse")
+                raise NoImplementationError(
+                    f"impl={impl.name!r} cannot run this paged_attention call: {impl.name}: does not take return_lse"
+                )
             _run("paged_attention", problem(), None)
         else:
             self._launch("paged_attention", impl, operands, problem, layer, own)
@@ -657,14 +768,20 @@ def plan_step(
     num_seqs = check_query_start_loc_shape(query_start_loc, seq_lens)
     require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     softmax_scale, sliding_window, softcap = attention_scalars(
-        spec.head_size, int(block_tables.shape[1]) * spec.block_size, softmax_scale, sliding_window, softcap)
+        spec.head_size, int(block_tables.shape[1]) * spec.block_size, softmax_scale, sliding_window, softcap
+    )
     if sinks is not None:
         check_sinks(sinks, num_q_heads)
     if slot_mapping is not None:
         require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
         require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    named = {"block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
-             "slot_mapping": slot_mapping, "sinks": sinks}
+    named = {
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "query_start_loc": query_start_loc,
+        "slot_mapping": slot_mapping,
+        "sinks": sinks,
+    }
     require_same_device(named)
     device = _device_key(block_tables)
     if spec.device is not None:  # (None: NumPy arrays, or CPU tensors beside them)
@@ -678,7 +795,8 @@ def plan_step(
         check_slot_values(slot_mapping, spec.num_blocks, spec.block_size)
     given = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "num_prefills": num_prefills}
     max_query_len, max_seq_len, num_prefills, num_tokens = attention_bounds(
-        query_start_loc, seq_lens, None, validate, max_query_len, max_seq_len, num_prefills)
+        query_start_loc, seq_lens, None, validate, max_query_len, max_seq_len, num_prefills
+    )
     if validate:
         # Bounds given beside validation are kept once checked to cover this step's values: a
         # CUDA graph captured with this plan replays under them after in-place updates.
@@ -689,8 +807,10 @@ def plan_step(
             high, high_name = (num_seqs, "num_seqs") if name == "num_prefills" else (INT32_MAX, "")
             bound = int_scalar(name, bound, 0, high, high_name)
             if bound < read[name]:
-                fail(f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a bound "
-                     "given with validate=True must cover it")
+                fail(
+                    f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a bound "
+                    "given with validate=True must cover it"
+                )
             read[name] = bound
         max_query_len, max_seq_len, num_prefills = read["max_query_len"], read["max_seq_len"], read["num_prefills"]
 
@@ -712,12 +832,26 @@ def plan_step(
     kc, sc = _stand_in_caches(block_tables, spec)
     static = _stand_in(block_tables, (1,), "float32") if mode.per_tensor else None
     stand_in = Attention(
-        mode=mode, query=_stand_in(block_tables, (max(num_tokens or 0, 1), num_q_heads, spec.head_size), dtype),
-        key_cache=kc, value_cache=kc, block_tables=block_tables, seq_lens=seq_lens,
-        query_start_loc=query_start_loc, out=_stand_in(block_tables, (1, num_q_heads, spec.head_size), dtype),
-        max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale,
-        k_scale_cache=sc, v_scale_cache=sc, k_scale=static, v_scale=static, sliding_window=sliding_window,
-        softcap=softcap, sinks=sinks, batch_invariant=plan.batch_invariant, quantize_query=plan.quantize_query,
+        mode=mode,
+        query=_stand_in(block_tables, (max(num_tokens or 0, 1), num_q_heads, spec.head_size), dtype),
+        key_cache=kc,
+        value_cache=kc,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        out=_stand_in(block_tables, (1, num_q_heads, spec.head_size), dtype),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        softmax_scale=softmax_scale,
+        k_scale_cache=sc,
+        v_scale_cache=sc,
+        k_scale=static,
+        v_scale=static,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        batch_invariant=plan.batch_invariant,
+        quantize_query=plan.quantize_query,
         num_prefills=num_prefills,
     )
     plan.attention_impl = chosen = reg.select(stand_in, "paged_attention", _impl_for(impl, "paged_attention"))
@@ -726,7 +860,8 @@ def plan_step(
     plan.sinks = meta.sinks
     plan._meta_extents = tuple(
         (name, getattr(meta, name), memory.byte_extent(getattr(meta, name)))
-        for name in ("block_tables", "seq_lens", "query_start_loc", "sinks") if getattr(meta, name) is not None
+        for name in ("block_tables", "seq_lens", "query_start_loc", "sinks")
+        if getattr(meta, name) is not None
     )
 
     plan.write_impl = plan.slot_mapping = plan._slot_extent = None
@@ -734,9 +869,19 @@ def plan_step(
         tokens = int(slot_mapping.shape[0])
         plan._key_shape = (tokens, spec.num_kv_heads, spec.head_size)
         row = _stand_in(block_tables, plan._key_shape, dtype)
-        write = CacheWrite(mode=mode, key=row, value=row, key_cache=kc, value_cache=kc, slot_mapping=slot_mapping,
-                           k_scale_cache=sc, v_scale_cache=sc, k_scale=static, v_scale=static,
-                           rounding=spec.rounding)
+        write = CacheWrite(
+            mode=mode,
+            key=row,
+            value=row,
+            key_cache=kc,
+            value_cache=kc,
+            slot_mapping=slot_mapping,
+            k_scale_cache=sc,
+            v_scale_cache=sc,
+            k_scale=static,
+            v_scale=static,
+            rounding=spec.rounding,
+        )
         plan.write_impl = chosen = reg.select(write, "reshape_and_cache", _impl_for(impl, "reshape_and_cache"))
         plan.slot_mapping = slots = _for_impl(chosen, write).slot_mapping
         plan._slot_extent = ("slot_mapping", slots, memory.byte_extent(slots))

@@ -132,8 +132,8 @@ class Implementation:
     def with_options(self, **choices: Any) -> Implementation:
         """This implementation with typed options set, to pass as impl= with a call::
 
-            impl = registry.get("paged_attention", "triton-cuda").with_options(prefill="direct")
-            kvzoo.paged_attention(..., impl=impl)
+        impl = registry.get("paged_attention", "triton-cuda").with_options(prefill="direct")
+        kvzoo.paged_attention(..., impl=impl)
         """
         if self.option_type is None:
             raise KVZooInputError(f"impl: {self.name} ({self.op}) takes no options, got {sorted(choices)}")
@@ -155,8 +155,11 @@ class Implementation:
         # backend lacks is a mode it leaves out, never a KeyError inside its kernel.
         from .modes import MODES
 
-        missing = [m for m in self.modes if m in MODES and MODES[m].format is not None
-                   and MODES[m].format.name not in self.capabilities.formats]
+        missing = [
+            m
+            for m in self.modes
+            if m in MODES and MODES[m].format is not None and MODES[m].format.name not in self.capabilities.formats
+        ]
         if missing and self.capabilities.formats:
             raise ValueError(f"{self.name}: registers {sorted(missing)} without their formats in capabilities.formats")
 
@@ -166,9 +169,7 @@ class Implementation:
         if problem.mode.name not in self.modes:
             reasons.append(f"{self.name}: mode {problem.mode.name!r} is not one of {sorted(self.modes)}")
         if problem.device not in self.devices:
-            reasons.append(
-                f"{self.name}: tensors on device {problem.device!r}, it takes {sorted(self.devices)}"
-            )
+            reasons.append(f"{self.name}: tensors on device {problem.device!r}, it takes {sorted(self.devices)}")
         if not reasons:
             reasons.extend(self.capabilities.reasons(self.name, required(problem)))
         if not reasons:
@@ -184,8 +185,10 @@ def prepared_signature(arrays: Iterable[Any]) -> tuple:
     """What a prepared launch is specialised on, per array: dtype, shape, strides, device and
     whether its address is 16-byte aligned (Triton's pointer specialisation); None where absent."""
     return tuple(
-        None if a is None
-        else (a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0) if hasattr(a, "data_ptr")
+        None
+        if a is None
+        else (a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0)
+        if hasattr(a, "data_ptr")
         else (a.dtype, a.shape, a.strides, "cpu", a.ctypes.data & 15 == 0)
         for a in arrays
     )
@@ -263,11 +266,7 @@ class Registry:
 
     def implementations(self, op: str | None = None, mode: str | QuantMode | None = None) -> list[Implementation]:
         mode_name = None if mode is None else get_kv_quant_mode(mode).name
-        return [
-            i
-            for i in self._impls
-            if (op is None or i.op == op) and (mode_name is None or mode_name in i.modes)
-        ]
+        return [i for i in self._impls if (op is None or i.op == op) and (mode_name is None or mode_name in i.modes)]
 
     def get(self, op: str, name: str) -> Implementation:
         for i in self._impls:
@@ -310,9 +309,7 @@ class Registry:
                 raise ValueError(f"impl: {chosen.name!r} implements {chosen.op}, not {op}")
             reasons = chosen.supports(problem)
             if reasons:
-                raise NoImplementationError(
-                    f"impl={chosen.name!r} cannot run this {op} call: " + "; ".join(reasons)
-                )
+                raise NoImplementationError(f"impl={chosen.name!r} cannot run this {op} call: " + "; ".join(reasons))
             return chosen
         # supports(), not problem_reasons() alone: it is where an implementation's every
         # condition on a call lives, and a candidate's availability may have changed since.
@@ -323,25 +320,24 @@ class Registry:
             r for i in sorted(self.implementations(op), key=lambda i: -i.priority) for r in i.supports(problem)
         ]
         raise NoImplementationError(
-            f"no implementation of {op} takes this call:\n  " + "\n  ".join(all_reasons)
-            + self._import_note()
+            f"no implementation of {op} takes this call:\n  " + "\n  ".join(all_reasons) + self._import_note()
         )
 
     def _explain(self, op: str, mode: Any, device: str) -> str:
         lines = [f"no available implementation of {op} for mode {mode} on {device}:"]
         for i in self.implementations(op):
-            why = i.unavailable() or (
-                [f"mode not in {sorted(i.modes)}"] if get_kv_quant_mode(mode).name not in i.modes else []
-            ) or ([f"takes devices {sorted(i.devices)}"] if device not in i.devices else [])
+            why = (
+                i.unavailable()
+                or ([f"mode not in {sorted(i.modes)}"] if get_kv_quant_mode(mode).name not in i.modes else [])
+                or ([f"takes devices {sorted(i.devices)}"] if device not in i.devices else [])
+            )
             lines.append(f"  {i.name}: {'; '.join(why) or 'ok'}")
         return "\n".join(lines) + self._import_note()
 
     def _import_note(self) -> str:
         if not self.import_errors:
             return ""
-        return "\n  backends that failed to import: " + "; ".join(
-            f"{m}: {e}" for m, e in self.import_errors.items()
-        )
+        return "\n  backends that failed to import: " + "; ".join(f"{m}: {e}" for m, e in self.import_errors.items())
 
 
 _default: Registry | None = None

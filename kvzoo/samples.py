@@ -112,8 +112,15 @@ def draw_lens(rng: np.random.Generator, batch: str = "mixed", size: Size = "medi
     return q_lens.astype(np.int64), seq_lens.astype(np.int64)
 
 
-def scattered_tables(rng: np.random.Generator, seq_lens: Any, block_size: int, *, spare_blocks: int = 3,
-                     spare_columns: int = 1, num_blocks: int | None = None) -> tuple[np.ndarray, int]:
+def scattered_tables(
+    rng: np.random.Generator,
+    seq_lens: Any,
+    block_size: int,
+    *,
+    spare_blocks: int = 3,
+    spare_columns: int = 1,
+    num_blocks: int | None = None,
+) -> tuple[np.ndarray, int]:
     """(block tables int64 [S, max_blocks], num_blocks): each sequence's pages are a slice of one
     random permutation of the blocks, so no two sequences share a page and consecutive pages
     are rarely neighbours. Entries past a sequence's last page hold random valid ids: a kernel
@@ -130,14 +137,23 @@ def scattered_tables(rng: np.random.Generator, seq_lens: Any, block_size: int, *
     tables = rng.integers(0, max(1, num_blocks), (len(seq_lens), max_blocks))
     start = 0
     for s, n in enumerate(blocks):
-        tables[s, :n] = order[start:start + n]
+        tables[s, :n] = order[start : start + n]
         start += n
     return tables.astype(np.int64), num_blocks
 
 
-def draw_batch(rng: np.random.Generator, batch: str = "mixed", *, block_size: int = 16, size: Size = "medium",
-               q_lens: Any = None, seq_lens: Any = None, spare_blocks: int = 3, spare_columns: int = 1,
-               num_blocks: int | None = None) -> Batch:
+def draw_batch(
+    rng: np.random.Generator,
+    batch: str = "mixed",
+    *,
+    block_size: int = 16,
+    size: Size = "medium",
+    q_lens: Any = None,
+    seq_lens: Any = None,
+    spare_blocks: int = 3,
+    spare_columns: int = 1,
+    num_blocks: int | None = None,
+) -> Batch:
     """Lengths (given, or drawn by batch kind) and scattered tables."""
     if (q_lens is None) != (seq_lens is None):
         raise ValueError("give both q_lens and seq_lens, or neither")
@@ -146,8 +162,9 @@ def draw_batch(rng: np.random.Generator, batch: str = "mixed", *, block_size: in
     q_lens, seq_lens = np.asarray(q_lens, np.int64), np.asarray(seq_lens, np.int64)
     if q_lens.shape != seq_lens.shape or (q_lens > seq_lens).any() or (q_lens < 0).any():
         raise ValueError(f"need 0 <= q_lens <= seq_lens, got {q_lens.tolist()} and {seq_lens.tolist()}")
-    tables, num_blocks = scattered_tables(rng, seq_lens, block_size, spare_blocks=spare_blocks,
-                                          spare_columns=spare_columns, num_blocks=num_blocks)
+    tables, num_blocks = scattered_tables(
+        rng, seq_lens, block_size, spare_blocks=spare_blocks, spare_columns=spare_columns, num_blocks=num_blocks
+    )
     return Batch(q_lens, seq_lens, tables, num_blocks, block_size)
 
 
@@ -223,7 +240,7 @@ def _fill_torch(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
         flat = cache.view(-1, cache.shape[-1])
         rows = max(1, _TORCH_CHUNK // flat.shape[1])
         for i in range(0, flat.shape[0], rows):
-            part = flat[i:i + rows]
+            part = flat[i : i + rows]
             x = torch.randn(part.shape, device=part.device, generator=gen)
             if fmt is None:
                 part.copy_(x.to(part.dtype))
@@ -286,12 +303,25 @@ def _scalar(x: Any) -> float | None:
 # the oracle's answer and the tolerance it is held to
 
 
-def oracle_attention(mode: str | QuantMode, query: Any, key_codes: np.ndarray, value_codes: np.ndarray,
-                     block_tables: Any, seq_lens: Any, query_start_loc: Any, *, k_scales: Any = None,
-                     v_scales: Any = None, k_static: Any = None, v_static: Any = None,
-                     quantize_query: bool = False, softmax_scale: float | None = None,
-                     sliding_window: int | None = None, softcap: float | None = None,
-                     sinks: Any = None) -> np.ndarray:
+def oracle_attention(
+    mode: str | QuantMode,
+    query: Any,
+    key_codes: np.ndarray,
+    value_codes: np.ndarray,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    *,
+    k_scales: Any = None,
+    v_scales: Any = None,
+    k_static: Any = None,
+    v_static: Any = None,
+    quantize_query: bool = False,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+) -> np.ndarray:
     """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches.
 
     key_codes / value_codes: host uint8 codes (model-dtype values for mode none), e.g.
@@ -307,8 +337,16 @@ def oracle_attention(mode: str | QuantMode, query: Any, key_codes: np.ndarray, v
         q = oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
     host = lambda x: None if x is None else np.asarray(as_numpy(x.cpu()) if is_torch(x) else x)  # noqa: E731
     return oracle.attention_f64(
-        q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc),
-        softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=host(sinks),
+        q,
+        k_deq,
+        v_deq,
+        host(block_tables),
+        host(seq_lens),
+        host(query_start_loc),
+        softmax_scale=softmax_scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=host(sinks),
     )
 
 
@@ -318,8 +356,9 @@ def attention_tolerance(impl: Any, out_dtype: str) -> float:
     return impl.attention_rtol + OUT_ROUNDOFF[out_dtype]
 
 
-def assert_attention_close(impl: Any, got: Any, ref: np.ndarray, query_start_loc: Any, out_dtype: str,
-                           what: str = "") -> None:
+def assert_attention_close(
+    impl: Any, got: Any, ref: np.ndarray, query_start_loc: Any, out_dtype: str, what: str = ""
+) -> None:
     """Output against the oracle (SPEC.md section 8): non-finite exactly where a poisoned key
     makes ref non-finite, and elsewhere a relative Frobenius error within
     attention_tolerance, per sequence, so one short sequence cannot hide in a long one's norm."""
@@ -337,7 +376,8 @@ def assert_attention_close(impl: Any, got: Any, ref: np.ndarray, query_start_loc
             continue
         err = np.linalg.norm(got[rows] - ref[rows]) / max(np.linalg.norm(ref[rows]), 1e-30)
         assert math.isfinite(err) and err <= tol, (
-            f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})")
+            f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,11 +418,15 @@ class PagedSample:
     def api_kwargs(self) -> dict[str, Any]:
         """Everything api.paged_attention takes besides query, caches, options and out."""
         return dict(
-            mode=self.mode.name, block_tables=self.block_tables, seq_lens=self.seq_lens,
-            query_start_loc=self.query_start_loc, k_scale_cache=self.caches.k_scale_cache,
+            mode=self.mode.name,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            k_scale_cache=self.caches.k_scale_cache,
             v_scale_cache=self.caches.v_scale_cache,
             k_scale=None if self.k_scale is None else float(self.k_scale),
-            v_scale=None if self.v_scale is None else float(self.v_scale), sinks=self.sinks,
+            v_scale=None if self.v_scale is None else float(self.v_scale),
+            sinks=self.sinks,
         )
 
     def new_out(self) -> Any:
@@ -393,27 +437,56 @@ class PagedSample:
 
         return torch.full_like(self.query, float("nan"))
 
-    def reference(self, *, quantize_query: bool = False, softmax_scale: float | None = None,
-                  sliding_window: int | None = None, softcap: float | None = None) -> np.ndarray:
+    def reference(
+        self,
+        *,
+        quantize_query: bool = False,
+        softmax_scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> np.ndarray:
         """The float64 oracle on the cache as built (sinks as drawn)."""
         if self.key_codes is None:
-            raise ValueError("a sample filled by torch keeps no host copies: pass host_codes() of its "
-                             "caches to oracle_attention")
+            raise ValueError(
+                "a sample filled by torch keeps no host copies: pass host_codes() of its caches to oracle_attention"
+            )
         return oracle_attention(
-            self.mode, self.query_host, self.key_codes, self.value_codes, self.batch.tables,
-            self.batch.seq_lens, self.batch.qsl, k_scales=self.k_scales, v_scales=self.v_scales,
-            k_static=self.k_scale, v_static=self.v_scale, quantize_query=quantize_query,
-            softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=self.sinks_host,
+            self.mode,
+            self.query_host,
+            self.key_codes,
+            self.value_codes,
+            self.batch.tables,
+            self.batch.seq_lens,
+            self.batch.qsl,
+            k_scales=self.k_scales,
+            v_scales=self.v_scales,
+            k_static=self.k_scale,
+            v_static=self.v_scale,
+            quantize_query=quantize_query,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=self.sinks_host,
         )
 
 
-def _placed_caches(mode: QuantMode, host: tuple[Any, Any, Any, Any], shape: tuple[int, int, int, int],
-                   layout: str, kind: str, device: str) -> KVCacheTensors:
+def _placed_caches(
+    mode: QuantMode,
+    host: tuple[Any, Any, Any, Any],
+    shape: tuple[int, int, int, int],
+    layout: str,
+    kind: str,
+    device: str,
+) -> KVCacheTensors:
     """Host (codes, codes, scales, scales) as caches of layout on kind/device, bits unchanged."""
     kc, vc, ks, vs = host
     if layout == "separate":
-        return KVCacheTensors(*(None if a is None else _place(a, dt, kind, device) for a, dt in (
-            (kc, mode.code_dtype), (vc, mode.code_dtype), (ks, None), (vs, None))))
+        return KVCacheTensors(
+            *(
+                None if a is None else _place(a, dt, kind, device)
+                for a, dt in ((kc, mode.code_dtype), (vc, mode.code_dtype), (ks, None), (vs, None))
+            )
+        )
     caches = allocate_inline(*shape, mode, device=None if kind == "numpy" else device)
     for dst, src in ((caches.key_cache, kc), (caches.value_cache, vc)):
         if kind == "numpy":
@@ -426,12 +499,29 @@ def _placed_caches(mode: QuantMode, host: tuple[Any, Any, Any, Any], shape: tupl
 
 
 def paged_sample(
-    rng: np.random.Generator, mode: str | QuantMode, *, batch: str = "mixed", q_lens: Any = None,
-    seq_lens: Any = None, size: Size = "medium", block_size: int = 16, num_q_heads: int = 8,
-    num_kv_heads: int = 2, head_size: int = 64, query_dtype: str = "bfloat16", cache_dtype: str | None = None,
-    layout: str = "separate", kind: Kind = "torch", device: str = "cpu", sinks: bool = False,
-    poison: bool = False, static_scales: Any = "unit", spare_blocks: int = 3, spare_columns: int = 1,
-    num_blocks: int | None = None, fill: Fill = "host",
+    rng: np.random.Generator,
+    mode: str | QuantMode,
+    *,
+    batch: str = "mixed",
+    q_lens: Any = None,
+    seq_lens: Any = None,
+    size: Size = "medium",
+    block_size: int = 16,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_size: int = 64,
+    query_dtype: str = "bfloat16",
+    cache_dtype: str | None = None,
+    layout: str = "separate",
+    kind: Kind = "torch",
+    device: str = "cpu",
+    sinks: bool = False,
+    poison: bool = False,
+    static_scales: Any = "unit",
+    spare_blocks: int = 3,
+    spare_columns: int = 1,
+    num_blocks: int | None = None,
+    fill: Fill = "host",
 ) -> PagedSample:
     """A random paged-attention problem.
 
@@ -452,8 +542,17 @@ def paged_sample(
         raise ValueError(f"poison: mode {mode.name!r} has no code that decodes to NaN and no per-row scale")
     if fill == "torch" and (kind != "torch" or layout != "separate" or poison):
         raise ValueError("fill='torch' builds separate torch caches without poison")
-    b = draw_batch(rng, batch, block_size=block_size, size=size, q_lens=q_lens, seq_lens=seq_lens,
-                   spare_blocks=spare_blocks, spare_columns=spare_columns, num_blocks=num_blocks)
+    b = draw_batch(
+        rng,
+        batch,
+        block_size=block_size,
+        size=size,
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        spare_blocks=spare_blocks,
+        spare_columns=spare_columns,
+        num_blocks=num_blocks,
+    )
     shape = (b.num_blocks, block_size, num_kv_heads, head_size)
     host = fill == "host"
     if host:
@@ -483,14 +582,26 @@ def paged_sample(
         query = query.to(torch_dtype(query_dtype))
     sinks_host = (rng.standard_normal(num_q_heads) * 2).astype(np.float32) if sinks else None
     return PagedSample(
-        mode=mode, batch=b, layout=layout, kind=kind, device=device, query_dtype=query_dtype, query=query,
-        caches=caches, block_tables=_index(b.tables, kind, device), seq_lens=_index(b.seq_lens, kind, device),
+        mode=mode,
+        batch=b,
+        layout=layout,
+        kind=kind,
+        device=device,
+        query_dtype=query_dtype,
+        query=query,
+        caches=caches,
+        block_tables=_index(b.tables, kind, device),
+        seq_lens=_index(b.seq_lens, kind, device),
         query_start_loc=_index(b.qsl, kind, device),
         sinks=None if sinks_host is None else _place(sinks_host, None, kind, device),
-        k_scale=static[0], v_scale=static[1],
+        k_scale=static[0],
+        v_scale=static[1],
         query_host=np.array(as_numpy(query.cpu()) if is_torch(query) else query) if host else None,
-        key_codes=kc if host else None, value_codes=vc if host else None,
-        k_scales=ks if host else None, v_scales=vs if host else None, sinks_host=sinks_host,
+        key_codes=kc if host else None,
+        value_codes=vc if host else None,
+        k_scales=ks if host else None,
+        v_scales=vs if host else None,
+        sinks_host=sinks_host,
     )
 
 
@@ -498,9 +609,16 @@ def paged_sample(
 # write samples
 
 
-def poisoned_caches(rng: np.random.Generator, mode: str | QuantMode, shape: tuple[int, int, int, int], *,
-                    model_dtype: str = "bfloat16", layout: str = "separate", kind: Kind = "torch",
-                    device: str = "cpu") -> KVCacheTensors:
+def poisoned_caches(
+    rng: np.random.Generator,
+    mode: str | QuantMode,
+    shape: tuple[int, int, int, int],
+    *,
+    model_dtype: str = "bfloat16",
+    layout: str = "separate",
+    kind: Kind = "torch",
+    device: str = "cpu",
+) -> KVCacheTensors:
     """Caches of random bytes (never zero bytes, NaN codes included) in layout: a slot a write
     leaves alone, or an unwritten byte of a written one, keeps a value no encoder produces
     by accident."""
@@ -524,9 +642,9 @@ def _rows_on(values32: np.ndarray, dtype: str, device: str, kind: str, strided: 
         return tensor(values32, dtype, device, kind)
     t, h, d = values32.shape
     fused = np.zeros((t, 3 * h + 1, d + 3), np.float32)
-    fused[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d] = values32
+    fused[:, 1 + slot * h : 1 + (slot + 1) * h, 2 : 2 + d] = values32
     full = tensor(fused, dtype, device, kind)
-    return full[:, 1 + slot * h: 1 + (slot + 1) * h, 2: 2 + d]
+    return full[:, 1 + slot * h : 1 + (slot + 1) * h, 2 : 2 + d]
 
 
 def _clone(x: Any) -> Any:
@@ -561,20 +679,32 @@ class WriteSample:
     def api_kwargs(self) -> dict[str, Any]:
         """Everything api.reshape_and_cache takes besides the five positional arrays."""
         s = None if self.static_scale is None else float(self.static_scale)
-        return dict(mode=self.mode.name, k_scale_cache=self.caches.k_scale_cache,
-                    v_scale_cache=self.caches.v_scale_cache, k_scale=s, v_scale=s)
+        return dict(
+            mode=self.mode.name,
+            k_scale_cache=self.caches.k_scale_cache,
+            v_scale_cache=self.caches.v_scale_cache,
+            k_scale=s,
+            v_scale=s,
+        )
 
     def assert_guard_unchanged(self, what: str) -> None:
         from .conformance.inputs import assert_same_bytes
 
         for got, want in zip(self.cache_arrays(self.padded), self.guard):
             if want is not None:
-                assert_same_bytes(got[self.num_blocks:], want, f"{what} wrote past the end of the cache")
+                assert_same_bytes(got[self.num_blocks :], want, f"{what} wrote past the end of the cache")
 
 
-def write_slots(rng: np.random.Generator, num_tokens: int, num_blocks: int, block_size: int, *,
-                order: Literal["random", "paged"] = "random", negative: bool = False,
-                wild: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def write_slots(
+    rng: np.random.Generator,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    *,
+    order: Literal["random", "paged"] = "random",
+    negative: bool = False,
+    wild: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """(slots as handed over, slots as a correct write treats them) int64 [num_tokens].
 
     order "random": distinct slots anywhere; "paged": vLLM-like, tokens filling random blocks
@@ -582,7 +712,7 @@ def write_slots(rng: np.random.Generator, num_tokens: int, num_blocks: int, bloc
     end (what validate=False must skip like negative ones): up to two blocks past it."""
     capacity = num_blocks * block_size
     if order == "paged":
-        blocks = rng.permutation(num_blocks)[:-(-num_tokens // block_size)]
+        blocks = rng.permutation(num_blocks)[: -(-num_tokens // block_size)]
         slots = (blocks[:, None] * block_size + np.arange(block_size)[None, :]).reshape(-1)[:num_tokens]
     else:
         slots = rng.permutation(capacity)[:num_tokens]
@@ -600,12 +730,29 @@ def write_slots(rng: np.random.Generator, num_tokens: int, num_blocks: int, bloc
 
 
 def write_sample(
-    rng: np.random.Generator, mode: str | QuantMode, *, num_tokens: int, num_kv_heads: int = 2,
-    head_size: int = 64, block_size: int = 16, dtype: str = "bfloat16", dist: str = "normal",
-    layout: str = "separate", kind: Kind = "torch", device: str = "cpu", slot_order: Literal["random", "paged"] = "random",
-    negative_slots: bool = False, wild_slots: bool = False, strided: bool = False, num_blocks: int | None = None,
-    guard_blocks: int = 0, poison: bool = True, static_scale: Any = "unit", index_dtype: str = "int64",
-    key32: np.ndarray | None = None, value32: np.ndarray | None = None,
+    rng: np.random.Generator,
+    mode: str | QuantMode,
+    *,
+    num_tokens: int,
+    num_kv_heads: int = 2,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: str = "bfloat16",
+    dist: str = "normal",
+    layout: str = "separate",
+    kind: Kind = "torch",
+    device: str = "cpu",
+    slot_order: Literal["random", "paged"] = "random",
+    negative_slots: bool = False,
+    wild_slots: bool = False,
+    strided: bool = False,
+    num_blocks: int | None = None,
+    guard_blocks: int = 0,
+    poison: bool = True,
+    static_scale: Any = "unit",
+    index_dtype: str = "int64",
+    key32: np.ndarray | None = None,
+    value32: np.ndarray | None = None,
 ) -> WriteSample:
     """A random reshape_and_cache problem.
 
@@ -622,8 +769,9 @@ def write_sample(
     static = _one_static(rng, static_scale, mode) if mode.per_tensor else None
     k32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if key32 is None else np.asarray(key32, np.float32)
     v32 = make_rows(mode, dist, dtype, (T, H, D), rng, static) if value32 is None else np.asarray(value32, np.float32)
-    slots, oracle_slots = write_slots(rng, T, num_blocks, BS, order=slot_order, negative=negative_slots,
-                                      wild=wild_slots)
+    slots, oracle_slots = write_slots(
+        rng, T, num_blocks, BS, order=slot_order, negative=negative_slots, wild=wild_slots
+    )
     shape = (num_blocks + guard_blocks, BS, H, D)
     if poison:
         padded = poisoned_caches(rng, mode, shape, model_dtype=dtype, layout=layout, kind=kind, device=device)
@@ -637,16 +785,44 @@ def write_sample(
     caches = KVCacheTensors(*(None if c is None else c[:num_blocks] for c in arrays), buffer=buffer)
     slot_mapping = _index(slots, kind, device, index_dtype)
     return WriteSample(
-        mode=mode, dtype=dtype, key32=k32, value32=v32, key=_rows_on(k32, dtype, device, kind, strided, 0),
-        value=_rows_on(v32, dtype, device, kind, strided, 1), slots=slots, oracle_slots=oracle_slots,
-        slot_mapping=slot_mapping, caches=caches, padded=padded, guard=guard, num_blocks=num_blocks,
-        block_size=BS, static_scale=static,
+        mode=mode,
+        dtype=dtype,
+        key32=k32,
+        value32=v32,
+        key=_rows_on(k32, dtype, device, kind, strided, 0),
+        value=_rows_on(v32, dtype, device, kind, strided, 1),
+        slots=slots,
+        oracle_slots=oracle_slots,
+        slot_mapping=slot_mapping,
+        caches=caches,
+        padded=padded,
+        guard=guard,
+        num_blocks=num_blocks,
+        block_size=BS,
+        static_scale=static,
     )
 
 
 __all__ = [
-    "BATCH_KINDS", "OUT_ROUNDOFF", "Batch", "PagedSample", "WriteSample", "assert_attention_close",
-    "attention_tolerance", "draw_batch", "draw_lens", "fill_quantized", "host_codes", "host_scales",
-    "oracle_attention", "paged_sample", "poisoned_caches", "scattered_tables", "torch_generator",
-    "unit_static_scale", "wide_static_scale", "write_sample", "write_slots",
+    "BATCH_KINDS",
+    "OUT_ROUNDOFF",
+    "Batch",
+    "PagedSample",
+    "WriteSample",
+    "assert_attention_close",
+    "attention_tolerance",
+    "draw_batch",
+    "draw_lens",
+    "fill_quantized",
+    "host_codes",
+    "host_scales",
+    "oracle_attention",
+    "paged_sample",
+    "poisoned_caches",
+    "scattered_tables",
+    "torch_generator",
+    "unit_static_scale",
+    "wide_static_scale",
+    "write_sample",
+    "write_slots",
 ]

@@ -60,8 +60,15 @@ from .layout import KVCacheTensors
 from .modes import QuantMode
 from .plan import StepPlan
 
-__all__ = ["DEFAULT_PLAN", "paged_attention", "reshape_and_cache", "set_step_plan", "step_attention",
-           "step_plans", "step_write"]
+__all__ = [
+    "DEFAULT_PLAN",
+    "paged_attention",
+    "reshape_and_cache",
+    "set_step_plan",
+    "step_attention",
+    "step_plans",
+    "step_write",
+]
 
 # Both device types torch reports for kvzoo's tensors (ROCm tensors are "cuda" to torch).
 # Naming them, rather than registering for every backend, makes a call on another device fail
@@ -86,45 +93,59 @@ def _check(cond: bool, message: str) -> None:
 
 def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache) -> None:
     _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
-    _check(slot_mapping.shape == key.shape[:1], f"slot_mapping: expected [num_tokens={key.shape[0]}], "
-                                                f"got {tuple(slot_mapping.shape)}")
+    _check(
+        slot_mapping.shape == key.shape[:1],
+        f"slot_mapping: expected [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}",
+    )
 
 
 def _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache) -> None:
     _check(key.dim() == 3, f"key: expected [num_tokens, num_kv_heads, head_size], got {key.dim()} dims")
     _check(value.shape == key.shape, f"value: shape {tuple(value.shape)} != key's {tuple(key.shape)}")
     _check(value.dtype == key.dtype, f"value: dtype {value.dtype} != key's {key.dtype}")
-    _check(key_cache.dim() == 4, f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], "
-                                 f"got {key_cache.dim()} dims")
-    _check(value_cache.shape == key_cache.shape,
-           f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}")
+    _check(
+        key_cache.dim() == 4,
+        f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], got {key_cache.dim()} dims",
+    )
+    _check(
+        value_cache.shape == key_cache.shape,
+        f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}",
+    )
     # head_size is not compared: a packed mode's cache rows need not be head_size wide.
-    _check(key_cache.shape[2] == key.shape[1],
-           f"key_cache: num_kv_heads {key_cache.shape[2]} != key's {key.shape[1]}")
+    _check(key_cache.shape[2] == key.shape[1], f"key_cache: num_kv_heads {key_cache.shape[2]} != key's {key.shape[1]}")
     _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
 
 
 def _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache) -> None:
     for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         if sc is not None:
-            _check(sc.shape == key_cache.shape[:3],
-                   f"{name}: expected [num_blocks, block_size, num_kv_heads], got {tuple(sc.shape)}")
+            _check(
+                sc.shape == key_cache.shape[:3],
+                f"{name}: expected [num_blocks, block_size, num_kv_heads], got {tuple(sc.shape)}",
+            )
 
 
 def _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
     _check_query_meta(out, query, key_cache, value_cache)
-    _check(block_tables.dim() == 2, f"block_tables: expected [num_seqs, max_blocks_per_seq], "
-                                    f"got {block_tables.dim()} dims")
-    _check(seq_lens.shape == block_tables.shape[:1], f"seq_lens: expected [num_seqs={block_tables.shape[0]}], "
-                                                     f"got {tuple(seq_lens.shape)}")
-    _check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
-           f"query_start_loc: expected [num_seqs + 1], got {tuple(query_start_loc.shape)}")
+    _check(
+        block_tables.dim() == 2, f"block_tables: expected [num_seqs, max_blocks_per_seq], got {block_tables.dim()} dims"
+    )
+    _check(
+        seq_lens.shape == block_tables.shape[:1],
+        f"seq_lens: expected [num_seqs={block_tables.shape[0]}], got {tuple(seq_lens.shape)}",
+    )
+    _check(
+        query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
+        f"query_start_loc: expected [num_seqs + 1], got {tuple(query_start_loc.shape)}",
+    )
 
 
 def _check_lse_meta(lse, query) -> None:
     if lse is not None:
-        _check(lse.shape == query.shape[:2], f"lse: expected [num_tokens, num_q_heads] "
-                                             f"{tuple(query.shape[:2])}, got {tuple(lse.shape)}")
+        _check(
+            lse.shape == query.shape[:2],
+            f"lse: expected [num_tokens, num_q_heads] {tuple(query.shape[:2])}, got {tuple(lse.shape)}",
+        )
         _check(lse.dtype == torch.float32, f"lse: expected dtype torch.float32, got {lse.dtype}")
         _check(lse.device == query.device, f"lse: on {lse.device}, query on {query.device}")
 
@@ -133,10 +154,14 @@ def _check_query_meta(out, query, key_cache, value_cache) -> None:
     _check(query.dim() == 3, f"query: expected [num_tokens, num_q_heads, head_size], got {query.dim()} dims")
     _check(out.shape == query.shape, f"out: shape {tuple(out.shape)} != query's {tuple(query.shape)}")
     _check(out.dtype == query.dtype, f"out: dtype {out.dtype} != query's {query.dtype}")
-    _check(key_cache.dim() == 4, f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], "
-                                 f"got {key_cache.dim()} dims")
-    _check(value_cache.shape == key_cache.shape,
-           f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}")
+    _check(
+        key_cache.dim() == 4,
+        f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], got {key_cache.dim()} dims",
+    )
+    _check(
+        value_cache.shape == key_cache.shape,
+        f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}",
+    )
 
 
 def _define_reshape_and_cache() -> None:
@@ -159,14 +184,37 @@ def _define_reshape_and_cache() -> None:
         impl: str | None = None,
     ) -> None:
         api.reshape_and_cache(
-            key, value, key_cache, value_cache, slot_mapping, mode=kv_cache_dtype,
-            k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, k_scale=k_scale, v_scale=v_scale,
-            rounding=rounding, impl=impl, validate=validate,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            mode=kv_cache_dtype,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            rounding=rounding,
+            impl=impl,
+            validate=validate,
         )
 
     @_op.register_fake
-    def _fake(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache, k_scale, v_scale,
-              kv_cache_dtype, rounding, validate=True, impl=None) -> None:
+    def _fake(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale_cache,
+        v_scale_cache,
+        k_scale,
+        v_scale,
+        kv_cache_dtype,
+        rounding,
+        validate=True,
+        impl=None,
+    ) -> None:
         _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
 
 
@@ -202,19 +250,60 @@ def _define_paged_attention() -> None:
         impl: str | None = None,
     ) -> None:
         api.paged_attention(
-            query, key_cache, value_cache, mode=kv_cache_dtype, block_tables=block_tables, seq_lens=seq_lens,
-            query_start_loc=query_start_loc, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-            k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
-            softcap=softcap, sinks=sinks, out=out, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            num_prefills=num_prefills, batch_invariant=batch_invariant, quantize_query=quantize_query,
-            return_lse=lse is not None, lse=lse, impl=impl, validate=validate,
+            query,
+            key_cache,
+            value_cache,
+            mode=kv_cache_dtype,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            out=out,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_prefills=num_prefills,
+            batch_invariant=batch_invariant,
+            quantize_query=quantize_query,
+            return_lse=lse is not None,
+            lse=lse,
+            impl=impl,
+            validate=validate,
         )
 
     @_op.register_fake
-    def _fake(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache,
-              v_scale_cache, k_scale, v_scale, sinks, kv_cache_dtype, softmax_scale, sliding_window, softcap,
-              max_query_len, max_seq_len, batch_invariant, quantize_query, lse, num_prefills=None, validate=True,
-              impl=None) -> None:
+    def _fake(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        k_scale_cache,
+        v_scale_cache,
+        k_scale,
+        v_scale,
+        sinks,
+        kv_cache_dtype,
+        softmax_scale,
+        sliding_window,
+        softcap,
+        max_query_len,
+        max_seq_len,
+        batch_invariant,
+        quantize_query,
+        lse,
+        num_prefills=None,
+        validate=True,
+        impl=None,
+    ) -> None:
         _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
         _check_lse_meta(lse, query)
 
@@ -296,9 +385,19 @@ def reshape_and_cache(
     ...                                   k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache)
     """
     torch.ops.kvzoo.reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache,
-        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), _mode_name(kv_cache_dtype),
-        rounding, validate, impl,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale_cache,
+        v_scale_cache,
+        _static_scale(k_scale, key_cache),
+        _static_scale(v_scale, key_cache),
+        _mode_name(kv_cache_dtype),
+        rounding,
+        validate,
+        impl,
     )
 
 
@@ -418,10 +517,30 @@ def paged_attention(
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
     torch.ops.kvzoo.paged_attention(
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_cache, v_scale_cache,
-        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), sinks, _mode_name(kv_cache_dtype),
-        softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, batch_invariant, quantize_query, lse,
-        num_prefills, validate, impl,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        k_scale_cache,
+        v_scale_cache,
+        _static_scale(k_scale, key_cache),
+        _static_scale(v_scale, key_cache),
+        sinks,
+        _mode_name(kv_cache_dtype),
+        softmax_scale,
+        sliding_window,
+        softcap,
+        max_query_len,
+        max_seq_len,
+        batch_invariant,
+        quantize_query,
+        lse,
+        num_prefills,
+        validate,
+        impl,
     )
     return (out, lse) if return_lse else out
 
@@ -430,8 +549,9 @@ def _lse_output(lse: torch.Tensor | None, return_lse: bool, query: torch.Tensor)
     # The op writes lse exactly when it is given one, so return_lse is settled here.
     if not return_lse:
         if lse is not None:
-            fail("lse: given without return_lse=True; pass return_lse=True to have it written (and returned "
-                 "beside out)")
+            fail(
+                "lse: given without return_lse=True; pass return_lse=True to have it written (and returned beside out)"
+            )
         return None
     if lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
@@ -494,12 +614,16 @@ def step_plans(**plans: StepPlan | None) -> Iterator[None]:
 def _plan_named(name: str, op: str) -> StepPlan:
     plan = _STEP_PLANS.get(name)
     if plan is None:
-        fail(f"plan_name: no kvzoo step plan is registered under {name!r} (registered: {sorted(_STEP_PLANS)}); "
-             f"{op} looks its step's plan up when it runs: register it first with "
-             f"kvzoo.torch_ops.set_step_plan({name!r}, plan) or kvzoo.torch_ops.step_plans(...)")
+        fail(
+            f"plan_name: no kvzoo step plan is registered under {name!r} (registered: {sorted(_STEP_PLANS)}); "
+            f"{op} looks its step's plan up when it runs: register it first with "
+            f"kvzoo.torch_ops.set_step_plan({name!r}, plan) or kvzoo.torch_ops.step_plans(...)"
+        )
     if plan.spec.layout != "separate":
-        fail(f"plan_name: the plan registered under {name!r} is for {plan.spec.layout!r} caches; {op} takes the "
-             "separate layout only (inline views do not survive torch's functionalization)")
+        fail(
+            f"plan_name: the plan registered under {name!r} is for {plan.spec.layout!r} caches; {op} takes the "
+            "separate layout only (inline views do not survive torch's functionalization)"
+        )
     return plan
 
 
@@ -516,16 +640,22 @@ def _view_key(x: torch.Tensor | None) -> tuple | None:
     return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride())
 
 
-def _caches_for(key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale_cache: torch.Tensor | None,
-                v_scale_cache: torch.Tensor | None) -> KVCacheTensors:
+def _caches_for(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+) -> KVCacheTensors:
     """The one KVCacheTensors for these tensors, so the plan's per-object check runs once."""
     tensors = (key_cache, value_cache, k_scale_cache, v_scale_cache)
     key = tuple(map(_view_key, tensors))
     held = _HELD.get(key)
     # The held tensors are compared again because set_ or resize_ on one of them would leave
     # its key naming an address it no longer owns, which other memory may since have taken.
-    if held is not None and tuple(map(_view_key, (held.key_cache, held.value_cache, held.k_scale_cache,
-                                                 held.v_scale_cache))) == key:
+    if (
+        held is not None
+        and tuple(map(_view_key, (held.key_cache, held.value_cache, held.k_scale_cache, held.v_scale_cache))) == key
+    ):
         _HELD.move_to_end(key)
         return held
     held = _HELD[key] = KVCacheTensors(*tensors)
@@ -549,12 +679,18 @@ def _define_step_write() -> None:
         v_scale: torch.Tensor | None = None,
     ) -> None:
         plan = _plan_named(plan_name, "kvzoo.step_write")
-        plan.write(key, value, _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
-                   k_scale=k_scale, v_scale=v_scale)
+        plan.write(
+            key,
+            value,
+            _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     @_op.register_fake
-    def _fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, k_scale=None,
-              v_scale=None) -> None:
+    def _fake(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, k_scale=None, v_scale=None
+    ) -> None:
         _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
 
 
@@ -574,12 +710,31 @@ def _define_step_attention() -> None:
         sinks: torch.Tensor | None = None,
     ) -> None:
         plan = _plan_named(plan_name, "kvzoo.step_attention")
-        plan.attention(query, _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache), out=out,
-                       k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=lse is not None, lse=lse)
+        plan.attention(
+            query,
+            _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+            return_lse=lse is not None,
+            lse=lse,
+        )
 
     @_op.register_fake
-    def _fake(out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse,
-              k_scale=None, v_scale=None, sinks=None) -> None:
+    def _fake(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        plan_name,
+        lse,
+        k_scale=None,
+        v_scale=None,
+        sinks=None,
+    ) -> None:
         _check_query_meta(out, query, key_cache, value_cache)
         _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
         _check_lse_meta(lse, query)
@@ -643,8 +798,15 @@ def step_write(
     (True, True)
     """
     torch.ops.kvzoo.step_write(
-        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name,
-        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        plan_name,
+        _static_scale(k_scale, key_cache),
+        _static_scale(v_scale, key_cache),
     )
 
 
@@ -717,7 +879,16 @@ def step_attention(
         out = torch.empty_like(query)
     lse = _lse_output(lse, return_lse, query)
     torch.ops.kvzoo.step_attention(
-        out, query, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, lse,
-        _static_scale(k_scale, key_cache), _static_scale(v_scale, key_cache), sinks,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        plan_name,
+        lse,
+        _static_scale(k_scale, key_cache),
+        _static_scale(v_scale, key_cache),
+        sinks,
     )
     return (out, lse) if return_lse else out

@@ -41,15 +41,21 @@ def require_array(name: str, x: Any) -> None:
     native byte order (kvzoo_spec/SPEC.md section 11)."""
     if is_torch(x):
         if x.device.type not in _DEVICE_TYPES:
-            fail(f"{name}: on device {x.device}; kvzoo runs on {' and '.join(_DEVICE_TYPES)} tensors "
-                 "(ROCm tensors are cuda in torch)")
+            fail(
+                f"{name}: on device {x.device}; kvzoo runs on {' and '.join(_DEVICE_TYPES)} tensors "
+                "(ROCm tensors are cuda in torch)"
+            )
         if x.requires_grad:
-            fail(f"{name}: requires_grad=True; kvzoo's operations are not differentiable "
-                 f"(pass {name}.detach(), or call under torch.no_grad())")
+            fail(
+                f"{name}: requires_grad=True; kvzoo's operations are not differentiable "
+                f"(pass {name}.detach(), or call under torch.no_grad())"
+            )
     elif isinstance(x, np.ndarray):
         if not x.dtype.isnative:
-            fail(f"{name}: byte order {x.dtype.str!r} is not this machine's; expected native order "
-                 f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
+            fail(
+                f"{name}: byte order {x.dtype.str!r} is not this machine's; expected native order "
+                f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))"
+            )
     else:
         fail(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
 
@@ -141,8 +147,10 @@ def float32_scalar(name: str, value: Any, *, smallest: float = 0.0) -> float:
     with np.errstate(over="ignore"):
         as_f32 = float(np.float32(number))
     if not (math.isfinite(as_f32) and as_f32 > 0 and as_f32 >= smallest):
-        fail(f"{name}: expected {expected} in float32 (the precision the kernels use), got {value!r}"
-             + ("" if math.isnan(number) else f" (float32 {as_f32:g})"))
+        fail(
+            f"{name}: expected {expected} in float32 (the precision the kernels use), got {value!r}"
+            + ("" if math.isnan(number) else f" (float32 {as_f32:g})")
+        )
     return number
 
 
@@ -171,8 +179,10 @@ def host_ints(x: Any) -> np.ndarray:
 def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
     """A per-tensor scale as a float32 [1] array of the same kind and device as `like`."""
     if value is None:
-        fail(f"{name}: required for the per-tensor modes (fp8_per_tensor, int8_per_tensor, fp8_e5m2_per_tensor): "
-             "the caller's static scale")
+        fail(
+            f"{name}: required for the per-tensor modes (fp8_per_tensor, int8_per_tensor, fp8_e5m2_per_tensor): "
+            "the caller's static scale"
+        )
     if is_array(value):
         require_array(name, value)
         if int(np.prod(value.shape)) != 1:
@@ -212,8 +222,10 @@ def require_sizes(name: str, **sizes: int) -> None:
         if size < 1:
             fail(f"{name}: {dim} must be at least 1, got {size}")
     if "num_blocks" in sizes and sizes["num_blocks"] * sizes["block_size"] > INT32_MAX:
-        fail(f"{name}: {sizes['num_blocks']} blocks x block_size {sizes['block_size']} is more slots than the "
-             f"kernels' int32 ({INT32_MAX})")
+        fail(
+            f"{name}: {sizes['num_blocks']} blocks x block_size {sizes['block_size']} is more slots than the "
+            f"kernels' int32 ({INT32_MAX})"
+        )
 
 
 def check_aliasing(problem: Any) -> None:
@@ -228,8 +240,10 @@ def check_aliasing(problem: Any) -> None:
             continue
         x = getattr(problem, name)
         if memory.self_overlap(x):
-            fail(f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
-                 f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element")
+            fail(
+                f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
+                f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element"
+            )
         mine = extents[name]
         if mine is None:
             continue
@@ -242,8 +256,10 @@ def check_aliasing(problem: Any) -> None:
                 continue
             if memory.overlap(x, getattr(problem, other)):
                 role = "written" if other in problem.WRITTEN else "read"
-                fail(f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
-                     "(non-overlapping) arrays")
+                fail(
+                    f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
+                    "(non-overlapping) arrays"
+                )
 
 
 def _strides(x: Any) -> tuple[int, ...]:

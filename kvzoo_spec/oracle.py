@@ -149,8 +149,15 @@ ORACLE_MODES = {
     for m in (
         OracleMode("none", "none", None),
         OracleMode("fp8_per_tensor", "per_tensor", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
-        OracleMode("int8_per_token_head", "per_token_head", "int8", np.float32(127), np.float32(-128), 0x00,
-                   ("nearest", "trunc")),
+        OracleMode(
+            "int8_per_token_head",
+            "per_token_head",
+            "int8",
+            np.float32(127),
+            np.float32(-128),
+            0x00,
+            ("nearest", "trunc"),
+        ),
         OracleMode("fp8_per_token_head", "per_token_head", "float8_e4m3fn", np.float32(448), np.float32(-448), 0x7F),
         OracleMode(
             "fp8_e4m3fnuz_per_token_head", "per_token_head", "float8_e4m3fnuz", np.float32(224), np.float32(-224), 0x80
@@ -698,8 +705,7 @@ def int4_dequantize_rows_f64(packed, scales, mode_name: str = "int4_per_token_he
     return int4_unrotate_f64(d) if mode_name == "int4_per_token_head" else d
 
 
-def int4_reshape_and_cache(key, value, slot_mapping, *, num_blocks, block_size,
-                           mode_name: str = "int4_per_token_head"):
+def int4_reshape_and_cache(key, value, slot_mapping, *, num_blocks, block_size, mode_name: str = "int4_per_token_head"):
     """key/value [T, H, D] -> (key_cache, value_cache uint8 [NB, BS, H, D/2],
     k_scale_cache, v_scale_cache float32 [NB, BS, H]); unwritten bytes 0."""
     key, value = np.asarray(key), np.asarray(value)

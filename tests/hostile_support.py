@@ -119,8 +119,11 @@ def placement_checked(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def checked(*args: Any, **kw: Any) -> Any:
         named = [*((f"argument {i}", x) for i, x in enumerate(args)), *kw.items()]
-        stray = [name for name, x in named if isinstance(x, torch.Tensor) and x.device.type != "meta"
-                 and x.untyped_storage().data_ptr() not in _PLACED]
+        stray = [
+            name
+            for name, x in named
+            if isinstance(x, torch.Tensor) and x.device.type != "meta" and x.untyped_storage().data_ptr() not in _PLACED
+        ]
         assert not stray, f"{fn.__name__}: tensors not placed through to_case_device: {stray}"
         return fn(*args, **kw)
 
@@ -189,8 +192,15 @@ def _names_pattern(names: Sequence[str]) -> str:
     return "|".join(re.escape(n) for n in names)
 
 
-def call_refused(impl: Any, fn: Callable, names: Sequence[str], guards: Sequence[Any], *args: Any,
-                 words: Sequence[str] = (), **kw: Any) -> KVZooInputError:
+def call_refused(
+    impl: Any,
+    fn: Callable,
+    names: Sequence[str],
+    guards: Sequence[Any],
+    *args: Any,
+    words: Sequence[str] = (),
+    **kw: Any,
+) -> KVZooInputError:
     """Run a call the spec refuses: KVZooInputError whose message starts with one of `names`;
     every guarded byte unchanged afterwards, whatever happened."""
     outcome = None
@@ -234,9 +244,21 @@ class Region:
 
     parent: Region | None = None
 
-    def __init__(self, rng: np.random.Generator, shape: Sequence[int], dtype: str, kind: str, *, impl: Any,
-                 label: str = "", gaps: bool = True, steps: Sequence[int] | None = None,
-                 flip: Sequence[int] = (), guard: int = 8, align: int = 1):
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        shape: Sequence[int],
+        dtype: str,
+        kind: str,
+        *,
+        impl: Any,
+        label: str = "",
+        gaps: bool = True,
+        steps: Sequence[int] | None = None,
+        flip: Sequence[int] = (),
+        guard: int = 8,
+        align: int = 1,
+    ):
         """impl: the implementation under test, which decides the device (None: the host).
         align: every stride, the view's first element and the guards are multiples of
         `align` elements (the inline page needs its float32 scales 4-byte aligned)."""
@@ -268,14 +290,14 @@ class Region:
         if kind == "numpy":
             self.memory, self.copied = self.host, False
             typed = self.host.view(self.np_dtype)
-            view = typed[lo:lo + body].reshape(padded)[sl][flips]
+            view = typed[lo : lo + body].reshape(padded)[sl][flips]
         else:
             assert not flip, "torch has no negative strides"
             staged = torch.from_numpy(self.host)
             self.memory = to_case_device(staged, impl)
             self.copied = self.memory is not staged
             typed_t = self.memory.view(th_dtype(dtype))
-            view = typed_t[lo:lo + body].reshape(padded)[sl]
+            view = typed_t[lo : lo + body].reshape(padded)[sl]
         self.array = view
         self.before = self.host.copy()
 
@@ -354,7 +376,8 @@ class Region:
         bad = ~inside & (self.now() != self.before)
         assert not bad.any(), (
             f"{what}: {int(bad.sum())} bytes of {self.label}'s buffer outside the view changed "
-            f"(first at byte {int(np.argmax(bad))} of {self.host.size}; guard/gaps written)")
+            f"(first at byte {int(np.argmax(bad))} of {self.host.size}; guard/gaps written)"
+        )
 
 
 def _diff_report(a: np.ndarray, b: np.ndarray) -> str:
@@ -404,8 +427,18 @@ def guard_of(label: str, x: Any) -> Guard:
 
 
 ONE_D_LAYOUTS = ("contiguous", "offset", "stride2", "stride3", "negative", "expand")
-TWO_D_LAYOUTS = ("contiguous", "offset", "stride2", "fortran", "fortran-offset", "colstride",
-                 "negative", "negative-rows", "expand-rows", "expand-cols")
+TWO_D_LAYOUTS = (
+    "contiguous",
+    "offset",
+    "stride2",
+    "fortran",
+    "fortran-offset",
+    "colstride",
+    "negative",
+    "negative-rows",
+    "expand-rows",
+    "expand-cols",
+)
 
 
 def layout_fits(layout: str, values: np.ndarray) -> bool:
@@ -420,8 +453,16 @@ def layout_fits(layout: str, values: np.ndarray) -> bool:
     return True
 
 
-def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.random.Generator,
-               junk: Callable[[tuple[int, ...]], np.ndarray] | None = None, *, impl: Any) -> tuple[Any, Guard]:
+def index_view(
+    values: np.ndarray,
+    dtype: str,
+    kind: str,
+    layout: str,
+    rng: np.random.Generator,
+    junk: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+    *,
+    impl: Any,
+) -> tuple[Any, Guard]:
     """`values` (1-D or 2-D) as an array of `dtype` in a hostile layout (a tensor on impl's
     case device), plus a guard of its buffer. Elements of the buffer outside the view hold
     `junk` (plausible wrong values), so a kernel that reads the view as contiguous reads wrong
@@ -447,17 +488,17 @@ def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.r
             view = lambda b: b  # noqa: E731
         elif layout == "offset":
             buf = fill((n + 7,))
-            buf[3:3 + n] = cast(values)
-            view = lambda b: b[3:3 + n]  # noqa: E731
+            buf[3 : 3 + n] = cast(values)
+            view = lambda b: b[3 : 3 + n]  # noqa: E731
         elif layout in ("stride2", "stride3"):
             k = int(layout[-1])
             buf = fill((k * n + 3,))
-            buf[1:1 + k * n:k] = cast(values)
-            view = lambda b: b[1:1 + k * n:k]  # noqa: E731
+            buf[1 : 1 + k * n : k] = cast(values)
+            view = lambda b: b[1 : 1 + k * n : k]  # noqa: E731
         elif layout == "negative":
             buf = fill((2 * n + 3,))
-            buf[1:1 + 2 * n:2] = cast(values[::-1])
-            view = lambda b: b[1:1 + 2 * n:2][::-1]  # noqa: E731
+            buf[1 : 1 + 2 * n : 2] = cast(values[::-1])
+            view = lambda b: b[1 : 1 + 2 * n : 2][::-1]  # noqa: E731
         elif layout == "expand":
             assert layout_fits(layout, values)
             buf = fill((3,))
@@ -475,49 +516,49 @@ def index_view(values: np.ndarray, dtype: str, kind: str, layout: str, rng: np.r
             view = lambda b: b  # noqa: E731
         elif layout == "offset":
             buf = fill((r + 3, c + 4))
-            buf[1:1 + r, 2:2 + c] = cast(values)
-            view = lambda b: b[1:1 + r, 2:2 + c]  # noqa: E731
+            buf[1 : 1 + r, 2 : 2 + c] = cast(values)
+            view = lambda b: b[1 : 1 + r, 2 : 2 + c]  # noqa: E731
         elif layout == "stride2":
             buf = fill((2 * r + 1, 2 * c + 1))
-            buf[1:1 + 2 * r:2, 0:2 * c:2] = cast(values)
-            view = lambda b: b[1:1 + 2 * r:2, 0:2 * c:2]  # noqa: E731
+            buf[1 : 1 + 2 * r : 2, 0 : 2 * c : 2] = cast(values)
+            view = lambda b: b[1 : 1 + 2 * r : 2, 0 : 2 * c : 2]  # noqa: E731
         elif layout == "fortran":
             buf = cast(values.T).copy()
             view = lambda b: b.T  # noqa: E731
         elif layout == "fortran-offset":
             buf = fill((c + 2, r + 3))
-            buf[1:1 + c, 2:2 + r] = cast(values.T)
-            view = lambda b: b[1:1 + c, 2:2 + r].T  # noqa: E731
+            buf[1 : 1 + c, 2 : 2 + r] = cast(values.T)
+            view = lambda b: b[1 : 1 + c, 2 : 2 + r].T  # noqa: E731
         elif layout == "colstride":
             buf = fill((r, 3 * c + 1))
-            buf[:, 1:1 + 3 * c:3] = cast(values)
-            view = lambda b: b[:, 1:1 + 3 * c:3]  # noqa: E731
+            buf[:, 1 : 1 + 3 * c : 3] = cast(values)
+            view = lambda b: b[:, 1 : 1 + 3 * c : 3]  # noqa: E731
         elif layout == "negative":
             buf = fill((2 * r + 2, 2 * c + 2))
-            buf[1:1 + 2 * r:2, 1:1 + 2 * c:2] = cast(values[::-1, ::-1])
-            view = lambda b: b[1:1 + 2 * r:2, 1:1 + 2 * c:2][::-1, ::-1]  # noqa: E731
+            buf[1 : 1 + 2 * r : 2, 1 : 1 + 2 * c : 2] = cast(values[::-1, ::-1])
+            view = lambda b: b[1 : 1 + 2 * r : 2, 1 : 1 + 2 * c : 2][::-1, ::-1]  # noqa: E731
         elif layout == "negative-rows":  # np.flipud: rows backwards, each row contiguous
             buf = fill((r + 2, c))
-            buf[1:1 + r] = cast(values[::-1])
-            view = lambda b: b[1:1 + r][::-1]  # noqa: E731
+            buf[1 : 1 + r] = cast(values[::-1])
+            view = lambda b: b[1 : 1 + r][::-1]  # noqa: E731
         elif layout == "expand-rows":
             assert layout_fits(layout, values)
             buf = fill((c + 2,))
             if r:
-                buf[1:1 + c] = cast(values[0])
+                buf[1 : 1 + c] = cast(values[0])
             if kind == "torch":
-                view = lambda b: b[1:1 + c].expand(r, c)  # noqa: E731
+                view = lambda b: b[1 : 1 + c].expand(r, c)  # noqa: E731
             else:
-                view = lambda b: np.broadcast_to(b[1:1 + c], (r, c))  # noqa: E731
+                view = lambda b: np.broadcast_to(b[1 : 1 + c], (r, c))  # noqa: E731
         elif layout == "expand-cols":
             assert layout_fits(layout, values)
             buf = fill((r + 2, 1))
             if c:
-                buf[1:1 + r, 0] = cast(values[:, 0])
+                buf[1 : 1 + r, 0] = cast(values[:, 0])
             if kind == "torch":
-                view = lambda b: b[1:1 + r].expand(r, c)  # noqa: E731
+                view = lambda b: b[1 : 1 + r].expand(r, c)  # noqa: E731
             else:
-                view = lambda b: np.broadcast_to(b[1:1 + r], (r, c))  # noqa: E731
+                view = lambda b: np.broadcast_to(b[1 : 1 + r], (r, c))  # noqa: E731
         else:
             raise ValueError(layout)
     buf = np.ascontiguousarray(buf)
@@ -580,7 +621,8 @@ class Caches:
             mode=self.mode,
             k_scale_cache=None if self.k_scale is None else self.k_scale.array,
             v_scale_cache=None if self.v_scale is None else self.v_scale.array,
-            k_scale=self.k_static, v_scale=self.v_static,
+            k_scale=self.k_static,
+            v_scale=self.v_static,
         )
 
     def oracle_codes(self, which: str, when: str = "now"):
@@ -597,8 +639,19 @@ class Caches:
         return oracle.decode_cache(codes, scales, self.mode, static)
 
 
-def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, impl: Any, model_dtype: str = "bfloat16",
-                storage: str = "code", realistic: bool = True, gaps: bool = True, layout: str = "separate") -> Caches:
+def make_caches(
+    rng,
+    mode_name: str,
+    shape: tuple[int, ...],
+    kind: str,
+    *,
+    impl: Any,
+    model_dtype: str = "bfloat16",
+    storage: str = "code",
+    realistic: bool = True,
+    gaps: bool = True,
+    layout: str = "separate",
+) -> Caches:
     """layout "separate": four guarded buffers; "inline": one guarded, 4-byte aligned page
     buffer [NB, 2, BS, H, D + 4] with gaps, viewed through kvzoo.layout.inline_views (SPEC 5);
     "interleaved": separate codes, the two scale caches interleaved in one float32 buffer."""
@@ -608,8 +661,7 @@ def make_caches(rng, mode_name: str, shape: tuple[int, ...], kind: str, *, impl:
         from kvzoo.layout import inline_views
 
         nb, bs, h, d = shape
-        page = Region(rng, (nb, 2, bs, h, d + 4), "uint8", kind, impl=impl, label="inline page", gaps=gaps,
-                      align=4)
+        page = Region(rng, (nb, 2, bs, h, d + 4), "uint8", kind, impl=impl, label="inline page", gaps=gaps, align=4)
         views = inline_views(page.array, d, mode_name)
         idx = page.index
         key = page.sub("key_cache", views.key_cache, idx[:, 0, ..., :d], mode.code_dtype)
@@ -653,8 +705,17 @@ def float_rows(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> 
     return x.astype(np.float32).astype(numpy_dtype(dtype))
 
 
-def data_region(rng, values: np.ndarray, dtype: str, kind: str, label: str, *, impl: Any, flip: Sequence[int] = (),
-                gaps: bool = True) -> Region:
+def data_region(
+    rng,
+    values: np.ndarray,
+    dtype: str,
+    kind: str,
+    label: str,
+    *,
+    impl: Any,
+    flip: Sequence[int] = (),
+    gaps: bool = True,
+) -> Region:
     r = Region(rng, values.shape, dtype, kind, impl=impl, label=label, flip=flip, gaps=gaps)
     r.set_values(values)
     return r
@@ -664,16 +725,27 @@ def data_region(rng, values: np.ndarray, dtype: str, kind: str, label: str, *, i
 # oracle checks
 
 
-def expected_write(caches: Caches, key_vals: np.ndarray, value_vals: np.ndarray, slots: np.ndarray,
-                   rounding: str = "nearest"):
+def expected_write(
+    caches: Caches, key_vals: np.ndarray, value_vals: np.ndarray, slots: np.ndarray, rounding: str = "nearest"
+):
     """The oracle's caches after the write, from the caches' bytes before it."""
     kc, ks = caches.oracle_codes("key", "before")
     vc, vs = caches.oracle_codes("value", "before")
     nb, bs = caches.key.shape[:2]
     return oracle.reshape_and_cache(
-        key_vals, value_vals, np.asarray(slots, np.int64), mode_name=caches.mode, num_blocks=nb, block_size=bs,
-        rounding=rounding, k_scale=caches.k_static, v_scale=caches.v_static,
-        key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
+        key_vals,
+        value_vals,
+        np.asarray(slots, np.int64),
+        mode_name=caches.mode,
+        num_blocks=nb,
+        block_size=bs,
+        rounding=rounding,
+        k_scale=caches.k_static,
+        v_scale=caches.v_static,
+        key_cache=kc,
+        value_cache=vc,
+        k_scale_cache=ks,
+        v_scale_cache=vs,
     )
 
 
@@ -698,7 +770,8 @@ def assert_write_matches(impl_name: str, caches: Caches, key_vals, value_vals, s
         stray = diff & ~named
         assert not stray.any(), (
             f"{what}: {r.label} rows of slots {np.flatnonzero(stray.reshape(-1))[:8].tolist()} changed, "
-            f"which slot_mapping does not name")
+            f"which slot_mapping does not name"
+        )
     want = expected_write(caches, key_vals, value_vals, slots, rounding)
     for r, w in zip((caches.key, caches.value, caches.k_scale, caches.v_scale), want):
         if r is None:
@@ -708,7 +781,8 @@ def assert_write_matches(impl_name: str, caches: Caches, key_vals, value_vals, s
         bad = (got != exp).reshape(got.shape[:-1] + (-1,)).any(axis=-1)
         assert not bad.any(), (
             f"{what}: {r.label}: {int(bad.sum())} of {bad.size} elements differ from the oracle "
-            f"(seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}")
+            f"(seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}"
+        )
 
 
 def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -720,7 +794,9 @@ def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
     g = np.where(nan, np.float32(0), g)
     w = np.where(nan, np.float32(0), w)
     bad = g.view(np.uint32) != w.view(np.uint32)
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} values differ (seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}"
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.size} values differ (seed {SEED}), first at {np.argwhere(bad)[:3].tolist()}"
+    )
 
 
 def to_host_float32(x: Any) -> np.ndarray:
@@ -739,14 +815,27 @@ def make_batch(rng: np.random.Generator, kind: str = "mixed", block_size: int = 
     return samples.draw_batch(rng, kind, block_size=block_size, size="small", spare_blocks=2)
 
 
-def reference_attention(caches: Caches, query_vals: np.ndarray, tables, seq_lens, qsl, *,
-                        quantize_query: bool = False, **options) -> np.ndarray:
+def reference_attention(
+    caches: Caches, query_vals: np.ndarray, tables, seq_lens, qsl, *, quantize_query: bool = False, **options
+) -> np.ndarray:
     """The oracle on the caches' bytes before the call (so a kernel writing to them is caught)."""
     k_codes, k_scales = caches.oracle_codes("key", "before")
     v_codes, v_scales = caches.oracle_codes("value", "before")
     return samples.oracle_attention(
-        caches.mode, query_vals, k_codes, v_codes, tables, seq_lens, qsl, k_scales=k_scales, v_scales=v_scales,
-        k_static=caches.k_static, v_static=caches.v_static, quantize_query=quantize_query, **options)
+        caches.mode,
+        query_vals,
+        k_codes,
+        v_codes,
+        tables,
+        seq_lens,
+        qsl,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        k_static=caches.k_static,
+        v_static=caches.v_static,
+        quantize_query=quantize_query,
+        **options,
+    )
 
 
 __all__ = [n for n in dir() if not n.startswith("_")] + ["kvzoo"]

@@ -48,8 +48,16 @@ def test_numpy_arrays_in_and_out():
     tensors = kvzoo.allocate_separate(2, 16, 2, 64, "int8_per_token_head", device=None)
     assert isinstance(tensors.key_cache, np.ndarray)
     slots = rng.permutation(32).astype(np.int64)
-    kvzoo.reshape_and_cache(key, value, tensors.key_cache, tensors.value_cache, slots, mode="int8_per_token_head",
-                            k_scale_cache=tensors.k_scale_cache, v_scale_cache=tensors.v_scale_cache)
+    kvzoo.reshape_and_cache(
+        key,
+        value,
+        tensors.key_cache,
+        tensors.value_cache,
+        slots,
+        mode="int8_per_token_head",
+        k_scale_cache=tensors.k_scale_cache,
+        v_scale_cache=tensors.v_scale_cache,
+    )
     want_codes, want_scales = oracle.quantize_rows(key.astype(np.float32).reshape(-1, 64), "int8_per_token_head")
     got = tensors.key_cache.reshape(-1, 2, 64)[slots].reshape(-1, 64)
     assert_same_bytes(got.view(np.uint8), want_codes, "numpy codes")
@@ -58,10 +66,17 @@ def test_numpy_arrays_in_and_out():
     assert isinstance(decoded, np.ndarray) and decoded.shape == (2, 16, 2, 64)
     query = rng.standard_normal((3, 4, 64)).astype(np.float32)
     bt = np.array([[int(slots[0]) // 16, 1 - int(slots[0]) // 16]], np.int32)
-    out = kvzoo.paged_attention(query, tensors.key_cache, tensors.value_cache, mode="int8_per_token_head",
-                                k_scale_cache=tensors.k_scale_cache, v_scale_cache=tensors.v_scale_cache,
-                                block_tables=bt, seq_lens=np.array([3], np.int32),
-                                query_start_loc=np.array([0, 3], np.int32))
+    out = kvzoo.paged_attention(
+        query,
+        tensors.key_cache,
+        tensors.value_cache,
+        mode="int8_per_token_head",
+        k_scale_cache=tensors.k_scale_cache,
+        v_scale_cache=tensors.v_scale_cache,
+        block_tables=bt,
+        seq_lens=np.array([3], np.int32),
+        query_start_loc=np.array([0, 3], np.int32),
+    )
     assert isinstance(out, np.ndarray) and out.dtype == np.float32 and np.isfinite(out).all()
 
 
@@ -70,9 +85,16 @@ def test_inline_layout_is_one_buffer_of_rows_with_trailing_scales():
     buf = tensors.buffer
     assert tuple(buf.shape) == (3, 2, 4, 2, 20) and buf.dtype == torch.uint8
     key = torch.randn(5, 2, 16)
-    kvzoo.reshape_and_cache(key, key * 2, tensors.key_cache, tensors.value_cache, torch.arange(5),
-                            mode="fp8_per_token_head", k_scale_cache=tensors.k_scale_cache,
-                            v_scale_cache=tensors.v_scale_cache)
+    kvzoo.reshape_and_cache(
+        key,
+        key * 2,
+        tensors.key_cache,
+        tensors.value_cache,
+        torch.arange(5),
+        mode="fp8_per_token_head",
+        k_scale_cache=tensors.k_scale_cache,
+        v_scale_cache=tensors.v_scale_cache,
+    )
     # Token 4 (slot 4: block 1, offset 0), head 1, V: bytes 16..19 of its row are the scale.
     row = buf[1, 1, 0, 1]
     scale = row[16:20].numpy().view("<f4")[0]
@@ -99,9 +121,13 @@ def test_attention_returns_query_dtype_and_respects_out():
     cache.write(kv, kv, torch.arange(20))
     q = torch.randn(20, 4, 64, dtype=torch.float16)
     out = torch.full_like(q, float("nan"))
-    got = cache.attention(q, block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
-                          seq_lens=torch.tensor([20], dtype=torch.int32),
-                          query_start_loc=torch.tensor([0, 20], dtype=torch.int32), out=out)
+    got = cache.attention(
+        q,
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        seq_lens=torch.tensor([20], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 20], dtype=torch.int32),
+        out=out,
+    )
     assert got is out and out.dtype == torch.float16 and bool(torch.isfinite(out).all())
     # Causality: the first token attends to itself only, so its output is its own decoded value.
     v0 = cache.read("value")[0, 0]

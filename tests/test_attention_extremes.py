@@ -98,7 +98,7 @@ def _tables(seq_lens, block_size, rng):
     tables = rng.integers(0, num_blocks, (len(seq_lens), int(blocks_per_seq.max()) + 1))
     start = 0
     for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = order[start:start + n]
+        tables[s, :n] = order[start : start + n]
         start += n
     return tables, num_blocks
 
@@ -111,8 +111,20 @@ def _cache_tensor(a, mode, model_dtype, device):
     return torch.from_numpy(np.ascontiguousarray(a)).view(getattr(torch, mode.code_dtype)).to(device)
 
 
-def _run_and_compare(impl, mode_name, q32, query_dtype, caches, static, tables, seq_lens, q_lens, *,
-                     quantize_query=False, what=lambda s: ""):
+def _run_and_compare(
+    impl,
+    mode_name,
+    q32,
+    query_dtype,
+    caches,
+    static,
+    tables,
+    seq_lens,
+    q_lens,
+    *,
+    quantize_query=False,
+    what=lambda s: "",
+):
     """kvzoo.paged_attention with impl against the float64 oracle on the decoded cache (on the
     query's int8 round trip with quantize_query: SPEC.md 8.1), per sequence, as
     kvzoo.conformance.checks.check_paged_attention compares. caches: ((K codes or values, K
@@ -126,13 +138,20 @@ def _run_and_compare(impl, mode_name, q32, query_dtype, caches, static, tables, 
     as_device = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     try:
         kvzoo.paged_attention(
-            query, _cache_tensor(kc, mode, query_dtype, device), _cache_tensor(vc, mode, query_dtype, device),
-            mode=mode_name, block_tables=as_device(tables.astype(np.int32)),
-            seq_lens=as_device(seq_lens.astype(np.int32)), query_start_loc=as_device(qsl),
-            k_scale_cache=as_device(ks), v_scale_cache=as_device(vs),
+            query,
+            _cache_tensor(kc, mode, query_dtype, device),
+            _cache_tensor(vc, mode, query_dtype, device),
+            mode=mode_name,
+            block_tables=as_device(tables.astype(np.int32)),
+            seq_lens=as_device(seq_lens.astype(np.int32)),
+            query_start_loc=as_device(qsl),
+            k_scale_cache=as_device(ks),
+            v_scale_cache=as_device(vs),
             k_scale=None if static[0] is None else float(static[0]),
             v_scale=None if static[1] is None else float(static[1]),
-            out=out, quantize_query=quantize_query, impl=impl.name,
+            out=out,
+            quantize_query=quantize_query,
+            impl=impl.name,
         )
     except registry.NoImplementationError as e:
         pytest.skip(str(e))
@@ -150,8 +169,10 @@ def _run_and_compare(impl, mode_name, q32, query_dtype, caches, static, tables, 
     bad = ~np.isfinite(got)
     if bad.any():
         sizes = sorted({f"{a:.0e}" for a in np.abs(q32).max(-1)[bad.any(-1)]})
-        pytest.fail(f"{impl.name}: {int(bad.sum())} of {bad.size} output elements not finite, in query rows of "
-                    f"magnitudes {sizes} (seed {SEED})")
+        pytest.fail(
+            f"{impl.name}: {int(bad.sum())} of {bad.size} output elements not finite, in query rows of "
+            f"magnitudes {sizes} (seed {SEED})"
+        )
     tol = impl.attention_rtol + OUT_ROUNDOFF[query_dtype]
     for s in range(len(seq_lens)):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))
@@ -198,8 +219,22 @@ def _query(rng, q_sizes, head_size, spread_rows: bool):
     return q.astype(np.float32)
 
 
-def _check(impl, mode_name, q_lens, seq_lens, *, magnitudes, query_dtype, rng, num_q_heads=4, num_kv_heads=2,
-           head_size=64, block_size=16, quantize_query=False, spread_rows=False):
+def _check(
+    impl,
+    mode_name,
+    q_lens,
+    seq_lens,
+    *,
+    magnitudes,
+    query_dtype,
+    rng,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_size=64,
+    block_size=16,
+    quantize_query=False,
+    spread_rows=False,
+):
     """A random batch whose (sequence, KV head) cells take query magnitudes from `magnitudes`
     (cycled) and keys of the size that puts their logits at O(LOGIT_SIZE), run and compared."""
     mode = MODES[mode_name]
@@ -228,8 +263,19 @@ def _check(impl, mode_name, q_lens, seq_lens, *, magnitudes, query_dtype, rng, n
     q_sizes = cells[seq_of_token][:, np.arange(num_q_heads) // group]
     q32 = to_dtype_exact(_query(rng, q_sizes, head_size, spread_rows), query_dtype)
     assert np.count_nonzero(q32) > 0.9 * q32.size, "the query rows hold their random values"
-    _run_and_compare(impl, mode_name, q32, query_dtype, caches, static, tables, seq_lens, q_lens,
-                     quantize_query=quantize_query, what=lambda s: f" (query cells {cells[s]})")
+    _run_and_compare(
+        impl,
+        mode_name,
+        q32,
+        query_dtype,
+        caches,
+        static,
+        tables,
+        seq_lens,
+        q_lens,
+        quantize_query=quantize_query,
+        what=lambda s: f" (query cells {cells[s]})",
+    )
 
 
 @pytest.fixture
@@ -257,8 +303,16 @@ def test_extreme_query_magnitudes(impl_name, mode, batch, query_dtype, scenario,
     impl = _impl_with_mode(impl_name, mode)
     rng = rng_for("extremes", impl_name, mode, batch, query_dtype, scenario)
     q_lens, seq_lens = _batch(batch, rng)
-    _check(impl, mode, q_lens, seq_lens, magnitudes=SCENARIOS[scenario], query_dtype=query_dtype, rng=rng,
-           spread_rows=scenario == "mixed")
+    _check(
+        impl,
+        mode,
+        q_lens,
+        seq_lens,
+        magnitudes=SCENARIOS[scenario],
+        query_dtype=query_dtype,
+        rng=rng,
+        spread_rows=scenario == "mixed",
+    )
     if impl_name.startswith("triton") and batch == "long" and MODES[mode].code_dtype is not None:
         assert staged_calls, "the long prompt did not take the staged prefill"
 
@@ -273,8 +327,17 @@ def test_extreme_query_magnitudes_quantize_query(impl_name, batch, query_dtype, 
     impl = _impl(impl_name)
     rng = rng_for("extremes-qq", impl_name, batch, query_dtype, scenario)
     q_lens, seq_lens = _batch(batch, rng)
-    _check(impl, "int8_per_token_head", q_lens, seq_lens, magnitudes=SCENARIOS[scenario], query_dtype=query_dtype,
-           rng=rng, quantize_query=True, spread_rows=scenario == "mixed")
+    _check(
+        impl,
+        "int8_per_token_head",
+        q_lens,
+        seq_lens,
+        magnitudes=SCENARIOS[scenario],
+        query_dtype=query_dtype,
+        rng=rng,
+        quantize_query=True,
+        spread_rows=scenario == "mixed",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,8 +378,9 @@ def test_keys_far_below_the_largest_logit(impl_name, mode, query_dtype):
         if m.code_dtype is None:
             caches.append((rows, None))
             continue
-        codes, scales = oracle.quantize_rows(rows.reshape(-1, head_size), mode,
-                                             static_scale=None if scale is None else float(scale))
+        codes, scales = oracle.quantize_rows(
+            rows.reshape(-1, head_size), mode, static_scale=None if scale is None else float(scale)
+        )
         caches.append((codes.reshape(x.shape), scales.reshape(x.shape[:3]) if m.per_token_head else None))
     _run_and_compare(impl, mode, q32, query_dtype, caches, static, tables, seq_lens, q_lens)
 
@@ -330,8 +394,17 @@ SMALL_HEAD_SIZES = list(range(1, 33))
 
 def _quantize_query_small_head(impl, head_size, batch, rng):
     q_lens, seq_lens = _batch(batch, rng)
-    _check(impl, "int8_per_token_head", q_lens, seq_lens, magnitudes=(1.0,), query_dtype="bfloat16", rng=rng,
-           head_size=head_size, quantize_query=True)
+    _check(
+        impl,
+        "int8_per_token_head",
+        q_lens,
+        seq_lens,
+        magnitudes=(1.0,),
+        query_dtype="bfloat16",
+        rng=rng,
+        head_size=head_size,
+        quantize_query=True,
+    )
 
 
 @pytest.mark.parametrize("batch", ["decode", "prefill"])

@@ -45,10 +45,16 @@ def test_every_available_implementation_passes_a_check(impl_name, op):
 def test_a_backend_that_declines_everything_fails_the_suite():
     """Its declarations take every case, so each refusal is a failure naming it, not a skip."""
     reg = registry.Registry()
-    reg.add(registry.Implementation(
-        "refuses-all", "paged_attention", "any", frozenset(MODES), run=lambda p: None,
-        problem_reasons=lambda p: ["refuses-all: takes nothing"],
-    ))
+    reg.add(
+        registry.Implementation(
+            "refuses-all",
+            "paged_attention",
+            "any",
+            frozenset(MODES),
+            run=lambda p: None,
+            problem_reasons=lambda p: ["refuses-all: takes nothing"],
+        )
+    )
     checks = [c for c in matrix(reg) if c.op == "paged_attention"]
     assert checks
     for check in checks[:8]:
@@ -58,10 +64,16 @@ def test_a_backend_that_declines_everything_fails_the_suite():
 
 def test_a_backend_declaring_nothing_it_can_run_fails_the_every_impl_check():
     reg = registry.Registry()
-    reg.add(registry.Implementation(
-        "declares-no-options", "paged_attention", "any", frozenset({"int8_per_token_head"}), run=lambda p: None,
-        capabilities=Capabilities(options=frozenset(), max_head_size=1),
-    ))
+    reg.add(
+        registry.Implementation(
+            "declares-no-options",
+            "paged_attention",
+            "any",
+            frozenset({"int8_per_token_head"}),
+            run=lambda p: None,
+            capabilities=Capabilities(options=frozenset(), max_head_size=1),
+        )
+    )
     checks = [c for c in matrix(reg) if c.op == "paged_attention"]
     ran, declined = runs_something(checks)
     assert not ran and len(declined) == len(checks)

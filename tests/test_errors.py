@@ -52,22 +52,30 @@ WRITE_ERRORS = {
     "key dtype": (lambda a, k: a.update(key=a["key"].to(torch.float64)), ["key", "dtype"]),
     "value shape": (lambda a, k: a.update(value=a["value"][:, :1]), ["value", "shape"]),
     "key ndim": (lambda a, k: a.update(key=a["key"].reshape(T, -1)), ["key", "dimensions"]),
-    "cache dtype": (lambda a, k: a.update(key_cache=a["key_cache"].view(torch.uint8).to(torch.float16)),
-                    ["key_cache", "dtype"]),
+    "cache dtype": (
+        lambda a, k: a.update(key_cache=a["key_cache"].view(torch.uint8).to(torch.float16)),
+        ["key_cache", "dtype"],
+    ),
     "cache head_size": (lambda a, k: a.update(value_cache=a["value_cache"][..., :32]), ["value_cache", "shape"]),
     "slot out of range": (lambda a, k: a["slot_mapping"].__setitem__(2, NB * BS), ["slot_mapping", "out of range"]),
-    "slot repeated": (lambda a, k: a["slot_mapping"].__setitem__(1, int(a["slot_mapping"][0])),
-                      ["slot_mapping", "more than once"]),
+    "slot repeated": (
+        lambda a, k: a["slot_mapping"].__setitem__(1, int(a["slot_mapping"][0])),
+        ["slot_mapping", "more than once"],
+    ),
     "slot dtype": (lambda a, k: a.update(slot_mapping=a["slot_mapping"].float()), ["slot_mapping", "dtype"]),
     "slot length": (lambda a, k: a.update(slot_mapping=a["slot_mapping"][:-1]), ["slot_mapping", "shape"]),
     "scale cache missing": (lambda a, k: k.pop("k_scale_cache"), ["k_scale_cache", "required"]),
     "scale cache dtype": (lambda a, k: k.update(v_scale_cache=k["v_scale_cache"].half()), ["v_scale_cache", "dtype"]),
-    "scale cache shape": (lambda a, k: k.update(k_scale_cache=k["k_scale_cache"][:, :, :1]),
-                          ["k_scale_cache", "shape"]),
+    "scale cache shape": (
+        lambda a, k: k.update(k_scale_cache=k["k_scale_cache"][:, :, :1]),
+        ["k_scale_cache", "shape"],
+    ),
     "unknown mode": (lambda a, k: k.update(mode="int4_magic"), ["mode", "int8_per_token_head"]),
     "rounding": (lambda a, k: k.update(rounding="up"), ["rounding", "nearest"]),
-    "device": (lambda a, k: a.update(key_cache=torch.empty(NB, BS, H, D, dtype=torch.int8, device="meta")),
-               ["device", "key_cache"]),
+    "device": (
+        lambda a, k: a.update(key_cache=torch.empty(NB, BS, H, D, dtype=torch.int8, device="meta")),
+        ["device", "key_cache"],
+    ),
     "not a tensor": (lambda a, k: a.update(key=[[1.0]]), ["key", "Tensor"]),
     "static scale on per-token-head": (lambda a, k: k.update(k_scale=1.0), ["k_scale", "not used"]),
     "unknown impl": (lambda a, k: k.update(impl="cuda-magic"), ["impl", "registered"]),
@@ -93,8 +101,11 @@ def test_reshape_and_cache_rejects(name):
         ("fp8_per_tensor", lambda a, k: k.pop("k_scale"), ["k_scale", "required"]),
         ("fp8_per_tensor", lambda a, k: k.update(v_scale=-1.0), ["v_scale", "> 0"]),
         ("fp8_per_token_head", lambda a, k: k.update(rounding="trunc"), ["rounding", "int8"]),
-        ("none", lambda a, k: a.update(key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()),
-         ["key_cache", "bfloat16"]),
+        (
+            "none",
+            lambda a, k: a.update(key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()),
+            ["key_cache", "bfloat16"],
+        ),
     ],
 )
 def test_mode_specific_rejections(mode, mutate, words):
@@ -150,10 +161,14 @@ ATTENTION_ERRORS = {
     "softcap": (lambda a, k: k.update(softcap=-1.0), ["softcap"]),
     "out dtype": (lambda a, k: k.update(out=torch.empty(6, 8, D)), ["out", "dtype"]),
     "v scales missing": (lambda a, k: k.pop("v_scale_cache"), ["v_scale_cache", "required"]),
-    "num_prefills over num_seqs": (lambda a, k: k.update(num_prefills=4, validate=False, max_query_len=4, max_seq_len=20),
-                                   ["num_prefills", "num_seqs=3"]),
-    "quantize_query on fp8": (lambda a, k: k.update(mode="fp8_per_token_head", quantize_query=True),
-                              ["quantize_query", "int8", "fp8_per_token_head"]),
+    "num_prefills over num_seqs": (
+        lambda a, k: k.update(num_prefills=4, validate=False, max_query_len=4, max_seq_len=20),
+        ["num_prefills", "num_seqs=3"],
+    ),
+    "quantize_query on fp8": (
+        lambda a, k: k.update(mode="fp8_per_token_head", quantize_query=True),
+        ["quantize_query", "int8", "fp8_per_token_head"],
+    ),
 }
 
 
@@ -171,9 +186,13 @@ def test_paged_attention_rejects(name):
 def test_dequantize_rejects_block_ids():
     cache = torch.randint(-128, 127, (NB, BS, H, D), dtype=torch.int8)
     with pytest.raises(KVZooInputError, match="block_tables"):
-        kvzoo.dequantize(cache, torch.rand(NB, BS, H), mode="int8_per_token_head",
-                         block_tables=torch.tensor([[0, NB + 3]], dtype=torch.int32),
-                         seq_lens=torch.tensor([BS + 1], dtype=torch.int32))
+        kvzoo.dequantize(
+            cache,
+            torch.rand(NB, BS, H),
+            mode="int8_per_token_head",
+            block_tables=torch.tensor([[0, NB + 3]], dtype=torch.int32),
+            seq_lens=torch.tensor([BS + 1], dtype=torch.int32),
+        )
 
 
 def test_get_kv_quant_mode_lists_valid_names():
@@ -232,8 +251,17 @@ def test_random_calls(mode, num_tokens, heads, head_size, block_size, fault, see
         invalid = False
     snapshot = [(t, t.clone()) for t in (kc, vc, ks, vs) if t is not None]
     call = lambda: kvzoo.reshape_and_cache(  # noqa: E731
-        key, value, kc, vc, torch.from_numpy(slots), mode=mode, k_scale_cache=ks, v_scale_cache=vs,
-        k_scale=static, v_scale=static)
+        key,
+        value,
+        kc,
+        vc,
+        torch.from_numpy(slots),
+        mode=mode,
+        k_scale_cache=ks,
+        v_scale_cache=vs,
+        k_scale=static,
+        v_scale=static,
+    )
     if invalid:
         with pytest.raises(KVZooInputError):
             call()
@@ -244,10 +272,18 @@ def test_random_calls(mode, num_tokens, heads, head_size, block_size, fault, see
     before = [host_bytes(b) for _, b in snapshot]
     view = (lambda b: b.view(np.float16)[..., 0]) if m.code_dtype is None else (lambda b: b[..., 0])
     want = oracle.reshape_and_cache(
-        *expect_in, slots, mode_name=mode, num_blocks=num_blocks, block_size=block_size,
-        k_scale=static, v_scale=static, key_cache=view(before[0]), value_cache=view(before[1]),
+        *expect_in,
+        slots,
+        mode_name=mode,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        k_scale=static,
+        v_scale=static,
+        key_cache=view(before[0]),
+        value_cache=view(before[1]),
         k_scale_cache=None if ks is None else before[2].view(np.float32)[..., 0],
-        v_scale_cache=None if vs is None else before[3].view(np.float32)[..., 0])
+        v_scale_cache=None if vs is None else before[3].view(np.float32)[..., 0],
+    )
     for got, exp in zip((kc, vc, ks, vs), want):
         if exp is not None:
             assert_same_bytes(got, exp, f"{mode} random call")

@@ -41,12 +41,15 @@ def test_new_cache_is_zero_filled(layout):
         assert isinstance(decoded, np.ndarray) and not np.any(decoded)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["check", "--impl", "nosuch"], ["nosuch", "registered"]),
-    (["check", "--impl", "numba", "--impl", "nosuch2"], ["nosuch2"]),
-    (["check", "--backend-module", "nosuch_module"], ["--backend-module nosuch_module", "could not be loaded"]),
-    (["list", "--backend-module", "nosuch_module"], ["nosuch_module", "register(registry)"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["check", "--impl", "nosuch"], ["nosuch", "registered"]),
+        (["check", "--impl", "numba", "--impl", "nosuch2"], ["nosuch2"]),
+        (["check", "--backend-module", "nosuch_module"], ["--backend-module nosuch_module", "could not be loaded"]),
+        (["list", "--backend-module", "nosuch_module"], ["nosuch_module", "register(registry)"]),
+    ],
+)
 def test_check_refuses_an_unknown_impl_or_backend_module(argv, words, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -102,8 +105,16 @@ def test_check_fails_when_an_implementation_declines_every_case(capsys, monkeypa
     from kvzoo.conformance.checks import matrix
 
     reg = registry.Registry()
-    reg.add(registry.Implementation("refuses-all", "paged_attention", "any", frozenset(kvzoo.MODES),
-                                    run=lambda p: None, problem_reasons=lambda p: ["refuses-all: takes nothing"]))
+    reg.add(
+        registry.Implementation(
+            "refuses-all",
+            "paged_attention",
+            "any",
+            frozenset(kvzoo.MODES),
+            run=lambda p: None,
+            problem_reasons=lambda p: ["refuses-all: takes nothing"],
+        )
+    )
     monkeypatch.setattr(kvzoo.conformance, "matrix", lambda r=None: matrix(reg))
     assert cli.main(["check", "-q"]) == 1
     # Its declarations take every case, so each refusal is a failure that names it.

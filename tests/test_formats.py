@@ -133,7 +133,8 @@ def test_format_table_every_backend(capsys):
         for mode_name in impl.modes:
             fmt = MODES[mode_name].format
             assert fmt is None or fmt.name in declared, (
-                f"{impl.name} registers {mode_name} but has no code for format {fmt.name}")
+                f"{impl.name} registers {mode_name} but has no code for format {fmt.name}"
+            )
         for fmt_name in declared:
             assert fmt_name in FORMATS, f"{impl.name} declares an unknown format {fmt_name}"
     # Every format has at least one backend on every machine: the NumPy one.

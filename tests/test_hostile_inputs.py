@@ -82,10 +82,19 @@ ALL_MODES = tuple(MODES)
 # Derandomized (the data inside each example still comes from the session SEED); no shrink
 # phase, so a failing backend costs the CI no more time than a passing one (hypothesis still
 # prints every draw of the failing example).
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 
 
 @pytest.fixture(autouse=True)
@@ -115,19 +124,52 @@ class WriteSetup:
     """Guarded caches and key/value regions for one reshape_and_cache call (tensors on the
     device `impl` takes)."""
 
-    def __init__(self, rng, mode: str, kind: str, *, impl, T: int = 7, dtype: str = "bfloat16", storage: str = "code",
-                 num_blocks: int | None = None, key_flip=(), value_flip=(), heads: int = H, head_size: int = D,
-                 block_size: int = BS, layout: str = "separate", kv_gaps: bool = True):
+    def __init__(
+        self,
+        rng,
+        mode: str,
+        kind: str,
+        *,
+        impl,
+        T: int = 7,
+        dtype: str = "bfloat16",
+        storage: str = "code",
+        num_blocks: int | None = None,
+        key_flip=(),
+        value_flip=(),
+        heads: int = H,
+        head_size: int = D,
+        block_size: int = BS,
+        layout: str = "separate",
+        kv_gaps: bool = True,
+    ):
         self.mode, self.kind, self.T = mode, kind, T
         self.num_blocks = num_blocks if num_blocks is not None else -(-T // block_size) + 2
         self.block_size = block_size
         shape = (self.num_blocks, block_size, heads, head_size)
-        self.caches = make_caches(rng, mode, shape, kind, model_dtype=dtype, storage=storage, realistic=False,
-                                  layout=layout, impl=impl)
-        self.key = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "key", impl=impl,
-                               flip=key_flip, gaps=kv_gaps)
-        self.value = data_region(rng, float_rows(rng, (T, heads, head_size), dtype), dtype, kind, "value", impl=impl,
-                                 flip=value_flip, gaps=kv_gaps)
+        self.caches = make_caches(
+            rng, mode, shape, kind, model_dtype=dtype, storage=storage, realistic=False, layout=layout, impl=impl
+        )
+        self.key = data_region(
+            rng,
+            float_rows(rng, (T, heads, head_size), dtype),
+            dtype,
+            kind,
+            "key",
+            impl=impl,
+            flip=key_flip,
+            gaps=kv_gaps,
+        )
+        self.value = data_region(
+            rng,
+            float_rows(rng, (T, heads, head_size), dtype),
+            dtype,
+            kind,
+            "value",
+            impl=impl,
+            flip=value_flip,
+            gaps=kv_gaps,
+        )
 
     @property
     def capacity(self) -> int:
@@ -141,16 +183,21 @@ class WriteSetup:
 
     def args(self, slot_mapping, key=None, value=None, key_cache=None, value_cache=None):
         c = self.caches
-        return (self.key.array if key is None else key, self.value.array if value is None else value,
-                c.key.array if key_cache is None else key_cache, c.value.array if value_cache is None else value_cache,
-                slot_mapping)
+        return (
+            self.key.array if key is None else key,
+            self.value.array if value is None else value,
+            c.key.array if key_cache is None else key_cache,
+            c.value.array if value_cache is None else value_cache,
+            slot_mapping,
+        )
 
     def guards(self) -> list:
         return list(self.caches.regions)
 
     def run_accepted(self, impl, slot_mapping, slot_values, *, rounding="nearest", extra_guards=(), **kw):
-        call_accepted(impl, kvzoo.reshape_and_cache, *self.args(slot_mapping), rounding=rounding,
-                      **self.caches.api_kwargs(), **kw)
+        call_accepted(
+            impl, kvzoo.reshape_and_cache, *self.args(slot_mapping), rounding=rounding, **self.caches.api_kwargs(), **kw
+        )
         self.key.assert_unchanged(f"{impl.name}: key (a read array)")
         self.value.assert_unchanged(f"{impl.name}: value (a read array)")
         for g in extra_guards:
@@ -166,18 +213,42 @@ class AttentionSetup:
     """Guarded caches (realistic contents), query and out regions for a batch (tensors, index
     tensors included, on the device `impl` takes)."""
 
-    def __init__(self, rng, mode: str, kind: str, batch: Batch, *, impl, qdtype: str = "bfloat16",
-                 model_dtype: str = "bfloat16", storage: str = "code", heads_q: int = HQ, heads_kv: int = H,
-                 head_size: int = D, query_flip=(), cache_gaps: bool = True, layout: str = "separate",
-                 query_gaps: bool = True):
+    def __init__(
+        self,
+        rng,
+        mode: str,
+        kind: str,
+        batch: Batch,
+        *,
+        impl,
+        qdtype: str = "bfloat16",
+        model_dtype: str = "bfloat16",
+        storage: str = "code",
+        heads_q: int = HQ,
+        heads_kv: int = H,
+        head_size: int = D,
+        query_flip=(),
+        cache_gaps: bool = True,
+        layout: str = "separate",
+        query_gaps: bool = True,
+    ):
         self.mode, self.kind, self.batch, self.qdtype, self.impl = mode, kind, batch, qdtype, impl
         shape = (batch.num_blocks, batch.block_size, heads_kv, head_size)
-        self.caches = make_caches(rng, mode, shape, kind, model_dtype=model_dtype, storage=storage, gaps=cache_gaps,
-                                  layout=layout, impl=impl)
+        self.caches = make_caches(
+            rng, mode, shape, kind, model_dtype=model_dtype, storage=storage, gaps=cache_gaps, layout=layout, impl=impl
+        )
         T = batch.num_tokens
         q = rng.standard_normal((T, heads_q, head_size)).astype(np.float32)
-        self.query = data_region(rng, q.astype(np.float32).astype(_np(qdtype)), qdtype, kind, "query", impl=impl,
-                                 flip=query_flip, gaps=query_gaps)
+        self.query = data_region(
+            rng,
+            q.astype(np.float32).astype(_np(qdtype)),
+            qdtype,
+            kind,
+            "query",
+            impl=impl,
+            flip=query_flip,
+            gaps=query_gaps,
+        )
         self.out = Region(rng, (T, heads_q, head_size), qdtype, kind, label="out", impl=impl)
         self.sinks_values = None
 
@@ -189,11 +260,19 @@ class AttentionSetup:
         if layout == "expand":
             values[:] = values[0]
         self.sinks_values = values
-        return index_view(values, "float32", "numpy" if layout.startswith("negative") else kind, layout, rng,
-                          lambda shape: np.full(shape, 50.0), impl=self.impl)
+        return index_view(
+            values,
+            "float32",
+            "numpy" if layout.startswith("negative") else kind,
+            layout,
+            rng,
+            lambda shape: np.full(shape, 50.0),
+            impl=self.impl,
+        )
 
-    def call(self, impl, block_tables, seq_lens, qsl, *, out="region", query=None, key_cache=None,
-             value_cache=None, **kw):
+    def call(
+        self, impl, block_tables, seq_lens, qsl, *, out="region", query=None, key_cache=None, value_cache=None, **kw
+    ):
         c = self.caches
         api_kw = c.api_kwargs()
         for name in ("k_scale_cache", "v_scale_cache"):
@@ -203,23 +282,68 @@ class AttentionSetup:
             self.query.array if query is None else query,
             c.key.array if key_cache is None else key_cache,
             c.value.array if value_cache is None else value_cache,
-            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=qsl,
-            out=self.out.array if isinstance(out, str) and out == "region" else out, impl=impl, **api_kw, **kw)
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            out=self.out.array if isinstance(out, str) and out == "region" else out,
+            impl=impl,
+            **api_kw,
+            **kw,
+        )
 
-    def run_accepted(self, impl, block_tables, seq_lens, qsl, *, guards=(), window=None, softcap=None,
-                     softmax_scale=None, quantize_query=False, oracle_window="same", **kw):
+    def run_accepted(
+        self,
+        impl,
+        block_tables,
+        seq_lens,
+        qsl,
+        *,
+        guards=(),
+        window=None,
+        softcap=None,
+        softmax_scale=None,
+        quantize_query=False,
+        oracle_window="same",
+        **kw,
+    ):
         decline = expected_decline(impl, quantize_query=quantize_query, head_size=self.query.shape[2])
         result = call_accepted(
-            impl, lambda *a, impl, **k: self.call(impl, *a, **k), block_tables, seq_lens, qsl,
-            sliding_window=window, softcap=softcap, softmax_scale=softmax_scale, quantize_query=quantize_query,
-            decline_ok=decline, **kw)
-        self.check(impl, result, guards=guards, window=window if oracle_window == "same" else oracle_window,
-                   softcap=softcap, softmax_scale=softmax_scale, quantize_query=quantize_query,
-                   sinks=kw.get("sinks") is not None)
+            impl,
+            lambda *a, impl, **k: self.call(impl, *a, **k),
+            block_tables,
+            seq_lens,
+            qsl,
+            sliding_window=window,
+            softcap=softcap,
+            softmax_scale=softmax_scale,
+            quantize_query=quantize_query,
+            decline_ok=decline,
+            **kw,
+        )
+        self.check(
+            impl,
+            result,
+            guards=guards,
+            window=window if oracle_window == "same" else oracle_window,
+            softcap=softcap,
+            softmax_scale=softmax_scale,
+            quantize_query=quantize_query,
+            sinks=kw.get("sinks") is not None,
+        )
         return result
 
-    def check(self, impl, result, *, guards=(), window=None, softcap=None, softmax_scale=None,
-              quantize_query=False, sinks=False):
+    def check(
+        self,
+        impl,
+        result,
+        *,
+        guards=(),
+        window=None,
+        softcap=None,
+        softmax_scale=None,
+        quantize_query=False,
+        sinks=False,
+    ):
         what = f"{impl.name} paged_attention"
         for r in self.caches.regions:
             r.assert_outside_unchanged(f"{what}: a cache (read array)", [self.out], only_others=True)
@@ -231,10 +355,18 @@ class AttentionSetup:
         b = self.batch
         if b.num_tokens == 0:
             return
-        ref = reference_attention(self.caches, self.query.values("before"), b.tables, b.seq_lens, b.qsl,
-                                  quantize_query=quantize_query, softmax_scale=softmax_scale,
-                                  sliding_window=window, softcap=softcap,
-                                  sinks=self.sinks_values if sinks else None)
+        ref = reference_attention(
+            self.caches,
+            self.query.values("before"),
+            b.tables,
+            b.seq_lens,
+            b.qsl,
+            quantize_query=quantize_query,
+            softmax_scale=softmax_scale,
+            sliding_window=window,
+            softcap=softcap,
+            sinks=self.sinks_values if sinks else None,
+        )
         got = self.out.values().astype(np.float32).astype(np.float64)
         assert_attention_close(impl, got, ref, b.qsl, self.qdtype)
         returned = to_host_float32(result).astype(np.float64)
@@ -250,11 +382,15 @@ def batch_index_tensors(b: Batch, kind: str, dtype: str, rng, layouts: dict | No
     js = lambda shape: rng.integers(1, max(2, int(b.seq_lens.max(initial=1)) + 1), shape)  # noqa: E731
     jq = lambda shape: rng.integers(0, T + 1, shape)  # noqa: E731
     out, guards = [], []
-    for values, name, junk in ((b.tables, "block_tables", jt), (b.seq_lens, "seq_lens", js),
-                               (b.qsl, "query_start_loc", jq)):
+    for values, name, junk in (
+        (b.tables, "block_tables", jt),
+        (b.seq_lens, "seq_lens", js),
+        (b.qsl, "query_start_loc", jq),
+    ):
         layout = layouts.get(name, "contiguous")
-        arr, g = index_view(values, dtype, "numpy" if layout.startswith("negative") else kind, layout, rng, junk,
-                            impl=impl)
+        arr, g = index_view(
+            values, dtype, "numpy" if layout.startswith("negative") else kind, layout, rng, junk, impl=impl
+        )
         out.append(arr)
         guards.append(g)
     return (*out, guards)
@@ -278,7 +414,7 @@ def batch_for(rng, q_lens, seq_lens, block_size=BS, tables="distinct") -> Batch:
         t = rng.integers(0, num_blocks, (S, max_blocks))
         start = 0
         for s, n in enumerate(blocks):
-            t[s, :n] = order[start:start + n]
+            t[s, :n] = order[start : start + n]
             start += n
     elif tables == "shared":  # every sequence reads the same table row
         num_blocks = max_blocks + 2
@@ -310,8 +446,11 @@ def batch_for_layout(rng, tensor: str, layout: str) -> Batch:
 @pytest.mark.parametrize("op", ["reshape_and_cache", "dequantize", "paged_attention"])
 def test_every_implementation_declares_index_strides(op):
     """SPEC 11 'strides, index tensors': each implementation declares index_strides 'any' or 'unit'."""
-    bad = {i.name: getattr(i, "index_strides", "<missing>") for i in impls(op)
-           if getattr(i, "index_strides", None) not in ("any", "unit")}
+    bad = {
+        i.name: getattr(i, "index_strides", "<missing>")
+        for i in impls(op)
+        if getattr(i, "index_strides", None) not in ("any", "unit")
+    }
     assert not bad, f"{op}: implementations without index_strides in ('any', 'unit'): {bad}"
 
 
@@ -324,8 +463,13 @@ def test_battery_covers_every_registered_implementation():
 # 1. index tensors in any layout: accepted, the oracle's result
 
 
-WRITE_LAYOUTS = [(layout, dtype, kind) for layout in ONE_D_LAYOUTS for dtype in INDEX_DTYPES
-                 for kind in ("torch", "numpy") if not (kind == "torch" and layout.startswith("negative"))]
+WRITE_LAYOUTS = [
+    (layout, dtype, kind)
+    for layout in ONE_D_LAYOUTS
+    for dtype in INDEX_DTYPES
+    for kind in ("torch", "numpy")
+    if not (kind == "torch" and layout.startswith("negative"))
+]
 
 
 @pytest.mark.parametrize("validate", [True, False], ids=["validate", "novalidate"])
@@ -359,8 +503,9 @@ def layout_kind(impl, dtype: str, layout: str) -> str:
     return case_kind("numpy" if (dtype == "int64" or negative) else "torch", impl)
 
 
-ATTN_LAYOUTS = ([("block_tables", lay) for lay in TWO_D_LAYOUTS]
-                + [(t, lay) for t in ("seq_lens", "query_start_loc", "sinks") for lay in ONE_D_LAYOUTS])
+ATTN_LAYOUTS = [("block_tables", lay) for lay in TWO_D_LAYOUTS] + [
+    (t, lay) for t in ("seq_lens", "query_start_loc", "sinks") for lay in ONE_D_LAYOUTS
+]
 
 
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
@@ -406,14 +551,19 @@ def test_attention_every_index_tensor_hostile(impl, bt_layout, layout, kind, bat
     qdtype, dtype = ("float16", "int64") if kind == "numpy" else ("bfloat16", "int32")
     kind = case_kind(kind, impl)  # int64 indices and a float16 query: device tensors carry them too
     a = AttentionSetup(rng, mode, kind, batch, qdtype=qdtype, impl=impl)
-    bt, sl, qsl, guards = a.index_tensors(kind, dtype, rng, {"block_tables": bt_layout, "seq_lens": layout,
-                                                           "query_start_loc": layout})
+    bt, sl, qsl, guards = a.index_tensors(
+        kind, dtype, rng, {"block_tables": bt_layout, "seq_lens": layout, "query_start_loc": layout}
+    )
     sinks, g = a.sinks(kind, layout, rng)
     guards.append(g)
     kw = dict(sinks=sinks, batch_invariant=batch_kind == "invariant")
     if not validate:
-        kw.update(validate=False, max_query_len=int(batch.q_lens.max()), max_seq_len=int(batch.seq_lens.max()),
-                  num_prefills=int((batch.q_lens > 1).sum()))
+        kw.update(
+            validate=False,
+            max_query_len=int(batch.q_lens.max()),
+            max_seq_len=int(batch.seq_lens.max()),
+            num_prefills=int((batch.q_lens > 1).sum()),
+        )
     a.run_accepted(impl, bt, sl, qsl, guards=guards, **kw)
 
 
@@ -433,7 +583,7 @@ def test_attention_unused_table_entries_hold_anything(impl):
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
 
-DEQ_LAYOUTS = ([("block_tables", lay) for lay in TWO_D_LAYOUTS] + [("seq_lens", lay) for lay in ONE_D_LAYOUTS])
+DEQ_LAYOUTS = [("block_tables", lay) for lay in TWO_D_LAYOUTS] + [("seq_lens", lay) for lay in ONE_D_LAYOUTS]
 
 
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
@@ -451,14 +601,21 @@ def test_dequantize_index_layout(impl, tensor, layout, dtype):
     check_dequantize(impl, caches, bt, sl, batch.tables, batch.seq_lens, guards)
 
 
-def check_dequantize(impl, caches, bt, sl, tables, seq_lens, guards=(), cache_array=None, scale_array=None,
-                     storage_caches=None):
+def check_dequantize(
+    impl, caches, bt, sl, tables, seq_lens, guards=(), cache_array=None, scale_array=None, storage_caches=None
+):
     """dequantize(key cache) accepted and equal to oracle.gather_dequantize (NaN = NaN)."""
     kw = caches.api_kwargs()
     got = call_accepted(
-        impl, kvzoo.dequantize, caches.key.array if cache_array is None else cache_array,
-        kw["k_scale_cache"] if scale_array is None else scale_array, mode=caches.mode, scale=kw["k_scale"],
-        block_tables=bt, seq_lens=sl)
+        impl,
+        kvzoo.dequantize,
+        caches.key.array if cache_array is None else cache_array,
+        kw["k_scale_cache"] if scale_array is None else scale_array,
+        mode=caches.mode,
+        scale=kw["k_scale"],
+        block_tables=bt,
+        seq_lens=sl,
+    )
     for r in caches.regions:
         r.assert_unchanged(f"{impl.name} dequantize: a cache (read array)")
     for g in guards:
@@ -467,8 +624,9 @@ def check_dequantize(impl, caches, bt, sl, tables, seq_lens, guards=(), cache_ar
     if tables is None:
         want = oracle.decode_cache(codes, scales, caches.mode, caches.k_static)
     else:
-        want = oracle.gather_dequantize(codes, scales, np.asarray(tables), np.asarray(seq_lens), caches.mode,
-                                        caches.k_static)
+        want = oracle.gather_dequantize(
+            codes, scales, np.asarray(tables), np.asarray(seq_lens), caches.mode, caches.k_static
+        )
     assert_same_floats(to_host_float32(got), want, f"{impl.name} dequantize")
     return got
 
@@ -492,12 +650,26 @@ def test_attention_single_element_negative_strides(impl, which):
     require_usable(impl, kind="numpy")
     mode = pick_mode(impl, "one-neg", which)
     rng = rng_for("hostile-one-neg", impl.name, which)
-    a = AttentionSetup(rng, mode, "numpy", batch_for(rng, [1], [3 if which == "index" else 9]),
-                       query_flip=(0,) if which == "query" else (), query_gaps=which != "query", impl=impl)
+    a = AttentionSetup(
+        rng,
+        mode,
+        "numpy",
+        batch_for(rng, [1], [3 if which == "index" else 9]),
+        query_flip=(0,) if which == "query" else (),
+        query_gaps=which != "query",
+        impl=impl,
+    )
     layout = {"index": "negative", "table-row": "contiguous", "query": "contiguous"}[which]
-    bt, sl, qsl, guards = a.index_tensors("numpy", "int64", rng, {
-        "block_tables": "negative-rows" if which == "table-row" else layout, "seq_lens": layout,
-        "query_start_loc": layout})
+    bt, sl, qsl, guards = a.index_tensors(
+        "numpy",
+        "int64",
+        rng,
+        {
+            "block_tables": "negative-rows" if which == "table-row" else layout,
+            "seq_lens": layout,
+            "query_start_loc": layout,
+        },
+    )
     sinks, g = a.sinks("numpy", layout, rng)
     a.run_accepted(impl, bt, sl, qsl, guards=guards + [g], sinks=sinks)
 
@@ -537,8 +709,9 @@ def test_attention_long_prefill_hostile_indices(impl, mode):
     require_usable(impl, mode)
     rng = rng_for("hostile-long", impl.name, mode)
     a = AttentionSetup(rng, mode, "torch", batch_for(rng, [130, 1], [133, 7], block_size=16), impl=impl)
-    bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng, {"block_tables": "fortran-offset",
-                                                                "seq_lens": "stride2", "query_start_loc": "stride3"})
+    bt, sl, qsl, guards = a.index_tensors(
+        "torch", "int32", rng, {"block_tables": "fortran-offset", "seq_lens": "stride2", "query_start_loc": "stride3"}
+    )
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
 
@@ -596,11 +769,16 @@ def test_uint8_storage_dequantize(impl, mode):
         seq_lens = np.array([10, 6])
         bt, sl = case_tensor(tables.astype(np.int32), impl), case_tensor(seq_lens.astype(np.int32), impl)
         outs.append(to_host_float32(check_dequantize(impl, caches, bt, sl, tables, seq_lens)))
-    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), f"{impl.name}: uint8 storage decoded differently"
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (
+        f"{impl.name}: uint8 storage decoded differently"
+    )
 
 
-@pytest.mark.parametrize("mode,quantize_query", [pytest.param(m, False, id=m) for m in QUANTIZED]
-                         + [pytest.param("int8_per_token_head", True, id="int8_per_token_head-quantize_query")])
+@pytest.mark.parametrize(
+    "mode,quantize_query",
+    [pytest.param(m, False, id=m) for m in QUANTIZED]
+    + [pytest.param("int8_per_token_head", True, id="int8_per_token_head-quantize_query")],
+)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_uint8_storage_attention(impl, mode, quantize_query):
     require_usable(impl, mode)
@@ -612,7 +790,8 @@ def test_uint8_storage_attention(impl, mode, quantize_query):
         a.run_accepted(impl, bt, sl, qsl, guards=guards, quantize_query=quantize_query)
         outs.append(a.out.element_bytes().copy())
     assert np.array_equal(outs[0], outs[1]), (
-        f"{impl.name} {mode}: attention on uint8 storage is not byte-identical to the code dtype's")
+        f"{impl.name} {mode}: attention on uint8 storage is not byte-identical to the code dtype's"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -678,9 +857,12 @@ def test_attention_big_endian_refused(impl, arg):
     else:
         kw[name] = kw[name].astype(kw[name].dtype.newbyteorder(">"))
     qsl_ = kw.pop("qsl")
-    call_refused(impl, lambda *x, impl, **k: a.call(impl, kw["block_tables"], kw["seq_lens"], qsl_,
-                                                    sinks=kw["sinks"], **extra),
-                 [name], a.caches.regions + [a.out])
+    call_refused(
+        impl,
+        lambda *x, impl, **k: a.call(impl, kw["block_tables"], kw["seq_lens"], qsl_, sinks=kw["sinks"], **extra),
+        [name],
+        a.caches.regions + [a.out],
+    )
 
 
 @pytest.mark.parametrize("arg", ["scale_cache", "block_tables", "seq_lens", "cache(none)"])
@@ -690,14 +872,27 @@ def test_dequantize_big_endian_refused(impl, arg):
     require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-deq", impl.name, arg)
     caches = make_caches(rng, mode, (4, BS, H, D), "numpy", model_dtype="float16", realistic=False, impl=impl)
-    args = dict(cache=caches.key.array, scale_cache=None if caches.k_scale is None else caches.k_scale.array,
-                block_tables=np.array([[0, 2], [3, 1]], np.int32), seq_lens=np.array([5, 8], np.int32))
+    args = dict(
+        cache=caches.key.array,
+        scale_cache=None if caches.k_scale is None else caches.k_scale.array,
+        block_tables=np.array([[0, 2], [3, 1]], np.int32),
+        seq_lens=np.array([5, 8], np.int32),
+    )
     name = arg.split("(")[0]
     args[name] = _big_endian(args[name]) if name in ("cache", "scale_cache") else args[name].astype(">i4")
-    call_refused(impl, lambda impl: kvzoo.dequantize(args["cache"], args["scale_cache"], mode=mode,
-                                                     block_tables=args["block_tables"], seq_lens=args["seq_lens"],
-                                                     impl=impl),
-                 [name], caches.regions)
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(
+            args["cache"],
+            args["scale_cache"],
+            mode=mode,
+            block_tables=args["block_tables"],
+            seq_lens=args["seq_lens"],
+            impl=impl,
+        ),
+        [name],
+        caches.regions,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,8 +939,9 @@ def test_attention_read_only_out_refused(impl):
     rng = rng_for("hostile-ro-out", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, out=_read_only(a.out.array)), ["out"],
-                 a.caches.regions + [a.out])
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, out=_read_only(a.out.array)), ["out"], a.caches.regions + [a.out]
+    )
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
@@ -772,8 +968,16 @@ def test_dequantize_read_only_accepted(impl):
     caches = make_caches(rng, mode, (4, BS, H, D), "numpy", realistic=False, impl=impl)
     tables, seq_lens = np.array([[0, 2], [3, 1]]), np.array([5, 8])
     sc = None if caches.k_scale is None else _read_only(caches.k_scale.array)
-    check_dequantize(impl, caches, _read_only(tables.astype(np.int32)), _read_only(seq_lens.astype(np.int64)),
-                     tables, seq_lens, cache_array=_read_only(caches.key.array), scale_array=sc)
+    check_dequantize(
+        impl,
+        caches,
+        _read_only(tables.astype(np.int32)),
+        _read_only(seq_lens.astype(np.int64)),
+        tables,
+        seq_lens,
+        cache_array=_read_only(caches.key.array),
+        scale_array=sc,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,8 +1002,8 @@ def _as_dtype(buf, start, count, dtype, kind, shape):
     if kind == "torch":
         from kvzoo.arrays import torch_dtype
 
-        return buf[start:start + count * _np(dtype).itemsize].view(torch_dtype(dtype)).reshape(shape)
-    return buf[start:start + count * _np(dtype).itemsize].view(_np(dtype)).reshape(shape)
+        return buf[start : start + count * _np(dtype).itemsize].view(torch_dtype(dtype)).reshape(shape)
+    return buf[start : start + count * _np(dtype).itemsize].view(_np(dtype)).reshape(shape)
 
 
 WRITE_ALIASES = [
@@ -990,9 +1194,9 @@ def test_attention_read_arrays_alias_each_other_accepted(impl):
     S, M = batch.tables.shape
     flat = np.concatenate([batch.tables.reshape(-1), batch.seq_lens, batch.qsl]).astype(np.int32)
     shared = case_tensor(flat, impl)
-    bt = shared[:S * M].view(S, M)
-    sl = shared[S * M:S * M + S]
-    qsl = shared[S * M + S:]
+    bt = shared[: S * M].view(S, M)
+    sl = shared[S * M : S * M + S]
+    qsl = shared[S * M + S :]
     a.run_accepted(impl, bt, sl, qsl, guards=[Guard("shared index buffer", shared)])
 
 
@@ -1030,8 +1234,14 @@ def test_dequantize_stride0_cache_accepted(impl):
         r.array = _strided(r.array, r.shape, (0, *st_[1:]))
         r.index = np.broadcast_to(r.index[:1], r.index.shape)
     tables, seq_lens = np.array([[0, 2], [3, 1]]), np.array([5, 8])
-    check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
-                     case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
+    check_dequantize(
+        impl,
+        caches,
+        case_tensor(tables.astype(np.int32), impl),
+        case_tensor(seq_lens.astype(np.int32), impl),
+        tables,
+        seq_lens,
+    )
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1066,8 +1276,14 @@ def test_dequantize_inline_page_with_gaps(impl):
     rng = rng_for("hostile-inline-deq", impl.name)
     caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, layout="inline", impl=impl)
     tables, seq_lens = np.array([[3, 0], [1, 2]]), np.array([7, 5])
-    check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
-                     case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
+    check_dequantize(
+        impl,
+        caches,
+        case_tensor(tables.astype(np.int32), impl),
+        case_tensor(seq_lens.astype(np.int32), impl),
+        tables,
+        seq_lens,
+    )
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1114,8 +1330,9 @@ def test_attention_negative_stride_out_refused(impl):
     rng = rng_for("hostile-neg-out", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, out=a.out.array[::-1]), ["out"],
-                 a.caches.regions + [a.out])
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, out=a.out.array[::-1]), ["out"], a.caches.regions + [a.out]
+    )
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1131,8 +1348,14 @@ def test_write_slot_mapping_inside_scale_cache_refused(impl, kind):
     sm = _words_view(ks, words[:, None], kind)[:, 0]
     ks.sub("slot_mapping", sm, words, "int32").set_values(slots)
     assert np.array_equal(_host_values(sm), slots)
-    call_refused(impl, kvzoo.reshape_and_cache, ["slot_mapping", "k_scale_cache"], w.guards(), *w.args(sm),
-                 **w.caches.api_kwargs())
+    call_refused(
+        impl,
+        kvzoo.reshape_and_cache,
+        ["slot_mapping", "k_scale_cache"],
+        w.guards(),
+        *w.args(sm),
+        **w.caches.api_kwargs(),
+    )
 
 
 def _words_view(region: Region, words: np.ndarray, kind: str):
@@ -1143,7 +1366,7 @@ def _words_view(region: Region, words: np.ndarray, kind: str):
     assert np.array_equal(words, words[0, 0] + rs * np.arange(r)[:, None] + cs * np.arange(c)[None, :])
     if kind == "torch":
         return torch.as_strided(region.memory.view(torch.int32), (r, c), (rs, cs), int(words[0, 0]))
-    return as_strided(region.memory.view(np.int32)[int(words[0, 0]):], (r, c), (rs * 4, cs * 4), writeable=False)
+    return as_strided(region.memory.view(np.int32)[int(words[0, 0]) :], (r, c), (rs * 4, cs * 4), writeable=False)
 
 
 def _host_values(x) -> np.ndarray:
@@ -1176,15 +1399,32 @@ def test_unknown_impl_refused(op):
     t = lambda x: case_tensor(x, None)  # noqa: E731
     if op == "reshape_and_cache":
         call = lambda impl: kvzoo.reshape_and_cache(  # noqa: E731
-            t(torch.randn(2, H, D)), t(torch.randn(2, H, D)), caches.key.array, caches.value.array,
-            t(torch.tensor([0, 5])), impl=impl, **c)
+            t(torch.randn(2, H, D)),
+            t(torch.randn(2, H, D)),
+            caches.key.array,
+            caches.value.array,
+            t(torch.tensor([0, 5])),
+            impl=impl,
+            **c,
+        )
     elif op == "dequantize":
-        call = lambda impl: kvzoo.dequantize(caches.key.array, c["k_scale_cache"], mode=c["mode"],  # noqa: E731
-                                             impl=impl)
+        call = lambda impl: kvzoo.dequantize(
+            caches.key.array,
+            c["k_scale_cache"],
+            mode=c["mode"],  # noqa: E731
+            impl=impl,
+        )
     else:
         call = lambda impl: kvzoo.paged_attention(  # noqa: E731
-            t(torch.randn(1, HQ, D)), caches.key.array, caches.value.array, block_tables=t(torch.tensor([[0]])),
-            seq_lens=t(torch.tensor([3])), query_start_loc=t(torch.tensor([0, 1])), impl=impl, **c)
+            t(torch.randn(1, HQ, D)),
+            caches.key.array,
+            caches.value.array,
+            block_tables=t(torch.tensor([[0]])),
+            seq_lens=t(torch.tensor([3])),
+            query_start_loc=t(torch.tensor([0, 1])),
+            impl=impl,
+            **c,
+        )
     fake = type("Fake", (), {"name": "no-such-impl"})()
     err = call_refused(fake, call, ["impl"], caches.regions)
     assert "no-such-impl" in str(err)
@@ -1223,8 +1463,14 @@ def test_write_none_mixed_cache_dtypes_refused(impl):
     w = WriteSetup(rng, "none", "torch", T=5, dtype="float16", impl=impl)
     other = Region(rng, w.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)", impl=impl)
     slots = w.valid_slots(rng)
-    call_refused(impl, kvzoo.reshape_and_cache, ["value_cache", "key_cache"], w.guards() + [other],
-                 *w.args(case_tensor(slots, impl), value_cache=other.array), mode="none")
+    call_refused(
+        impl,
+        kvzoo.reshape_and_cache,
+        ["value_cache", "key_cache"],
+        w.guards() + [other],
+        *w.args(case_tensor(slots, impl), value_cache=other.array),
+        mode="none",
+    )
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
@@ -1234,8 +1480,12 @@ def test_attention_none_mixed_cache_dtypes_refused(impl):
     a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype="float16", impl=impl)
     other = Region(rng, a.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)", impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, value_cache=other.array),
-                 ["value_cache", "key_cache"], a.caches.regions + [a.out, other])
+    call_refused(
+        impl,
+        lambda impl: a.call(impl, bt, sl, qsl, value_cache=other.array),
+        ["value_cache", "key_cache"],
+        a.caches.regions + [a.out, other],
+    )
 
 
 @pytest.mark.parametrize("model_dtype", ["float16", "float32"])
@@ -1243,8 +1493,9 @@ def test_attention_none_mixed_cache_dtypes_refused(impl):
 def test_attention_none_cache_dtype_other_than_query_accepted(impl, model_dtype):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-other-dtype", impl.name, model_dtype)
-    a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype=model_dtype, qdtype="bfloat16",
-                       impl=impl)
+    a = AttentionSetup(
+        rng, "none", "torch", make_batch(rng, "mixed"), model_dtype=model_dtype, qdtype="bfloat16", impl=impl
+    )
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     a.run_accepted(impl, bt, sl, qsl, guards=guards)
 
@@ -1271,24 +1522,28 @@ def _attention_for_scalars(impl, key):
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_softmax_scale_refused(impl, value):
     a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("scale", repr(value)))
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, softmax_scale=value), ["softmax_scale"],
-                 a.caches.regions + [a.out])
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, softmax_scale=value), ["softmax_scale"], a.caches.regions + [a.out]
+    )
 
 
 @pytest.mark.parametrize("value", BAD_SOFTCAP, ids=repr)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_softcap_refused(impl, value):
     a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("cap", repr(value)))
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, softcap=value), ["softcap"],
-                 a.caches.regions + [a.out])
+    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, softcap=value), ["softcap"], a.caches.regions + [a.out])
 
 
 @pytest.mark.parametrize("value", BAD_WINDOW, ids=repr)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_sliding_window_refused(impl, value):
     a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("window", repr(value)))
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, sliding_window=value), ["sliding_window"],
-                 a.caches.regions + [a.out])
+    call_refused(
+        impl,
+        lambda impl: a.call(impl, bt, sl, qsl, sliding_window=value),
+        ["sliding_window"],
+        a.caches.regions + [a.out],
+    )
 
 
 @pytest.mark.parametrize("validate", [True, False], ids=["validate", "novalidate"])
@@ -1297,8 +1552,11 @@ def test_sliding_window_refused(impl, value):
 def test_sliding_window_huge_is_no_window(impl, value, validate):
     """SPEC 11: a window at least max_blocks_per_seq * block_size masks nothing: the same as None."""
     a, bt, sl, qsl, guards = _attention_for_scalars(impl, ("huge-window", repr(value)))
-    kw = {} if validate else dict(validate=False, max_query_len=int(a.batch.q_lens.max()),
-                                  max_seq_len=int(a.batch.seq_lens.max()))
+    kw = (
+        {}
+        if validate
+        else dict(validate=False, max_query_len=int(a.batch.q_lens.max()), max_seq_len=int(a.batch.seq_lens.max()))
+    )
     a.run_accepted(impl, bt, sl, qsl, guards=guards, window=value, oracle_window=None, **kw)
 
 
@@ -1310,8 +1568,13 @@ def test_sliding_window_exactly_table_span_is_no_window(impl):
 
 
 GOOD_SCALARS = [
-    ("sliding_window", 1), ("sliding_window", np.int64(3)), ("softmax_scale", np.float32(0.3)),
-    ("softmax_scale", 1e-30), ("softcap", 1e-3), ("softcap", 2.0**-126), ("softcap", np.float64(30.0)),
+    ("sliding_window", 1),
+    ("sliding_window", np.int64(3)),
+    ("softmax_scale", np.float32(0.3)),
+    ("softmax_scale", 1e-30),
+    ("softcap", 1e-3),
+    ("softcap", 2.0**-126),
+    ("softcap", np.float64(30.0)),
 ]
 
 
@@ -1336,8 +1599,9 @@ def test_write_static_scale_refused(impl, value, which):
     w = WriteSetup(rng, mode, "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
     kw[which] = value
-    call_refused(impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
-                 **kw)
+    call_refused(
+        impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **kw
+    )
 
 
 @pytest.mark.parametrize("value", ["tensor-inf", "tensor-two", "tensor-float64"])
@@ -1348,10 +1612,17 @@ def test_write_static_scale_tensor_refused(impl, value):
     rng = rng_for("hostile-static-tensor", impl.name, value)
     w = WriteSetup(rng, mode, "torch", T=5, impl=impl)
     kw = w.caches.api_kwargs()
-    kw["k_scale"] = case_tensor({"tensor-inf": torch.tensor([float("inf")]), "tensor-two": torch.tensor([0.5, 0.5]),
-                                 "tensor-float64": torch.tensor([0.5], dtype=torch.float64)}[value], impl)
-    call_refused(impl, kvzoo.reshape_and_cache, ["k_scale"], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
-                 **kw)
+    kw["k_scale"] = case_tensor(
+        {
+            "tensor-inf": torch.tensor([float("inf")]),
+            "tensor-two": torch.tensor([0.5, 0.5]),
+            "tensor-float64": torch.tensor([0.5], dtype=torch.float64),
+        }[value],
+        impl,
+    )
+    call_refused(
+        impl, kvzoo.reshape_and_cache, ["k_scale"], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **kw
+    )
 
 
 @pytest.mark.parametrize("form", ["float32-tensor", "offset-view", "numpy-float32"])
@@ -1364,9 +1635,11 @@ def test_write_static_scale_forms_accepted(impl, form):
     k = w.caches.k_static
     slots = w.valid_slots(rng)
     kw = w.caches.api_kwargs()
-    kw["k_scale"] = {"float32-tensor": case_tensor(torch.tensor([k], dtype=torch.float32), impl),
-                     "offset-view": case_tensor(torch.tensor([9.0, k, 7.0], dtype=torch.float32), impl)[1:2],
-                     "numpy-float32": np.float32(k)}[form]  # a number, not an array: fine on any device
+    kw["k_scale"] = {
+        "float32-tensor": case_tensor(torch.tensor([k], dtype=torch.float32), impl),
+        "offset-view": case_tensor(torch.tensor([9.0, k, 7.0], dtype=torch.float32), impl)[1:2],
+        "numpy-float32": np.float32(k),
+    }[form]  # a number, not an array: fine on any device
     call_accepted(impl, kvzoo.reshape_and_cache, *w.args(case_tensor(slots, impl)), **kw)
     assert_write_matches(impl.name, w.caches, w.key.values(), w.value.values(), slots)
 
@@ -1388,8 +1661,12 @@ def test_dequantize_static_scale_refused(impl):
     require_usable(impl, mode)
     rng = rng_for("hostile-static-deq", impl.name)
     caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False, impl=impl)
-    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, mode=mode, scale=1e39, impl=impl),
-                 ["scale"], caches.regions)
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(caches.key.array, mode=mode, scale=1e39, impl=impl),
+        ["scale"],
+        caches.regions,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1410,11 +1687,23 @@ def test_write_zero_sizes_refused(impl, case):
     require_usable(impl, "int8_per_token_head")
     heads, hs, nb, bs = WRITE_SIZES[case]
     rng = rng_for("hostile-size-write", impl.name, case)
-    w = WriteSetup(rng, "int8_per_token_head", "torch", T=3, num_blocks=nb, heads=heads, head_size=hs, block_size=bs,
-                   impl=impl)
+    w = WriteSetup(
+        rng, "int8_per_token_head", "torch", T=3, num_blocks=nb, heads=heads, head_size=hs, block_size=bs, impl=impl
+    )
     slots = case_tensor(torch.full((3,), -1, dtype=torch.int64), impl)
-    names = ["key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "slot_mapping",
-             "head_size", "num_kv_heads", "num_blocks", "block_size"]
+    names = [
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+        "slot_mapping",
+        "head_size",
+        "num_kv_heads",
+        "num_blocks",
+        "block_size",
+    ]
     call_refused(impl, kvzoo.reshape_and_cache, names, w.guards(), *w.args(slots), **w.caches.api_kwargs())
 
 
@@ -1436,8 +1725,20 @@ def test_attention_zero_sizes_refused(impl, case):
     batch = Batch(np.array([1]), np.array([1]), np.array([[0]]), nb, bs)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", batch, heads_q=hq, heads_kv=hkv, head_size=hs, impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
-    names = ["query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "out", "block_tables",
-             "head_size", "num_kv_heads", "num_q_heads", "num_blocks", "block_size"]
+    names = [
+        "query",
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+        "out",
+        "block_tables",
+        "head_size",
+        "num_kv_heads",
+        "num_q_heads",
+        "num_blocks",
+        "block_size",
+    ]
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), names, a.caches.regions + [a.out])
 
 
@@ -1449,8 +1750,12 @@ def test_dequantize_zero_sizes_refused(impl, case):
     rng = rng_for("hostile-size-deq", impl.name, case)
     caches = make_caches(rng, "int8_per_token_head", (nb, bs, heads, hs), "torch", realistic=False, impl=impl)
     names = ["cache", "scale_cache", "head_size", "num_kv_heads", "num_heads", "num_blocks", "block_size"]
-    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array,
-                                                     mode="int8_per_token_head", impl=impl), names, caches.regions)
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array, mode="int8_per_token_head", impl=impl),
+        names,
+        caches.regions,
+    )
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1490,15 +1795,31 @@ def test_dequantize_empty_accepted(impl):
     mode = pick_mode(impl, "empty-deq")
     rng = rng_for("hostile-empty-deq", impl.name)
     caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False, impl=impl)
-    for tables, seq_lens in ((np.zeros((0, 2), np.int64), np.zeros(0, np.int64)),
-                             (np.array([[0], [1]]), np.array([0, 0]))):
-        got = check_dequantize(impl, caches, case_tensor(tables.astype(np.int32), impl),
-                               case_tensor(seq_lens.astype(np.int32), impl), tables, seq_lens)
+    for tables, seq_lens in (
+        (np.zeros((0, 2), np.int64), np.zeros(0, np.int64)),
+        (np.array([[0], [1]]), np.array([0, 0])),
+    ):
+        got = check_dequantize(
+            impl,
+            caches,
+            case_tensor(tables.astype(np.int32), impl),
+            case_tensor(seq_lens.astype(np.int32), impl),
+            tables,
+            seq_lens,
+        )
         assert tuple(got.shape) == (0, H, D)
 
 
-BAD_MAX = [("max_query_len", -1), ("max_query_len", 2**31), ("max_query_len", 2**63), ("max_query_len", 1.5),
-           ("max_seq_len", -1), ("max_seq_len", 2**31), ("max_seq_len", 2**40), ("num_prefills", -1)]
+BAD_MAX = [
+    ("max_query_len", -1),
+    ("max_query_len", 2**31),
+    ("max_query_len", 2**63),
+    ("max_query_len", 1.5),
+    ("max_seq_len", -1),
+    ("max_seq_len", 2**31),
+    ("max_seq_len", 2**40),
+    ("num_prefills", -1),
+]
 
 
 @pytest.mark.parametrize("name,value", BAD_MAX, ids=lambda v: repr(v))
@@ -1524,10 +1845,24 @@ def test_positions_over_int32_refused(impl):
     q = t(torch.randn(1, HQ, D, dtype=torch.bfloat16))
     out = t(torch.full((1, HQ, D), 7.0, dtype=torch.bfloat16))
     before = out.clone()
-    call_refused(impl, lambda impl: kvzoo.paged_attention(
-        q, kc, kc, mode="int8_per_token_head", k_scale_cache=sc, v_scale_cache=sc, block_tables=bt,
-        seq_lens=t(torch.tensor([1], dtype=torch.int32)), query_start_loc=t(torch.tensor([0, 1], dtype=torch.int32)),
-        out=out, impl=impl), ["block_tables", "seq_lens", "key_cache", "block_size"], [guard_of("out", out)])
+    call_refused(
+        impl,
+        lambda impl: kvzoo.paged_attention(
+            q,
+            kc,
+            kc,
+            mode="int8_per_token_head",
+            k_scale_cache=sc,
+            v_scale_cache=sc,
+            block_tables=bt,
+            seq_lens=t(torch.tensor([1], dtype=torch.int32)),
+            query_start_loc=t(torch.tensor([0, 1], dtype=torch.int32)),
+            out=out,
+            impl=impl,
+        ),
+        ["block_tables", "seq_lens", "key_cache", "block_size"],
+        [guard_of("out", out)],
+    )
     assert torch.equal(out, before)
 
 
@@ -1539,10 +1874,19 @@ def test_dequantize_slots_over_int32_refused(impl):
     t = lambda x: case_tensor(x, impl)  # noqa: E731
     cache = t(torch.zeros(1, 1, 1, 4, dtype=torch.int8)).expand(nb, bs, 1, 4)
     sc = t(torch.full((1, 1, 1), 0.01)).expand(nb, bs, 1)
-    call_refused(impl, lambda impl: kvzoo.dequantize(
-        cache, sc, mode="int8_per_token_head", block_tables=t(torch.tensor([[0]], dtype=torch.int32)),
-        seq_lens=t(torch.tensor([1], dtype=torch.int32)), impl=impl),
-        ["cache", "scale_cache", "num_blocks", "block_size"], [])
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(
+            cache,
+            sc,
+            mode="int8_per_token_head",
+            block_tables=t(torch.tensor([[0]], dtype=torch.int32)),
+            seq_lens=t(torch.tensor([1], dtype=torch.int32)),
+            impl=impl,
+        ),
+        ["cache", "scale_cache", "num_blocks", "block_size"],
+        [],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1594,8 +1938,9 @@ def test_attention_requires_grad_refused(impl, arg):
         extra["key_cache"] = a.caches.key.array.requires_grad_()
     else:
         extra["out"] = a.out.array.requires_grad_()
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **extra), [name], a.caches.regions + [a.out],
-                 words=["grad"])
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, **extra), [name], a.caches.regions + [a.out], words=["grad"]
+    )
 
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
@@ -1603,9 +1948,15 @@ def test_dequantize_requires_grad_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-grad-deq", impl.name)
     caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
-    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array.requires_grad_(),
-                                                     mode="int8_per_token_head", impl=impl),
-                 ["scale_cache"], caches.regions, words=["grad"])
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(
+            caches.key.array, caches.k_scale.array.requires_grad_(), mode="int8_per_token_head", impl=impl
+        ),
+        ["scale_cache"],
+        caches.regions,
+        words=["grad"],
+    )
 
 
 WRITE_NAMES = ["key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale_cache", "v_scale_cache"]
@@ -1629,8 +1980,18 @@ def test_write_meta_refused(impl, which):
     call_refused(impl, kvzoo.reshape_and_cache, names, w.guards(), *args, **kw)
 
 
-ATTN_NAMES = ["query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc", "k_scale_cache",
-              "v_scale_cache", "sinks", "out"]
+ATTN_NAMES = [
+    "query",
+    "key_cache",
+    "value_cache",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "k_scale_cache",
+    "v_scale_cache",
+    "sinks",
+    "out",
+]
 
 
 @pytest.mark.parametrize("which", ["query", "block_tables", "all"])
@@ -1650,9 +2011,18 @@ def test_attention_meta_refused(impl, which):
         def fn(impl):
             m = lambda x: x.to("meta")  # noqa: E731
             return kvzoo.paged_attention(
-                m(a.query.array), m(c.key.array), m(c.value.array), mode="int8_per_token_head",
-                k_scale_cache=m(c.k_scale.array), v_scale_cache=m(c.v_scale.array), block_tables=m(bt),
-                seq_lens=m(sl), query_start_loc=m(qsl), impl=impl)
+                m(a.query.array),
+                m(c.key.array),
+                m(c.value.array),
+                mode="int8_per_token_head",
+                k_scale_cache=m(c.k_scale.array),
+                v_scale_cache=m(c.v_scale.array),
+                block_tables=m(bt),
+                seq_lens=m(sl),
+                query_start_loc=m(qsl),
+                impl=impl,
+            )
+
     call_refused(impl, fn, ATTN_NAMES, a.caches.regions + [a.out])
 
 
@@ -1661,9 +2031,14 @@ def test_dequantize_meta_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-deq", impl.name)
     caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
-    call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array.to("meta"), caches.k_scale.array.to("meta"),
-                                                     mode="int8_per_token_head", impl=impl),
-                 ["cache", "scale_cache"], caches.regions)
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(
+            caches.key.array.to("meta"), caches.k_scale.array.to("meta"), mode="int8_per_token_head", impl=impl
+        ),
+        ["cache", "scale_cache"],
+        caches.regions,
+    )
 
 
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
@@ -1672,8 +2047,14 @@ def test_write_list_slot_mapping_refused(impl):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-list-slots", impl.name)
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
-    call_refused(impl, kvzoo.reshape_and_cache, ["slot_mapping"], w.guards(), *w.args(w.valid_slots(rng).tolist()),
-                 **w.caches.api_kwargs())
+    call_refused(
+        impl,
+        kvzoo.reshape_and_cache,
+        ["slot_mapping"],
+        w.guards(),
+        *w.args(w.valid_slots(rng).tolist()),
+        **w.caches.api_kwargs(),
+    )
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
@@ -1682,24 +2063,25 @@ def test_attention_list_block_tables_refused(impl):
     rng = rng_for("hostile-list-tables", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
     _, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
-    call_refused(impl, lambda impl: a.call(impl, a.batch.tables.tolist(), sl, qsl), ["block_tables"],
-                 a.caches.regions + [a.out])
+    call_refused(
+        impl, lambda impl: a.call(impl, a.batch.tables.tolist(), sl, qsl), ["block_tables"], a.caches.regions + [a.out]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # 10. strings and the cache object
 
 
-@pytest.mark.parametrize("kw", [{"mode": "int4_magic"}, {"mode": 3}, {"rounding": None}, {"rounding": "up"}],
-                         ids=repr)
+@pytest.mark.parametrize("kw", [{"mode": "int4_magic"}, {"mode": 3}, {"rounding": None}, {"rounding": "up"}], ids=repr)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_bad_strings_refused(impl, kw):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-strings", impl.name, repr(kw))
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
     api_kw = {**w.caches.api_kwargs(), **kw}
-    call_refused(impl, kvzoo.reshape_and_cache, list(kw), w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)),
-                 **api_kw)
+    call_refused(
+        impl, kvzoo.reshape_and_cache, list(kw), w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **api_kw
+    )
 
 
 PAGED_BAD = {
@@ -1774,15 +2156,25 @@ def test_fuzz_slot_mapping(impl, data):
     dtype = data.draw(st.sampled_from(INDEX_DTYPES if valid_intent else FUZZ_DTYPES), label="dtype")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     rng = rng_for("hostile-fuzz-write", impl.name, seed)
-    w = WriteSetup(rng, mode, kind, T=T, num_blocks=nb, block_size=bs, head_size=hs, impl=impl,
-                   dtype=data.draw(st.sampled_from(["bfloat16", "float16", "float32"]), label="input dtype"))
+    w = WriteSetup(
+        rng,
+        mode,
+        kind,
+        T=T,
+        num_blocks=nb,
+        block_size=bs,
+        head_size=hs,
+        impl=impl,
+        dtype=data.draw(st.sampled_from(["bfloat16", "float16", "float32"]), label="input dtype"),
+    )
     cap = nb * bs
     lo, hi = _int_range(dtype)
     perm = list(rng.permutation(cap))
     values = []
     for t in range(T):
-        kinds = ["valid", "valid", "valid", "skip", "skip-far"] + ([] if valid_intent else ["range", "range-far",
-                                                                                            "repeat"])
+        kinds = ["valid", "valid", "valid", "skip", "skip-far"] + (
+            [] if valid_intent else ["range", "range-far", "repeat"]
+        )
         what = data.draw(st.sampled_from(kinds), label=f"slot {t}")
         if what == "valid" and perm:
             values.append(int(perm.pop()))
@@ -1807,14 +2199,19 @@ def test_fuzz_slot_mapping(impl, data):
     layout, kind_idx = _draw_layout(data, 1, shown, kind, impl)
     sm, g = index_view(shown, dtype, kind_idx, layout, rng, slot_junk(cap), impl=impl)
     nonneg = values[values >= 0]
-    valid = (dtype in INDEX_DTYPES and length == T and (values < cap).all()
-             and len(np.unique(nonneg)) == len(nonneg))
+    valid = dtype in INDEX_DTYPES and length == T and (values < cap).all() and len(np.unique(nonneg)) == len(nonneg)
     event("accepted" if valid else "refused")
     if valid:
         w.run_accepted(impl, sm, values, extra_guards=[g])
     else:
-        call_refused(impl, kvzoo.reshape_and_cache, ["slot_mapping"], w.guards() + [g, w.key, w.value],
-                     *w.args(sm), **w.caches.api_kwargs())
+        call_refused(
+            impl,
+            kvzoo.reshape_and_cache,
+            ["slot_mapping"],
+            w.guards() + [g, w.key, w.value],
+            *w.args(sm),
+            **w.caches.api_kwargs(),
+        )
 
 
 def _attention_validity(tables, seq_lens, qsl, T, nb, bs, dtypes, shapes_ok) -> tuple[bool, set]:
@@ -1843,8 +2240,13 @@ def _attention_validity(tables, seq_lens, qsl, T, nb, bs, dtypes, shapes_ok) -> 
 def _draw_batch_values(data, rng, bs, min_seqs=0):
     S = data.draw(st.integers(min_seqs, 3), label="num_seqs")
     seq_lens = np.array([data.draw(st.integers(1, 10), label=f"seq_len {s}") for s in range(S)], np.int64)
-    q_lens = np.array([data.draw(st.integers(0, int(n)), label=f"q_len {s}") if data.draw(st.booleans()) else 1
-                       for s, n in enumerate(seq_lens)], np.int64)
+    q_lens = np.array(
+        [
+            data.draw(st.integers(0, int(n)), label=f"q_len {s}") if data.draw(st.booleans()) else 1
+            for s, n in enumerate(seq_lens)
+        ],
+        np.int64,
+    )
     blocks = -(-seq_lens // bs)
     M = int(blocks.max(initial=0)) + data.draw(st.integers(0, 2), label="extra columns")
     M = max(M, 1)
@@ -1853,15 +2255,31 @@ def _draw_batch_values(data, rng, bs, min_seqs=0):
     tables = rng.integers(0, nb, (S, M)).astype(np.int64)
     start = 0
     for s, n in enumerate(blocks):
-        tables[s, :n] = order[start:start + n]
+        tables[s, :n] = order[start : start + n]
         start += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     return S, seq_lens, q_lens, tables, qsl, nb
 
 
-ATTN_FAULTS = ["none", "none", "none", "qsl-start", "qsl-end", "qsl-decreasing", "seq-short", "seq-negative",
-               "seq-long", "block-range", "block-negative", "tail-junk", "dtype", "seq_lens-length",
-               "qsl-length", "tables-rows", "far-values"]
+ATTN_FAULTS = [
+    "none",
+    "none",
+    "none",
+    "qsl-start",
+    "qsl-end",
+    "qsl-decreasing",
+    "seq-short",
+    "seq-negative",
+    "seq-long",
+    "block-range",
+    "block-negative",
+    "tail-junk",
+    "dtype",
+    "seq_lens-length",
+    "qsl-length",
+    "tables-rows",
+    "far-values",
+]
 
 
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
@@ -1876,11 +2294,18 @@ def test_fuzz_attention_index_tensors(impl, data):
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     rng = rng_for("hostile-fuzz-attn", impl.name, seed)
     fault = data.draw(st.sampled_from(["none"] * (len(ATTN_FAULTS) // 2) + ATTN_FAULTS), label="fault")
-    min_seqs = 2 if fault == "qsl-decreasing" else 0 if fault in ("none", "dtype", "seq_lens-length", "qsl-length",
-                                                                   "tables-rows") else 1
+    min_seqs = (
+        2
+        if fault == "qsl-decreasing"
+        else 0
+        if fault in ("none", "dtype", "seq_lens-length", "qsl-length", "tables-rows")
+        else 1
+    )
     S, seq_lens, q_lens, tables, qsl, nb = _draw_batch_values(data, rng, bs, min_seqs)
-    dtypes = {n: data.draw(st.sampled_from(["int32", "int64"]), label=f"{n} dtype")
-              for n in ("block_tables", "seq_lens", "query_start_loc")}
+    dtypes = {
+        n: data.draw(st.sampled_from(["int32", "int64"]), label=f"{n} dtype")
+        for n in ("block_tables", "seq_lens", "query_start_loc")
+    }
     T = int(q_lens.sum())
     shapes_ok = True
     if fault == "qsl-start" and S:
@@ -1934,8 +2359,11 @@ def test_fuzz_attention_index_tensors(impl, data):
     batch = Batch(q_lens, np.asarray(seq_lens), np.asarray(tables), nb, bs)
     a = AttentionSetup(rng, mode, kind, batch, impl=impl, qdtype=data.draw(st.sampled_from(["bfloat16", "float32"])))
     arrays, guards = {}, []
-    junk = {"block_tables": lambda s: rng.integers(0, nb, s), "seq_lens": lambda s: rng.integers(1, 11, s),
-            "query_start_loc": lambda s: rng.integers(0, T + 1, s)}
+    junk = {
+        "block_tables": lambda s: rng.integers(0, nb, s),
+        "seq_lens": lambda s: rng.integers(1, 11, s),
+        "query_start_loc": lambda s: rng.integers(0, T + 1, s),
+    }
     for name, values in (("block_tables", tables), ("seq_lens", seq_lens), ("query_start_loc", qsl)):
         layout, k = _draw_layout(data, np.asarray(values).ndim, np.asarray(values), kind, impl)
         arr, g = index_view(np.asarray(values), dtypes[name], k, layout, rng, junk[name], impl=impl)
@@ -1946,9 +2374,12 @@ def test_fuzz_attention_index_tensors(impl, data):
     if valid:
         a.run_accepted(impl, arrays["block_tables"], arrays["seq_lens"], arrays["query_start_loc"], guards=guards)
     else:
-        call_refused(impl, lambda impl: a.call(impl, arrays["block_tables"], arrays["seq_lens"],
-                                               arrays["query_start_loc"]),
-                     sorted(names), a.caches.regions + guards + [a.out, a.query])
+        call_refused(
+            impl,
+            lambda impl: a.call(impl, arrays["block_tables"], arrays["seq_lens"], arrays["query_start_loc"]),
+            sorted(names),
+            a.caches.regions + guards + [a.out, a.query],
+        )
 
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
@@ -1960,8 +2391,10 @@ def test_fuzz_dequantize_index_tensors(impl, data):
     bs = data.draw(st.sampled_from([4, 8]), label="block_size")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     rng = rng_for("hostile-fuzz-deq", impl.name, seed)
-    fault = data.draw(st.sampled_from(["none"] * 3 + ["seq-negative", "seq-long", "block-range", "tail-junk",
-                                                      "dtype", "length"]), label="fault")
+    fault = data.draw(
+        st.sampled_from(["none"] * 3 + ["seq-negative", "seq-long", "block-range", "tail-junk", "dtype", "length"]),
+        label="fault",
+    )
     S, seq_lens, _, tables, _, nb = _draw_batch_values(data, rng, bs, 0 if fault in ("none", "dtype", "length") else 1)
     seq_lens = seq_lens.copy()
     if S and fault != "block-range" and data.draw(st.booleans(), label="zero length"):
@@ -1993,8 +2426,9 @@ def test_fuzz_dequantize_index_tensors(impl, data):
         arrays[name] = arr
         guards.append(g)
     qsl_dummy = np.zeros(len(seq_lens) + 1, np.int64)  # dequantize has no query
-    valid, names = _attention_validity(tables, seq_lens, qsl_dummy, 0, nb, bs, {**dtypes, "query_start_loc": "int64"},
-                                       shapes_ok)
+    valid, names = _attention_validity(
+        tables, seq_lens, qsl_dummy, 0, nb, bs, {**dtypes, "query_start_loc": "int64"}, shapes_ok
+    )
     if fault == "length":
         valid, names = False, {"seq_lens", "block_tables"}
     event("accepted" if valid else "refused")
@@ -2003,7 +2437,17 @@ def test_fuzz_dequantize_index_tensors(impl, data):
     else:
         names = names - {"query_start_loc"} or {"seq_lens", "block_tables"}
         kw = caches.api_kwargs()
-        call_refused(impl, lambda impl: kvzoo.dequantize(caches.key.array, kw["k_scale_cache"], mode=mode,
-                                                         scale=kw["k_scale"], block_tables=arrays["block_tables"],
-                                                         seq_lens=arrays["seq_lens"], impl=impl),
-                     sorted(names), caches.regions + guards)
+        call_refused(
+            impl,
+            lambda impl: kvzoo.dequantize(
+                caches.key.array,
+                kw["k_scale_cache"],
+                mode=mode,
+                scale=kw["k_scale"],
+                block_tables=arrays["block_tables"],
+                seq_lens=arrays["seq_lens"],
+                impl=impl,
+            ),
+            sorted(names),
+            caches.regions + guards,
+        )

@@ -92,8 +92,13 @@ class Case:
     batch_invariant: bool = False
 
     def options(self) -> set[str]:
-        on = {"sliding_window": self.sliding_window is not None, "softcap": self.softcap is not None,
-              "sinks": self.sinks, "quantize_query": self.quantize_query, "batch_invariant": self.batch_invariant}
+        on = {
+            "sliding_window": self.sliding_window is not None,
+            "softcap": self.softcap is not None,
+            "sinks": self.sinks,
+            "quantize_query": self.quantize_query,
+            "batch_invariant": self.batch_invariant,
+        }
         return {name for name, flag in on.items() if flag}
 
 
@@ -121,11 +126,16 @@ class Paged:
         dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         c = self.case
         return dict(
-            mode=c.mode, block_tables=dev(self.block_tables if block_tables is None else block_tables),
+            mode=c.mode,
+            block_tables=dev(self.block_tables if block_tables is None else block_tables),
             seq_lens=dev(self.seq_lens if seq_lens is None else seq_lens),
-            query_start_loc=dev(self.qsl if qsl is None else qsl), sliding_window=c.sliding_window,
-            softcap=c.softcap, sinks=None if (self.sinks is None or not sinks) else dev(self.sinks),
-            quantize_query=c.quantize_query, batch_invariant=c.batch_invariant, **self.scales,
+            query_start_loc=dev(self.qsl if qsl is None else qsl),
+            sliding_window=c.sliding_window,
+            softcap=c.softcap,
+            sinks=None if (self.sinks is None or not sinks) else dev(self.sinks),
+            quantize_query=c.quantize_query,
+            batch_invariant=c.batch_invariant,
+            **self.scales,
         )
 
     def reference(self, query=None, block_tables=None, seq_lens=None, qsl=None, sinks=True):
@@ -134,10 +144,16 @@ class Paged:
             mode = "int8_per_token_head"
             q = oracle.decode_rows(*oracle.quantize_rows(q.reshape(-1, q.shape[-1]), mode), mode).reshape(q.shape)
         return oracle.attention_f64(
-            q, self.k_deq, self.v_deq, self.block_tables if block_tables is None else block_tables,
-            self.seq_lens if seq_lens is None else seq_lens, self.qsl if qsl is None else qsl,
-            sliding_window=self.case.sliding_window, softcap=self.case.softcap,
-            sinks=self.sinks if sinks else None, return_lse=True,
+            q,
+            self.k_deq,
+            self.v_deq,
+            self.block_tables if block_tables is None else block_tables,
+            self.seq_lens if seq_lens is None else seq_lens,
+            self.qsl if qsl is None else qsl,
+            sliding_window=self.case.sliding_window,
+            softcap=self.case.softcap,
+            sinks=self.sinks if sinks else None,
+            return_lse=True,
         )
 
 
@@ -154,21 +170,43 @@ def build(case: Case, device: str, rng: np.random.Generator, spare_blocks: int =
     model = "float32" if case.dtype == "float32" else case.dtype
     caches = kvzoo.allocate_separate(num_blocks, bs, hkv, d, mode, model_dtype=model, device=None)
     static = 0.02 if mode.per_tensor else None
-    kvzoo.reshape_and_cache(torch.from_numpy(k).to(_TORCH[model]), torch.from_numpy(v).to(_TORCH[model]),
-                            _t(caches.key_cache), _t(caches.value_cache), torch.arange(rows), mode=mode,
-                            k_scale_cache=_t(caches.k_scale_cache), v_scale_cache=_t(caches.v_scale_cache),
-                            k_scale=static, v_scale=static, impl="numpy")
-    raw = (lambda c: _t(c).float().numpy() if mode.code_dtype is None else _t(c).view(torch.uint8).numpy())
+    kvzoo.reshape_and_cache(
+        torch.from_numpy(k).to(_TORCH[model]),
+        torch.from_numpy(v).to(_TORCH[model]),
+        _t(caches.key_cache),
+        _t(caches.value_cache),
+        torch.arange(rows),
+        mode=mode,
+        k_scale_cache=_t(caches.k_scale_cache),
+        v_scale_cache=_t(caches.v_scale_cache),
+        k_scale=static,
+        v_scale=static,
+        impl="numpy",
+    )
+    raw = lambda c: _t(c).float().numpy() if mode.code_dtype is None else _t(c).view(torch.uint8).numpy()
     k_deq = oracle.decode_cache(raw(caches.key_cache), caches.k_scale_cache, mode.name, static)
     v_deq = oracle.decode_cache(raw(caches.value_cache), caches.v_scale_cache, mode.name, static)
     qsl = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
     query = torch.from_numpy(rng.standard_normal((int(qsl[-1]), case.num_q_heads, d)).astype(np.float32))
     dev = lambda x: None if x is None else _t(x).to(device)  # noqa: E731
-    scales = dict(k_scale_cache=dev(caches.k_scale_cache), v_scale_cache=dev(caches.v_scale_cache),
-                  k_scale=static, v_scale=static)
+    scales = dict(
+        k_scale_cache=dev(caches.k_scale_cache), v_scale_cache=dev(caches.v_scale_cache), k_scale=static, v_scale=static
+    )
     sinks = rng.standard_normal(case.num_q_heads).astype(np.float32) if case.sinks else None
-    return Paged(case, query.to(_TORCH[case.dtype]).to(device), dev(caches.key_cache), dev(caches.value_cache),
-                 scales, tables, np.array(case.seq_lens, np.int32), qsl, sinks, k_deq, v_deq, device)
+    return Paged(
+        case,
+        query.to(_TORCH[case.dtype]).to(device),
+        dev(caches.key_cache),
+        dev(caches.value_cache),
+        scales,
+        tables,
+        np.array(case.seq_lens, np.int32),
+        qsl,
+        sinks,
+        k_deq,
+        v_deq,
+        device,
+    )
 
 
 def _t(x):
@@ -178,8 +216,9 @@ def _t(x):
 
 def attend(p: Paged, impl: Implementation, query=None, **kw):
     args = p.kwargs(**{k: kw.pop(k) for k in ("block_tables", "seq_lens", "qsl", "sinks") if k in kw})
-    return kvzoo.paged_attention(p.query if query is None else query, p.key_cache, p.value_cache, impl=impl,
-                                 **args, **kw)
+    return kvzoo.paged_attention(
+        p.query if query is None else query, p.key_cache, p.value_cache, impl=impl, **args, **kw
+    )
 
 
 def _host(x) -> np.ndarray:
@@ -213,10 +252,10 @@ CASES = {
     "mixed-none": Case((1, 7, 20, 1), (33, 7, 50, 1), mode="none"),
     "mixed-fp8-per-tensor": Case((1, 7, 20, 1), (33, 7, 50, 1), mode="fp8_per_tensor"),
     "mixed-fnuz": Case((1, 7, 3), (33, 7, 50), mode="fp8_e4m3fnuz_per_token_head"),
-    "gqa4-window-softcap-sinks": Case((1, 9, 1), (40, 30, 3), num_q_heads=8, sliding_window=9, softcap=5.0,
-                                      sinks=True),
-    "mqa-sinks-fp16-none": Case((1, 6), (21, 26), mode="none", num_q_heads=4, num_kv_heads=1, dtype="float16",
-                                sinks=True),
+    "gqa4-window-softcap-sinks": Case((1, 9, 1), (40, 30, 3), num_q_heads=8, sliding_window=9, softcap=5.0, sinks=True),
+    "mqa-sinks-fp16-none": Case(
+        (1, 6), (21, 26), mode="none", num_q_heads=4, num_kv_heads=1, dtype="float16", sinks=True
+    ),
     "fp32-int8-d48": Case((1, 5), (19, 37), dtype="float32", head_size=48, block_size=8),
     "quantize-query": Case((1, 6), (30, 20), dtype="float32", quantize_query=True, sinks=True),
     "batch-invariant": Case((1, 9, 1), (40, 30, 3), batch_invariant=True, sinks=True),
@@ -241,8 +280,10 @@ def test_lse_matches_the_oracle(impl_name, case_name):
     assert err <= lse_tolerance(impl), (impl_name, case_name, err, SEED)
     # The output is unchanged by asking for lse: the same bits as a call without it.
     plain = attend(p, impl)
-    assert torch.equal(plain.view(torch.uint8) if plain.dtype != torch.float32 else plain, out.view(torch.uint8)
-                       if out.dtype != torch.float32 else out)
+    assert torch.equal(
+        plain.view(torch.uint8) if plain.dtype != torch.float32 else plain,
+        out.view(torch.uint8) if out.dtype != torch.float32 else out,
+    )
     assert out_error(out, ref_out, p.qsl) <= impl.attention_rtol + OUT_ROUNDOFF[case.dtype]
 
 
@@ -260,8 +301,9 @@ def test_lse_allocated_and_numpy_inputs(impl_name):
     if p.device != "cpu":
         return
     np_kw = {k: (v.numpy() if torch.is_tensor(v) else v) for k, v in p.kwargs().items()}
-    out_np, lse_np = kvzoo.paged_attention(p.query.numpy(), p.key_cache.numpy(), p.value_cache.numpy(), impl=impl,
-                                           return_lse=True, **np_kw)
+    out_np, lse_np = kvzoo.paged_attention(
+        p.query.numpy(), p.key_cache.numpy(), p.value_cache.numpy(), impl=impl, return_lse=True, **np_kw
+    )
     assert isinstance(lse_np, np.ndarray) and lse_np.dtype == np.float32
     np.testing.assert_array_equal(lse_np, lse.numpy())
 
@@ -341,8 +383,9 @@ def test_merge_of_two_halves_of_a_decode_context(impl_name, variant):
         rest = p.block_tables[s, c:]
         second_tables[s, : len(rest)] = rest
     out_a, lse_a = attend(p, impl, return_lse=True, seq_lens=first_len.astype(np.int32))
-    out_b, lse_b = attend(p, impl, return_lse=True, block_tables=second_tables,
-                          seq_lens=second_len.astype(np.int32), sinks=False)
+    out_b, lse_b = attend(
+        p, impl, return_lse=True, block_tables=second_tables, seq_lens=second_len.astype(np.int32), sinks=False
+    )
     merged_out, merged_lse = kvzoo.merge_attention_states(out_a, lse_a, out_b, lse_b)
     whole_out, whole_lse = attend(p, impl, return_lse=True)
     ref_out, ref_lse = p.reference()
@@ -367,8 +410,14 @@ def test_merge_of_a_shared_prefix_and_per_sequence_suffixes(impl_name):
     rows = int(p.qsl[-1])
     # Prefix pass: one 1-token "sequence" per query row, all over the same prefix pages.
     prefix_tables = np.tile(prefix, (rows, 1)).astype(np.int32)
-    out_a, lse_a = attend(p, impl, return_lse=True, block_tables=prefix_tables,
-                          seq_lens=np.full(rows, P, np.int32), qsl=np.arange(rows + 1, dtype=np.int32))
+    out_a, lse_a = attend(
+        p,
+        impl,
+        return_lse=True,
+        block_tables=prefix_tables,
+        seq_lens=np.full(rows, P, np.int32),
+        qsl=np.arange(rows + 1, dtype=np.int32),
+    )
     # Suffix pass: each sequence's own pages, causal.
     suffix_tables = np.full_like(tables, -1)
     suffix_tables[:, : tables.shape[1] - prefix_pages] = tables[:, prefix_pages:]
@@ -394,20 +443,34 @@ def _triton_impls():
 def _attention_problem(p: Paged, lse: torch.Tensor) -> kvzoo.problem.Attention:
     kw = p.kwargs()
     return kvzoo.problem.Attention(
-        mode=get_kv_quant_mode(p.case.mode), query=p.query, key_cache=p.key_cache, value_cache=p.value_cache,
-        block_tables=kw["block_tables"], seq_lens=kw["seq_lens"], query_start_loc=kw["query_start_loc"],
-        out=torch.full_like(p.query, float("nan")), max_query_len=max(p.case.q_lens),
-        max_seq_len=max(p.case.seq_lens), softmax_scale=1.0 / math.sqrt(p.case.head_size),
-        k_scale_cache=kw["k_scale_cache"], v_scale_cache=kw["v_scale_cache"],
+        mode=get_kv_quant_mode(p.case.mode),
+        query=p.query,
+        key_cache=p.key_cache,
+        value_cache=p.value_cache,
+        block_tables=kw["block_tables"],
+        seq_lens=kw["seq_lens"],
+        query_start_loc=kw["query_start_loc"],
+        out=torch.full_like(p.query, float("nan")),
+        max_query_len=max(p.case.q_lens),
+        max_seq_len=max(p.case.seq_lens),
+        softmax_scale=1.0 / math.sqrt(p.case.head_size),
+        k_scale_cache=kw["k_scale_cache"],
+        v_scale_cache=kw["v_scale_cache"],
         k_scale=None if p.scales["k_scale"] is None else torch.tensor([p.scales["k_scale"]], device=p.device),
         v_scale=None if p.scales["v_scale"] is None else torch.tensor([p.scales["v_scale"]], device=p.device),
-        sliding_window=p.case.sliding_window, softcap=p.case.softcap, sinks=kw["sinks"],
-        batch_invariant=p.case.batch_invariant, lse=lse,
+        sliding_window=p.case.sliding_window,
+        softcap=p.case.softcap,
+        sinks=kw["sinks"],
+        batch_invariant=p.case.batch_invariant,
+        lse=lse,
     )
 
 
-@pytest.mark.parametrize("extra", [{}, dict(sinks=True, sliding_window=40), dict(mode="none", softcap=3.0)],
-                         ids=["plain", "sinks-window", "none-softcap"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(sinks=True, sliding_window=40), dict(mode="none", softcap=3.0)],
+    ids=["plain", "sinks-window", "none-softcap"],
+)
 @pytest.mark.parametrize("impl_name", _triton_impls())
 def test_triton_split_kv_decode_lse(impl_name, extra):
     """The split-KV decode path (small forced splits): lse comes from the split merge."""
@@ -473,8 +536,15 @@ def test_triton_batch_invariant_lse_bits(impl_name):
         rows = np.concatenate([np.arange(p.qsl[s], p.qsl[s + 1]) for s in keep])
         q_lens = [int(p.qsl[s + 1] - p.qsl[s]) for s in keep]
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        _, sub = attend(p, impl, query=p.query[torch.from_numpy(rows).to(p.device)].contiguous(),
-                        return_lse=True, block_tables=p.block_tables[keep], seq_lens=p.seq_lens[keep], qsl=qsl)
+        _, sub = attend(
+            p,
+            impl,
+            query=p.query[torch.from_numpy(rows).to(p.device)].contiguous(),
+            return_lse=True,
+            block_tables=p.block_tables[keep],
+            seq_lens=p.seq_lens[keep],
+            qsl=qsl,
+        )
         assert torch.equal(sub.view(torch.int32), full[torch.from_numpy(rows).to(p.device)].view(torch.int32)), keep
 
 
@@ -505,14 +575,18 @@ def test_lse_without_return_lse_is_refused():
         attend(p, "numpy", lse=torch.empty(shape))
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda s: torch.empty(s[0], s[1] + 1), r"lse: expected shape \(5, 4\)"),
-    (lambda s: torch.empty(s[0]), "lse: expected 2 dimensions"),
-    (lambda s: torch.empty(s, dtype=torch.float16), "lse: expected dtype in \\['float32'\\]"),
-    (lambda s: np.broadcast_to(np.zeros(1, np.float32), s), "lse: the NumPy array is read-only"),
-    (lambda s: torch.zeros(1).expand(s), "lse: elements overlap one another"),
-    (lambda s: [[0.0] * s[1]] * s[0], "lse: expected a torch.Tensor or numpy.ndarray"),
-], ids=["shape", "ndim", "dtype", "read-only", "stride-0", "list"])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda s: torch.empty(s[0], s[1] + 1), r"lse: expected shape \(5, 4\)"),
+        (lambda s: torch.empty(s[0]), "lse: expected 2 dimensions"),
+        (lambda s: torch.empty(s, dtype=torch.float16), "lse: expected dtype in \\['float32'\\]"),
+        (lambda s: np.broadcast_to(np.zeros(1, np.float32), s), "lse: the NumPy array is read-only"),
+        (lambda s: torch.zeros(1).expand(s), "lse: elements overlap one another"),
+        (lambda s: [[0.0] * s[1]] * s[0], "lse: expected a torch.Tensor or numpy.ndarray"),
+    ],
+    ids=["shape", "ndim", "dtype", "read-only", "stride-0", "list"],
+)
 def test_bad_lse_arrays_are_refused(bad, match):
     p, shape = _cpu_case()
     with pytest.raises(KVZooInputError, match=match):
@@ -531,9 +605,15 @@ def test_lse_may_not_alias_out_or_what_the_call_reads():
 
 def test_an_implementation_not_declaring_return_lse_is_not_chosen_for_it():
     p, _ = _cpu_case()
-    quiet = Implementation("no-lse", "paged_attention", "any", frozenset({"int8_per_token_head"}),
-                           run=lambda prob: prob.out.fill(0.0), array_kind="numpy",
-                           capabilities=Capabilities())  # the default leaves opt-in options out
+    quiet = Implementation(
+        "no-lse",
+        "paged_attention",
+        "any",
+        frozenset({"int8_per_token_head"}),
+        run=lambda prob: prob.out.fill(0.0),
+        array_kind="numpy",
+        capabilities=Capabilities(),
+    )  # the default leaves opt-in options out
     assert "return_lse" not in quiet.capabilities.options
     attend(p, quiet)  # takes a call without lse
     with pytest.raises(NoImplementationError, match="no-lse: does not take return_lse"):
@@ -560,17 +640,31 @@ def test_plan_attention_returns_the_functional_apis_lse(impl_name):
     if "int8_per_token_head" not in impl.modes:
         pytest.skip(f"{impl_name}: no int8_per_token_head")
     device = _device(impl)
-    spec = kvzoo.CacheSpec("int8_per_token_head", num_blocks=8, block_size=16, num_kv_heads=2, head_size=32,
-                           model_dtype="float32", device=device)
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head",
+        num_blocks=8,
+        block_size=16,
+        num_kv_heads=2,
+        head_size=32,
+        model_dtype="float32",
+        device=device,
+    )
     caches = spec.allocate()
     gen = torch.Generator().manual_seed(SEED % 2**31)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1, 6], dtype=torch.int32, device=device)
     slots = torch.cat([torch.arange(20), torch.arange(32, 37)]).to(device)
-    plan = kvzoo.plan_step(spec, num_q_heads=4, block_tables=tables, seq_lens=lens, query_start_loc=qsl,
-                           slot_mapping=slots, sinks=torch.randn(4, generator=gen).to(device),
-                           impl={"paged_attention": impl, "reshape_and_cache": "numpy" if device == "cpu" else None})
+    plan = kvzoo.plan_step(
+        spec,
+        num_q_heads=4,
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=qsl,
+        slot_mapping=slots,
+        sinks=torch.randn(4, generator=gen).to(device),
+        impl={"paged_attention": impl, "reshape_and_cache": "numpy" if device == "cpu" else None},
+    )
     kv = torch.randn(25, 2, 32, generator=gen).to(device)
     plan.write(kv, kv.clone(), caches)
     query = torch.randn(6, 4, 32, generator=gen).to(device)
@@ -580,10 +674,20 @@ def test_plan_attention_returns_the_functional_apis_lse(impl_name):
     out2, lse = plan.attention(query, caches, return_lse=True, lse=given)
     assert lse is given and torch.equal(out, out2)
     _, lse_alloc = plan.attention(query, caches, return_lse=True)
-    want_out, want = kvzoo.paged_attention(query, caches.key_cache, caches.value_cache, mode=spec.mode,
-                                           block_tables=tables, seq_lens=lens, query_start_loc=qsl,
-                                           k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache,
-                                           sinks=plan.sinks, impl=impl, return_lse=True)
+    want_out, want = kvzoo.paged_attention(
+        query,
+        caches.key_cache,
+        caches.value_cache,
+        mode=spec.mode,
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=qsl,
+        k_scale_cache=caches.k_scale_cache,
+        v_scale_cache=caches.v_scale_cache,
+        sinks=plan.sinks,
+        impl=impl,
+        return_lse=True,
+    )
     assert torch.equal(lse, want) and torch.equal(lse_alloc, want) and torch.equal(out, want_out)
     with pytest.raises(KVZooInputError, match="lse: given without return_lse=True"):
         plan.attention(query, caches, lse=given)
@@ -594,14 +698,32 @@ def test_plan_attention_returns_the_functional_apis_lse(impl_name):
 
 
 def test_plan_with_an_implementation_lacking_return_lse_refuses_it():
-    spec = kvzoo.CacheSpec("int8_per_token_head", num_blocks=4, block_size=16, num_kv_heads=2, head_size=32,
-                           model_dtype="float32", device="cpu")
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head",
+        num_blocks=4,
+        block_size=16,
+        num_kv_heads=2,
+        head_size=32,
+        model_dtype="float32",
+        device="cpu",
+    )
     caches = spec.allocate()
-    quiet = Implementation("no-lse", "paged_attention", "any", frozenset({"int8_per_token_head"}),
-                           run=lambda prob: prob.out.fill(0.0), array_kind="numpy")
-    plan = kvzoo.plan_step(spec, num_q_heads=4, block_tables=torch.tensor([[0]], dtype=torch.int32),
-                           seq_lens=torch.tensor([3], dtype=torch.int32),
-                           query_start_loc=torch.tensor([0, 3], dtype=torch.int32), impl=quiet)
+    quiet = Implementation(
+        "no-lse",
+        "paged_attention",
+        "any",
+        frozenset({"int8_per_token_head"}),
+        run=lambda prob: prob.out.fill(0.0),
+        array_kind="numpy",
+    )
+    plan = kvzoo.plan_step(
+        spec,
+        num_q_heads=4,
+        block_tables=torch.tensor([[0]], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        impl=quiet,
+    )
     query = torch.randn(3, 4, 32)
     assert torch.equal(plan.attention(query, caches), torch.zeros(3, 4, 32))
     with pytest.raises(NoImplementationError, match="does not take return_lse"):
@@ -617,7 +739,7 @@ def _merge_f64(out_a, lse_a, out_b, lse_b):
     la, lb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
     m = np.maximum(la, lb)
     wa, wb = np.exp(la - m), np.exp(lb - m)
-    out = (wa[..., None] * np.asarray(out_a, np.float64) + wb[..., None] * np.asarray(out_b, np.float64))
+    out = wa[..., None] * np.asarray(out_a, np.float64) + wb[..., None] * np.asarray(out_b, np.float64)
     return out / (wa + wb)[..., None], m + np.log(wa + wb)
 
 
@@ -685,7 +807,10 @@ def test_merge_in_place_and_in_low_precision(kind):
         a, b = torch.from_numpy(a32).bfloat16(), torch.from_numpy(b32).bfloat16()
         lse_a, lse_b = torch.from_numpy(la.copy()), torch.from_numpy(lb)
     else:
-        a, b = kvzoo.arrays.as_numpy(torch.from_numpy(a32).bfloat16()), kvzoo.arrays.as_numpy(torch.from_numpy(b32).bfloat16())
+        a, b = (
+            kvzoo.arrays.as_numpy(torch.from_numpy(a32).bfloat16()),
+            kvzoo.arrays.as_numpy(torch.from_numpy(b32).bfloat16()),
+        )
         lse_a, lse_b = la.copy(), lb
     want_out, want_lse = _merge_f64(_back(a), la, _back(b), lb)
     out, lse = kvzoo.merge_attention_states(a, lse_a, b, lse_b, out=a, lse_out=lse_a)
@@ -806,15 +931,22 @@ def _engine_checks(impl: Implementation, case: Case, device: str, seed_key: str)
     assert (cut > 0).all()
     tables_b = np.full_like(p.block_tables[dec], -1)
     for i, s in enumerate(dec):
-        rest = p.block_tables[s, cut[i]:]
+        rest = p.block_tables[s, cut[i] :]
         tables_b[i, : len(rest)] = rest
     qsl = np.arange(len(dec) + 1, dtype=np.int32)
     rows = torch.from_numpy(p.qsl[dec].astype(np.int64)).to(device)
     query = p.query[rows].float().contiguous()
     sub = dict(query=query, qsl=qsl)
     a = attend(p, impl, return_lse=True, block_tables=p.block_tables[dec], seq_lens=(cut * bs).astype(np.int32), **sub)
-    b = attend(p, impl, return_lse=True, block_tables=tables_b,
-               seq_lens=(p.seq_lens[dec] - cut * bs).astype(np.int32), sinks=False, **sub)
+    b = attend(
+        p,
+        impl,
+        return_lse=True,
+        block_tables=tables_b,
+        seq_lens=(p.seq_lens[dec] - cut * bs).astype(np.int32),
+        sinks=False,
+        **sub,
+    )
     merged_out, merged_lse = kvzoo.merge_attention_states(*a, *b)
     ref_out, ref_lse = _reference_torch(p, query, p.block_tables[dec], p.seq_lens[dec], qsl, p.sinks)
     assert lse_error(merged_lse, ref_lse.cpu().numpy()) <= tol
@@ -837,8 +969,9 @@ def test_engine_checks_at_interpreter_sizes(impl_name):
     impl = _impl(impl_name)
     if "cuda" in impl.devices:
         pytest.skip("the GPU runs test_gpu_lse_and_merge_at_engine_sizes")
-    case = Case((1, 1, 40, 5), (300, 150, 40 + 64, 5), num_q_heads=8, num_kv_heads=2, head_size=64,
-                sinks=True, softcap=30.0)
+    case = Case(
+        (1, 1, 40, 5), (300, 150, 40 + 64, 5), num_q_heads=8, num_kv_heads=2, head_size=64, sinks=True, softcap=30.0
+    )
     _skip_undeclared(impl, case.mode, case.options(), case.head_size, case.dtype)
     p = build(case, "cpu", rng_for("engine", "reference"))
     want_out, want_lse = p.reference()
@@ -854,8 +987,16 @@ def test_gpu_lse_and_merge_at_engine_sizes(mode):
     """Long decodes (split-KV, by decode_config, in the merge's halves), a prefill chunk long
     enough to be staged (quantized modes), a short prefill; GQA 4, D 128, sinks and softcap."""
     impl = _impl("triton-cuda")
-    case = Case((1, 1, 1, 300, 17), (9000, 4100, 700, 300 + 1024, 17), mode=mode, num_q_heads=32,
-                num_kv_heads=8, head_size=128, sinks=True, softcap=30.0)
+    case = Case(
+        (1, 1, 1, 300, 17),
+        (9000, 4100, 700, 300 + 1024, 17),
+        mode=mode,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        sinks=True,
+        softcap=30.0,
+    )
     _engine_checks(impl, case, "cuda", f"gpu-{mode}")
 
 

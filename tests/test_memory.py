@@ -26,7 +26,7 @@ def test_overlap_is_found_at_one_shared_byte():
     buf = torch.zeros(64, dtype=torch.uint8)
     codes = buf[:32]
     for start in range(0, 32):
-        assert memory.overlap(codes, buf[start:start + 4]), start
+        assert memory.overlap(codes, buf[start : start + 4]), start
         assert memory.overlap(codes, buf[start::32]), start
     assert memory.overlap(codes, buf[28:32].view(torch.float32))
     assert not memory.overlap(codes, buf[32:36].view(torch.float32))
@@ -35,22 +35,28 @@ def test_overlap_is_found_at_one_shared_byte():
     assert memory.overlap(buf[0::2], buf[2::2])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.zeros(1, 4).expand(3, 4),
-    lambda: torch.zeros(10).as_strided((3, 4), (2, 1)),
-    lambda: np.broadcast_to(np.zeros(4, np.float32), (2, 4)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(1, 4).expand(3, 4),
+        lambda: torch.zeros(10).as_strided((3, 4), (2, 1)),
+        lambda: np.broadcast_to(np.zeros(4, np.float32), (2, 4)),
+    ],
+)
 def test_self_overlap(make):
     assert memory.self_overlap(make())
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.zeros(3, 4),
-    lambda: torch.zeros(4, 3).T,
-    lambda: torch.zeros(6, 8)[::2, 1:5],
-    lambda: torch.zeros(1, 4).expand(1, 4),  # a stride-0 dimension of one element is fine
-    lambda: np.zeros((3, 4))[:, ::-1],
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(3, 4),
+        lambda: torch.zeros(4, 3).T,
+        lambda: torch.zeros(6, 8)[::2, 1:5],
+        lambda: torch.zeros(1, 4).expand(1, 4),  # a stride-0 dimension of one element is fine
+        lambda: np.zeros((3, 4))[:, ::-1],
+    ],
+)
 def test_no_self_overlap(make):
     assert not memory.self_overlap(make())
 

@@ -39,23 +39,40 @@ def test_fused_and_tile_paths_match(mode, hq, hkv):
     value = rng.standard_normal((tokens, hkv, d)).astype(np.float32)
     key[5, 0, 7] = np.nan  # a poisoned row: shows the same way in both
     kvzoo.reshape_and_cache(
-        key, value, cache.key_cache, cache.value_cache, np.arange(tokens), mode=mode,
-        k_scale_cache=cache.k_scale_cache, v_scale_cache=cache.v_scale_cache,
-    )  # fmt: skip
+        key,
+        value,
+        cache.key_cache,
+        cache.value_cache,
+        np.arange(tokens),
+        mode=mode,
+        k_scale_cache=cache.k_scale_cache,
+        v_scale_cache=cache.v_scale_cache,
+    )
     block_tables = rng.permutation(blocks).astype(np.int32).reshape(seqs, per_seq)
     seq_lens = rng.integers(1, per_seq * bs + 1, seqs).astype(np.int32)
     qsl = np.arange(seqs + 1, dtype=np.int32)
     query = rng.standard_normal((seqs, hq, d)).astype(np.float32)
     window = int(rng.integers(1, 60)) if rng.random() < 0.5 else None
     outs = []
-    for kc, vc in ((cache.key_cache, cache.value_cache), (_strided_copy(cache.key_cache), _strided_copy(cache.value_cache))):
+    for kc, vc in (
+        (cache.key_cache, cache.value_cache),
+        (_strided_copy(cache.key_cache), _strided_copy(cache.value_cache)),
+    ):
         out = np.full((seqs, hq, d), np.nan, np.float32)
         kvzoo.paged_attention(
-            query, kc, vc, mode=mode, block_tables=block_tables, seq_lens=seq_lens,
-            query_start_loc=qsl, k_scale_cache=cache.k_scale_cache, v_scale_cache=cache.v_scale_cache,
+            query,
+            kc,
+            vc,
+            mode=mode,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            k_scale_cache=cache.k_scale_cache,
+            v_scale_cache=cache.v_scale_cache,
             sliding_window=window,
-            out=out, impl="numba",
-        )  # fmt: skip
+            out=out,
+            impl="numba",
+        )
         outs.append(out)
     assert outs[0].tobytes() == outs[1].tobytes()
     assert np.isfinite(outs[0]).any()

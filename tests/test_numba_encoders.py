@@ -33,8 +33,12 @@ FP8_FORMATS = {
 
 # The bytes the spec stores for y = NaN, +Inf, -Inf per format code, written out here rather
 # than read from kvzoo.formats (int8: NaN 0, its scale is NaN; the infinities saturate).
-_SPECIAL_CODES = {bits.I8: (0, 0x7F, 0x80), bits.E4M3FN: (0x7F, 0x7F, 0x7F), bits.E4M3FNUZ: (0x80, 0x80, 0x80),
-                  bits.E5M2: (0x7F, 0x7C, 0xFC)}
+_SPECIAL_CODES = {
+    bits.I8: (0, 0x7F, 0x80),
+    bits.E4M3FN: (0x7F, 0x7F, 0x7F),
+    bits.E4M3FNUZ: (0x80, 0x80, 0x80),
+    bits.E5M2: (0x7F, 0x7C, 0xFC),
+}
 
 
 def test_special_codes_are_the_format_rows():
@@ -47,8 +51,9 @@ def test_special_codes_are_the_format_rows():
 def _encode(y: np.ndarray, fmt: int, qmax: float, qmin: float, trunc: bool = False) -> np.ndarray:
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.full(y.shape, POISON, dtype=np.uint8)
-    kernels.encode_codes_array(y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin),
-                               *(np.int32(c) for c in _SPECIAL_CODES[fmt]))
+    kernels.encode_codes_array(
+        y, out, np.int64(fmt), trunc, np.float32(qmax), np.float32(qmin), *(np.int32(c) for c in _SPECIAL_CODES[fmt])
+    )
     return out
 
 
@@ -74,8 +79,24 @@ def _boundaries(ml_type) -> np.ndarray:
     assert np.array_equal(mids.astype(np.float64), (values[:-1].astype(np.float64) + values[1:]) / 2)
     tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
     extra = np.array(
-        [0.0, -0.0, tiny, -tiny, np.finfo(np.float32).tiny, 1e30, -1e30, 465.0, 464.0, 250.0, -250.0,
-         61440.0, -61440.0, 65504.0, 65536.0, 1e5],
+        [
+            0.0,
+            -0.0,
+            tiny,
+            -tiny,
+            np.finfo(np.float32).tiny,
+            1e30,
+            -1e30,
+            465.0,
+            464.0,
+            250.0,
+            -250.0,
+            61440.0,
+            -61440.0,
+            65504.0,
+            65536.0,
+            1e5,
+        ],
         dtype=np.float32,
     )
     base = np.concatenate([values, mids, extra])
@@ -237,8 +258,17 @@ def test_byte_exact_llvm_has_no_fast_math_flags():
     fresh = numba.njit(**options, cache=False)(kernels.encode_codes_array.py_func)
     y = np.float32([1.0, -0.0, np.nan])
     out = np.empty(y.shape, np.uint8)
-    fresh(y, out, np.int64(bits.E4M3FN), False, np.float32(448.0), np.float32(-448.0), np.int32(0x7F), np.int32(0x7F),
-          np.int32(0x7F))
+    fresh(
+        y,
+        out,
+        np.int64(bits.E4M3FN),
+        False,
+        np.float32(448.0),
+        np.float32(-448.0),
+        np.int32(0x7F),
+        np.int32(0x7F),
+        np.int32(0x7F),
+    )
     irs = list(fresh.inspect_llvm().values())
     assert irs and all("fmul" in ir and "fcmp" in ir for ir in irs), "no compiled IR to inspect"
     for ir in irs:
@@ -261,9 +291,16 @@ def test_signed_zero_and_nan_rows_follow_the_spec():
         for a in (cache.key_cache, cache.value_cache):
             a.view(np.uint8)[...] = POISON
         kvzoo.reshape_and_cache(
-            key, value, cache.key_cache, cache.value_cache, np.arange(3), mode=mode,
-            k_scale_cache=cache.k_scale_cache, v_scale_cache=cache.v_scale_cache, impl="numba",
-        )  # fmt: skip
+            key,
+            value,
+            cache.key_cache,
+            cache.value_cache,
+            np.arange(3),
+            mode=mode,
+            k_scale_cache=cache.k_scale_cache,
+            v_scale_cache=cache.v_scale_cache,
+            impl="numba",
+        )
         codes = cache.key_cache.view(np.uint8)
         scales = cache.k_scale_cache.view(np.uint32)
         assert (codes[0, 0, 0] == neg_zero).all()
@@ -281,13 +318,15 @@ def test_per_tensor_specials_follow_the_spec(mode):
     from kvzoo_spec import oracle
 
     d = 16
-    row = np.float32([np.nan, np.inf, -np.inf, 3e38, -3e38, -0.0, 0.0, 1e-45, -1e-45, 1e5, -1e5, 2.5, -2.5, 7.0,
-                      65504.0, 0.1875])
+    row = np.float32(
+        [np.nan, np.inf, -np.inf, 3e38, -3e38, -0.0, 0.0, 1e-45, -1e-45, 1e5, -1e5, 2.5, -2.5, 7.0, 65504.0, 0.1875]
+    )
     key = np.stack([row, row[::-1].copy()]).reshape(2, 1, d)
     s = np.float32(0.375)
     cache = allocate_separate(1, 2, 1, d, mode, device=None)
-    kvzoo.reshape_and_cache(key, key, cache.key_cache, cache.value_cache, np.arange(2), mode=mode, k_scale=s,
-                            v_scale=s, impl="numba")
+    kvzoo.reshape_and_cache(
+        key, key, cache.key_cache, cache.value_cache, np.arange(2), mode=mode, k_scale=s, v_scale=s, impl="numba"
+    )
     want, _ = oracle.quantize_rows(key.reshape(2, d), mode, static_scale=s)
     assert np.array_equal(cache.key_cache.view(np.uint8).reshape(2, d), want)
     assert np.array_equal(cache.value_cache.view(np.uint8).reshape(2, d), want)

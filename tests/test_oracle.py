@@ -30,8 +30,15 @@ NAN_BITS = 0x7FC00000
 FORMATS = {
     "e4m3fn": (ml_dtypes.float8_e4m3fn, 7, 3, {0x7F, 0xFF}, (), "fp8_per_token_head", 448.0),
     "e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, 8, 3, {0x80}, (), "fp8_e4m3fnuz_per_token_head", 224.0),
-    "e5m2": (ml_dtypes.float8_e5m2, 15, 2, {0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF}, (0x7C, 0xFC), "fp8_e5m2_per_tensor",
-             57344.0),
+    "e5m2": (
+        ml_dtypes.float8_e5m2,
+        15,
+        2,
+        {0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF},
+        (0x7C, 0xFC),
+        "fp8_e5m2_per_tensor",
+        57344.0,
+    ),
 }
 PTH_MODES = ("int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head")
 PER_TENSOR_MODES = ("fp8_per_tensor", "int8_per_tensor", "fp8_e5m2_per_tensor")
@@ -95,7 +102,9 @@ def test_every_fp8_code_decodes_to_its_definition(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_midpoints_round_to_even_and_neighbours_to_nearest(fmt):
     dtype, bias, mant, nan_codes, inf_codes, mode, qmax = FORMATS[fmt]
-    positive = [c for c in range(128) if c not in nan_codes and by_definition(c, bias, nan_codes, mant, inf_codes) <= qmax]
+    positive = [
+        c for c in range(128) if c not in nan_codes and by_definition(c, bias, nan_codes, mant, inf_codes) <= qmax
+    ]
     values = [by_definition(c, bias, nan_codes, mant, inf_codes) for c in positive]
     ys, want = [], []
     for lo_code, lo, hi in zip(positive, values, values[1:]):
@@ -268,9 +277,7 @@ def test_special_rows(mode):
 
 def test_per_tensor_specials():
     s = np.float32(0.375)
-    x = np.array(
-        [np.nan, np.inf, -np.inf, 3e38, 449 * 0.375, -1000.0, -0.0, 0.0, 1e-30, -1e-30], dtype=np.float32
-    )
+    x = np.array([np.nan, np.inf, -np.inf, 3e38, 449 * 0.375, -1000.0, -0.0, 0.0, 1e-30, -1e-30], dtype=np.float32)
     codes, scales = oracle.quantize_rows(x[None], "fp8_per_tensor", static_scale=s)
     # NaN, ±Inf, and a finite x whose x / s overflows: the NaN code; beyond ±448: the clamp
     assert list(codes[0]) == [0x7F, 0x7F, 0x7F, 0x7F, 0x7E, 0xFE, 0x80, 0x00, 0x00, 0x80]
@@ -299,8 +306,14 @@ def test_int8_per_tensor_is_vllms_rule():
     # where x / s and x * (1 / s) differ: the division is what is rounded.
     n = np.arange(-130, 130, dtype=np.float64)
     ties = ((n + 0.5) * float(s)).astype(np.float32)
-    xs = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf)),
-                         rng_for("int8_per_tensor").uniform(-60, 60, 4096).astype(np.float32)])
+    xs = np.concatenate(
+        [
+            ties,
+            np.nextafter(ties, np.float32(np.inf)),
+            np.nextafter(ties, np.float32(-np.inf)),
+            rng_for("int8_per_tensor").uniform(-60, 60, 4096).astype(np.float32),
+        ]
+    )
     codes, _ = oracle.quantize_rows(xs[None], "int8_per_tensor", static_scale=s)
     want = np.clip(np.rint((xs / s).astype(np.float64)), -128, 127).astype(np.int8)
     assert np.array_equal(codes[0].view(np.int8), want)
@@ -364,8 +377,16 @@ def test_scatter_skips_negative_slots_and_keeps_other_bytes():
     before = [rng.integers(0, 256, (NB, BS, H, D)).astype(np.uint8) for _ in range(2)]
     sbefore = [rng.standard_normal((NB, BS, H)).astype(np.float32) for _ in range(2)]
     out = oracle.reshape_and_cache(
-        key, value, slots, mode_name="int8_per_token_head", num_blocks=NB, block_size=BS,
-        key_cache=before[0], value_cache=before[1], k_scale_cache=sbefore[0], v_scale_cache=sbefore[1],
+        key,
+        value,
+        slots,
+        mode_name="int8_per_token_head",
+        num_blocks=NB,
+        block_size=BS,
+        key_cache=before[0],
+        value_cache=before[1],
+        k_scale_cache=sbefore[0],
+        v_scale_cache=sbefore[1],
     )
     written = np.zeros((NB, BS), bool)
     for t, slot in enumerate(slots):
@@ -380,7 +401,9 @@ def test_scatter_skips_negative_slots_and_keeps_other_bytes():
         assert np.array_equal(new[~written], old[~written])
     assert not np.shares_memory(out[0], before[0])
     with pytest.raises(AssertionError):
-        oracle.reshape_and_cache(key, value, [1, 1, -1, 2, 3], mode_name="int8_per_token_head", num_blocks=NB, block_size=BS)
+        oracle.reshape_and_cache(
+            key, value, [1, 1, -1, 2, 3], mode_name="int8_per_token_head", num_blocks=NB, block_size=BS
+        )
 
 
 def test_inline_layout_bytes():
@@ -440,7 +463,9 @@ def dense_attention(q, keys, vals, q_pos, scale, window, softcap, sinks, group):
     return np.einsum("htk,khd->thd", p[:, :, :-1], vals[:, kv_head])
 
 
-@pytest.mark.parametrize("window,softcap,use_sinks", [(None, None, False), (3, None, False), (None, 5.0, True), (2, 2.0, True)])
+@pytest.mark.parametrize(
+    "window,softcap,use_sinks", [(None, None, False), (3, None, False), (None, 5.0, True), (2, 2.0, True)]
+)
 def test_attention_against_dense_masked_softmax(window, softcap, use_sinks):
     rng = rng_for("attention", window, softcap, use_sinks)
     NB, BS, Hkv, group, D = 8, 3, 2, 4, 6
@@ -453,12 +478,24 @@ def test_attention_against_dense_masked_softmax(window, softcap, use_sinks):
     tables = np.stack([rng.permutation(NB)[:3] for _ in seq_lens])
     q = rng.standard_normal((qsl[-1], Hq, D)).astype(np.float32)
     sinks = rng.standard_normal(Hq) if use_sinks else None
-    got = oracle.attention_f64(q, k_deq, v_deq, tables, seq_lens, qsl, sliding_window=window, softcap=softcap, sinks=sinks)
+    got = oracle.attention_f64(
+        q, k_deq, v_deq, tables, seq_lens, qsl, sliding_window=window, softcap=softcap, sinks=sinks
+    )
     for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         keys = np.array([k_deq[tables[s, i // BS], i % BS] for i in range(n)])
         vals = np.array([v_deq[tables[s, i // BS], i % BS] for i in range(n)])
         q_pos = n - ql + np.arange(ql)
-        want = dense_attention(q[qsl[s] : qsl[s + 1]].astype(np.float64), keys, vals, q_pos, 1 / math.sqrt(D), window, softcap, sinks, group)
+        want = dense_attention(
+            q[qsl[s] : qsl[s + 1]].astype(np.float64),
+            keys,
+            vals,
+            q_pos,
+            1 / math.sqrt(D),
+            window,
+            softcap,
+            sinks,
+            group,
+        )
         np.testing.assert_allclose(got[qsl[s] : qsl[s + 1]], want, rtol=1e-12, atol=1e-12)
 
 
@@ -506,7 +543,11 @@ def test_golden_rows_decode_and_cover_the_specials():
             stored = z["decoded"].view(np.float32)
             assert np.array_equal(nan, np.isnan(stored)) and np.all(z["decoded"][nan] == NAN_BITS)
             assert np.array_equal(f32_bits(decoded)[~nan], z["decoded"][~nan])
-            x = oracle.widen_to_float32(z["x"].view({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[meta["dtype"]]))
+            x = oracle.widen_to_float32(
+                z["x"].view(
+                    {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[meta["dtype"]]
+                )
+            )
             # The specials are present: NaN, both infinities, both zeros, subnormals, huge values.
             assert np.isnan(x).any() and np.isposinf(x).any() and np.isneginf(x).any()
             assert ((x == 0) & np.signbit(x)).any() and ((x == 0) & ~np.signbit(x)).any()

@@ -121,7 +121,10 @@ def test_rotation_rounds_to_the_input_dtype():
     r32 = oracle.int4_fwht(xb.astype(np.float32) * oracle.int4_rht_signs(64))
     assert np.array_equal(r, r32.astype(ml_dtypes.bfloat16).astype(np.float32))
     xh = x.astype(np.float16)
-    assert np.array_equal(oracle.int4_rotate(xh), oracle.int4_fwht(xh.astype(np.float32) * oracle.int4_rht_signs(64)).astype(np.float16).astype(np.float32))
+    assert np.array_equal(
+        oracle.int4_rotate(xh),
+        oracle.int4_fwht(xh.astype(np.float32) * oracle.int4_rht_signs(64)).astype(np.float16).astype(np.float32),
+    )
 
 
 # ---------------------------------------------------------------------------- round trips
@@ -191,7 +194,9 @@ def test_fp16_rotation_overflow_poisons_the_row():
 
 def test_decode_of_arbitrary_bits_is_defined():
     packed = np.arange(256, dtype=np.uint8).reshape(32, 8)
-    raw = np.array([0x3F800003, 0x7F800000, 0x7F800005, 0x80000001, 0x00000010, 0xBF80000F, 0, 0xFFFFFFFF] * 4, np.uint32)
+    raw = np.array(
+        [0x3F800003, 0x7F800000, 0x7F800005, 0x80000001, 0x00000010, 0xBF80000F, 0, 0xFFFFFFFF] * 4, np.uint32
+    )
     dec = oracle.int4_decode_rows(packed, raw.view(np.float32))
     codes = oracle.int4_unpack(packed).astype(np.int64)
     s = (raw & 0xFFFFFFF0).view(np.float32).astype(np.float64)
@@ -284,7 +289,9 @@ def test_attention_matches_dequantize_then_attend(mode, opts):
         slots += [int(block_tables[s, i // BS]) * BS + i % BS for i in range(L)]
     key = rng.standard_normal((len(slots), Hkv, D)).astype(np.float32)
     value = rng.standard_normal((len(slots), Hkv, D)).astype(np.float32)
-    kc, vc, ks, vs = oracle.int4_reshape_and_cache(key, value, np.array(slots), num_blocks=NB, block_size=BS, mode_name=mode)
+    kc, vc, ks, vs = oracle.int4_reshape_and_cache(
+        key, value, np.array(slots), num_blocks=NB, block_size=BS, mode_name=mode
+    )
     k_deq = oracle.int4_dequantize_rows_f64(kc, ks, mode)
     v_deq = oracle.int4_dequantize_rows_f64(vc, vs, mode)
     query = rng.standard_normal((T, Hq, D)).astype(np.float32)

@@ -59,7 +59,7 @@ def metadata(device: str = "cpu", q_lens=Q_LENS, seq_lens=SEQ_LENS, table=TABLE,
     for s, (q, n) in enumerate(zip(q_lens, seq_lens)):
         where = [table[s][p // block_size] * block_size + p % block_size for p in range(n)]
         context += where[: n - q]
-        slots += where[n - q:]
+        slots += where[n - q :]
     i32 = dict(dtype=torch.int32, device=device)
     return dict(
         block_tables=torch.tensor(table, **i32),
@@ -71,8 +71,16 @@ def metadata(device: str = "cpu", q_lens=Q_LENS, seq_lens=SEQ_LENS, table=TABLE,
 
 
 def spec_for(mode: str, layout: str, device: str | None = "cpu", model_dtype: str = "bfloat16") -> kvzoo.CacheSpec:
-    return kvzoo.CacheSpec(mode, num_blocks=NB, block_size=BS, num_kv_heads=HKV, head_size=D,
-                           layout=layout, model_dtype=model_dtype, device=device)
+    return kvzoo.CacheSpec(
+        mode,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=HKV,
+        head_size=D,
+        layout=layout,
+        model_dtype=model_dtype,
+        device=device,
+    )
 
 
 def poisoned(spec: kvzoo.CacheSpec, rng: np.random.Generator) -> KVCacheTensors:
@@ -84,7 +92,8 @@ def poisoned(spec: kvzoo.CacheSpec, rng: np.random.Generator) -> KVCacheTensors:
     dtype = spec.mode.code_dtype or spec.model_dtype
     scales = (
         [random_bytes(rng, spec.scale_shape, "float32", device, kind) for _ in range(2)]
-        if spec.mode.per_token_head else [None, None]
+        if spec.mode.per_token_head
+        else [None, None]
     )
     return KVCacheTensors(*(random_bytes(rng, spec.cache_shape, dtype, device, kind) for _ in range(2)), *scales)
 
@@ -102,7 +111,8 @@ def clone(c: KVCacheTensors) -> KVCacheTensors:
 
 def cache_arrays(c: KVCacheTensors) -> list:
     return [x for x in (c.buffer,) if x is not None] or [
-        x for x in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache) if x is not None]
+        x for x in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache) if x is not None
+    ]
 
 
 def scales_of(spec: kvzoo.CacheSpec) -> dict:
@@ -110,9 +120,18 @@ def scales_of(spec: kvzoo.CacheSpec) -> dict:
 
 
 def functional_write(key, value, c: KVCacheTensors, slots, spec, impl) -> None:
-    kvzoo.reshape_and_cache(key, value, c.key_cache, c.value_cache, slots, mode=spec.mode,
-                            k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl,
-                            **scales_of(spec))
+    kvzoo.reshape_and_cache(
+        key,
+        value,
+        c.key_cache,
+        c.value_cache,
+        slots,
+        mode=spec.mode,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+        **scales_of(spec),
+    )
 
 
 def rows(rng, shape, dtype: str, device: str):
@@ -123,8 +142,9 @@ def rows(rng, shape, dtype: str, device: str):
 # Byte equality with the functional API
 
 
-def compare_with_functional(spec: kvzoo.CacheSpec, meta: dict, num_q_heads: int, impl_name: str, rng,
-                            layers: int = 2) -> kvzoo.StepPlan:
+def compare_with_functional(
+    spec: kvzoo.CacheSpec, meta: dict, num_q_heads: int, impl_name: str, rng, layers: int = 2
+) -> kvzoo.StepPlan:
     """Poisoned caches, context written, then a step through the plan and through the functional
     API on copies: every cache byte and every output byte must agree."""
     device, h, d = spec.device, spec.num_kv_heads, spec.head_size
@@ -134,11 +154,23 @@ def compare_with_functional(spec: kvzoo.CacheSpec, meta: dict, num_q_heads: int,
         c = poisoned(spec, rng)
         # The context tokens this step attends to, as earlier steps wrote them.
         n = int(meta["context_slots"].shape[0])
-        functional_write(rows(rng, (n, h, d), spec.model_dtype, device), rows(rng, (n, h, d), spec.model_dtype, device),
-                         c, meta["context_slots"], spec, "numpy" if device == "cpu" else impl_name)
-        cases.append((c, clone(c), rows(rng, (tokens, h, d), spec.model_dtype, device),
-                      rows(rng, (tokens, h, d), spec.model_dtype, device),
-                      rows(rng, (tokens, num_q_heads, d), spec.model_dtype, device)))
+        functional_write(
+            rows(rng, (n, h, d), spec.model_dtype, device),
+            rows(rng, (n, h, d), spec.model_dtype, device),
+            c,
+            meta["context_slots"],
+            spec,
+            "numpy" if device == "cpu" else impl_name,
+        )
+        cases.append(
+            (
+                c,
+                clone(c),
+                rows(rng, (tokens, h, d), spec.model_dtype, device),
+                rows(rng, (tokens, h, d), spec.model_dtype, device),
+                rows(rng, (tokens, num_q_heads, d), spec.model_dtype, device),
+            )
+        )
     index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
     plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=num_q_heads, impl=impl_name)
     assert plan.write_impl.name == plan.attention_impl.name == impl_name
@@ -147,9 +179,16 @@ def compare_with_functional(spec: kvzoo.CacheSpec, meta: dict, num_q_heads: int,
         out = plan.attention(query, mine, **scales_of(spec))
         functional_write(key, value, theirs, meta["slot_mapping"], spec, impl_name)
         expected = kvzoo.paged_attention(
-            query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index,
-            k_scale_cache=theirs.k_scale_cache, v_scale_cache=theirs.v_scale_cache, impl=impl_name,
-            **scales_of(spec))
+            query,
+            theirs.key_cache,
+            theirs.value_cache,
+            mode=spec.mode,
+            **index,
+            k_scale_cache=theirs.k_scale_cache,
+            v_scale_cache=theirs.v_scale_cache,
+            impl=impl_name,
+            **scales_of(spec),
+        )
         for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"{spec.mode.name} {spec.layout} cache after write")
         assert_same_bytes(out, expected, f"{spec.mode.name} {spec.layout} attention output")
@@ -162,8 +201,9 @@ def compare_with_functional(spec: kvzoo.CacheSpec, meta: dict, num_q_heads: int,
 def test_plan_matches_functional_bytes(mode, layout, impl_name):
     impl = _impl_or_skip(impl_name)
     device = _device(impl)
-    plan = compare_with_functional(spec_for(mode, layout, device), metadata(device), HQ, impl_name,
-                                   rng_for("plan bytes", mode, layout, impl_name))
+    plan = compare_with_functional(
+        spec_for(mode, layout, device), metadata(device), HQ, impl_name, rng_for("plan bytes", mode, layout, impl_name)
+    )
     assert (plan.max_query_len, plan.max_seq_len, plan.num_prefills, plan.num_tokens) == (5, 13, 2, T)
 
 
@@ -176,8 +216,16 @@ def test_plan_matches_functional_bytes_on_the_gpu(mode, layout):
     q_lens, seq_lens, bs = (130, 1, 1, 40), (300, 77, 1500, 40), 16
     per_seq = -(-max(seq_lens) // bs)
     order = np.random.default_rng(16).permutation(len(q_lens) * per_seq).reshape(len(q_lens), per_seq)
-    spec = kvzoo.CacheSpec(mode, num_blocks=len(q_lens) * per_seq, block_size=bs, num_kv_heads=2, head_size=128,
-                           layout=layout, model_dtype="bfloat16", device="cuda")
+    spec = kvzoo.CacheSpec(
+        mode,
+        num_blocks=len(q_lens) * per_seq,
+        block_size=bs,
+        num_kv_heads=2,
+        head_size=128,
+        layout=layout,
+        model_dtype="bfloat16",
+        device="cuda",
+    )
     meta = metadata("cuda", q_lens, seq_lens, order.tolist(), bs)
     plan = compare_with_functional(spec, meta, 8, "triton-cuda", rng_for("plan bytes gpu", mode, layout), layers=3)
     assert (plan.max_query_len, plan.max_seq_len, plan.num_prefills) == (130, 1500, 2)
@@ -197,23 +245,42 @@ def test_numpy_arrays_and_options_match_functional(impl_name):
     options = dict(softmax_scale=0.3, sliding_window=6, softcap=20.0)
     index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
     theirs = clone(c)
-    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, sinks=sinks,
-                           impl=impl_name, **options)
+    plan = kvzoo.plan_step(
+        spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, sinks=sinks, impl=impl_name, **options
+    )
     plan.write(key, value, c)
     out = np.zeros((T, HQ, D), np.float32)
     assert plan.attention(query, c, out=out) is out
     functional_write(key, value, theirs, meta["slot_mapping"], spec, impl_name)
-    expected = kvzoo.paged_attention(query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index,
-                                     k_scale_cache=theirs.k_scale_cache, v_scale_cache=theirs.v_scale_cache,
-                                     sinks=sinks, impl=impl_name, **options)
+    expected = kvzoo.paged_attention(
+        query,
+        theirs.key_cache,
+        theirs.value_cache,
+        mode=spec.mode,
+        **index,
+        k_scale_cache=theirs.k_scale_cache,
+        v_scale_cache=theirs.v_scale_cache,
+        sinks=sinks,
+        impl=impl_name,
+        **options,
+    )
     for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
         assert_same_bytes(a, b, "cache after write")
     assert_same_bytes(out, expected, "attention output")
     # A layer's own sinks replace the plan's (gpt-oss learns them per layer).
     layer_sinks = rng.standard_normal(HQ).astype(np.float32)[::-1]  # negative stride, as NumPy allows
-    expected = kvzoo.paged_attention(query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index,
-                                     k_scale_cache=theirs.k_scale_cache, v_scale_cache=theirs.v_scale_cache,
-                                     sinks=layer_sinks, impl=impl_name, **options)
+    expected = kvzoo.paged_attention(
+        query,
+        theirs.key_cache,
+        theirs.value_cache,
+        mode=spec.mode,
+        **index,
+        k_scale_cache=theirs.k_scale_cache,
+        v_scale_cache=theirs.v_scale_cache,
+        sinks=layer_sinks,
+        impl=impl_name,
+        **options,
+    )
     assert_same_bytes(plan.attention(query, c, sinks=layer_sinks), expected, "attention with a layer's sinks")
 
 
@@ -225,8 +292,9 @@ def test_paged_kv_cache_object_and_quantize_query():
     meta = metadata()
     index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
     rng = rng_for("plan paged")
-    key, value, query = (torch.from_numpy(rng.standard_normal(s).astype(np.float32))
-                         for s in ((T, HKV, D), (T, HKV, D), (T, HQ, D)))
+    key, value, query = (
+        torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in ((T, HKV, D), (T, HKV, D), (T, HQ, D))
+    )
     plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, quantize_query=True)
     assert plan.attention_impl.name == "numpy"
     plan.write(key, value, cache)
@@ -234,12 +302,18 @@ def test_paged_kv_cache_object_and_quantize_query():
     expected = cache.attention(query, **index, quantize_query=True)
     assert_same_bytes(out, expected, "attention output")
 
-    per_tensor = kvzoo.PagedKVCache(NB, BS, HKV, D, "fp8_per_tensor", device="cpu", model_dtype="float32",
-                                    k_scale=0.5, v_scale=2.0)
-    twin = kvzoo.PagedKVCache(NB, BS, HKV, D, "fp8_per_tensor", device="cpu", model_dtype="float32",
-                              k_scale=0.5, v_scale=2.0)
-    plan = kvzoo.plan_step(spec_for("fp8_per_tensor", "separate", model_dtype="float32"), **index,
-                           slot_mapping=meta["slot_mapping"], num_q_heads=HQ)
+    per_tensor = kvzoo.PagedKVCache(
+        NB, BS, HKV, D, "fp8_per_tensor", device="cpu", model_dtype="float32", k_scale=0.5, v_scale=2.0
+    )
+    twin = kvzoo.PagedKVCache(
+        NB, BS, HKV, D, "fp8_per_tensor", device="cpu", model_dtype="float32", k_scale=0.5, v_scale=2.0
+    )
+    plan = kvzoo.plan_step(
+        spec_for("fp8_per_tensor", "separate", model_dtype="float32"),
+        **index,
+        slot_mapping=meta["slot_mapping"],
+        num_q_heads=HQ,
+    )
     plan.write(key, value, per_tensor)
     twin.write(key, value, meta["slot_mapping"])
     assert_same_bytes(per_tensor.tensors.key_cache, twin.tensors.key_cache, "fp8_per_tensor key cache")
@@ -258,17 +332,25 @@ def test_metadata_updated_in_place_is_what_the_next_call_reads():
     rng = rng_for("plan in place")
     c = poisoned(spec, rng)
     theirs = clone(c)
-    key, value, query = (torch.from_numpy(rng.standard_normal(s).astype(np.float32))
-                         for s in ((T, HKV, D), (T, HKV, D), (T, HQ, D)))
+    key, value, query = (
+        torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in ((T, HKV, D), (T, HKV, D), (T, HQ, D))
+    )
     # Within the plan's bounds: the decode moves back by one position, its slot with it.
     meta["seq_lens"][1] = 12
     meta["slot_mapping"][5] = TABLE[1][1] * BS + 3
     plan.write(key, value, c)
     out = plan.attention(query, c)
     functional_write(key, value, theirs, meta["slot_mapping"], spec, "numpy")
-    expected = kvzoo.paged_attention(query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index,
-                                     k_scale_cache=theirs.k_scale_cache, v_scale_cache=theirs.v_scale_cache,
-                                     impl="numpy")
+    expected = kvzoo.paged_attention(
+        query,
+        theirs.key_cache,
+        theirs.value_cache,
+        mode=spec.mode,
+        **index,
+        k_scale_cache=theirs.k_scale_cache,
+        v_scale_cache=theirs.v_scale_cache,
+        impl="numpy",
+    )
     for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
         assert_same_bytes(a, b, "cache after write")
     assert_same_bytes(out, expected, "attention output")
@@ -284,14 +366,24 @@ def test_strided_metadata_is_copied_once_for_unit_stride_kernels():
 
     meta = metadata(_device(impl))
     strided = strided_table(_device(impl))
-    plan = kvzoo.plan_step(spec_for("int8_per_token_head", "separate", _device(impl)), block_tables=strided,
-                           seq_lens=meta["seq_lens"], query_start_loc=meta["query_start_loc"], num_q_heads=HQ,
-                           impl="triton-cuda")
+    plan = kvzoo.plan_step(
+        spec_for("int8_per_token_head", "separate", _device(impl)),
+        block_tables=strided,
+        seq_lens=meta["seq_lens"],
+        query_start_loc=meta["query_start_loc"],
+        num_q_heads=HQ,
+        impl="triton-cuda",
+    )
     assert plan.block_tables.stride(-1) == 1 and torch.equal(plan.block_tables, strided)
     meta, strided = metadata(), strided_table("cpu")
-    plan = kvzoo.plan_step(spec_for("int8_per_token_head", "separate"), block_tables=strided,
-                           seq_lens=meta["seq_lens"], query_start_loc=meta["query_start_loc"],
-                           num_q_heads=HQ, impl="numpy")
+    plan = kvzoo.plan_step(
+        spec_for("int8_per_token_head", "separate"),
+        block_tables=strided,
+        seq_lens=meta["seq_lens"],
+        query_start_loc=meta["query_start_loc"],
+        num_q_heads=HQ,
+        impl="numpy",
+    )
     assert plan.block_tables.strides[-1] == 8  # a NumPy view of the caller's tensor, no copy
 
 
@@ -313,8 +405,13 @@ def test_bounds_given_with_validation_are_kept_and_checked():
 
 def _good(**changes) -> dict:
     meta = metadata()
-    args = dict(block_tables=meta["block_tables"], seq_lens=meta["seq_lens"],
-                query_start_loc=meta["query_start_loc"], slot_mapping=meta["slot_mapping"], num_q_heads=HQ)
+    args = dict(
+        block_tables=meta["block_tables"],
+        seq_lens=meta["seq_lens"],
+        query_start_loc=meta["query_start_loc"],
+        slot_mapping=meta["slot_mapping"],
+        num_q_heads=HQ,
+    )
     args.update(changes)
     return args
 
@@ -323,6 +420,7 @@ def _set(name, index, value):
     def change(args):
         args[name] = args[name].clone()
         args[name][index] = value
+
     return change
 
 
@@ -349,14 +447,18 @@ PLAN_ERRORS = {
     "softcap zero": (lambda a: a.update(softcap=0.0), "softcap"),
     "softmax_scale nan": (lambda a: a.update(softmax_scale=float("nan")), "softmax_scale"),
     "sliding_window float": (lambda a: a.update(sliding_window=2.0), "sliding_window"),
-    "quantize_query on fp8": (lambda a: a.update(quantize_query=True, spec=spec_for("fp8_per_token_head", "separate")),
-                              "quantize_query"),
+    "quantize_query on fp8": (
+        lambda a: a.update(quantize_query=True, spec=spec_for("fp8_per_token_head", "separate")),
+        "quantize_query",
+    ),
     "requires_grad": (lambda a: a.update(sinks=torch.zeros(HQ, requires_grad=True)), "sinks"),
     "unknown impl": (lambda a: a.update(impl="nope"), "impl"),
     "impl mapping of another op": (lambda a: a.update(impl={"dequantize": "numpy"}), "impl"),
     "max_query_len negative": (lambda a: a.update(validate=False, max_query_len=-1, max_seq_len=4), "max_query_len"),
-    "spec device": (lambda a: a.update(spec=spec_for("int8_per_token_head", "separate", device="cuda")),
-                    "block_tables"),
+    "spec device": (
+        lambda a: a.update(spec=spec_for("int8_per_token_head", "separate", device="cuda")),
+        "block_tables",
+    ),
     "not a spec": (lambda a: a.update(spec="int8_per_token_head"), "cache_spec"),
 }
 
@@ -372,17 +474,20 @@ def test_plan_refuses_bad_metadata_naming_the_argument(case):
     assert str(info.value).startswith(name), str(info.value)
 
 
-@pytest.mark.parametrize("changes,name", [
-    (dict(layout="paged"), "layout"),
-    (dict(layout="inline", mode="fp8_per_tensor"), "layout"),
-    (dict(layout="inline", head_size=30), "head_size"),
-    (dict(model_dtype="float64"), "model_dtype"),
-    (dict(num_blocks=0), "num_blocks"),
-    (dict(num_blocks=2**28, block_size=16), "num_blocks"),
-    (dict(mode="int4_per_token_head"), "mode"),
-    (dict(device="meta"), "device"),
-    (dict(rounding="trunc", mode="fp8_per_token_head"), "rounding"),
-])
+@pytest.mark.parametrize(
+    "changes,name",
+    [
+        (dict(layout="paged"), "layout"),
+        (dict(layout="inline", mode="fp8_per_tensor"), "layout"),
+        (dict(layout="inline", head_size=30), "head_size"),
+        (dict(model_dtype="float64"), "model_dtype"),
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(num_blocks=2**28, block_size=16), "num_blocks"),
+        (dict(mode="int4_per_token_head"), "mode"),
+        (dict(device="meta"), "device"),
+        (dict(rounding="trunc", mode="fp8_per_token_head"), "rounding"),
+    ],
+)
 def test_cache_spec_refuses_bad_fields(changes, name):
     fields = dict(mode="int8_per_token_head", num_blocks=NB, block_size=BS, num_kv_heads=HKV, head_size=D)
     fields.update(changes)
@@ -410,22 +515,45 @@ LAYER_ERRORS = {
     "value dtype": (lambda p, c, k, v, q: p.write(k, v.half(), c), "value"),
     "key a list": (lambda p, c, k, v, q: p.write(k.tolist(), v, c), "key"),
     "key requires grad": (lambda p, c, k, v, q: p.write(k.float().requires_grad_(), v, c), "key"),
-    "key reads key_cache": (lambda p, c, k, v, q: p.write(
-        c.value_cache.view(torch.uint8).view(-1)[: T * HKV * D * 2].view(torch.bfloat16).view(T, HKV, D), v, c),
-        "value_cache"),
-    "caches of another spec": (lambda p, c, k, v, q: p.write(k, v, kvzoo.CacheSpec(
-        "int8_per_token_head", num_blocks=NB + 1, block_size=BS, num_kv_heads=HKV, head_size=D).allocate()),
-        "key_cache"),
-    "caches of another layout": (lambda p, c, k, v, q: p.write(k, v, spec_for("int8_per_token_head", "inline")
-                                                              .allocate()), "caches"),
-    "caches without scales": (lambda p, c, k, v, q: p.write(k, v, KVCacheTensors(c.key_cache, c.value_cache)),
-                              "k_scale_cache"),
+    "key reads key_cache": (
+        lambda p, c, k, v, q: p.write(
+            c.value_cache.view(torch.uint8).view(-1)[: T * HKV * D * 2].view(torch.bfloat16).view(T, HKV, D), v, c
+        ),
+        "value_cache",
+    ),
+    "caches of another spec": (
+        lambda p, c, k, v, q: p.write(
+            k,
+            v,
+            kvzoo.CacheSpec(
+                "int8_per_token_head", num_blocks=NB + 1, block_size=BS, num_kv_heads=HKV, head_size=D
+            ).allocate(),
+        ),
+        "key_cache",
+    ),
+    "caches of another layout": (
+        lambda p, c, k, v, q: p.write(k, v, spec_for("int8_per_token_head", "inline").allocate()),
+        "caches",
+    ),
+    "caches without scales": (
+        lambda p, c, k, v, q: p.write(k, v, KVCacheTensors(c.key_cache, c.value_cache)),
+        "k_scale_cache",
+    ),
     "caches a tuple": (lambda p, c, k, v, q: p.write(k, v, (c.key_cache, c.value_cache)), "caches"),
-    "cache dtype": (lambda p, c, k, v, q: p.write(k, v, KVCacheTensors(
-        c.key_cache.view(torch.uint8).view(torch.int8).float(), c.value_cache, c.k_scale_cache, c.v_scale_cache)),
-        "key_cache"),
-    "value_cache is key_cache": (lambda p, c, k, v, q: p.write(
-        k, v, KVCacheTensors(c.key_cache, c.key_cache, c.k_scale_cache, c.v_scale_cache)), "key_cache"),
+    "cache dtype": (
+        lambda p, c, k, v, q: p.write(
+            k,
+            v,
+            KVCacheTensors(
+                c.key_cache.view(torch.uint8).view(torch.int8).float(), c.value_cache, c.k_scale_cache, c.v_scale_cache
+            ),
+        ),
+        "key_cache",
+    ),
+    "value_cache is key_cache": (
+        lambda p, c, k, v, q: p.write(k, v, KVCacheTensors(c.key_cache, c.key_cache, c.k_scale_cache, c.v_scale_cache)),
+        "key_cache",
+    ),
     "static scale for a per-token-head mode": (lambda p, c, k, v, q: p.write(k, v, c, k_scale=1.0), "k_scale"),
     "query heads": (lambda p, c, k, v, q: p.attention(q[:, :2], c), "query"),
     "query rows": (lambda p, c, k, v, q: p.attention(q[1:], c), "query"),
@@ -434,9 +562,12 @@ LAYER_ERRORS = {
     "out shape": (lambda p, c, k, v, q: p.attention(q, c, out=q[:, :, :16].clone()), "out"),
     "out is query": (lambda p, c, k, v, q: p.attention(q, c, out=q), "out"),
     "out broadcast": (lambda p, c, k, v, q: p.attention(q, c, out=q[:1].expand(T, HQ, D)), "out"),
-    "out over key_cache": (lambda p, c, k, v, q: p.attention(
-        q, c, out=c.key_cache.view(torch.uint8).view(-1)[: T * HQ * D * 2].view(torch.bfloat16).view(T, HQ, D)),
-        "out"),
+    "out over key_cache": (
+        lambda p, c, k, v, q: p.attention(
+            q, c, out=c.key_cache.view(torch.uint8).view(-1)[: T * HQ * D * 2].view(torch.bfloat16).view(T, HQ, D)
+        ),
+        "out",
+    ),
     "sinks override shape": (lambda p, c, k, v, q: p.attention(q, c, sinks=torch.zeros(HQ + 1)), "sinks"),
 }
 
@@ -503,8 +634,15 @@ def test_layer_a_planned_impl_declines_goes_where_the_functional_call_goes():
 
 
 def _no_op(op: str) -> Implementation:
-    return Implementation(f"no-op {op}", op, "any", frozenset(kvzoo.MODES), run=lambda problem: None,
-                          array_kind="torch", index_strides="unit")
+    return Implementation(
+        f"no-op {op}",
+        op,
+        "any",
+        frozenset(kvzoo.MODES),
+        run=lambda problem: None,
+        array_kind="torch",
+        index_strides="unit",
+    )
 
 
 def _forbid_device_reads(monkeypatch) -> None:
@@ -564,8 +702,15 @@ def test_plan_without_validation_reads_nothing(monkeypatch):
     impls = {"reshape_and_cache": _no_op("reshape_and_cache"), "paged_attention": _no_op("paged_attention")}
     args = _good()
     _forbid_device_reads(monkeypatch)
-    plan = kvzoo.plan_step(spec_for("int8_per_token_head", "separate"), **args, validate=False,
-                           max_query_len=5, max_seq_len=13, num_prefills=2, impl=impls)
+    plan = kvzoo.plan_step(
+        spec_for("int8_per_token_head", "separate"),
+        **args,
+        validate=False,
+        max_query_len=5,
+        max_seq_len=13,
+        num_prefills=2,
+        impl=impls,
+    )
     assert plan.num_tokens is None and plan.max_seq_len == 13
 
 
@@ -592,8 +737,13 @@ def test_docstring_example_runs():
 
 def test_host_cost_benchmark_quick():
     # --cpu: the CPU implementations even on a GPU machine, where compiling would take longer.
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_cost.py"), "--quick", "--cpu"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "host_cost.py"), "--quick", "--cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     for row in ("null op", "plan.write", "plan.attention", "validate=True", "validate=False"):
         assert row in run.stdout, run.stdout
@@ -608,8 +758,16 @@ def test_host_cost_benchmark_quick():
 @pytest.mark.parametrize("layout", ("separate", "inline"))
 def test_cuda_graph_two_layer_step_replays_with_new_metadata(layout):
     device, mode, hq, hkv, d, bs, nb, seqs, max_len = "cuda", "int8_per_token_head", 8, 2, 128, 16, 256, 4, 512
-    spec = kvzoo.CacheSpec(mode, num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_size=d, layout=layout,
-                           model_dtype="bfloat16", device=device)
+    spec = kvzoo.CacheSpec(
+        mode,
+        num_blocks=nb,
+        block_size=bs,
+        num_kv_heads=hkv,
+        head_size=d,
+        layout=layout,
+        model_dtype="bfloat16",
+        device=device,
+    )
     g = torch.Generator(device="cpu").manual_seed(16)
     layers = [spec.allocate() for _ in range(2)]
     blocks_per_seq = max_len // bs
@@ -629,8 +787,16 @@ def test_cuda_graph_two_layer_step_replays_with_new_metadata(layout):
             p = pos[: int(lens[s]) - 1]
             slots = (table[s, p // bs].long() * bs + p % bs).to(device)
             kv = torch.randn(len(p), hkv, d, generator=g).to(torch.bfloat16).to(device)
-            kvzoo.reshape_and_cache(kv, kv.clone(), c.key_cache, c.value_cache, slots, mode=mode,
-                                    k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
+            kvzoo.reshape_and_cache(
+                kv,
+                kv.clone(),
+                c.key_cache,
+                c.value_cache,
+                slots,
+                mode=mode,
+                k_scale_cache=c.k_scale_cache,
+                v_scale_cache=c.v_scale_cache,
+            )
     seq_lens = lens.to(device)
     query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
     slot_mapping = slots_for(lens)
@@ -639,9 +805,17 @@ def test_cuda_graph_two_layer_step_replays_with_new_metadata(layout):
     query = [torch.randn(seqs, hq, d, generator=g).to(torch.bfloat16).to(device) for _ in layers]
     out = [torch.empty_like(q) for q in query]
     # Validated now, with the bounds every replay stays under.
-    plan = kvzoo.plan_step(spec, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                           slot_mapping=slot_mapping, num_q_heads=hq, max_query_len=1, max_seq_len=max_len,
-                           num_prefills=0)
+    plan = kvzoo.plan_step(
+        spec,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        slot_mapping=slot_mapping,
+        num_q_heads=hq,
+        max_query_len=1,
+        max_seq_len=max_len,
+        num_prefills=0,
+    )
     assert plan.write_impl.name == plan.attention_impl.name == "triton-cuda"
 
     def step():
@@ -672,12 +846,31 @@ def test_cuda_graph_two_layer_step_replays_with_new_metadata(layout):
         graph.replay()
         torch.cuda.synchronize()
         for i, c in enumerate(expected_caches):
-            kvzoo.reshape_and_cache(key[i], value[i], c.key_cache, c.value_cache, slot_mapping, mode=mode,
-                                    k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
+            kvzoo.reshape_and_cache(
+                key[i],
+                value[i],
+                c.key_cache,
+                c.value_cache,
+                slot_mapping,
+                mode=mode,
+                k_scale_cache=c.k_scale_cache,
+                v_scale_cache=c.v_scale_cache,
+            )
             eager = kvzoo.paged_attention(
-                query[i], c.key_cache, c.value_cache, mode=mode, block_tables=block_tables, seq_lens=seq_lens,
-                query_start_loc=query_start_loc, k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache,
-                max_query_len=1, max_seq_len=max_len, num_prefills=0, validate=False)
+                query[i],
+                c.key_cache,
+                c.value_cache,
+                mode=mode,
+                block_tables=block_tables,
+                seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                k_scale_cache=c.k_scale_cache,
+                v_scale_cache=c.v_scale_cache,
+                max_query_len=1,
+                max_seq_len=max_len,
+                num_prefills=0,
+                validate=False,
+            )
             for a, b in zip(cache_arrays(layers[i]), cache_arrays(c)):
                 assert_same_bytes(a, b, f"layer {i} cache after replay {step_no}")
             assert_same_bytes(out[i], eager, f"layer {i} attention after replay {step_no}")

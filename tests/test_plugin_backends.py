@@ -83,11 +83,15 @@ def test_plugin_below_the_builtins_is_not_chosen(monkeypatch, plugin_module):
 
 
 def test_broken_entry_points_are_recorded_not_raised(tmp_path, monkeypatch, capsys):
-    reg = _install(tmp_path, monkeypatch, {
-        "fixture": PLUGIN,
-        "missing": "kvzoo_plugin_does_not_exist",
-        "not_callable": f"{PLUGIN}:NAME",
-    })
+    reg = _install(
+        tmp_path,
+        monkeypatch,
+        {
+            "fixture": PLUGIN,
+            "missing": "kvzoo_plugin_does_not_exist",
+            "not_callable": f"{PLUGIN}:NAME",
+        },
+    )
     assert NAME in {i.name for i in reg.implementations()}
     assert "ModuleNotFoundError" in reg.import_errors["kvzoo_plugin_does_not_exist"]
     assert "TypeError" in reg.import_errors[f"{PLUGIN}:NAME"]
@@ -113,8 +117,9 @@ def test_entry_point_found_by_a_fresh_process(tmp_path):
     """No monkeypatching: real metadata on PYTHONPATH, the `kvzoo` command as a user runs it."""
     path = os.pathsep.join([str(_dist_info(tmp_path, {"fixture": PLUGIN})), str(PLUGIN_DIR)])
     env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "kvzoo.cli", "list"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvzoo.cli", "list"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert any(line.startswith(NAME) for line in done.stdout.splitlines()), done.stdout
 
@@ -125,8 +130,23 @@ def test_backend_module_is_listed_and_checked_without_installing(capsys, monkeyp
     assert any(line.startswith(NAME) for line in capsys.readouterr().out.splitlines())
 
     # Repeatable; naming a built-in module again is harmless.
-    assert cli.main(["check", "--backend-module", PLUGIN, "--backend-module", "kvzoo.backends.numpy_vectorized",
-                     "--impl", NAME, "--op", "reshape_and_cache", "-q"]) == 0
+    assert (
+        cli.main(
+            [
+                "check",
+                "--backend-module",
+                PLUGIN,
+                "--backend-module",
+                "kvzoo.backends.numpy_vectorized",
+                "--impl",
+                NAME,
+                "--op",
+                "reshape_and_cache",
+                "-q",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert NAME in out and " 0 failed" in out
     # It was loaded for that command only.

@@ -73,14 +73,19 @@ def step_through_plan(spec, meta, layers, rng, *, lse=False, sinks=None, query_v
     counts = {op: dict(run=0, prepare=0, launch=0) for op in ("reshape_and_cache", "paged_attention")}
     impls = {op: counted(_triton(op), counts[op]) for op in counts}
     index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
-    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, impl=impls,
-                           sinks=sinks)
+    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, impl=impls, sinks=sinks)
     h, d, tokens = spec.num_kv_heads, spec.head_size, int(meta["slot_mapping"].shape[0])
     n = int(meta["context_slots"].shape[0])
     for layer in range(layers):
         mine = poisoned(spec, rng)
-        functional_write(rows(rng, (n, h, d), spec.model_dtype, DEVICE), rows(rng, (n, h, d), spec.model_dtype, DEVICE),
-                         mine, meta["context_slots"], spec, "numpy" if DEVICE == "cpu" else "triton-cuda")
+        functional_write(
+            rows(rng, (n, h, d), spec.model_dtype, DEVICE),
+            rows(rng, (n, h, d), spec.model_dtype, DEVICE),
+            mine,
+            meta["context_slots"],
+            spec,
+            "numpy" if DEVICE == "cpu" else "triton-cuda",
+        )
         theirs = clone(mine)
         key, value = (rows(rng, (tokens, h, d), spec.model_dtype, DEVICE) for _ in range(2))
         query = rows(rng, (tokens, HQ, d), spec.model_dtype, DEVICE)
@@ -90,8 +95,18 @@ def step_through_plan(spec, meta, layers, rng, *, lse=False, sinks=None, query_v
         got = plan.attention(query, mine, return_lse=lse, **scales_of(spec))
         functional_write(key, value, theirs, meta["slot_mapping"], spec, "triton-cuda")
         want = kvzoo.paged_attention(
-            query, theirs.key_cache, theirs.value_cache, mode=spec.mode, **index, k_scale_cache=theirs.k_scale_cache,
-            v_scale_cache=theirs.v_scale_cache, sinks=sinks, return_lse=lse, impl="triton-cuda", **scales_of(spec))
+            query,
+            theirs.key_cache,
+            theirs.value_cache,
+            mode=spec.mode,
+            **index,
+            k_scale_cache=theirs.k_scale_cache,
+            v_scale_cache=theirs.v_scale_cache,
+            sinks=sinks,
+            return_lse=lse,
+            impl="triton-cuda",
+            **scales_of(spec),
+        )
         for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"layer {layer} cache after write")
         for a, b in zip(got if lse else (got,), want if lse else (want,)):
@@ -126,8 +141,15 @@ def test_prepared_attention_variants(case):
         blocks = -(-length // bs)
         table = [list(np.random.default_rng(7).permutation(blocks))]
         meta = metadata(DEVICE, q_lens=(1,), seq_lens=(length,), table=table, block_size=bs)
-        spec = kvzoo.CacheSpec(mode, num_blocks=blocks, block_size=bs, num_kv_heads=HKV, head_size=spec.head_size,
-                               model_dtype="bfloat16", device=DEVICE)
+        spec = kvzoo.CacheSpec(
+            mode,
+            num_blocks=blocks,
+            block_size=bs,
+            num_kv_heads=HKV,
+            head_size=spec.head_size,
+            model_dtype="bfloat16",
+            device=DEVICE,
+        )
     counts, plan = step_through_plan(spec, meta, 2, rng, lse=case == "lse", sinks=sinks)
     prepared = counts["paged_attention"].pop("prepared")
     assert counts["paged_attention"] == dict(run=0, prepare=1, launch=2)
@@ -166,23 +188,50 @@ def test_staged_prefill_is_not_prepared_and_runs():
     impl = _triton("paged_attention").with_options(prefill="auto", stage_max_bytes=1 << 30)
     if DEVICE == "cpu":
         pytest.skip("staging is chosen by GPU timings (staging.worth_staging); the interpreter stays direct")
-    spec = kvzoo.CacheSpec("int8_per_token_head", num_blocks=32, block_size=16, num_kv_heads=2, head_size=128,
-                           model_dtype="bfloat16", device="cuda")
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head",
+        num_blocks=32,
+        block_size=16,
+        num_kv_heads=2,
+        head_size=128,
+        model_dtype="bfloat16",
+        device="cuda",
+    )
     meta = metadata("cuda", q_lens=(300,), seq_lens=(300,), table=[list(range(19))], block_size=16)
     counts = dict(run=0, prepare=0, launch=0)
-    plan = kvzoo.plan_step(spec, block_tables=meta["block_tables"], seq_lens=meta["seq_lens"],
-                           query_start_loc=meta["query_start_loc"], num_q_heads=8,
-                           impl={"paged_attention": counted(impl, counts)})
+    plan = kvzoo.plan_step(
+        spec,
+        block_tables=meta["block_tables"],
+        seq_lens=meta["seq_lens"],
+        query_start_loc=meta["query_start_loc"],
+        num_q_heads=8,
+        impl={"paged_attention": counted(impl, counts)},
+    )
     c = spec.allocate()
-    kvzoo.reshape_and_cache(*(torch.randn(2, 300, 2, 128, device="cuda").to(torch.bfloat16)), c.key_cache,
-                            c.value_cache, meta["slot_mapping"], mode=spec.mode, k_scale_cache=c.k_scale_cache,
-                            v_scale_cache=c.v_scale_cache)
+    kvzoo.reshape_and_cache(
+        *(torch.randn(2, 300, 2, 128, device="cuda").to(torch.bfloat16)),
+        c.key_cache,
+        c.value_cache,
+        meta["slot_mapping"],
+        mode=spec.mode,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+    )
     query = torch.randn(300, 8, 128, device="cuda").to(torch.bfloat16)
     for _ in range(2):
         got = plan.attention(query, c)
-    want = kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode=spec.mode, block_tables=meta["block_tables"],
-                                 seq_lens=meta["seq_lens"], query_start_loc=meta["query_start_loc"],
-                                 k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, impl=impl)
+    want = kvzoo.paged_attention(
+        query,
+        c.key_cache,
+        c.value_cache,
+        mode=spec.mode,
+        block_tables=meta["block_tables"],
+        seq_lens=meta["seq_lens"],
+        query_start_loc=meta["query_start_loc"],
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+    )
     assert_same_bytes(got, want, "staged prefill through the plan")
     assert counts.pop("prepared") == [None]
     assert counts == dict(run=2, prepare=1, launch=0)
@@ -206,9 +255,17 @@ def test_operands_are_every_array_field_in_order():
 
 def functional_attention(query, c, meta, impl, sinks=None):
     index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
-    return kvzoo.paged_attention(query, c.key_cache, c.value_cache, mode="int8_per_token_head", **index,
-                                 k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, sinks=sinks,
-                                 impl=impl)
+    return kvzoo.paged_attention(
+        query,
+        c.key_cache,
+        c.value_cache,
+        mode="int8_per_token_head",
+        **index,
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        sinks=sinks,
+        impl=impl,
+    )
 
 
 @pytest.mark.parametrize("q_lens,seq_lens", [((5, 1, 4), (8, 13, 4)), ((1, 1, 1), (8, 13, 4))])
@@ -221,9 +278,14 @@ def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
     tokens, d = int(meta["slot_mapping"].shape[0]), spec.head_size
     for call in range(3):
         c = poisoned(spec, rng)
-        functional_write(rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE),
-                         rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE), c,
-                         meta["context_slots"], spec, "numpy" if DEVICE == "cpu" else "triton-cuda")
+        functional_write(
+            rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE),
+            rows(rng, (int(meta["context_slots"].shape[0]), HKV, d), "bfloat16", DEVICE),
+            c,
+            meta["context_slots"],
+            spec,
+            "numpy" if DEVICE == "cpu" else "triton-cuda",
+        )
         theirs = clone(c)
         key, value = (rows(rng, (tokens, HKV, d), "bfloat16", DEVICE) for _ in range(2))
         query = rows(rng, (tokens, HQ, d), "bfloat16", DEVICE)
@@ -231,8 +293,9 @@ def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
         got = functional_attention(query, c, meta, attend)
         # The same calls through a fresh object of the same implementation: its own first
         # prepare, on these very tensors.
-        functional_write(key, value, theirs, meta["slot_mapping"], spec,
-                         dataclasses.replace(_triton("reshape_and_cache")))
+        functional_write(
+            key, value, theirs, meta["slot_mapping"], spec, dataclasses.replace(_triton("reshape_and_cache"))
+        )
         want = functional_attention(query, theirs, meta, dataclasses.replace(_triton("paged_attention")))
         for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"call {call} cache")
@@ -303,9 +366,15 @@ def test_a_prepared_step_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     for i, c in enumerate(before):
         functional_write(key[i], value[i], c, meta["slot_mapping"], spec, "triton-cuda")
-        want = kvzoo.paged_attention(query[i], c.key_cache, c.value_cache, mode=spec.mode, **index,
-                                     k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
+        want = kvzoo.paged_attention(
+            query[i],
+            c.key_cache,
+            c.value_cache,
+            mode=spec.mode,
+            **index,
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+        )
         for a, b in zip(cache_arrays(layers[i]), cache_arrays(c)):
             assert_same_bytes(a, b, f"layer {i} cache after replay")
         assert_same_bytes(out[i], want, f"layer {i} attention after replay")
-

@@ -34,10 +34,24 @@ def bench():
 def _hard_rows(rng: np.random.Generator) -> np.ndarray:
     """Rows whose scale is exactly 1 (absmax 448), so y = x and ties and subnormals are hit on purpose,
     plus random rows spanning many binades (outlier-like channels, zeros, tiny values)."""
-    ties = np.array([0.53125, 0.59375, 1.5 * 2.0 ** -9, 2.5 * 2.0 ** -9, 2.0 ** -10, 0.75 * 2.0 ** -9,
-                     240.0 + 8.0, 416.0, -0.53125, -2.0 ** -12, 0.0, -0.0])
+    ties = np.array(
+        [
+            0.53125,
+            0.59375,
+            1.5 * 2.0**-9,
+            2.5 * 2.0**-9,
+            2.0**-10,
+            0.75 * 2.0**-9,
+            240.0 + 8.0,
+            416.0,
+            -0.53125,
+            -(2.0**-12),
+            0.0,
+            -0.0,
+        ]
+    )
     crafted = np.zeros((2, 64), np.float32)
-    crafted[:, :len(ties)] = ties
+    crafted[:, : len(ties)] = ties
     crafted[:, -1] = 448.0
     crafted[1] *= -1
     random = rng.standard_normal((300, 64)).astype(np.float32)
@@ -55,12 +69,12 @@ def test_e4m3_simulation_is_the_oracle_bit_for_bit(bench):
 
 
 def test_round_minifloat_ties_to_even_and_subnormal_spacing(bench):
-    y = torch.tensor([1 + 1 / 32, 1 + 3 / 32, 2.0 ** -8 * 1.5, 2.0 ** -12, 3.0 * 2.0 ** -20])
+    y = torch.tensor([1 + 1 / 32, 1 + 3 / 32, 2.0**-8 * 1.5, 2.0**-12, 3.0 * 2.0**-20])
     four = bench.round_minifloat(y, 4).tolist()
     assert four[:2] == [1.0, 1.125]
-    assert four[2] == 2.0 ** -8 * 1.5  # spacing 2^-10 below 2^-6 with 4 bits: representable
+    assert four[2] == 2.0**-8 * 1.5  # spacing 2^-10 below 2^-6 with 4 bits: representable
     assert four[3] == 0.0  # 2^-12 is under half the smallest spacing 2^-10
-    assert bench.round_minifloat(y, 4, emin=None)[4].item() == 3.0 * 2.0 ** -20  # no underflow without subnormals
+    assert bench.round_minifloat(y, 4, emin=None)[4].item() == 3.0 * 2.0**-20  # no underflow without subnormals
     assert bench.round_minifloat(torch.tensor([448.0, 300.0]), 2).tolist() == [448.0, 320.0]
 
 

@@ -15,11 +15,19 @@ from kvzoo.errors import KVZooInputError
 from kvzoo.registry import Implementation, NoImplementationError, Registry
 
 
-def _impl(name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), missing=(), limit=None, op="reshape_and_cache"):
+def _impl(
+    name, priority, *, modes=("int8_per_token_head",), devices=("cpu",), missing=(), limit=None, op="reshape_and_cache"
+):
     calls = []
     impl = Implementation(
-        name=name, op=op, platform="cpu", modes=frozenset(modes), run=calls.append,
-        devices=frozenset(devices), priority=priority, unavailable=lambda: list(missing),
+        name=name,
+        op=op,
+        platform="cpu",
+        modes=frozenset(modes),
+        run=calls.append,
+        devices=frozenset(devices),
+        priority=priority,
+        unavailable=lambda: list(missing),
         problem_reasons=(lambda p: [] if limit is None else limit(p)),
     )
     return impl, calls
@@ -69,8 +77,17 @@ def test_candidates_are_remembered_until_the_registry_changes():
     probes = []
     missing: list[str] = ["fast: not installed"]
     reg = Registry()
-    reg.add(Implementation("fast", "reshape_and_cache", "cpu", frozenset({"int8_per_token_head"}), run=print,
-                           priority=50, unavailable=lambda: probes.append(1) or list(missing)))
+    reg.add(
+        Implementation(
+            "fast",
+            "reshape_and_cache",
+            "cpu",
+            frozenset({"int8_per_token_head"}),
+            run=print,
+            priority=50,
+            unavailable=lambda: probes.append(1) or list(missing),
+        )
+    )
     reg.add(_impl("slow", 10)[0])
     for _ in range(3):
         assert reg.select(_Problem(), "reshape_and_cache").name == "slow"
@@ -165,9 +182,17 @@ def test_impl_argument_forces_an_implementation():
     cache = kvzoo.PagedKVCache(1, 4, 1, 16, "int8_per_token_head")
     cache.write(key, key, torch.arange(3), impl="numpy")
     with pytest.raises(NoImplementationError, match="mode 'fp8_per_tensor'"):
-        kvzoo.reshape_and_cache(key, key, torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
-                                torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn), torch.arange(3),
-                                mode="fp8_per_tensor", k_scale=1.0, v_scale=1.0, impl="triton-rocm")
+        kvzoo.reshape_and_cache(
+            key,
+            key,
+            torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
+            torch.empty(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
+            torch.arange(3),
+            mode="fp8_per_tensor",
+            k_scale=1.0,
+            v_scale=1.0,
+            impl="triton-rocm",
+        )
 
 
 def test_triton_missing_entirely_is_a_reason_not_an_import_error():
@@ -197,9 +222,16 @@ def test_registry_picks_triton_on_cuda():
     # ... and the CPU backends refuse CUDA tensors with a reason naming the device.
     from kvzoo.problem import CacheWrite
 
-    p = CacheWrite(mode=cache.mode, key=key, value=key, key_cache=cache.tensors.key_cache,
-                   value_cache=cache.tensors.value_cache, slot_mapping=torch.arange(8, device="cuda"),
-                   k_scale_cache=cache.tensors.k_scale_cache, v_scale_cache=cache.tensors.v_scale_cache)
+    p = CacheWrite(
+        mode=cache.mode,
+        key=key,
+        value=key,
+        key_cache=cache.tensors.key_cache,
+        value_cache=cache.tensors.value_cache,
+        slot_mapping=torch.arange(8, device="cuda"),
+        k_scale_cache=cache.tensors.k_scale_cache,
+        v_scale_cache=cache.tensors.v_scale_cache,
+    )
     assert any("device 'cuda'" in r for r in kvzoo.registry.get("reshape_and_cache", "numpy").supports(p))
 
 
@@ -210,8 +242,12 @@ def test_an_option_one_backend_lacks_goes_to_one_that_has_it():
     kv = torch.randn(20, 2, 64)
     cache.write(kv, kv, torch.arange(20))
     q = torch.randn(20, 4, 64)
-    args = dict(block_tables=torch.tensor([[0, 1]], dtype=torch.int32), seq_lens=torch.tensor([20], dtype=torch.int32),
-                query_start_loc=torch.tensor([0, 20], dtype=torch.int32), quantize_query=True)
+    args = dict(
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        seq_lens=torch.tensor([20], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 20], dtype=torch.int32),
+        quantize_query=True,
+    )
     numba = kvzoo.registry.get("paged_attention", "numba")
     if numba.available:
         with pytest.raises(NoImplementationError, match="quantize_query"):
@@ -220,12 +256,22 @@ def test_an_option_one_backend_lacks_goes_to_one_that_has_it():
     assert torch.equal(auto, cache.attention(q, impl="numpy", **args))
 
 
-@pytest.mark.parametrize("engine, mode", [
-    ("auto", "none"), ("bfloat16", "none"), ("float16", "none"), ("float32", "none"), ("fp8", "fp8_per_tensor"),
-    ("fp8_e4m3", "fp8_per_tensor"), (" INT8_PER_TOKEN_HEAD ", "int8_per_token_head"),
-    ("fp8_per_token_head", "fp8_per_token_head"), ("int8_per_tensor", "int8_per_tensor"),
-    ("fp8_e5m2", "fp8_e5m2_per_tensor"), ("fp8_e5m2_per_tensor", "fp8_e5m2_per_tensor"),
-])
+@pytest.mark.parametrize(
+    "engine, mode",
+    [
+        ("auto", "none"),
+        ("bfloat16", "none"),
+        ("float16", "none"),
+        ("float32", "none"),
+        ("fp8", "fp8_per_tensor"),
+        ("fp8_e4m3", "fp8_per_tensor"),
+        (" INT8_PER_TOKEN_HEAD ", "int8_per_token_head"),
+        ("fp8_per_token_head", "fp8_per_token_head"),
+        ("int8_per_tensor", "int8_per_tensor"),
+        ("fp8_e5m2", "fp8_e5m2_per_tensor"),
+        ("fp8_e5m2_per_tensor", "fp8_e5m2_per_tensor"),
+    ],
+)
 def test_engine_kv_cache_dtype_strings(engine, mode):
     assert kvzoo.get_kv_quant_mode(engine).name == mode
 
@@ -250,8 +296,9 @@ def test_typed_options_reach_run_with_the_call():
 
     seen = []
     base = registry.default().get("dequantize", "numpy")
-    impl = dc.replace(base, name="with-choice", option_type=Choice,
-                      run=lambda p, options=None: (seen.append(options), base.run(p)))
+    impl = dc.replace(
+        base, name="with-choice", option_type=Choice, run=lambda p, options=None: (seen.append(options), base.run(p))
+    )
     cache = np.random.default_rng(3).integers(-127, 128, (2, 4, 1, 8)).astype(np.int8)
     scales = np.random.default_rng(4).uniform(0.01, 0.1, (2, 4, 1)).astype(np.float32)
     plain = kvzoo.dequantize(cache, scales, mode="int8_per_token_head", impl=impl)

@@ -33,16 +33,34 @@ def report():
 
 
 def _row(case, impl, time_us, pct=None, unit="GB/s", metric=None, check="", how="graph", error=""):
-    return dict(case=case, impl=impl, time_us=time_us, metric=metric, unit=unit, pct=pct, ratios={}, check=check,
-                how=how, error=error)
+    return dict(
+        case=case,
+        impl=impl,
+        time_us=time_us,
+        metric=metric,
+        unit=unit,
+        pct=pct,
+        ratios={},
+        check=check,
+        how=how,
+        error=error,
+    )
 
 
 K, SDPA = "triton-cuda", "torch sdpa"
 # A fixture, not a measurement: round figures, so every expected line below follows by hand.
 HAND_BUILT = {
-    "info": {"gpu": "FIXTURE GPU", "torch": "0.0", "triton": "0.0", "quick": False, "seed": 1,
-             "cases": ["write", "decode", "prefill"], "date": "2000-01-01 00:00 UTC", "commit": "abc1234",
-             "command": "python3 bench/gpu_bench.py"},
+    "info": {
+        "gpu": "FIXTURE GPU",
+        "torch": "0.0",
+        "triton": "0.0",
+        "quick": False,
+        "seed": 1,
+        "cases": ["write", "decode", "prefill"],
+        "date": "2000-01-01 00:00 UTC",
+        "commit": "abc1234",
+        "command": "python3 bench/gpu_bench.py",
+    },
     "ceilings": {"copy_GBps": 4000.0, "matmul_TFLOPs": 800.0},
     "rows": [
         _row("write T=1 int8", K, 2.0, 0.1, metric=4.0),
@@ -81,23 +99,37 @@ HAND_BUILT = {
 }
 # host_cost.py's JSON (fixture): write and attention rows side by side, a step row, the null op.
 HOST_COST = {
-    "info": {"device": "FIXTURE GPU", "commit": "abc1234", "command": "python3 bench/host_cost.py",
-             "case": "int8 decode 8 x 256", "calls": 200, "date": "2000-01-01 00:00 UTC"},
+    "info": {
+        "device": "FIXTURE GPU",
+        "commit": "abc1234",
+        "command": "python3 bench/host_cost.py",
+        "case": "int8 decode 8 x 256",
+        "calls": 200,
+        "date": "2000-01-01 00:00 UTC",
+    },
     "rows": [
         {"row": "null op (torch.empty(0) + sync)", "returns_us": 5.0, "synchronised_us": 10.0, "above_null_us": 0.0},
         {"row": "write: plan.write", "returns_us": 60.0, "synchronised_us": 80.0, "above_null_us": 70.0},
         {"row": "attention: plan.attention", "returns_us": 90.0, "synchronised_us": 116.0, "above_null_us": 106.0},
         {"row": "write: impl.run(problem)", "returns_us": 50.0, "synchronised_us": 60.0, "above_null_us": 50.0},
         {"row": "attention: impl.run(problem)", "returns_us": 80.0, "synchronised_us": 95.0, "above_null_us": 85.0},
-        {"row": "step: plan_step validate=False", "returns_us": 200.0, "synchronised_us": 210.0,
-         "above_null_us": 200.0},
+        {
+            "row": "step: plan_step validate=False",
+            "returns_us": 200.0,
+            "synchronised_us": 210.0,
+            "above_null_us": 200.0,
+        },
     ],
 }
 # real_model.py --json (fixture): only the keys the page reads.
 REAL_MODEL = {
-    "command": "python bench/real_model.py", "model": "FIXTURE model", "text": "FIXTURE text",
-    "formats": {"DynamicCache": {"ppl": 10.0, "delta": 0.0, "bytes_per_token": 46080},
-                "kvzoo int8 nearest": {"ppl": 10.05, "delta": 0.005, "bytes_per_token": 12240}},
+    "command": "python bench/real_model.py",
+    "model": "FIXTURE model",
+    "text": "FIXTURE text",
+    "formats": {
+        "DynamicCache": {"ppl": 10.0, "delta": 0.0, "bytes_per_token": 46080},
+        "kvzoo int8 nearest": {"ppl": 10.05, "delta": 0.005, "bytes_per_token": 12240},
+    },
     "decode_tokens_per_s": {"DynamicCache": 13.5, "kvzoo int8 nearest": 11.0},
 }
 
@@ -147,7 +179,10 @@ def test_table_rows_and_their_alternatives_come_from_the_json(report, tmp_path):
 
 def test_prose_states_the_runs_figures(report, tmp_path):
     text = _page(report, _write(tmp_path, bench=HAND_BUILT))
-    assert "**Writes** of 32768 tokens stream at 88.0-90.0% of the copy ceiling (a plain copy of the same bytes: 94.0%)" in text
+    assert (
+        "**Writes** of 32768 tokens stream at 88.0-90.0% of the copy ceiling (a plain copy of the same bytes: 94.0%)"
+        in text
+    )
     assert "At 4096 tokens the int8 write reaches 60.0% and a plain copy of the same bytes 75.0%" in text
     assert "A CUDA graph replays a write of 1-16 tokens in 2.0 us; an eager API call takes 150 us." in text
     assert "**Quantized decode** streams at 78.0-90.0% of the copy ceiling (8 x 65536, 64 x 16384)" in text
@@ -188,7 +223,9 @@ def test_a_changed_figure_changes_the_page(report, tmp_path):
             r["time_us"], r["pct"] = 625.0, 72.0
     text = _page(report, _write(tmp_path, bench=slower))
     assert "| decode 64 x 16384, int8 | 625.0 us | 72.0 | kvzoo bf16 1.60x slower;" in text
-    assert "| 5 | int8/fp8 decode at 16384 context >= 85% of the copy ceiling | int8 72.0%, fp8 86.0% | **no** |" in text
+    assert (
+        "| 5 | int8/fp8 decode at 16384 context >= 85% of the copy ceiling | int8 72.0%, fp8 86.0% | **no** |" in text
+    )
 
 
 def test_optional_runs_absent_and_present(report, tmp_path):
@@ -234,8 +271,12 @@ def test_the_dry_run_json_gives_a_page_marked_dry_and_both_plots(report, tmp_pat
 
 def test_no_plots_needs_no_matplotlib_and_writes_none(report, tmp_path):
     out, plots = tmp_path / "RESULTS.md", tmp_path / "plots"
-    assert report.main([str(_write(tmp_path / "run", bench=HAND_BUILT)), "--out", str(out), "--plots", str(plots),
-                        "--no-plots"]) == 0
+    assert (
+        report.main(
+            [str(_write(tmp_path / "run", bench=HAND_BUILT)), "--out", str(out), "--plots", str(plots), "--no-plots"]
+        )
+        == 0
+    )
     assert not plots.exists() and "](plots/" not in out.read_text()
 
 
@@ -243,8 +284,14 @@ def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
     """The benchmark and the report agree on the JSON today, not only on the stored file (the write
     cases only: about 20 s on two cores under the Triton interpreter)."""
     env = dict(os.environ, OUT=str(tmp_path))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--dry-run", "--cases", "write"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--dry-run", "--cases", "write"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     text = report.page(report.load(tmp_path), None)
     assert "**DRY RUN**" in text and "| write " in text
@@ -253,10 +300,20 @@ def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
 def test_report_reads_what_host_cost_writes(report, tmp_path):
     """host_cost.py's own JSON (its CPU smoke run) beside a bench.json."""
     env = dict(os.environ, OUT=str(tmp_path))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_cost.py"), "--quick", "--cpu"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "host_cost.py"), "--quick", "--cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     (tmp_path / "bench.json").write_text(json.dumps(HAND_BUILT))
     text = _page(report, tmp_path)
-    assert "**Host time per layer call** (" in text and "| call | write, synchronised | write, back to back | attention, synchronised | attention, back to back |" in text
+    assert (
+        "**Host time per layer call** (" in text
+        and "| call | write, synchronised | write, back to back | attention, synchronised | attention, back to back |"
+        in text
+    )
     assert "plan.write / plan.attention" in text

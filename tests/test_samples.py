@@ -18,12 +18,22 @@ from kvzoo.conformance.inputs import host_bytes, rng_for
 from kvzoo.modes import MODES
 from kvzoo_spec import oracle
 
-PLACES = [pytest.param(("torch", "cpu"), id="torch-cpu"), pytest.param(("numpy", "cpu"), id="numpy"),
-          pytest.param(("torch", "cuda"), id="torch-cuda", marks=pytest.mark.skipif(
-              not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+PLACES = [
+    pytest.param(("torch", "cpu"), id="torch-cpu"),
+    pytest.param(("numpy", "cpu"), id="numpy"),
+    pytest.param(
+        ("torch", "cuda"),
+        id="torch-cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
+]
 # The inline layout stores per-row scales: per-token-head modes only.
-MODE_LAYOUTS = [pytest.param(m, lay, id=f"{m}-{lay}") for m in MODES for lay in ("separate", "inline")
-                if lay == "separate" or MODES[m].per_token_head]
+MODE_LAYOUTS = [
+    pytest.param(m, lay, id=f"{m}-{lay}")
+    for m in MODES
+    for lay in ("separate", "inline")
+    if lay == "separate" or MODES[m].per_token_head
+]
 
 
 def _bytes(x) -> bytes:
@@ -32,9 +42,20 @@ def _bytes(x) -> bytes:
 
 def _paged_bytes(s: samples.PagedSample) -> list[bytes]:
     c = s.caches
-    return [_bytes(x) for x in (s.query, c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache,
-                                s.block_tables, s.seq_lens, s.query_start_loc, s.sinks)] + [
-        repr((s.k_scale, s.v_scale)).encode()]
+    return [
+        _bytes(x)
+        for x in (
+            s.query,
+            c.key_cache,
+            c.value_cache,
+            c.k_scale_cache,
+            c.v_scale_cache,
+            s.block_tables,
+            s.seq_lens,
+            s.query_start_loc,
+            s.sinks,
+        )
+    ] + [repr((s.k_scale, s.v_scale)).encode()]
 
 
 def _small(rng, mode, **kw) -> samples.PagedSample:
@@ -65,12 +86,23 @@ def test_draws_do_not_depend_on_kind_or_device(place):
     here = _small(rng_for("samples", "placed"), "int8_per_token_head", kind=kind, device=device, sinks=True)
     host = _small(rng_for("samples", "placed"), "int8_per_token_head", kind="torch", device="cpu", sinks=True)
     assert _paged_bytes(here) == _paged_bytes(host)
-    w_here = samples.write_sample(rng_for("samples", "w"), "fp8_per_token_head", num_tokens=9, head_size=16,
-                                  block_size=4, kind=kind, device=device, negative_slots=True)
-    w_host = samples.write_sample(rng_for("samples", "w"), "fp8_per_token_head", num_tokens=9, head_size=16,
-                                  block_size=4, negative_slots=True)
-    for a, b in zip((w_here.key, w_here.value, w_here.slot_mapping, *w_here.cache_arrays()),
-                    (w_host.key, w_host.value, w_host.slot_mapping, *w_host.cache_arrays())):
+    w_here = samples.write_sample(
+        rng_for("samples", "w"),
+        "fp8_per_token_head",
+        num_tokens=9,
+        head_size=16,
+        block_size=4,
+        kind=kind,
+        device=device,
+        negative_slots=True,
+    )
+    w_host = samples.write_sample(
+        rng_for("samples", "w"), "fp8_per_token_head", num_tokens=9, head_size=16, block_size=4, negative_slots=True
+    )
+    for a, b in zip(
+        (w_here.key, w_here.value, w_here.slot_mapping, *w_here.cache_arrays()),
+        (w_host.key, w_host.value, w_host.slot_mapping, *w_host.cache_arrays()),
+    ):
         assert _bytes(a) == _bytes(b)
 
 
@@ -84,8 +116,10 @@ def test_torch_fill_is_the_same_for_a_seed_and_differs_across_seeds():
 
 def test_write_sample_is_the_same_for_a_seed_and_differs_across_seeds():
     kw = dict(num_tokens=11, head_size=16, block_size=4, dist="outliers", negative_slots=True, guard_blocks=1)
-    one, again, other = (samples.write_sample(rng_for("samples", key), "int8_per_token_head", **kw)
-                         for key in ("write", "write", "write 2"))
+    one, again, other = (
+        samples.write_sample(rng_for("samples", key), "int8_per_token_head", **kw)
+        for key in ("write", "write", "write 2")
+    )
     arrays = lambda w: [w.key, w.value, w.slot_mapping, *w.cache_arrays(), *w.guard]  # noqa: E731
     assert [_bytes(a) for a in arrays(one)] == [_bytes(a) for a in arrays(again)]
     assert _bytes(one.key) != _bytes(other.key) and _bytes(one.caches.key_cache) != _bytes(other.caches.key_cache)
@@ -198,12 +232,16 @@ def test_poison_makes_exactly_the_asked_key_nan(mode):
 def test_paged_sample_shapes_and_dtypes(mode, layout, place):
     m = MODES[mode]
     kind, device = place
-    s = _small(rng_for("samples", "shapes"), mode, layout=layout, kind=kind, device=device, query_dtype="float16",
-               sinks=True)
+    s = _small(
+        rng_for("samples", "shapes"), mode, layout=layout, kind=kind, device=device, query_dtype="float16", sinks=True
+    )
     T, S = s.batch.num_tokens, len(s.batch.seq_lens)
     nb, c = s.batch.num_blocks, s.caches
-    is_kind = (lambda x: isinstance(x, np.ndarray)) if kind == "numpy" else (
-        lambda x: isinstance(x, torch.Tensor) and x.device.type == device)
+    is_kind = (
+        (lambda x: isinstance(x, np.ndarray))
+        if kind == "numpy"
+        else (lambda x: isinstance(x, torch.Tensor) and x.device.type == device)
+    )
     arrays = [s.query, c.key_cache, c.value_cache, s.block_tables, s.seq_lens, s.query_start_loc, s.sinks]
     assert all(is_kind(x) for x in arrays)
     assert tuple(s.query.shape) == (T, 4, 16) and dtype_name(s.query) == "float16"
@@ -230,21 +268,42 @@ def test_paged_sample_shapes_and_dtypes(mode, layout, place):
 
 
 @pytest.mark.parametrize("place", PLACES)
-@pytest.mark.parametrize("mode,layout", [p for p in MODE_LAYOUTS if p.values[0] in (
-    "none", "int8_per_token_head", "fp8_per_tensor", "fp8_e4m3fnuz_per_token_head")])
+@pytest.mark.parametrize(
+    "mode,layout",
+    [
+        p
+        for p in MODE_LAYOUTS
+        if p.values[0] in ("none", "int8_per_token_head", "fp8_per_tensor", "fp8_e4m3fnuz_per_token_head")
+    ],
+)
 def test_write_sample_shapes_slots_and_poison(mode, layout, place):
     m = MODES[mode]
     kind, device = place
     # 64 tokens: some are negative and some wild in every draw (else 1 in 10^5).
-    w = samples.write_sample(rng_for("samples", "write shapes"), mode, num_tokens=64, num_kv_heads=2, head_size=16,
-                             block_size=4, dtype="float16", layout=layout, kind=kind, device=device, strided=True,
-                             negative_slots=True, wild_slots=True, guard_blocks=1, index_dtype="int32")
+    w = samples.write_sample(
+        rng_for("samples", "write shapes"),
+        mode,
+        num_tokens=64,
+        num_kv_heads=2,
+        head_size=16,
+        block_size=4,
+        dtype="float16",
+        layout=layout,
+        kind=kind,
+        device=device,
+        strided=True,
+        negative_slots=True,
+        wild_slots=True,
+        guard_blocks=1,
+        index_dtype="int32",
+    )
     assert w.num_blocks == -(-64 // 4) + 2
     for rows, values in ((w.key, w.key32), (w.value, w.value32)):
         assert tuple(rows.shape) == (64, 2, 16) and dtype_name(rows) == "float16"
         assert not (rows.is_contiguous() if kind == "torch" else rows.flags.c_contiguous), "a fused-QKV view"
-        assert np.array_equal(np.asarray(torch.as_tensor(np.asarray(host_bytes(rows).view(np.float16)[..., 0]))
-                                         .float()), values), "rows exact in their dtype"
+        assert np.array_equal(
+            np.asarray(torch.as_tensor(np.asarray(host_bytes(rows).view(np.float16)[..., 0])).float()), values
+        ), "rows exact in their dtype"
     assert dtype_name(w.slot_mapping) == "int32" and w.slots.dtype == np.int64
     capacity = w.num_blocks * 4
     wild = w.slots >= capacity
@@ -260,7 +319,7 @@ def test_write_sample_shapes_slots_and_poison(mode, layout, place):
     if layout == "inline":
         assert w.caches.buffer.shape[0] == w.num_blocks
     w.assert_guard_unchanged("nothing")
-    w.padded.key_cache[w.num_blocks:][0, 0, 0, 0] = 0
+    w.padded.key_cache[w.num_blocks :][0, 0, 0, 0] = 0
     with pytest.raises(AssertionError, match="past the end"):
         w.assert_guard_unchanged("a write")
     if m.per_tensor:
@@ -288,8 +347,9 @@ def test_reference_is_the_oracle_on_the_quantized_cache():
     s = _small(rng_for("samples", "reference"), "int8_per_token_head", sinks=True)
     k = oracle.decode_cache(s.key_codes, s.k_scales, "int8_per_token_head")
     v = oracle.decode_cache(s.value_codes, s.v_scales, "int8_per_token_head")
-    want = oracle.attention_f64(s.query_host, k, v, s.batch.tables, s.batch.seq_lens, s.batch.qsl,
-                                sliding_window=3, sinks=s.sinks_host)
+    want = oracle.attention_f64(
+        s.query_host, k, v, s.batch.tables, s.batch.seq_lens, s.batch.qsl, sliding_window=3, sinks=s.sinks_host
+    )
     assert s.reference(sliding_window=3).tobytes() == want.tobytes()
     qq = s.reference(quantize_query=True)
     assert qq.shape == want.shape and not np.array_equal(qq, s.reference())
@@ -305,7 +365,7 @@ def test_tolerance_is_declared_rtol_plus_output_rounding_per_sequence():
     near = ref * (1 + 0.5e-3)
     samples.assert_attention_close(_Impl, near, ref, qsl, "float32")
     far = ref.copy()
-    far[qsl[1]:qsl[2]] *= 1 + 2e-3
+    far[qsl[1] : qsl[2]] *= 1 + 2e-3
     with pytest.raises(AssertionError, match="sequence 1"):
         samples.assert_attention_close(_Impl, far, ref, qsl, "float32")
     # bf16 output: its rounding is allowed on top.
@@ -326,8 +386,7 @@ def test_host_copies_are_not_views_of_the_arrays(layout, place):
     # The reference must be of the cache as built: an implementation that writes into its
     # inputs (or a test that edits them) must not change it.
     kind, device = place
-    s = _small(rng_for("samples", "copies"), "int8_per_token_head", layout=layout, kind=kind, device=device,
-               sinks=True)
+    s = _small(rng_for("samples", "copies"), "int8_per_token_head", layout=layout, kind=kind, device=device, sinks=True)
     before = s.reference()
     for x in (s.query, s.caches.key_cache, s.caches.value_cache, s.caches.k_scale_cache, s.sinks):
         x[...] = 0

@@ -53,8 +53,11 @@ def _perturb_attention(problem):
 
 MUTANTS = {
     "flipped code": ("reshape_and_cache", _flip_one_code, lambda c: "-T0-" not in c.case_id),
-    "scale off by one ulp": ("reshape_and_cache", _nudge_one_scale,
-                             lambda c: "per_token_head" in c.case_id and "-T0-" not in c.case_id),
+    "scale off by one ulp": (
+        "reshape_and_cache",
+        _nudge_one_scale,
+        lambda c: "per_token_head" in c.case_id and "-T0-" not in c.case_id,
+    ),
     "attention 5% off in one channel": ("paged_attention", _perturb_attention, lambda c: True),
 }
 

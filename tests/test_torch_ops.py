@@ -46,8 +46,13 @@ class Geometry:
 SMALL = Geometry(num_blocks=6, block_size=8, num_kv_heads=2, num_q_heads=4, head_size=32)
 
 
-def _floats(rng: np.random.Generator, shape: tuple[int, ...], device: str, scale: float = 1.0,
-            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _floats(
+    rng: np.random.Generator,
+    shape: tuple[int, ...],
+    device: str,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to(device=device, dtype=dtype)
 
 
@@ -66,8 +71,9 @@ def _storage(t: KVCacheTensors) -> list[torch.Tensor]:
 def _poisoned_cache(mode: str, layout: str, g: Geometry, device: str, rng: np.random.Generator) -> KVCacheTensors:
     # Random non-zero bytes everywhere, so a slot the op should write but does not (or one it
     # should leave alone but touches) differs from the API's result.
-    cache = kvzoo.PagedKVCache(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, mode,
-                               layout=layout, device=device)
+    cache = kvzoo.PagedKVCache(
+        g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, mode, layout=layout, device=device
+    )
     for x in _storage(cache.tensors):
         _fill_random_bytes(x, rng)
     return cache.tensors
@@ -76,8 +82,9 @@ def _poisoned_cache(mode: str, layout: str, g: Geometry, device: str, rng: np.ra
 def _copy(t: KVCacheTensors, mode: str, g: Geometry) -> KVCacheTensors:
     if t.buffer is not None:
         return kvzoo.inline_views(t.buffer.clone(), g.head_size, mode)
-    return KVCacheTensors(*(None if x is None else x.clone()
-                            for x in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)))
+    return KVCacheTensors(
+        *(None if x is None else x.clone() for x in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache))
+    )
 
 
 def _assert_same_cache(got: KVCacheTensors, want: KVCacheTensors, what: str) -> None:
@@ -101,8 +108,14 @@ class Step:
         return int(self.slot_mapping.shape[0])
 
     def metadata(self) -> tuple[Any, ...]:
-        return (self.slot_mapping, self.block_tables, self.seq_lens, self.query_start_loc,
-                self.max_query_len, self.max_seq_len)
+        return (
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.max_query_len,
+            self.max_seq_len,
+        )
 
 
 class Plan:
@@ -116,7 +129,7 @@ class Plan:
         blocks = rng.permutation(g.num_blocks)
         start = 0
         for s, n in enumerate(need):
-            table[s, :n] = blocks[start:start + n]
+            table[s, :n] = blocks[start : start + n]
             start += n
         self.table, self.block_size, self.device = table, g.block_size, device
 
@@ -130,10 +143,12 @@ class Plan:
         slots = np.concatenate([self.slots(s, d, n) for s, (d, n) in enumerate(zip(done, seq_lens))])
         index = dict(dtype=torch.int32, device=self.device)
         return Step(
-            block_tables=torch.tensor(self.table, **index), seq_lens=torch.tensor(seq_lens, **index),
+            block_tables=torch.tensor(self.table, **index),
+            seq_lens=torch.tensor(seq_lens, **index),
             query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), **index),
             slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(self.device),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
         )
 
 
@@ -141,13 +156,29 @@ def _cache_kwargs(t: KVCacheTensors) -> dict[str, Any]:
     return dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache)
 
 
-def _write_context(t: KVCacheTensors, mode: str, plan: Plan, lens: list[int], g: Geometry,
-                   rng: np.random.Generator, device: str, **statics: float) -> None:
+def _write_context(
+    t: KVCacheTensors,
+    mode: str,
+    plan: Plan,
+    lens: list[int],
+    g: Geometry,
+    rng: np.random.Generator,
+    device: str,
+    **statics: float,
+) -> None:
     """The tokens cached before the step under test, written through the functional API."""
     slots = torch.from_numpy(np.concatenate([plan.slots(s, 0, n) for s, n in enumerate(lens)])).to(device)
     shape = (int(slots.shape[0]), g.num_kv_heads, g.head_size)
-    kvzoo.reshape_and_cache(_floats(rng, shape, device), _floats(rng, shape, device, 2.0), t.key_cache,
-                            t.value_cache, slots, mode=mode, **_cache_kwargs(t), **statics)
+    kvzoo.reshape_and_cache(
+        _floats(rng, shape, device),
+        _floats(rng, shape, device, 2.0),
+        t.key_cache,
+        t.value_cache,
+        slots,
+        mode=mode,
+        **_cache_kwargs(t),
+        **statics,
+    )
 
 
 # -- 1. opcheck -----------------------------------------------------------------------------------
@@ -187,8 +218,19 @@ def test_opcheck_reshape_and_cache(mode):
     slots[3] = -1  # a skipped token
     key = _floats(rng, (11, g.num_kv_heads, g.head_size), "cpu")
     value = _floats(rng, (11, g.num_kv_heads, g.head_size), "cpu", 3.0)
-    args = (key, value, t.key_cache, t.value_cache, slots, t.k_scale_cache, t.v_scale_cache, None, None,
-            mode, "nearest")
+    args = (
+        key,
+        value,
+        t.key_cache,
+        t.value_cache,
+        slots,
+        t.k_scale_cache,
+        t.v_scale_cache,
+        None,
+        None,
+        mode,
+        "nearest",
+    )
     _opcheck(torch.ops.kvzoo.reshape_and_cache.default, args, grad_arg=0)
 
 
@@ -205,9 +247,28 @@ def test_opcheck_paged_attention(mode):
     _fill_random_bytes(out, rng)
     lse = torch.empty(step.num_tokens, g.num_q_heads)
     _fill_random_bytes(lse, rng)
-    args = (out, query, t.key_cache, t.value_cache, step.block_tables, step.seq_lens, step.query_start_loc,
-            t.k_scale_cache, t.v_scale_cache, None, None, None, mode, 0.17, None, None,
-            step.max_query_len, step.max_seq_len, False, False)
+    args = (
+        out,
+        query,
+        t.key_cache,
+        t.value_cache,
+        step.block_tables,
+        step.seq_lens,
+        step.query_start_loc,
+        t.k_scale_cache,
+        t.v_scale_cache,
+        None,
+        None,
+        None,
+        mode,
+        0.17,
+        None,
+        None,
+        step.max_query_len,
+        step.max_seq_len,
+        False,
+        False,
+    )
     _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, None), grad_arg=1)
     # With lse, the optional mutated argument (before the defaulted ones).
     _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, lse), grad_arg=1)
@@ -218,8 +279,15 @@ def test_ops_refuse_inputs_that_require_grad():
     t = kvzoo.allocate_separate(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, "int8_per_token_head")
     key = _floats(rng_for("torch-ops-requires-grad"), (2, g.num_kv_heads, g.head_size), "cpu").requires_grad_(True)
     with pytest.raises(kvzoo.KVZooInputError, match="requires_grad"):
-        kv_ops.reshape_and_cache(key, key.detach(), t.key_cache, t.value_cache, torch.arange(2),
-                                 kv_cache_dtype="int8_per_token_head", **_cache_kwargs(t))
+        kv_ops.reshape_and_cache(
+            key,
+            key.detach(),
+            t.key_cache,
+            t.value_cache,
+            torch.arange(2),
+            kv_cache_dtype="int8_per_token_head",
+            **_cache_kwargs(t),
+        )
 
 
 def test_fake_kernels_refuse_mismatched_shapes_without_data():
@@ -230,34 +298,96 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
         t = kvzoo.allocate_separate(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, "int8_per_token_head")
         key = torch.empty(3, g.num_kv_heads, g.head_size)
         with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
-            torch.ops.kvzoo.reshape_and_cache(key, key[:2], t.key_cache, t.value_cache, torch.arange(3),
-                                              t.k_scale_cache, t.v_scale_cache, None, None,
-                                              "int8_per_token_head", "nearest")
+            torch.ops.kvzoo.reshape_and_cache(
+                key,
+                key[:2],
+                t.key_cache,
+                t.value_cache,
+                torch.arange(3),
+                t.k_scale_cache,
+                t.v_scale_cache,
+                None,
+                None,
+                "int8_per_token_head",
+                "nearest",
+            )
         query = torch.empty(3, g.num_q_heads, g.head_size)
         index = torch.zeros(2, dtype=torch.int32)
         with pytest.raises(kvzoo.KVZooInputError, match="out: dtype"):
-            torch.ops.kvzoo.paged_attention(query.half(), query, t.key_cache, t.value_cache, index[None], index[:1],
-                                            index, t.k_scale_cache, t.v_scale_cache, None, None, None,
-                                            "int8_per_token_head", 0.2, None, None, 3, 3, False, False, None)
-        attend = (query, t.key_cache, t.value_cache, index[None], index[:1], index, t.k_scale_cache,
-                  t.v_scale_cache, None, None, None, "int8_per_token_head", 0.2, None, None, 3, 3, False, False)
-        for bad, match in ((torch.empty(3, g.num_q_heads + 1), "lse: expected"),
-                           (torch.empty(3, g.num_q_heads, dtype=torch.float16), "lse: expected dtype")):
+            torch.ops.kvzoo.paged_attention(
+                query.half(),
+                query,
+                t.key_cache,
+                t.value_cache,
+                index[None],
+                index[:1],
+                index,
+                t.k_scale_cache,
+                t.v_scale_cache,
+                None,
+                None,
+                None,
+                "int8_per_token_head",
+                0.2,
+                None,
+                None,
+                3,
+                3,
+                False,
+                False,
+                None,
+            )
+        attend = (
+            query,
+            t.key_cache,
+            t.value_cache,
+            index[None],
+            index[:1],
+            index,
+            t.k_scale_cache,
+            t.v_scale_cache,
+            None,
+            None,
+            None,
+            "int8_per_token_head",
+            0.2,
+            None,
+            None,
+            3,
+            3,
+            False,
+            False,
+        )
+        for bad, match in (
+            (torch.empty(3, g.num_q_heads + 1), "lse: expected"),
+            (torch.empty(3, g.num_q_heads, dtype=torch.float16), "lse: expected dtype"),
+        ):
             with pytest.raises(kvzoo.KVZooInputError, match=match):
                 torch.ops.kvzoo.paged_attention(torch.empty_like(query), *attend, bad)
         # The step ops' fakes: no plan is registered and none is looked up while tracing.
         with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
-            torch.ops.kvzoo.step_write(key, key[:2], t.key_cache, t.value_cache, t.k_scale_cache,
-                                       t.v_scale_cache, "nowhere")
+            torch.ops.kvzoo.step_write(
+                key, key[:2], t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache, "nowhere"
+            )
         with pytest.raises(kvzoo.KVZooInputError, match="k_scale_cache: expected"):
-            torch.ops.kvzoo.step_write(key, key, t.key_cache, t.value_cache, t.k_scale_cache[:1],
-                                       t.v_scale_cache, "nowhere")
+            torch.ops.kvzoo.step_write(
+                key, key, t.key_cache, t.value_cache, t.k_scale_cache[:1], t.v_scale_cache, "nowhere"
+            )
         with pytest.raises(kvzoo.KVZooInputError, match="out: shape"):
-            torch.ops.kvzoo.step_attention(query[:2], query, t.key_cache, t.value_cache, t.k_scale_cache,
-                                           t.v_scale_cache, "nowhere", None)
+            torch.ops.kvzoo.step_attention(
+                query[:2], query, t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache, "nowhere", None
+            )
         with pytest.raises(kvzoo.KVZooInputError, match="lse: expected"):
-            torch.ops.kvzoo.step_attention(torch.empty_like(query), query, t.key_cache, t.value_cache,
-                                           t.k_scale_cache, t.v_scale_cache, "nowhere", torch.empty(2, g.num_q_heads))
+            torch.ops.kvzoo.step_attention(
+                torch.empty_like(query),
+                query,
+                t.key_cache,
+                t.value_cache,
+                t.k_scale_cache,
+                t.v_scale_cache,
+                "nowhere",
+                torch.empty(2, g.num_q_heads),
+            )
 
 
 def test_schema_names_and_mutated_arguments():
@@ -271,13 +401,40 @@ def test_schema_names_and_mutated_arguments():
     # The arguments engines already pass by position keep their places; lse, a mutated argument
     # without a default, goes before the defaulted ones (torch 2.11 needs every mutated argument passed).
     attend_names = [a.name for a in attend._schema.arguments]
-    assert attend_names[:12] == ["out", "query", "key_cache", "value_cache", "block_tables", "seq_lens",
-                                 "query_start_loc", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale", "sinks"]
+    assert attend_names[:12] == [
+        "out",
+        "query",
+        "key_cache",
+        "value_cache",
+        "block_tables",
+        "seq_lens",
+        "query_start_loc",
+        "k_scale_cache",
+        "v_scale_cache",
+        "k_scale",
+        "v_scale",
+        "sinks",
+    ]
     assert attend_names[-4:] == ["lse", "num_prefills", "validate", "impl"]
     assert [a.name for a in step_write._schema.arguments][:7] == [
-        "key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "plan_name"]
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+        "plan_name",
+    ]
     assert [a.name for a in step_attend._schema.arguments][:8] == [
-        "out", "query", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "plan_name", "lse"]
+        "out",
+        "query",
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+        "plan_name",
+        "lse",
+    ]
     for op in (write, attend, step_write, step_attend):
         names = [a.name for a in op._schema.arguments]
         # A parameter called `mode` broke Inductor's lowering in an earlier trial.
@@ -296,20 +453,25 @@ def test_reimport_registers_nothing_twice_and_kvzoo_does_not_import_torch_ops():
     importlib.reload(kv_ops)
     # In a fresh process: `import kvzoo` leaves torch_ops alone (torch is optional), and the
     # module survives a second execution.
-    code = ("import sys, importlib, kvzoo\n"
-            "assert 'kvzoo.torch_ops' not in sys.modules\n"
-            "import kvzoo.torch_ops\n"
-            "importlib.reload(kvzoo.torch_ops)\n"
-            "import torch; torch.ops.kvzoo.paged_attention.default; torch.ops.kvzoo.step_attention.default\n")
+    code = (
+        "import sys, importlib, kvzoo\n"
+        "assert 'kvzoo.torch_ops' not in sys.modules\n"
+        "import kvzoo.torch_ops\n"
+        "importlib.reload(kvzoo.torch_ops)\n"
+        "import torch; torch.ops.kvzoo.paged_attention.default; torch.ops.kvzoo.step_attention.default\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -- 2. bytes equal to the functional API ---------------------------------------------------------
 
 CASES = [
-    ("int8_per_token_head", "separate"), ("int8_per_token_head", "inline"),
-    ("fp8_per_token_head", "separate"), ("fp8_per_token_head", "inline"),
-    ("fp8_per_tensor", "separate"), ("none", "separate"),
+    ("int8_per_token_head", "separate"),
+    ("int8_per_token_head", "inline"),
+    ("fp8_per_token_head", "separate"),
+    ("fp8_per_token_head", "inline"),
+    ("fp8_per_tensor", "separate"),
+    ("none", "separate"),
 ]
 
 
@@ -329,43 +491,72 @@ def _check_matches_api(mode: str, layout: str, device: str) -> None:
     statics: dict[str, Any] = {}
     if mode == "fp8_per_tensor":
         statics = dict(k_scale=float(rng.uniform(0.005, 0.02)), v_scale=float(rng.uniform(0.01, 0.05)))
-    kvzoo.reshape_and_cache(key, value, api_t.key_cache, api_t.value_cache, slot_mapping, mode=mode,
-                            **_cache_kwargs(api_t), **statics)
+    kvzoo.reshape_and_cache(
+        key, value, api_t.key_cache, api_t.value_cache, slot_mapping, mode=mode, **_cache_kwargs(api_t), **statics
+    )
     # The op takes static scales as float32 [1] tensors, as an engine holds them.
     op_statics = {k: torch.tensor([v], dtype=torch.float32, device=device) for k, v in statics.items()}
-    kv_ops.reshape_and_cache(key, value, op_t.key_cache, op_t.value_cache, slot_mapping, kv_cache_dtype=mode,
-                             **_cache_kwargs(op_t), **op_statics)
+    kv_ops.reshape_and_cache(
+        key,
+        value,
+        op_t.key_cache,
+        op_t.value_cache,
+        slot_mapping,
+        kv_cache_dtype=mode,
+        **_cache_kwargs(op_t),
+        **op_statics,
+    )
     _assert_same_cache(op_t, api_t, f"{mode} {layout} write")
 
     step = plan.step([28, 0, 15, 30], [1, 7, 1, 10])
     sinks = torch.from_numpy(rng.standard_normal(g.num_q_heads).astype(np.float32)).to(device)
     variants: list[dict[str, Any]] = [
-        {}, dict(sliding_window=9, softcap=25.0, sinks=sinks, softmax_scale=0.09), dict(batch_invariant=True),
+        {},
+        dict(sliding_window=9, softcap=25.0, sinks=sinks, softmax_scale=0.09),
+        dict(batch_invariant=True),
     ]
     if mode == "int8_per_token_head":
         variants.append(dict(quantize_query=True))
     for options in variants:
         query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), device)
-        api_kwargs = dict(mode=mode, block_tables=step.block_tables, seq_lens=step.seq_lens,
-                          query_start_loc=step.query_start_loc, **_cache_kwargs(api_t), **statics, **options)
+        api_kwargs = dict(
+            mode=mode,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            **_cache_kwargs(api_t),
+            **statics,
+            **options,
+        )
         want = kvzoo.paged_attention(query, api_t.key_cache, api_t.value_cache, **api_kwargs)
         want_lse = kvzoo.paged_attention(query, api_t.key_cache, api_t.value_cache, return_lse=True, **api_kwargs)
-        kwargs = dict(kv_cache_dtype=mode, block_tables=step.block_tables, seq_lens=step.seq_lens,
-                      query_start_loc=step.query_start_loc, max_query_len=step.max_query_len,
-                      max_seq_len=step.max_seq_len, **_cache_kwargs(op_t), **op_statics, **options)
+        kwargs = dict(
+            kv_cache_dtype=mode,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            **_cache_kwargs(op_t),
+            **op_statics,
+            **options,
+        )
         out = torch.empty_like(query)
         _fill_random_bytes(out, rng)
         got = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, out=out, **kwargs)
         assert got is out
         assert_same_bytes(got, want, f"{mode} {layout} attention {sorted(options)}")
-        assert_same_bytes(kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, **kwargs), want,
-                          f"{mode} {layout} attention {sorted(options)}, out allocated by the wrapper")
-        got_out, got_lse = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, return_lse=True,
-                                                  **kwargs)
+        assert_same_bytes(
+            kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, **kwargs),
+            want,
+            f"{mode} {layout} attention {sorted(options)}, out allocated by the wrapper",
+        )
+        got_out, got_lse = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, return_lse=True, **kwargs)
         lse = torch.empty(step.num_tokens, g.num_q_heads, device=device)
         _fill_random_bytes(lse, rng)
-        given = kv_ops.paged_attention(query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True,
-                                       lse=lse, **kwargs)
+        given = kv_ops.paged_attention(
+            query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True, lse=lse, **kwargs
+        )
         assert given[0] is out and given[1] is lse
         for (a, b), what in (((got_out, got_lse), "lse allocated"), (given, "lse given")):
             assert_same_bytes(a, want_lse[0], f"{mode} {layout} attention {sorted(options)} with {what}: out")
@@ -381,6 +572,7 @@ def test_ops_match_functional_api_bytes(mode, layout):
 
 # -- 3, 4. a decoder-layer step through torch.compile and torch.export ---------------------------
 
+
 class DecoderStep(nn.Module):
     """Attention block of one decoder layer: q/k/v projections, the kvzoo cache write, kvzoo
     paged attention, the o-projection."""
@@ -395,19 +587,40 @@ class DecoderStep(nn.Module):
         self.to(device=device, dtype=torch.bfloat16).requires_grad_(False)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(_floats(rng, tuple(p.shape), device, hidden ** -0.5))
+                p.copy_(_floats(rng, tuple(p.shape), device, hidden**-0.5))
 
-    def forward(self, x, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, block_tables,
-                seq_lens, query_start_loc, max_query_len: int, max_seq_len: int):
+    def forward(
+        self,
+        x,
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len: int,
+        max_seq_len: int,
+    ):
         g, t = self.g, x.shape[0]
         q = self.q_proj(x).view(t, g.num_q_heads, g.head_size)
         k = self.k_proj(x).view(t, g.num_kv_heads, g.head_size)
         v = self.v_proj(x).view(t, g.num_kv_heads, g.head_size)
         scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
         kv_ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype=self.mode, **scales)
-        o = kv_ops.paged_attention(q, key_cache, value_cache, kv_cache_dtype=self.mode, block_tables=block_tables,
-                                   seq_lens=seq_lens, query_start_loc=query_start_loc,
-                                   max_query_len=max_query_len, max_seq_len=max_seq_len, **scales)
+        o = kv_ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            kv_cache_dtype=self.mode,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            **scales,
+        )
         return self.o_proj(o.reshape(t, g.num_q_heads * g.head_size))
 
 
@@ -450,8 +663,9 @@ def _run_steps(fn: Any, sc: Scenario, mode: str) -> tuple[list[torch.Tensor], KV
     return outs, cache
 
 
-def _assert_same_run(got: tuple[list[torch.Tensor], KVCacheTensors],
-                     want: tuple[list[torch.Tensor], KVCacheTensors], what: str) -> None:
+def _assert_same_run(
+    got: tuple[list[torch.Tensor], KVCacheTensors], want: tuple[list[torch.Tensor], KVCacheTensors], what: str
+) -> None:
     for i, (a, b) in enumerate(zip(got[0], want[0])):
         assert_same_bytes(a, b, f"{what}: output of step {i}")
     _assert_same_cache(got[1], want[1], f"{what}: cache after the steps")
@@ -498,9 +712,12 @@ def test_exported_decoder_step_matches_eager(mode):
     _assert_same_run(_run_steps(decomposed.module(), sc, mode), want, f"{mode} torch.export, decomposed")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch 2.13 auto_functionalized_v2 clones the int8 and float32 views of one inline "
-                          "buffer as two bases and copies only one back: the codes written are lost")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch 2.13 auto_functionalized_v2 clones the int8 and float32 views of one inline "
+    "buffer as two bases and copies only one back: the codes written are lost",
+)
 def test_inline_views_made_inside_an_aot_graph_lose_the_codes():
     # Not a kvzoo bug, a limitation to know about: under functionalization (aot_eager, export's
     # run_decompositions) a write into inline-layout views of one buffer keeps only the scales.
@@ -514,8 +731,7 @@ def test_inline_views_made_inside_an_aot_graph_lose_the_codes():
 
     def write(buffer: torch.Tensor) -> torch.Tensor:
         v = kvzoo.inline_views(buffer, g.head_size, mode)
-        kv_ops.reshape_and_cache(key, key, v.key_cache, v.value_cache, slots, kv_cache_dtype=mode,
-                                 **_cache_kwargs(v))
+        kv_ops.reshape_and_cache(key, key, v.key_cache, v.value_cache, slots, kv_cache_dtype=mode, **_cache_kwargs(v))
         return buffer.sum(dtype=torch.int64)
 
     want, got = t.buffer.clone(), t.buffer.clone()
@@ -530,6 +746,7 @@ def test_inline_views_made_inside_an_aot_graph_lose_the_codes():
 
 # -- 5. on the GPU ---------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu_only
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", MODES)
@@ -542,15 +759,30 @@ def test_ops_on_cuda(mode):
 
 # -- 6. the engine-step plan through ops (step_write / step_attention) ---------------------------
 
+
 def _spec(mode: str, g: Geometry, device: str, layout: str = "separate") -> kvzoo.CacheSpec:
-    return kvzoo.CacheSpec(mode, num_blocks=g.num_blocks, block_size=g.block_size, num_kv_heads=g.num_kv_heads,
-                           head_size=g.head_size, layout=layout, model_dtype="bfloat16", device=device)
+    return kvzoo.CacheSpec(
+        mode,
+        num_blocks=g.num_blocks,
+        block_size=g.block_size,
+        num_kv_heads=g.num_kv_heads,
+        head_size=g.head_size,
+        layout=layout,
+        model_dtype="bfloat16",
+        device=device,
+    )
 
 
 def _plan_for(spec: kvzoo.CacheSpec, step: Step, g: Geometry, **options: Any) -> kvzoo.StepPlan:
-    return kvzoo.plan_step(spec, block_tables=step.block_tables, seq_lens=step.seq_lens,
-                           query_start_loc=step.query_start_loc, slot_mapping=step.slot_mapping,
-                           num_q_heads=g.num_q_heads, **options)
+    return kvzoo.plan_step(
+        spec,
+        block_tables=step.block_tables,
+        seq_lens=step.seq_lens,
+        query_start_loc=step.query_start_loc,
+        slot_mapping=step.slot_mapping,
+        num_q_heads=g.num_q_heads,
+        **options,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -577,8 +809,7 @@ def test_opcheck_step_ops(mode):
     _fill_random_bytes(out, rng)
     _fill_random_bytes(lse, rng)
     with kv_ops.step_plans(opcheck=_plan_for(_spec(mode, g, "cpu"), step, g)):
-        _opcheck(torch.ops.kvzoo.step_write.default,
-                 (key, value, *_cache_args(t), "opcheck"), grad_arg=0)
+        _opcheck(torch.ops.kvzoo.step_write.default, (key, value, *_cache_args(t), "opcheck"), grad_arg=0)
         attend = (out, query, *_cache_args(t), "opcheck")
         _opcheck(torch.ops.kvzoo.step_attention.default, (*attend, None), grad_arg=1)
         _opcheck(torch.ops.kvzoo.step_attention.default, (*attend, lse), grad_arg=1)
@@ -617,19 +848,31 @@ def test_step_ops_match_plan_calls(mode):
     want = ref_plan.attention(query, plan_t, **statics)
     want_sinks, want_lse = ref_plan.attention(query, plan_t, sinks=sinks, return_lse=True, **statics)
     api_out, api_lse = kvzoo.paged_attention(
-        query, plan_t.key_cache, plan_t.value_cache, mode=mode, block_tables=step.block_tables,
-        seq_lens=step.seq_lens, query_start_loc=step.query_start_loc, sinks=sinks, return_lse=True,
-        **_cache_kwargs(plan_t), **statics, **options)
+        query,
+        plan_t.key_cache,
+        plan_t.value_cache,
+        mode=mode,
+        block_tables=step.block_tables,
+        seq_lens=step.seq_lens,
+        query_start_loc=step.query_start_loc,
+        sinks=sinks,
+        return_lse=True,
+        **_cache_kwargs(plan_t),
+        **statics,
+        **options,
+    )
     out, lse = torch.empty_like(query), torch.empty(step.num_tokens, g.num_q_heads)
     _fill_random_bytes(out, rng)
     _fill_random_bytes(lse, rng)
     attend = dict(**_cache_kwargs(op_t), **statics)
     with kv_ops.step_plans(default=op_plan):
         got = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, **attend)
-        given = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True, lse=lse,
-                                      sinks=sinks, **attend)
-        allocated = kv_ops.step_attention(query, op_t.key_cache, op_t.value_cache, return_lse=True, sinks=sinks,
-                                          **attend)
+        given = kv_ops.step_attention(
+            query, op_t.key_cache, op_t.value_cache, out=out, return_lse=True, lse=lse, sinks=sinks, **attend
+        )
+        allocated = kv_ops.step_attention(
+            query, op_t.key_cache, op_t.value_cache, return_lse=True, sinks=sinks, **attend
+        )
     assert given[0] is out and given[1] is lse
     assert_same_bytes(got, want, f"{mode} step_attention")
     for (o, s), what in ((given, "out and lse given"), (allocated, "allocated")):
@@ -661,9 +904,12 @@ def test_step_ops_refuse_a_missing_plan_before_writing():
 
     # A plan under another name serves nothing here; the message names the missing one.
     with kv_ops.step_plans(prefill=_plan_for(_spec(mode, g, "cpu"), step, g)):
-        for call in (lambda: layer(query, key, *_cache_args(t)),
-                     lambda: kv_ops.step_attention(query, t.key_cache, t.value_cache, out=out, plan_name="decode",
-                                                   **_cache_kwargs(t))):
+        for call in (
+            lambda: layer(query, key, *_cache_args(t)),
+            lambda: kv_ops.step_attention(
+                query, t.key_cache, t.value_cache, out=out, plan_name="decode", **_cache_kwargs(t)
+            ),
+        ):
             with pytest.raises(kvzoo.KVZooInputError, match=r"plan_name: no kvzoo step plan .*'decode'.*prefill"):
                 call()
     _assert_same_cache(t, before, "caches after the refused eager calls")
@@ -685,8 +931,15 @@ def test_step_ops_refuse_a_missing_plan_before_writing():
         _assert_same_cache(scratch, before, "caches after the served compiled call")
 
     # An inline-layout plan is refused by name: its views would not survive functionalization.
-    inline = kvzoo.CacheSpec(mode, num_blocks=g.num_blocks, block_size=g.block_size, num_kv_heads=g.num_kv_heads,
-                             head_size=g.head_size, layout="inline", device="cpu")
+    inline = kvzoo.CacheSpec(
+        mode,
+        num_blocks=g.num_blocks,
+        block_size=g.block_size,
+        num_kv_heads=g.num_kv_heads,
+        head_size=g.head_size,
+        layout="inline",
+        device="cpu",
+    )
     with kv_ops.step_plans(decode=_plan_for(inline, step, g)):
         with pytest.raises(kvzoo.KVZooInputError, match="'decode' is for 'inline' caches"):
             layer(query, key, *_cache_args(t))
@@ -731,8 +984,12 @@ def test_held_caches_serve_only_the_same_views():
     assert kv_ops._caches_for(*views) is first
     # Anything else is other caches: another dtype over the same address, another view of it,
     # another tensor of the same shape, the same tensors in other roles.
-    for changed in ((args[0].view(torch.uint8), *args[1:]), (args[0].transpose(1, 2), *args[1:]),
-                    (*args[:3], args[3].clone()), (args[1], args[0], *args[2:])):
+    for changed in (
+        (args[0].view(torch.uint8), *args[1:]),
+        (args[0].transpose(1, 2), *args[1:]),
+        (*args[:3], args[3].clone()),
+        (args[1], args[0], *args[2:]),
+    ):
         other = kv_ops._caches_for(*changed)
         assert other is not first
         assert all(a is b for a, b in zip(_cache_args(other), changed))
@@ -761,27 +1018,32 @@ class TwoLayerStep(nn.Module):
         self.g = g
         self.layers = nn.ModuleList()
         for _ in range(2):
-            layer = nn.ModuleDict(dict(
-                q=nn.Linear(hidden, g.num_q_heads * g.head_size, bias=False),
-                k=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
-                v=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
-                o=nn.Linear(g.num_q_heads * g.head_size, hidden, bias=False),
-            ))
+            layer = nn.ModuleDict(
+                dict(
+                    q=nn.Linear(hidden, g.num_q_heads * g.head_size, bias=False),
+                    k=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
+                    v=nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False),
+                    o=nn.Linear(g.num_q_heads * g.head_size, hidden, bias=False),
+                )
+            )
             self.layers.append(layer)
         self.to(device=device, dtype=torch.bfloat16).requires_grad_(False)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(_floats(rng, tuple(p.shape), device, hidden ** -0.5))
+                p.copy_(_floats(rng, tuple(p.shape), device, hidden**-0.5))
 
     def qkv(self, layer: nn.ModuleDict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         g, t = self.g, x.shape[0]
-        return (layer["q"](x).view(t, g.num_q_heads, g.head_size), layer["k"](x).view(t, g.num_kv_heads, g.head_size),
-                layer["v"](x).view(t, g.num_kv_heads, g.head_size))
+        return (
+            layer["q"](x).view(t, g.num_q_heads, g.head_size),
+            layer["k"](x).view(t, g.num_kv_heads, g.head_size),
+            layer["v"](x).view(t, g.num_kv_heads, g.head_size),
+        )
 
     def forward(self, x: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the last layer's output and its attention's lse (the optional mutated output)."""
         for i, layer in enumerate(self.layers):
-            key_cache, value_cache, k_scale_cache, v_scale_cache = caches[4 * i:4 * i + 4]
+            key_cache, value_cache, k_scale_cache, v_scale_cache = caches[4 * i : 4 * i + 4]
             scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
             q, k, v = self.qkv(layer, x)
             kv_ops.step_write(k, v, key_cache, value_cache, **scales)
@@ -792,8 +1054,9 @@ class TwoLayerStep(nn.Module):
             x = layer["o"](o.reshape(x.shape[0], -1))
         return x, lse
 
-    def with_plan(self, plan: kvzoo.StepPlan, x: torch.Tensor,
-                  caches: list[KVCacheTensors]) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_plan(
+        self, plan: kvzoo.StepPlan, x: torch.Tensor, caches: list[KVCacheTensors]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same step through the plan's own calls: what the ops must reproduce."""
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
             q, k, v = self.qkv(layer, x)
@@ -931,8 +1194,9 @@ def test_exported_two_layer_step_serves_every_engine_step():
     flat = _flat([_copy(c, mode, run.module.g) for c in run.caches])
     with torch.no_grad(), kv_ops.step_plans(default=_plan_for(run.spec, step0, run.module.g)):
         # Traced on fake tensors: no plan is read, so the program holds none of step 0's metadata.
-        ep = torch.export.export(run.module, (x0, flat),
-                                 dynamic_shapes=({0: torch.export.Dim.DYNAMIC}, [None] * len(flat)))
+        ep = torch.export.export(
+            run.module, (x0, flat), dynamic_shapes=({0: torch.export.Dim.DYNAMIC}, [None] * len(flat))
+        )
     graph = str(ep.graph)
     assert graph.count("kvzoo.step_write") == graph.count("kvzoo.step_attention") == 2
     _assert_same_engine_run(_run_engine(ep.module(), run, mode), want, f"{mode} torch.export")

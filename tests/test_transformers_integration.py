@@ -53,9 +53,17 @@ TOLERANCE = {
 
 
 def tiny_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=PAD,
-                       max_position_embeddings=256)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=PAD,
+        max_position_embeddings=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,7 @@ def attention(model, name: str):
 
 def generate(model, cache, ids, mask=None, **kw):
     attention(model, "eager" if isinstance(cache, DynamicCache) else "kvzoo_paged")
-    args = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, output_logits=True,
-                return_dict_in_generate=True)
+    args = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
     args.update(kw)
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **args)
@@ -99,7 +106,7 @@ def teacher_forced(model, cache, seq: torch.Tensor, prompt_len: int) -> torch.Te
     with torch.no_grad():
         logits = [model(seq[:, :prompt_len], use_cache=True, **{CACHE_ARG: cache}).logits[:, -1:]]
         for t in range(prompt_len, seq.shape[1]):
-            logits.append(model(seq[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache}).logits)
+            logits.append(model(seq[:, t : t + 1], use_cache=True, **{CACHE_ARG: cache}).logits)
     return torch.cat(logits, 1)
 
 
@@ -116,8 +123,8 @@ def left_padded(lengths, seed=7):
     ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
     mask = torch.zeros((len(lengths), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
     return prompts, ids, mask
 
 
@@ -167,8 +174,15 @@ def test_quantized_modes_stay_within_tolerance_of_none(model, mode, rounding):
 def test_int8_nearest_is_no_worse_than_trunc(model):
     seq, prompt_len = random_ids(2, 40), 24
     ref = teacher_forced(model, kvzoo(model), seq, prompt_len)
-    rms = {r: float((teacher_forced(model, kvzoo(model, "int8_per_token_head", rounding=r), seq, prompt_len) - ref)
-                    .pow(2).mean().sqrt()) for r in ("nearest", "trunc")}
+    rms = {
+        r: float(
+            (teacher_forced(model, kvzoo(model, "int8_per_token_head", rounding=r), seq, prompt_len) - ref)
+            .pow(2)
+            .mean()
+            .sqrt()
+        )
+        for r in ("nearest", "trunc")
+    }
     assert rms["nearest"] < rms["trunc"], rms
 
 
@@ -184,7 +198,7 @@ def test_left_padded_batch_matches_dynamic_cache_and_each_prompt_alone(model):
     cache.pages.check()
     for row, p in enumerate(prompts):
         alone = generate(model, kvzoo(model), p[None])
-        assert torch.equal(alone.sequences[0, len(p):], out.sequences[row, ids.shape[1]:])
+        assert torch.equal(alone.sequences[0, len(p) :], out.sequences[row, ids.shape[1] :])
 
 
 def test_padding_content_is_never_read(model):
@@ -195,7 +209,7 @@ def test_padding_content_is_never_read(model):
     other[mask == 0] = 77
     a = generate(model, kvzoo(model, "int8_per_token_head"), ids, mask)
     b = generate(model, kvzoo(model, "int8_per_token_head"), other, mask)
-    assert torch.equal(a.sequences[:, ids.shape[1]:], b.sequences[:, ids.shape[1]:])
+    assert torch.equal(a.sequences[:, ids.shape[1] :], b.sequences[:, ids.shape[1] :])
     assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
@@ -204,7 +218,7 @@ def test_left_padded_batch_in_a_quantized_mode_matches_each_prompt_alone(model):
     out = generate(model, kvzoo(model, "fp8_per_token_head"), ids, mask, max_new_tokens=6)
     for row, p in enumerate(prompts):
         alone = generate(model, kvzoo(model, "fp8_per_token_head"), p[None], max_new_tokens=6)
-        assert torch.equal(alone.sequences[0, len(p):], out.sequences[row, ids.shape[1]:])
+        assert torch.equal(alone.sequences[0, len(p) :], out.sequences[row, ids.shape[1] :])
         assert max_logit_error([x[0] for x in alone.logits], [x[row] for x in out.logits]) <= 1e-5
 
 
@@ -267,7 +281,7 @@ def test_crop_rolls_back_exactly(model):
     assert cache.get_seq_length() == 12
     cache.pages.check()
     with torch.no_grad():
-        again = [model(seq[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache}).logits for t in range(12, 16)]
+        again = [model(seq[:, t : t + 1], use_cache=True, **{CACHE_ARG: cache}).logits for t in range(12, 16)]
     assert torch.equal(torch.cat(again, 1), first[:, -4:])
     cache.crop(0)  # transformers 5 calls crop(0) every step when it defers stopping: a no-op there
     assert cache.get_seq_length() == (0 if transformers.__version__.startswith("4.") else 16)
@@ -340,16 +354,29 @@ def test_misuse_fails_loudly(model):
         model(ids, attention_mask=four_d, use_cache=True, **{CACHE_ARG: kvzoo(model)})
 
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, pad_token_id=PAD)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=PAD,
+)
 OTHER_DECODERS = {  # what each adds: kwargs the attention function must honour
     "Qwen2": lambda: transformers.Qwen2Config(**COMMON),
     "Mistral, window 8": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),  # window via kwargs
     "Gemma2": lambda: transformers.Gemma2Config(  # logit softcap, scaling, alternating sliding layers
-        **COMMON, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0),
+        **COMMON, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0
+    ),
     "GptOss": lambda: transformers.GptOssConfig(  # attention sinks (s_aux), sliding layer types
-        **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"]),
+        **COMMON,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 

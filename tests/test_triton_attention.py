@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs a CUDA GPU or TRITON
 DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
+
 def _kernels():
     from kvzoo.backends.triton import attention_kernels
 
@@ -35,28 +36,67 @@ def _kernels():
 
 
 def make_problem(
-    q_lens, seq_lens, *, mode="int8_per_token_head", num_q_heads=4, num_kv_heads=2, head_size=32,
-    block_size=16, dtype=torch.bfloat16, sliding_window=None, softcap=None, sinks=False,
-    batch_invariant=False, extra_blocks=3, seed=0, num_blocks=None, device=DEVICE, quantize_query=False,
+    q_lens,
+    seq_lens,
+    *,
+    mode="int8_per_token_head",
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_size=32,
+    block_size=16,
+    dtype=torch.bfloat16,
+    sliding_window=None,
+    softcap=None,
+    sinks=False,
+    batch_invariant=False,
+    extra_blocks=3,
+    seed=0,
+    num_blocks=None,
+    device=DEVICE,
+    quantize_query=False,
 ):
     """A random Attention problem (kvzoo.samples: realistic codes and scales, scattered pages);
     the same seed gives the same problem within a session. Tables are exactly as wide as the
     longest sequence's pages, so a row of them is that sequence's pages only."""
     s = samples.paged_sample(
-        rng_for("triton attention", seed), mode, q_lens=q_lens, seq_lens=seq_lens, block_size=block_size,
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-        query_dtype=str(dtype).removeprefix("torch."), sinks=sinks, spare_blocks=extra_blocks, spare_columns=0,
-        num_blocks=num_blocks, device=device,
+        rng_for("triton attention", seed),
+        mode,
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        query_dtype=str(dtype).removeprefix("torch."),
+        sinks=sinks,
+        spare_blocks=extra_blocks,
+        spare_columns=0,
+        num_blocks=num_blocks,
+        device=device,
     )
     static = lambda x: None if x is None else torch.tensor([float(x)], dtype=torch.float32, device=device)  # noqa: E731
     c = s.caches
     return Attention(
-        mode=s.mode, query=s.query, key_cache=c.key_cache, value_cache=c.value_cache,
-        block_tables=s.block_tables, seq_lens=s.seq_lens, query_start_loc=s.query_start_loc, out=s.new_out(),
-        max_query_len=s.batch.max_query_len, max_seq_len=s.batch.max_seq_len,
-        softmax_scale=1.0 / math.sqrt(head_size), k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache,
-        k_scale=static(s.k_scale), v_scale=static(s.v_scale), sliding_window=sliding_window, softcap=softcap,
-        sinks=s.sinks, batch_invariant=batch_invariant, quantize_query=quantize_query,
+        mode=s.mode,
+        query=s.query,
+        key_cache=c.key_cache,
+        value_cache=c.value_cache,
+        block_tables=s.block_tables,
+        seq_lens=s.seq_lens,
+        query_start_loc=s.query_start_loc,
+        out=s.new_out(),
+        max_query_len=s.batch.max_query_len,
+        max_seq_len=s.batch.max_seq_len,
+        softmax_scale=1.0 / math.sqrt(head_size),
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        k_scale=static(s.k_scale),
+        v_scale=static(s.v_scale),
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=s.sinks,
+        batch_invariant=batch_invariant,
+        quantize_query=quantize_query,
     )
 
 
@@ -68,10 +108,22 @@ def reference(p: Attention, quantize_query: bool = False) -> torch.Tensor:
     """The float64 oracle on p's caches as they are now (tests edit them in place), with the
     query as given unless quantize_query (p.quantize_query is what the kernel is told)."""
     ref = samples.oracle_attention(
-        p.mode, p.query, samples.host_codes(p.key_cache, p.mode), samples.host_codes(p.value_cache, p.mode),
-        p.block_tables, p.seq_lens, p.query_start_loc, k_scales=p.k_scale_cache, v_scales=p.v_scale_cache,
-        k_static=p.k_scale, v_static=p.v_scale, quantize_query=quantize_query, softmax_scale=p.softmax_scale,
-        sliding_window=p.sliding_window, softcap=p.softcap, sinks=p.sinks,
+        p.mode,
+        p.query,
+        samples.host_codes(p.key_cache, p.mode),
+        samples.host_codes(p.value_cache, p.mode),
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        k_scales=p.k_scale_cache,
+        v_scales=p.v_scale_cache,
+        k_static=p.k_scale,
+        v_static=p.v_scale,
+        quantize_query=quantize_query,
+        softmax_scale=p.softmax_scale,
+        sliding_window=p.sliding_window,
+        softcap=p.softcap,
+        sinks=p.sinks,
     )
     return torch.from_numpy(ref)
 
@@ -191,10 +243,15 @@ def _sub_batch(p: Attention, keep: list[int], invariant=True) -> Attention:
     lens = p.seq_lens.cpu()[keep]
     dev = p.query.device
     return dataclasses.replace(
-        p, query=p.query[rows.to(dev)].clone(), out=torch.full_like(p.query[rows.to(dev)], float("nan")),
-        block_tables=p.block_tables[torch.tensor(keep, device=dev)].clone(), seq_lens=lens.to(dev),
+        p,
+        query=p.query[rows.to(dev)].clone(),
+        out=torch.full_like(p.query[rows.to(dev)], float("nan")),
+        block_tables=p.block_tables[torch.tensor(keep, device=dev)].clone(),
+        seq_lens=lens.to(dev),
         query_start_loc=torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32, device=dev),
-        max_query_len=max(q_lens), max_seq_len=int(lens.max()), batch_invariant=invariant,
+        max_query_len=max(q_lens),
+        max_seq_len=int(lens.max()),
+        batch_invariant=invariant,
     )
 
 
@@ -203,8 +260,9 @@ def test_batch_invariant(mode):
     # Sequence 1 (a decode over a long context) and 2 (a prefill chunk) alone and in a batch
     # whose other members change the grid, the max lengths and the split count.
     long = 9000 if CUDA else 700
-    p = make_problem([5, 1, 9, 1], [long, long - 300, 40, 20], mode=mode, batch_invariant=True,
-                     head_size=64 if CUDA else 32)
+    p = make_problem(
+        [5, 1, 9, 1], [long, long - 300, 40, 20], mode=mode, batch_invariant=True, head_size=64 if CUDA else 32
+    )
     k = _kernels()
     if not CUDA:  # small split points so the interpreter crosses several of them
         import dataclasses
@@ -227,8 +285,7 @@ def test_batch_invariant(mode):
 
 @gpu_only
 def test_cuda_graph_decode_step():
-    p = make_problem([1] * 8, [700 + 37 * i for i in range(8)], head_size=128, num_q_heads=8,
-                     num_kv_heads=2)
+    p = make_problem([1] * 8, [700 + 37 * i for i in range(8)], head_size=128, num_q_heads=8, num_kv_heads=2)
     eager = run(p).clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -255,8 +312,16 @@ def test_cache_over_4gib_far_block():
     # past the 2^31-byte mark, so block id * block stride needs 64-bit offsets.
     block_size, heads, d = 16, 8, 128
     num_blocks = (1 << 18) + 64
-    p = make_problem([1, 4], [40, 40], num_q_heads=32, num_kv_heads=heads, head_size=d,
-                     block_size=block_size, num_blocks=64, device="cpu")
+    p = make_problem(
+        [1, 4],
+        [40, 40],
+        num_q_heads=32,
+        num_kv_heads=heads,
+        head_size=d,
+        block_size=block_size,
+        num_blocks=64,
+        device="cpu",
+    )
     far = num_blocks - 64
     big = []
     for small in (p.key_cache, p.value_cache):
@@ -272,9 +337,16 @@ def test_cache_over_4gib_far_block():
 
     assert big[0].numel() * big[0].element_size() > 4 * 2**30 or big[0].stride(0) * far > 2**31
     gp = dataclasses.replace(
-        p, query=p.query.cuda(), out=p.out.cuda(), key_cache=big[0], value_cache=big[1],
-        k_scale_cache=scales[0], v_scale_cache=scales[1], block_tables=(p.block_tables + far).cuda(),
-        seq_lens=p.seq_lens.cuda(), query_start_loc=p.query_start_loc.cuda(),
+        p,
+        query=p.query.cuda(),
+        out=p.out.cuda(),
+        key_cache=big[0],
+        value_cache=big[1],
+        k_scale_cache=scales[0],
+        v_scale_cache=scales[1],
+        block_tables=(p.block_tables + far).cuda(),
+        seq_lens=p.seq_lens.cuda(),
+        query_start_loc=p.query_start_loc.cuda(),
     )
     run(gp)
     assert not torch.isnan(gp.out).any()
@@ -298,8 +370,9 @@ def test_value_cache_laid_out_unlike_key_cache(mode, batch):
     check(p)
     expected = p.out.clone()
     v_scales = None if p.v_scale_cache is None else _heads_major(p.v_scale_cache)
-    q = dataclasses.replace(p, value_cache=_heads_major(p.value_cache), v_scale_cache=v_scales,
-                            out=torch.full_like(p.out, float("nan")))
+    q = dataclasses.replace(
+        p, value_cache=_heads_major(p.value_cache), v_scale_cache=v_scales, out=torch.full_like(p.out, float("nan"))
+    )
     assert not k.same_kv_strides(q)
     assert torch.equal(run(q).view(torch.int16), expected.view(torch.int16))
 
@@ -467,8 +540,10 @@ def test_workspace_decodes_to_the_cache_values(mode):
     pos = torch.arange(75, device=DEVICE)
     blk, off = p.block_tables[1, pos // p.block_size].long(), pos % p.block_size
     row = w.block_tables[1, 0].long() + pos // w.block_size, pos % w.block_size
-    for cache, scales, ws, ws_scales in ((p.key_cache, p.k_scale_cache, w.key_cache, w.k_scale_cache),
-                                         (p.value_cache, p.v_scale_cache, w.value_cache, w.v_scale_cache)):
+    for cache, scales, ws, ws_scales in (
+        (p.key_cache, p.k_scale_cache, w.key_cache, w.k_scale_cache),
+        (p.value_cache, p.v_scale_cache, w.value_cache, w.v_scale_cache),
+    ):
         codes = cache[blk, off].to(torch.float64)
         if scales is None:  # per-tensor: the codes themselves, the kernel keeps the tensor's scale
             assert torch.equal(ws[row].to(torch.float64), codes)
@@ -512,8 +587,9 @@ def test_staging_is_chosen_only_where_it_keeps_the_semantics(monkeypatch):
         assert not k.prefill_config(p).stage_kv, why
     p = make_problem(**long)
     options = k.TritonAttentionOptions
-    assert not k.prefill_config(p, options(stage_max_bytes=k._staging.workspace_bytes(p) - 1)).stage_kv, \
+    assert not k.prefill_config(p, options(stage_max_bytes=k._staging.workspace_bytes(p) - 1)).stage_kv, (
         "workspace over stage_max_bytes"
+    )
     assert k.prefill_config(p, options(stage_max_bytes=k._staging.workspace_bytes(p))).stage_kv
     assert not k.prefill_config(p, options(prefill="direct")).stage_kv
     with pytest.raises(ValueError, match="stage_kv"):
@@ -545,8 +621,11 @@ def test_zero_key_scales_weigh_visible_keys_evenly(path):
     batch = dict(q_lens=[1, 1], seq_lens=[150, 40]) if path == "decode" else STAGED_BATCHES["mixed"]
     p = make_problem(**batch, head_size=64, seed=11)
     p.k_scale_cache.zero_()
-    override = {"decode": {}, "direct prefill": dict(prefill=k.direct_prefill_config(p)),
-                "staged prefill": dict(prefill=_staged(p))}[path]
+    override = {
+        "decode": {},
+        "direct prefill": dict(prefill=k.direct_prefill_config(p)),
+        "staged prefill": dict(prefill=_staged(p)),
+    }[path]
     check(p, **override)
 
 
@@ -563,8 +642,12 @@ def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():
     # scales on purpose (a poisoned row the window has passed must not end a sequence's output).
     lens, window = [100, 70], 20
     clean = make_problem([1, 1], lens, sliding_window=window, head_size=64, seed=3)
-    poisoned = dataclasses.replace(clean, out=torch.full_like(clean.out, float("nan")),
-                                   k_scale_cache=clean.k_scale_cache.clone(), v_scale_cache=clean.v_scale_cache.clone())
+    poisoned = dataclasses.replace(
+        clean,
+        out=torch.full_like(clean.out, float("nan")),
+        k_scale_cache=clean.k_scale_cache.clone(),
+        v_scale_cache=clean.v_scale_cache.clone(),
+    )
     for s, n in enumerate(lens):
         hidden = torch.arange(n - window - 16, n - window, device=DEVICE)  # shares a key tile with the window
         blocks, offsets = poisoned.block_tables[s, hidden // poisoned.block_size].long(), hidden % poisoned.block_size

@@ -34,10 +34,17 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 IMPL = "triton-rocm" if ON_GPU and torch.version.hip else "triton-cuda"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (not the interpreter)")
 
-_FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-        "float8_e5m2": ml_dtypes.float8_e5m2}
-_CODE = {"int8": encode.CODE_INT8, "float8_e4m3fn": encode.CODE_E4M3FN, "float8_e4m3fnuz": encode.CODE_E4M3FNUZ,
-         "float8_e5m2": encode.CODE_E5M2}
+_FP8 = {
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+}
+_CODE = {
+    "int8": encode.CODE_INT8,
+    "float8_e4m3fn": encode.CODE_E4M3FN,
+    "float8_e4m3fnuz": encode.CODE_E4M3FNUZ,
+    "float8_e5m2": encode.CODE_E5M2,
+}
 _BLOCK = 1024
 
 
@@ -176,8 +183,11 @@ def test_fp8_write_uses_the_hardware_convert_on_hopper():
     from kvzoo.backends.triton import write_kernels
 
     t = torch.empty(1, device=DEVICE)
-    want = encode.CODE_E4M3FN_CVT if torch.cuda.get_device_capability()[0] >= 9 and not torch.version.hip \
+    want = (
+        encode.CODE_E4M3FN_CVT
+        if torch.cuda.get_device_capability()[0] >= 9 and not torch.version.hip
         else encode.CODE_E4M3FN
+    )
     assert write_kernels._encoder_code(encode.CODE_E4M3FN, t) == want
     assert write_kernels._encoder_code(encode.CODE_E4M3FN, t.cpu()) == encode.CODE_E4M3FN
 
@@ -217,7 +227,9 @@ def _row_values(mode_name: str, seed: int) -> np.ndarray:
     rng = rng_for("triton write", "row values", mode_name, seed)
     if mode.code_dtype == "int8":
         halves = np.arange(-127, 127.5, 0.5, dtype=np.float32)
-        probes = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)), np.nextafter(halves, -np.float32(np.inf))])
+        probes = np.concatenate(
+            [halves, np.nextafter(halves, np.float32(np.inf)), np.nextafter(halves, -np.float32(np.inf))]
+        )
     else:
         probes = _fp8_probe_values(_FP8[mode.code_dtype])
     # Random magnitudes over every exponent up to QMAX (subnormals included), both signs.
@@ -245,7 +257,13 @@ def test_row_encode_matches_clamped_encode(mode_name, trunc):
     y_t = torch.from_numpy(y).to(DEVICE)
     out = torch.full(y_t.shape, 0x55, dtype=torch.uint8, device=DEVICE)
     _row_encode_kernel[(triton.cdiv(y.size, _BLOCK),)](
-        y_t, out, y.size, CODE=_CODE[mode.code_dtype], NAN_CODE=mode.nan_code, TRUNC=trunc, BLOCK=_BLOCK,
+        y_t,
+        out,
+        y.size,
+        CODE=_CODE[mode.code_dtype],
+        NAN_CODE=mode.nan_code,
+        TRUNC=trunc,
+        BLOCK=_BLOCK,
         enable_fp_fusion=False,
     )
     got, want = out.cpu().numpy(), _expected_codes(y, mode_name, trunc)
@@ -253,8 +271,9 @@ def test_row_encode_matches_clamped_encode(mode_name, trunc):
     assert bad.size == 0, [(float(y[i]), hex(got[i]), hex(want[i])) for i in bad[:10]]
 
 
-@pytest.mark.parametrize("mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head",
-                                       "fp8_e5m2_per_tensor"])
+@pytest.mark.parametrize(
+    "mode_name", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head", "fp8_e5m2_per_tensor"]
+)
 def test_decode_every_code(mode_name):
     mode = MODES[mode_name]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -301,16 +320,33 @@ def _write_both(key, value, mode, rounding="nearest", layout="separate"):
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
         # One seed for both: the same slots into the same poisoned bytes.
         w = samples.write_sample(
-            rng_for("triton write", "both", mode, rounding, layout), mode, num_tokens=num_tokens, num_kv_heads=heads,
-            head_size=head_size, block_size=4, num_blocks=4, dtype="float32", layout=layout, device=device,
-            key32=key.float().numpy(), value32=value.float().numpy(),
+            rng_for("triton write", "both", mode, rounding, layout),
+            mode,
+            num_tokens=num_tokens,
+            num_kv_heads=heads,
+            head_size=head_size,
+            block_size=4,
+            num_blocks=4,
+            dtype="float32",
+            layout=layout,
+            device=device,
+            key32=key.float().numpy(),
+            value32=value.float().numpy(),
         )
         c = w.caches
         tensors = [c.buffer] if layout == "inline" else [t for t in w.cache_arrays() if t is not None]
         # The caller's own tensors (views of a fused QKV buffer, say), not the sample's copies.
         kvzoo.reshape_and_cache(
-            key.to(device), value.to(device), c.key_cache, c.value_cache, w.slot_mapping, mode=mode,
-            k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache, rounding=rounding, impl=impl,
+            key.to(device),
+            value.to(device),
+            c.key_cache,
+            c.value_cache,
+            w.slot_mapping,
+            mode=mode,
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+            rounding=rounding,
+            impl=impl,
         )
         results.append([t.cpu().contiguous().view(torch.uint8).numpy().copy() for t in tensors])
     return results
@@ -329,8 +365,12 @@ def test_no_fma_contraction(rounding):
 def test_fused_qkv_views_into_inline_pages():
     """K and V as strided views of one QKV projection, written into the inline layout."""
     tokens, q_heads, kv_heads, head_size = 5, 4, 2, 24
-    qkv = torch.from_numpy(rng_for("triton write", "qkv").standard_normal(
-        (tokens, (q_heads + 2 * kv_heads) * head_size)).astype(np.float32) * 4)
+    qkv = torch.from_numpy(
+        rng_for("triton write", "qkv")
+        .standard_normal((tokens, (q_heads + 2 * kv_heads) * head_size))
+        .astype(np.float32)
+        * 4
+    )
     split = qkv.view(tokens, q_heads + 2 * kv_heads, head_size)
     key, value = split[:, q_heads : q_heads + kv_heads], split[:, q_heads + kv_heads :]
     for mode in ("int8_per_token_head", "fp8_per_token_head"):
@@ -353,11 +393,18 @@ def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
     caches = []
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
         # One seed for both: the same bf16 rows into the same random slots of the same poisoned bytes.
-        w = samples.write_sample(rng_for("triton write", "large", mode), mode, num_tokens=tokens, num_kv_heads=heads,
-                                 head_size=head_size, block_size=block_size, num_blocks=num_blocks, device=device)
+        w = samples.write_sample(
+            rng_for("triton write", "large", mode),
+            mode,
+            num_tokens=tokens,
+            num_kv_heads=heads,
+            head_size=head_size,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            device=device,
+        )
         c = w.caches
-        kvzoo.reshape_and_cache(w.key, w.value, c.key_cache, c.value_cache, w.slot_mapping, **w.api_kwargs(),
-                                impl=impl)
+        kvzoo.reshape_and_cache(w.key, w.value, c.key_cache, c.value_cache, w.slot_mapping, **w.api_kwargs(), impl=impl)
         caches.append([t.cpu().view(torch.uint8) for t in w.cache_arrays()])
     for got, want in zip(*caches):
         assert torch.equal(got, want)
@@ -374,8 +421,10 @@ def test_cache_over_4gib(mode):
     m = kvzoo.get_kv_quant_mode(mode)
     dtype = torch.bfloat16 if mode == "none" else torch.int8
     rng = rng_for("triton write", "over 4 GiB", mode)
-    key, value = (torch.from_numpy(rng.standard_normal((1, heads, head_size)).astype(np.float32) * 3)
-                  .to(torch.bfloat16).cuda() for _ in range(2))
+    key, value = (
+        torch.from_numpy(rng.standard_normal((1, heads, head_size)).astype(np.float32) * 3).to(torch.bfloat16).cuda()
+        for _ in range(2)
+    )
     outs = []
     for nb in (num_blocks, 1):
         kc = torch.empty(nb, block_size, heads, head_size, dtype=dtype, device="cuda")

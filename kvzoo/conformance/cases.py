@@ -35,11 +35,26 @@ class WriteCase:
 
     @property
     def id(self) -> str:
-        parts = [self.mode, self.dtype, self.dist, f"T{self.num_tokens}", f"H{self.num_kv_heads}",
-                 f"D{self.head_size}", f"B{self.block_size}"]
-        parts += [p for p, on in (("trunc", self.rounding == "trunc"), ("inline", self.layout == "inline"),
-                                  ("strided", self.strided), ("numpy", self.kind == "numpy"),
-                                  ("wild", self.wild_slots)) if on]
+        parts = [
+            self.mode,
+            self.dtype,
+            self.dist,
+            f"T{self.num_tokens}",
+            f"H{self.num_kv_heads}",
+            f"D{self.head_size}",
+            f"B{self.block_size}",
+        ]
+        parts += [
+            p
+            for p, on in (
+                ("trunc", self.rounding == "trunc"),
+                ("inline", self.layout == "inline"),
+                ("strided", self.strided),
+                ("numpy", self.kind == "numpy"),
+                ("wild", self.wild_slots),
+            )
+            if on
+        ]
         return "-".join(parts)
 
     def requirements(self) -> Requirements:
@@ -59,13 +74,21 @@ def write_cases() -> list[WriteCase]:
                 for dist in ("normal", "outliers", "tiny", "midpoints", "specials"):
                     d, bs, h = next(shapes)
                     per_token_head = MODES[mode].per_token_head
-                    cases.append(WriteCase(
-                        mode, dtype, dist, num_tokens=7, num_kv_heads=h, head_size=d, block_size=bs,
-                        rounding=rounding,
-                        layout="inline" if per_token_head and d % 4 == 0 and dist == "normal" else "separate",
-                        strided=dist in ("outliers", "specials"),
-                        kind="numpy" if dist == "tiny" else "torch",
-                    ))
+                    cases.append(
+                        WriteCase(
+                            mode,
+                            dtype,
+                            dist,
+                            num_tokens=7,
+                            num_kv_heads=h,
+                            head_size=d,
+                            block_size=bs,
+                            rounding=rounding,
+                            layout="inline" if per_token_head and d % 4 == 0 and dist == "normal" else "separate",
+                            strided=dist in ("outliers", "specials"),
+                            kind="numpy" if dist == "tiny" else "torch",
+                        )
+                    )
     # Edge sizes.
     for mode in MODE_NAMES:
         cases.append(WriteCase(mode, num_tokens=0))
@@ -87,8 +110,11 @@ class DequantCase:
 
     @property
     def id(self) -> str:
-        return "-".join([self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
-                        + (["whole"] if self.whole_cache else []) + (["inline"] if self.layout == "inline" else []))
+        return "-".join(
+            [self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
+            + (["whole"] if self.whole_cache else [])
+            + (["inline"] if self.layout == "inline" else [])
+        )
 
     def requirements(self) -> Requirements:
         return Requirements(self.head_size, None, frozenset({"inline_layout"} if self.layout == "inline" else ()))
@@ -123,8 +149,15 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        parts = [self.mode, self.batch, f"Hq{self.num_q_heads}", f"Hkv{self.num_kv_heads}",
-                 f"D{self.head_size}", f"B{self.block_size}", self.query_dtype]
+        parts = [
+            self.mode,
+            self.batch,
+            f"Hq{self.num_q_heads}",
+            f"Hkv{self.num_kv_heads}",
+            f"D{self.head_size}",
+            f"B{self.block_size}",
+            self.query_dtype,
+        ]
         if self.sliding_window:
             parts.append(f"win{self.sliding_window}")
         if self.softcap:
@@ -140,11 +173,17 @@ class AttentionCase:
         return "-".join(parts)
 
     def requirements(self) -> Requirements:
-        options = {name for name, on in (
-            ("sliding_window", self.sliding_window is not None), ("softcap", self.softcap is not None),
-            ("sinks", self.sinks), ("inline_layout", self.layout == "inline"),
-            ("quantize_query", self.quantize_query),
-        ) if on}
+        options = {
+            name
+            for name, on in (
+                ("sliding_window", self.sliding_window is not None),
+                ("softcap", self.softcap is not None),
+                ("sinks", self.sinks),
+                ("inline_layout", self.layout == "inline"),
+                ("quantize_query", self.quantize_query),
+            )
+            if on
+        }
         return Requirements(self.head_size, self.query_dtype, frozenset(options))
 
 
@@ -154,10 +193,16 @@ def attention_cases() -> list[AttentionCase]:
         for batch in ("decode", "prefill", "mixed", "long"):
             cases.append(AttentionCase(mode, batch))
         cases.append(AttentionCase(mode, "decode", num_q_heads=8, num_kv_heads=1, head_size=128))  # MQA
-        cases.append(AttentionCase(mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, block_size=32,
-                                   query_dtype="float16"))
-        cases.append(AttentionCase(mode, "mixed", num_q_heads=16, num_kv_heads=2, head_size=96,
-                                   sliding_window=19, softcap=30.0, sinks=True))
+        cases.append(
+            AttentionCase(
+                mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, block_size=32, query_dtype="float16"
+            )
+        )
+        cases.append(
+            AttentionCase(
+                mode, "mixed", num_q_heads=16, num_kv_heads=2, head_size=96, sliding_window=19, softcap=30.0, sinks=True
+            )
+        )
         if MODES[mode].per_token_head:
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
         if MODES[mode].holds_nan:
@@ -165,9 +210,20 @@ def attention_cases() -> list[AttentionCase]:
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
     for batch in ("decode", "prefill", "mixed"):
         cases.append(AttentionCase("int8_per_token_head", batch, quantize_query=True))
-    cases.append(AttentionCase("int8_per_token_head", "mixed", num_q_heads=16, num_kv_heads=2, head_size=96,
-                               query_dtype="float32", sliding_window=19, softcap=30.0, sinks=True,
-                               quantize_query=True))
+    cases.append(
+        AttentionCase(
+            "int8_per_token_head",
+            "mixed",
+            num_q_heads=16,
+            num_kv_heads=2,
+            head_size=96,
+            query_dtype="float32",
+            sliding_window=19,
+            softcap=30.0,
+            sinks=True,
+            quantize_query=True,
+        )
+    )
     cases.append(AttentionCase("int8_per_token_head", "decode", poison=True, quantize_query=True))
     cases.append(AttentionCase("fp8_per_token_head", "prefill", head_size=67, block_size=1))
     cases.append(AttentionCase("none", "decode", head_size=67, sinks=True, query_dtype="float16"))

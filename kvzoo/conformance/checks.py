@@ -58,8 +58,7 @@ def _run_declared(impl, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except registry.NoImplementationError as refusal:
-        raise AssertionError(
-            f"{impl.name} declares it takes this case but refused it: {refusal}") from None
+        raise AssertionError(f"{impl.name} declares it takes this case but refused it: {refusal}") from None
 
 
 def _kind(case_kind: str, device: str) -> str:
@@ -79,34 +78,63 @@ def check_reshape_and_cache(impl, case: WriteCase):
     # One guard block after the cache: with validate=False, out-of-range (wild) slots must be
     # skipped like negative ones, and nothing may land in the memory that follows the cache.
     w = samples.write_sample(
-        rng, mode, num_tokens=case.num_tokens, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-        block_size=case.block_size, dtype=case.dtype, dist=case.dist, layout=case.layout, kind=kind, device=device,
-        negative_slots=case.negative_slots, wild_slots=case.wild_slots, strided=case.strided, guard_blocks=1,
-        static_scale="wide", index_dtype="int32" if case.num_tokens % 2 else "int64",
+        rng,
+        mode,
+        num_tokens=case.num_tokens,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        block_size=case.block_size,
+        dtype=case.dtype,
+        dist=case.dist,
+        layout=case.layout,
+        kind=kind,
+        device=device,
+        negative_slots=case.negative_slots,
+        wild_slots=case.wild_slots,
+        strided=case.strided,
+        guard_blocks=1,
+        static_scale="wide",
+        index_dtype="int32" if case.num_tokens % 2 else "int64",
     )
     caches, key, value, static = w.caches, w.key, w.value, w.static_scale
     before = [None if c is None else host_bytes(c).copy() for c in w.cache_arrays()]
     api.reshape_and_cache(
-        key, value, caches.key_cache, caches.value_cache, w.slot_mapping, **w.api_kwargs(),
-        rounding=case.rounding, impl=impl, validate=not case.wild_slots,
+        key,
+        value,
+        caches.key_cache,
+        caches.value_cache,
+        w.slot_mapping,
+        **w.api_kwargs(),
+        rounding=case.rounding,
+        impl=impl,
+        validate=not case.wild_slots,
     )
     w.assert_guard_unchanged(impl.name)
 
     if mode.code_dtype is None:
         # A plain copy: the expected bits are the input tensors' own (NaN payloads included).
         model = numpy_dtype(case.dtype)
-        expect_inputs = tuple(np.ascontiguousarray(as_numpy(x.cpu() if isinstance(x, torch.Tensor) else x))
-                              for x in (key, value))
+        expect_inputs = tuple(
+            np.ascontiguousarray(as_numpy(x.cpu() if isinstance(x, torch.Tensor) else x)) for x in (key, value)
+        )
         expect_caches = [before[0].view(model)[..., 0], before[1].view(model)[..., 0]]
     else:
         expect_inputs = (w.key32, w.value32)
         expect_caches = [before[0][..., 0], before[1][..., 0]]
     scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
     expected = oracle.reshape_and_cache(
-        *expect_inputs, w.oracle_slots, mode_name=case.mode, num_blocks=w.num_blocks, block_size=w.block_size,
-        rounding=case.rounding, k_scale=static, v_scale=static,
-        key_cache=expect_caches[0], value_cache=expect_caches[1],
-        k_scale_cache=scale_caches[0], v_scale_cache=scale_caches[1],
+        *expect_inputs,
+        w.oracle_slots,
+        mode_name=case.mode,
+        num_blocks=w.num_blocks,
+        block_size=w.block_size,
+        rounding=case.rounding,
+        k_scale=static,
+        v_scale=static,
+        key_cache=expect_caches[0],
+        value_cache=expect_caches[1],
+        k_scale_cache=scale_caches[0],
+        v_scale_cache=scale_caches[1],
     )
     names = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
     actual = (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)
@@ -156,8 +184,11 @@ def check_dequantize(impl, case: DequantCase):
         views.k_scale_cache.copy_(torch.from_numpy(scales))
         cache, scale_cache = views.key_cache, views.k_scale_cache
     else:
-        cache = torch.from_numpy(codes).view(getattr(torch, mode.code_dtype)) if mode.code_dtype else \
-            torch.from_numpy(codes.astype(np.float32))
+        cache = (
+            torch.from_numpy(codes).view(getattr(torch, mode.code_dtype))
+            if mode.code_dtype
+            else torch.from_numpy(codes.astype(np.float32))
+        )
         cache = cache.to(device)
         scale_cache = None if scales is None else torch.from_numpy(scales).to(device)
     kw = dict(mode=case.mode, scale=None if static is None else float(static), impl=impl)
@@ -168,8 +199,13 @@ def check_dequantize(impl, case: DequantCase):
     else:
         seq_lens = np.array([5, 0, BS * 3 + 1, 1], np.int32)
         tables = np.stack([rng.permutation(num_blocks)[:5] for _ in seq_lens]).astype(np.int32)
-        got = api.dequantize(cache, scale_cache, block_tables=torch.from_numpy(tables).to(device),
-                               seq_lens=torch.from_numpy(seq_lens).to(device), **kw)
+        got = api.dequantize(
+            cache,
+            scale_cache,
+            block_tables=torch.from_numpy(tables).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            **kw,
+        )
         want = oracle.gather_dequantize(raw, scales, tables, seq_lens, case.mode, static)
     _assert_same_floats(got, want, f"{impl.name} dequantize")
 
@@ -182,16 +218,31 @@ def check_paged_attention(impl, case: AttentionCase):
     _usable(impl, case.mode, case.requirements())
     device = device_for(impl)
     s = samples.paged_sample(
-        rng_for("attention", case.id), case.mode, batch=case.batch, block_size=case.block_size,
-        num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-        query_dtype=case.query_dtype, layout=case.layout, device=device, sinks=case.sinks, poison=case.poison,
+        rng_for("attention", case.id),
+        case.mode,
+        batch=case.batch,
+        block_size=case.block_size,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        query_dtype=case.query_dtype,
+        layout=case.layout,
+        device=device,
+        sinks=case.sinks,
+        poison=case.poison,
         static_scales="wide",
     )
     out = s.new_out()
     api.paged_attention(
-        s.query, s.caches.key_cache, s.caches.value_cache, **s.api_kwargs(),
-        sliding_window=case.sliding_window, softcap=case.softcap,
-        out=out, quantize_query=case.quantize_query, impl=impl,
+        s.query,
+        s.caches.key_cache,
+        s.caches.value_cache,
+        **s.api_kwargs(),
+        sliding_window=case.sliding_window,
+        softcap=case.softcap,
+        out=out,
+        quantize_query=case.quantize_query,
+        impl=impl,
     )
     ref = s.reference(quantize_query=case.quantize_query, sliding_window=case.sliding_window, softcap=case.softcap)
     samples.assert_attention_close(impl, host_float32(out), ref, s.qsl, case.query_dtype)
@@ -227,9 +278,18 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
     z, meta = _load(path)
     mode_name = meta["mode"]
     head_size = z["x" if meta["kind"] == "rows" else "key"].shape[-1]
-    _usable(impl, mode_name, Requirements(head_size, meta.get("dtype"), frozenset(
-        ({"inline_layout"} if meta["kind"] == "inline" else set())
-        | ({"trunc_rounding"} if meta.get("rounding") == "trunc" else set()))))
+    _usable(
+        impl,
+        mode_name,
+        Requirements(
+            head_size,
+            meta.get("dtype"),
+            frozenset(
+                ({"inline_layout"} if meta["kind"] == "inline" else set())
+                | ({"trunc_rounding"} if meta.get("rounding") == "trunc" else set())
+            ),
+        ),
+    )
     mode = MODES[mode_name]
     device = device_for(impl)
     dequant = (reg or registry.default()).get("dequantize", impl.name)
@@ -241,9 +301,20 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         vc = kc.clone()
         sc = torch.full((n, 1, 1), -3.0, device=device) if mode.per_token_head else None
         static = _static(meta, "static_scale_bits")
-        api.reshape_and_cache(key, key.clone(), kc, vc, torch.arange(n, device=device), mode=mode_name,
-                                k_scale_cache=sc, v_scale_cache=None if sc is None else sc.clone(),
-                                k_scale=static, v_scale=static, rounding=meta["rounding"], impl=impl)
+        api.reshape_and_cache(
+            key,
+            key.clone(),
+            kc,
+            vc,
+            torch.arange(n, device=device),
+            mode=mode_name,
+            k_scale_cache=sc,
+            v_scale_cache=None if sc is None else sc.clone(),
+            k_scale=static,
+            v_scale=static,
+            rounding=meta["rounding"],
+            impl=impl,
+        )
         assert_same_bytes(kc.reshape(n, d), z["codes"], f"{impl.name} codes")
         assert_same_bytes(vc.reshape(n, d), z["codes"], f"{impl.name} value codes")
         if mode.per_token_head:
@@ -259,19 +330,31 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         vs = _as(z["v_scale_cache_before"], "float32", device) if mode.per_token_head else None
         k_static, v_static = _static(meta, "k_scale_bits"), _static(meta, "v_scale_bits")
         api.reshape_and_cache(
-            _as(z["key"], dtype, device), _as(z["value"], dtype, device), kc, vc,
-            torch.from_numpy(z["slot_mapping"]).to(device), mode=mode_name, k_scale_cache=ks, v_scale_cache=vs,
-            k_scale=k_static, v_scale=v_static, rounding=meta["rounding"], impl=impl)
+            _as(z["key"], dtype, device),
+            _as(z["value"], dtype, device),
+            kc,
+            vc,
+            torch.from_numpy(z["slot_mapping"]).to(device),
+            mode=mode_name,
+            k_scale_cache=ks,
+            v_scale_cache=vs,
+            k_scale=k_static,
+            v_scale=v_static,
+            rounding=meta["rounding"],
+            impl=impl,
+        )
         for got, name in ((kc, "key_cache"), (vc, "value_cache"), (ks, "k_scale_cache"), (vs, "v_scale_cache")):
             if got is not None:
                 want = z[name] if name.endswith("_cache") and "scale" not in name else z[name].view(np.float32)
-                assert_same_bytes(got, want.view(numpy_dtype(cache_dtype)) if "scale" not in name else want,
-                                  f"{impl.name} {name}")
+                assert_same_bytes(
+                    got, want.view(numpy_dtype(cache_dtype)) if "scale" not in name else want, f"{impl.name} {name}"
+                )
         tables = torch.from_numpy(z["block_tables"]).to(device)
         lens = torch.from_numpy(z["seq_lens"]).to(device)
         for cache, sc, static, name in ((kc, ks, k_static, "key_gathered"), (vc, vs, v_static, "value_gathered")):
-            got = api.dequantize(cache, sc, mode=mode_name, scale=static, block_tables=tables, seq_lens=lens,
-                                   impl=dequant)
+            got = api.dequantize(
+                cache, sc, mode=mode_name, scale=static, block_tables=tables, seq_lens=lens, impl=dequant
+            )
             _decoded_matches(got, z[name], f"{impl.name} {name}")
     else:  # inline page
         buf = torch.from_numpy(z["buf_before"].copy()).to(device)
@@ -279,9 +362,16 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         views = inline_views(buf, d, mode)
         x_dtype = meta["dtype"]
         api.reshape_and_cache(
-            _as(z["key"], x_dtype, device), _as(z["value"], x_dtype, device), views.key_cache, views.value_cache,
-            torch.from_numpy(z["slot_mapping"]).to(device), mode=mode_name,
-            k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, impl=impl)
+            _as(z["key"], x_dtype, device),
+            _as(z["value"], x_dtype, device),
+            views.key_cache,
+            views.value_cache,
+            torch.from_numpy(z["slot_mapping"]).to(device),
+            mode=mode_name,
+            k_scale_cache=views.k_scale_cache,
+            v_scale_cache=views.v_scale_cache,
+            impl=impl,
+        )
         assert_same_bytes(buf, z["buf"], f"{impl.name} inline page")
 
 
@@ -309,12 +399,24 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
     for op, cases, fn in groups:
         for impl in reg.implementations(op):
             for case in cases:
-                checks.append(Check(op, impl, case.id,
-                                    lambda fn=fn, impl=impl, case=case: _run_declared(impl, lambda: fn(impl, case))))
+                checks.append(
+                    Check(
+                        op,
+                        impl,
+                        case.id,
+                        lambda fn=fn, impl=impl, case=case: _run_declared(impl, lambda: fn(impl, case)),
+                    )
+                )
     for impl in reg.implementations("reshape_and_cache"):
         for path in GOLDEN_FILES:
-            checks.append(Check("golden", impl, path.stem, lambda impl=impl, path=path: _run_declared(
-                impl, lambda: check_golden(impl, path, reg))))
+            checks.append(
+                Check(
+                    "golden",
+                    impl,
+                    path.stem,
+                    lambda impl=impl, path=path: _run_declared(impl, lambda: check_golden(impl, path, reg)),
+                )
+            )
     if ops is not None:
         checks = [c for c in checks if c.op in ops]
     return checks

@@ -44,8 +44,14 @@ def midpoint_targets(mode: QuantMode, rng: np.random.Generator, n: int) -> np.nd
     return np.where(nudge == 0, mids32, np.nextafter(mids32, toward))
 
 
-def make_rows(mode: QuantMode, dist: str, dtype: str, shape: tuple[int, ...], rng: np.random.Generator,
-              static_scale: float | None = None) -> np.ndarray:
+def make_rows(
+    mode: QuantMode,
+    dist: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    rng: np.random.Generator,
+    static_scale: float | None = None,
+) -> np.ndarray:
     """float32 values (exactly representable in dtype after a cast) with a given character."""
     *lead, d = shape
     rows = int(np.prod(lead)) if lead else 1

@@ -29,8 +29,14 @@ from kvzoo_spec import oracle  # noqa: E402
 
 D_ROWS = 16
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-QUANT_MODES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head",
-               "int8_per_tensor", "fp8_e5m2_per_tensor")
+QUANT_MODES = (
+    "fp8_per_tensor",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "fp8_e4m3fnuz_per_token_head",
+    "int8_per_tensor",
+    "fp8_e5m2_per_tensor",
+)
 PER_TOKEN_HEAD = tuple(m for m in QUANT_MODES if oracle.ORACLE_MODES[m].granularity == "per_token_head")
 # A few significant bits, not a power of two: x / s and x * (1/s) differ for many x, and
 # x = midpoint * s is exact in every input dtype.
@@ -249,7 +255,9 @@ def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[st
     shape = (NB, BS, H, D)
     if mode.granularity == "none":
         code_dtype = np.dtype(dtype)
-        before = [rng.integers(0, 2 ** (8 * code_dtype.itemsize), shape).astype(bits(key).dtype).view(dtype) for _ in range(2)]
+        before = [
+            rng.integers(0, 2 ** (8 * code_dtype.itemsize), shape).astype(bits(key).dtype).view(dtype) for _ in range(2)
+        ]
     else:
         before = [rng.integers(0, 256, shape).astype(np.uint8) for _ in range(2)]
     scale_before = [None, None]
@@ -257,9 +265,19 @@ def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[st
         scale_before = [rng.integers(0, 2**32, shape[:3]).astype(np.uint32).view(np.float32) for _ in range(2)]
     statics = (STATIC_SCALE, STATIC_V_SCALE) if mode.granularity == "per_tensor" else (None, None)
     after = oracle.reshape_and_cache(
-        key, value, slots, mode_name=mode_name, num_blocks=NB, block_size=BS, rounding=rounding,
-        k_scale=statics[0], v_scale=statics[1], key_cache=before[0], value_cache=before[1],
-        k_scale_cache=scale_before[0], v_scale_cache=scale_before[1],
+        key,
+        value,
+        slots,
+        mode_name=mode_name,
+        num_blocks=NB,
+        block_size=BS,
+        rounding=rounding,
+        k_scale=statics[0],
+        v_scale=statics[1],
+        key_cache=before[0],
+        value_cache=before[1],
+        k_scale_cache=scale_before[0],
+        v_scale_cache=scale_before[1],
     )
     seq_lens = np.array([5, 1, 9, 0], dtype=np.int32)
     block_tables = np.full((4, 3), -1, dtype=np.int32)
@@ -272,7 +290,12 @@ def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[st
     ]
     arrays = {
         "meta": meta(
-            kind="cache", mode=mode_name, rounding=rounding, dtype=dtype_name, num_blocks=NB, block_size=BS,
+            kind="cache",
+            mode=mode_name,
+            rounding=rounding,
+            dtype=dtype_name,
+            num_blocks=NB,
+            block_size=BS,
             k_scale_bits=None if statics[0] is None else int(bits(np.array([statics[0]]))[0]),
             v_scale_bits=None if statics[1] is None else int(bits(np.array([statics[1]]))[0]),
         ),
@@ -303,12 +326,28 @@ def build_inline_file(mode_name: str) -> tuple[str, dict]:
     buf_before = rng.integers(0, 256, (NB, 2, BS, H, D + 4)).astype(np.uint8)
     kc, vc, ks, vs = oracle.unpack_inline(buf_before)
     after = oracle.reshape_and_cache(
-        key, value, slots, mode_name=mode_name, num_blocks=NB, block_size=BS,
-        key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
+        key,
+        value,
+        slots,
+        mode_name=mode_name,
+        num_blocks=NB,
+        block_size=BS,
+        key_cache=kc,
+        value_cache=vc,
+        k_scale_cache=ks,
+        v_scale_cache=vs,
     )
     arrays = {
-        "meta": meta(kind="inline", mode=mode_name, rounding="nearest", dtype="bfloat16", num_blocks=NB,
-                     block_size=BS, num_kv_heads=H, head_size=D),
+        "meta": meta(
+            kind="inline",
+            mode=mode_name,
+            rounding="nearest",
+            dtype="bfloat16",
+            num_blocks=NB,
+            block_size=BS,
+            num_kv_heads=H,
+            head_size=D,
+        ),
         "key": bits(key),
         "value": bits(value),
         "slot_mapping": slots,

@@ -61,8 +61,7 @@ _announced = False
 def _cold_cache(kernels: Any) -> bool:
     """Whether an entry point has no compiled code on disk yet (its first call compiles)."""
     try:
-        return any(not os.path.exists(getattr(kernels, name)._cache._cache_file._index_path)
-                   for name in _ENTRY_POINTS)
+        return any(not os.path.exists(getattr(kernels, name)._cache._cache_file._index_path) for name in _ENTRY_POINTS)
     except AttributeError:  # numba's cache internals moved: say nothing rather than guess
         return False
 
@@ -74,9 +73,13 @@ def _kernels() -> Any:
     if not _announced:
         _announced = True
         if _cold_cache(kernels):
-            print("kvzoo: compiling the numba CPU kernels; the first use on this machine takes about a "
-                  "minute (cached on disk after that). `kvzoo warmup` compiles them ahead; "
-                  f"{DISABLE_ENV}=1 uses NumPy instead.", file=sys.stderr, flush=True)
+            print(
+                "kvzoo: compiling the numba CPU kernels; the first use on this machine takes about a "
+                "minute (cached on disk after that). `kvzoo warmup` compiles them ahead; "
+                f"{DISABLE_ENV}=1 uses NumPy instead.",
+                file=sys.stderr,
+                flush=True,
+            )
     return kernels
 
 
@@ -140,13 +143,35 @@ def run_reshape_and_cache(p: Any) -> None:
         ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
         kts, vts = _f32(p.k_scale), _f32(p.v_scale)
     k.write_quantized(
-        key, kst, value, vst, np.int64(kind), slots, num_slots,
-        kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
-        bs, heads, hsize,
-        np.int64(FORMAT_KINDS[mode.format.name]), p.rounding == "trunc",
-        np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code), *(np.int32(c) for c in mode.inf_codes),
-        np.float32(mode.scale_floor), mode.per_tensor, kts, vts,
-    )  # fmt: skip
+        key,
+        kst,
+        value,
+        vst,
+        np.int64(kind),
+        slots,
+        num_slots,
+        kc,
+        kcs,
+        vc,
+        vcs,
+        ksc,
+        kscs,
+        vsc,
+        vscs,
+        bs,
+        heads,
+        hsize,
+        np.int64(FORMAT_KINDS[mode.format.name]),
+        p.rounding == "trunc",
+        np.float32(mode.qmax),
+        np.float32(mode.qmin),
+        np.int32(mode.nan_code),
+        *(np.int32(c) for c in mode.inf_codes),
+        np.float32(mode.scale_floor),
+        mode.per_tensor,
+        kts,
+        vts,
+    )
 
 
 def write_reasons(p: Any) -> list[str]:
@@ -179,13 +204,22 @@ def run_dequantize(p: Any) -> None:
         scales, sst = np.empty(1, np.uint32), (0, 0, 0, 0)
         tscale = _f32(p.scale) if p.mode.per_tensor else np.float32(1.0)
     k.dequantize(
-        cache, cst, np.int64(kind), scales, sst, p.mode.per_token_head, tscale,
+        cache,
+        cst,
+        np.int64(kind),
+        scales,
+        sst,
+        p.mode.per_token_head,
+        tscale,
         p.mode.code_dtype is not None,
         np.ascontiguousarray(p.block_tables, dtype=np.int64),
         np.ascontiguousarray(p.cu_seq_lens, dtype=np.int64),
-        out, ost, np.int64(p.cache.shape[2]), np.int64(p.cache.shape[3]),
+        out,
+        ost,
+        np.int64(p.cache.shape[2]),
+        np.int64(p.cache.shape[3]),
         np.int64(p.cache.shape[1]),
-    )  # fmt: skip
+    )
 
 
 def dequantize_reasons(p: Any) -> list[str]:
@@ -248,20 +282,38 @@ def run_paged_attention(p: Any) -> None:
     # Without lse a one-element stand-in of the same types: one compiled signature serves both.
     lse_args = (*flat(p.lse, np.float32), True) if p.lse is not None else (np.empty(1, np.float32), (0, 0, 0), False)
     k.attention(
-        query, qst, np.int64(q_kind),
-        kc, kcs, vc, vcs, np.int64(kv_kind),
-        ksc, kscs, vsc, vscs, p.mode.per_token_head, kts, vts,
-        np.ascontiguousarray(p.block_tables, dtype=np.int64), seq_lens, qsl,
+        query,
+        qst,
+        np.int64(q_kind),
+        kc,
+        kcs,
+        vc,
+        vcs,
+        np.int64(kv_kind),
+        ksc,
+        kscs,
+        vsc,
+        vscs,
+        p.mode.per_token_head,
+        kts,
+        vts,
+        np.ascontiguousarray(p.block_tables, dtype=np.int64),
+        seq_lens,
+        qsl,
         *items,
-        out, ost,
-        np.int64(p.num_q_heads), np.int64(p.num_kv_heads), np.int64(p.head_size),
+        out,
+        ost,
+        np.int64(p.num_q_heads),
+        np.int64(p.num_kv_heads),
+        np.int64(p.head_size),
         np.int64(p.block_size),
         np.float32(p.softmax_scale),
         np.int64(p.sliding_window or 0),
         np.float32(p.softcap or 0.0),
-        sinks, p.sinks is not None,
+        sinks,
+        p.sinks is not None,
         *lse_args,
-    )  # fmt: skip
+    )
     if not direct:
         p.out[...] = out32
 

@@ -325,9 +325,26 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code,
 # decrement per array per row, on counters both threads share (measured ~30% of the write).
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _quantize_row(
-    src, s0, sd, kind, xf, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor,
-    per_tensor, tscale,
-):  # fmt: skip
+    src,
+    s0,
+    sd,
+    kind,
+    xf,
+    dst,
+    d0,
+    dd,
+    n,
+    fmt,
+    trunc,
+    qmax,
+    qmin,
+    nan_code,
+    inf_pos,
+    inf_neg,
+    floor,
+    per_tensor,
+    tscale,
+):
     """Quantize one row of n elements; returns the bits to store as its scale."""
     amax = _load_row_absmax(src, s0, sd, kind, xf, n)
     if per_tensor:
@@ -345,20 +362,21 @@ def _quantize_row(
     checked = per_tensor or not ((i32_from_f32(scale) & _i32(0x7FFFFFFF)) < _i32(0x7F800000))
     if fmt == I8:
         if trunc:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin,
-                         nan_code, inf_pos, inf_neg, checked)
+            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, True, qmax, qmin, nan_code, inf_pos, inf_neg, checked)
         else:
-            _store_codes(xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin,
-                         nan_code, inf_pos, inf_neg, checked)
+            _store_codes(
+                xf, mul, per_tensor, dst, d0, dd, n, I8, False, qmax, qmin, nan_code, inf_pos, inf_neg, checked
+            )
     elif fmt == E4M3FN:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin,
-                     nan_code, inf_pos, inf_neg, checked)
+        _store_codes(
+            xf, mul, per_tensor, dst, d0, dd, n, E4M3FN, False, qmax, qmin, nan_code, inf_pos, inf_neg, checked
+        )
     elif fmt == E5M2:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E5M2, False, qmax, qmin,
-                     nan_code, inf_pos, inf_neg, checked)
+        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E5M2, False, qmax, qmin, nan_code, inf_pos, inf_neg, checked)
     else:
-        _store_codes(xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin,
-                     nan_code, inf_pos, inf_neg, checked)
+        _store_codes(
+            xf, mul, per_tensor, dst, d0, dd, n, E4M3FNUZ, False, qmax, qmin, nan_code, inf_pos, inf_neg, checked
+        )
     return _i32(_CANONICAL_NAN) if scale != scale else i32_from_f32(scale)
 
 
@@ -366,11 +384,39 @@ def _quantize_row(
 # once per chunk of tokens, not once per row.
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _write_tokens(
-    t_lo, t_hi, xf, key, ks_, value, vs_, kind, slots, num_slots,
-    kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
-    block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
-):  # fmt: skip
+    t_lo,
+    t_hi,
+    xf,
+    key,
+    ks_,
+    value,
+    vs_,
+    kind,
+    slots,
+    num_slots,
+    kc,
+    kcs,
+    vc,
+    vcs,
+    ksc,
+    kscs,
+    vsc,
+    vscs,
+    block_size,
+    num_heads,
+    head_size,
+    fmt,
+    trunc,
+    qmax,
+    qmin,
+    nan_code,
+    inf_pos,
+    inf_neg,
+    floor,
+    per_tensor,
+    k_tscale,
+    v_tscale,
+):
     """The write of tokens t_lo..t_hi-1 (see write_quantized)."""
     for t in range(t_lo, t_hi):
         slot = slots[t]
@@ -382,15 +428,47 @@ def _write_tokens(
         off = slot - blk * block_size
         for h in range(num_heads):
             kbits = _quantize_row(
-                key, ks_[0] + t * ks_[1] + h * ks_[2], ks_[3], kind, xf,
-                kc, kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3], kcs[4],
-                head_size, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale,
-            )  # fmt: skip
+                key,
+                ks_[0] + t * ks_[1] + h * ks_[2],
+                ks_[3],
+                kind,
+                xf,
+                kc,
+                kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3],
+                kcs[4],
+                head_size,
+                fmt,
+                trunc,
+                qmax,
+                qmin,
+                nan_code,
+                inf_pos,
+                inf_neg,
+                floor,
+                per_tensor,
+                k_tscale,
+            )
             vbits = _quantize_row(
-                value, vs_[0] + t * vs_[1] + h * vs_[2], vs_[3], kind, xf,
-                vc, vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3], vcs[4],
-                head_size, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, v_tscale,
-            )  # fmt: skip
+                value,
+                vs_[0] + t * vs_[1] + h * vs_[2],
+                vs_[3],
+                kind,
+                xf,
+                vc,
+                vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3],
+                vcs[4],
+                head_size,
+                fmt,
+                trunc,
+                qmax,
+                qmin,
+                nan_code,
+                inf_pos,
+                inf_neg,
+                floor,
+                per_tensor,
+                v_tscale,
+            )
             if not per_tensor:
                 ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
                 vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
@@ -398,11 +476,36 @@ def _write_tokens(
 
 @njit(parallel=True, **_OPTS)
 def write_quantized(
-    key, ks_, value, vs_, kind, slots, num_slots,
-    kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
-    block_size, num_heads, head_size,
-    fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
-):  # fmt: skip
+    key,
+    ks_,
+    value,
+    vs_,
+    kind,
+    slots,
+    num_slots,
+    kc,
+    kcs,
+    vc,
+    vcs,
+    ksc,
+    kscs,
+    vsc,
+    vscs,
+    block_size,
+    num_heads,
+    head_size,
+    fmt,
+    trunc,
+    qmax,
+    qmin,
+    nan_code,
+    inf_pos,
+    inf_neg,
+    floor,
+    per_tensor,
+    k_tscale,
+    v_tscale,
+):
     """reshape_and_cache for quantized modes; parallel over chunks of tokens, heads inside.
 
     key/value: flat input bits with (offset, sT, sH, sD); kc/vc: flat uint8 codes with
@@ -412,12 +515,39 @@ def write_quantized(
     for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
         xf = np.empty(head_size, dtype=np.float32)
         _write_tokens(
-            chunk * _WRITE_CHUNK, min(num_tokens, (chunk + 1) * _WRITE_CHUNK), xf,
-            key, ks_, value, vs_, kind, slots, num_slots,
-            kc, kcs, vc, vcs, ksc, kscs, vsc, vscs,
-            block_size, num_heads, head_size,
-            fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg, floor, per_tensor, k_tscale, v_tscale,
-        )  # fmt: skip
+            chunk * _WRITE_CHUNK,
+            min(num_tokens, (chunk + 1) * _WRITE_CHUNK),
+            xf,
+            key,
+            ks_,
+            value,
+            vs_,
+            kind,
+            slots,
+            num_slots,
+            kc,
+            kcs,
+            vc,
+            vcs,
+            ksc,
+            kscs,
+            vsc,
+            vscs,
+            block_size,
+            num_heads,
+            head_size,
+            fmt,
+            trunc,
+            qmax,
+            qmin,
+            nan_code,
+            inf_pos,
+            inf_neg,
+            floor,
+            per_tensor,
+            k_tscale,
+            v_tscale,
+        )
 
 
 @njit(parallel=True, **_OPTS)
@@ -478,9 +608,22 @@ def _decode_row_any(src, s0, sd, kind, dst, d0, dd, n, scale, scaled):
 
 @njit(parallel=True, **_OPTS)
 def dequantize(
-    cache, cs, kind, scales, ss, has_scales, tscale, scaled,
-    block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size,
-):  # fmt: skip
+    cache,
+    cs,
+    kind,
+    scales,
+    ss,
+    has_scales,
+    tscale,
+    scaled,
+    block_tables,
+    cu_seq_lens,
+    out,
+    os_,
+    num_heads,
+    head_size,
+    block_size,
+):
     """Gather the tokens of each sequence and decode them: x = float32(code) * scale."""
     num_seqs = cu_seq_lens.shape[0] - 1
     total = cu_seq_lens[num_seqs]
@@ -494,9 +637,17 @@ def dequantize(
             if has_scales:
                 sc = f32_from_bits(scales[_u(ss[0] + blk * ss[1] + off * ss[2] + h * ss[3])])
             _decode_row_any(
-                cache, cs[0] + blk * cs[1] + off * cs[2] + h * cs[3], cs[4], kind,
-                out, os_[0] + t * os_[1] + h * os_[2], os_[3], head_size, sc, scaled,
-            )  # fmt: skip
+                cache,
+                cs[0] + blk * cs[1] + off * cs[2] + h * cs[3],
+                cs[4],
+                kind,
+                out,
+                os_[0] + t * os_[1] + h * os_[2],
+                os_[3],
+                head_size,
+                sc,
+                scaled,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -887,7 +1038,7 @@ def _softmax_tile(sc, s0, n, m_new, vscale):
 @njit(**_LEAF)
 def _prefetch_tile(
     kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, hd, block_size
-):  # fmt: skip
+):
     """Ask the cache for the K/V rows (and scales) of the n keys from page index bi, offset off,
     so their loads overlap the current tile's arithmetic. One page lookup per page run."""
     while n > 0:
@@ -912,9 +1063,26 @@ def _prefetch_tile(
 
 @njit(**_LEAF)
 def _tile_keys(
-    kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
-    key_unit, krow, vrow, kscale, vscale,
-):  # fmt: skip
+    kcs,
+    vcs,
+    ksc,
+    kscs,
+    vsc,
+    vscs,
+    has_scales,
+    block_tables,
+    seq,
+    bi,
+    off,
+    g,
+    n,
+    block_size,
+    key_unit,
+    krow,
+    vrow,
+    kscale,
+    vscale,
+):
     """For the n keys from page index bi, offset off: where their K and V code rows start
     (krow, vrow) and, with per-token-head scales, kscale = K scale * key_unit and vscale =
     V scale. One page lookup per page run, not per key."""
@@ -962,16 +1130,42 @@ def _unit_row(q, q0, n, unit):
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _attention_item(
     it,
-    query, qs, q_kind,
-    kc, kcs, vc, vcs, kv_kind,
-    ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale,
-    block_tables, seq_lens, query_start_loc,
-    items_seq, items_t0, items_nq,
-    out, os_,
-    num_q_heads, num_kv_heads, head_size, block_size,
-    softmax_scale, window, softcap, sinks, has_sinks,
-    lse, ls_, has_lse,
-):  # fmt: skip
+    query,
+    qs,
+    q_kind,
+    kc,
+    kcs,
+    vc,
+    vcs,
+    kv_kind,
+    ksc,
+    kscs,
+    vsc,
+    vscs,
+    has_scales,
+    k_tscale,
+    v_tscale,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    items_seq,
+    items_t0,
+    items_nq,
+    out,
+    os_,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    softmax_scale,
+    window,
+    softcap,
+    sinks,
+    has_sinks,
+    lse,
+    ls_,
+    has_lse,
+):
     """One (query block, kv head) item of attention (see attention())."""
     group = num_q_heads // num_kv_heads
     hd = head_size
@@ -1047,13 +1241,45 @@ def _attention_item(
         if nxt < hi:
             pbi = nxt // block_size
             _prefetch_tile(
-                kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, has_scales,
-                block_tables, seq, pbi, nxt - pbi * block_size, g, min(TILE, hi - nxt), hd, block_size,
-            )  # fmt: skip
+                kc,
+                kcs,
+                vc,
+                vcs,
+                ksc,
+                kscs,
+                vsc,
+                vscs,
+                has_scales,
+                block_tables,
+                seq,
+                pbi,
+                nxt - pbi * block_size,
+                g,
+                min(TILE, hi - nxt),
+                hd,
+                block_size,
+            )
         _tile_keys(
-            kcs, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, block_size,
-            key_unit, krow, vrow, kscale, vscale,
-        )  # fmt: skip
+            kcs,
+            vcs,
+            ksc,
+            kscs,
+            vsc,
+            vscs,
+            has_scales,
+            block_tables,
+            seq,
+            bi,
+            off,
+            g,
+            n,
+            block_size,
+            key_unit,
+            krow,
+            vrow,
+            kscale,
+            vscale,
+        )
         if not has_scales and k0 == lo:
             for kk in range(TILE):
                 kscale[kk] = k_tscale * key_unit
@@ -1114,21 +1340,48 @@ def _attention_item(
             # m and l_sum are the running max and the denominator over it (the sink's term
             # included); the log in float64, rounded once. No term: -inf + log(0) = -inf.
             lse[_u(ls_[0] + (t0 + j) * ls_[1] + h * ls_[2])] = np.float32(
-                np.float64(m[r]) + math.log(np.float64(l_sum[r])))
+                np.float64(m[r]) + math.log(np.float64(l_sum[r]))
+            )
 
 
 @njit(parallel=True, **_OPTS)
 def attention(
-    query, qs, q_kind,
-    kc, kcs, vc, vcs, kv_kind,
-    ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale,
-    block_tables, seq_lens, query_start_loc,
-    items_seq, items_t0, items_nq,
-    out, os_,
-    num_q_heads, num_kv_heads, head_size, block_size,
-    softmax_scale, window, softcap, sinks, has_sinks,
-    lse, ls_, has_lse,
-):  # fmt: skip
+    query,
+    qs,
+    q_kind,
+    kc,
+    kcs,
+    vc,
+    vcs,
+    kv_kind,
+    ksc,
+    kscs,
+    vsc,
+    vscs,
+    has_scales,
+    k_tscale,
+    v_tscale,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    items_seq,
+    items_t0,
+    items_nq,
+    out,
+    os_,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    softmax_scale,
+    window,
+    softcap,
+    sinks,
+    has_sinks,
+    lse,
+    ls_,
+    has_lse,
+):
     """Causal paged attention; one parallel item per (query block, kv head).
 
     A query block is up to a few query tokens of one sequence; the item processes all
@@ -1139,8 +1392,43 @@ def attention(
     # The per-item work is a compiled function: a small parfor body compiles much faster.
     for it in prange(items_seq.shape[0] * num_kv_heads):
         _attention_item(
-            np.int64(it), query, qs, q_kind, kc, kcs, vc, vcs, kv_kind, ksc, kscs, vsc, vscs, has_scales, k_tscale, v_tscale, block_tables, seq_lens, query_start_loc, items_seq, items_t0, items_nq, out, os_, num_q_heads, num_kv_heads, head_size, block_size, softmax_scale, window, softcap, sinks, has_sinks, lse, ls_, has_lse,
-        )  # fmt: skip
+            np.int64(it),
+            query,
+            qs,
+            q_kind,
+            kc,
+            kcs,
+            vc,
+            vcs,
+            kv_kind,
+            ksc,
+            kscs,
+            vsc,
+            vscs,
+            has_scales,
+            k_tscale,
+            v_tscale,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            items_seq,
+            items_t0,
+            items_nq,
+            out,
+            os_,
+            num_q_heads,
+            num_kv_heads,
+            head_size,
+            block_size,
+            softmax_scale,
+            window,
+            softcap,
+            sinks,
+            has_sinks,
+            lse,
+            ls_,
+            has_lse,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,31 +14,61 @@ PRIORITY = 10
 
 def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
     return vectorized.Codec(
-        granularity=mode.granularity, format=mode.format, scale_floor=float(mode.scale_floor), rounding=rounding,
+        granularity=mode.granularity,
+        format=mode.format,
+        scale_floor=float(mode.scale_floor),
+        rounding=rounding,
     )
 
 
 def _reshape_and_cache(p: CacheWrite) -> None:
     vectorized.reshape_and_cache(
-        p.key, p.value, p.key_cache, p.value_cache, p.slot_mapping, codec(p.mode, p.rounding),
-        k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
+        p.key,
+        p.value,
+        p.key_cache,
+        p.value_cache,
+        p.slot_mapping,
+        codec(p.mode, p.rounding),
+        k_scale_cache=p.k_scale_cache,
+        v_scale_cache=p.v_scale_cache,
+        k_scale=p.k_scale,
+        v_scale=p.v_scale,
     )
 
 
 def _dequantize(p: Dequantize) -> None:
     vectorized.dequantize(
-        p.cache, p.block_tables, p.seq_lens, p.cu_seq_lens, p.out, codec(p.mode),
-        scale_cache=p.scale_cache, scale=p.scale,
+        p.cache,
+        p.block_tables,
+        p.seq_lens,
+        p.cu_seq_lens,
+        p.out,
+        codec(p.mode),
+        scale_cache=p.scale_cache,
+        scale=p.scale,
     )
 
 
 def _paged_attention(p: Attention) -> None:
     vectorized.paged_attention(
-        p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.query_start_loc, p.out,
-        codec(p.mode), p.softmax_scale,
-        k_scale_cache=p.k_scale_cache, v_scale_cache=p.v_scale_cache, k_scale=p.k_scale, v_scale=p.v_scale,
-        sliding_window=p.sliding_window, softcap=p.softcap, sinks=p.sinks,
-        query_codec=codec(p.mode) if p.quantize_query else None, lse=p.lse,
+        p.query,
+        p.key_cache,
+        p.value_cache,
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        p.out,
+        codec(p.mode),
+        p.softmax_scale,
+        k_scale_cache=p.k_scale_cache,
+        v_scale_cache=p.v_scale_cache,
+        k_scale=p.k_scale,
+        v_scale=p.v_scale,
+        sliding_window=p.sliding_window,
+        softcap=p.softcap,
+        sinks=p.sinks,
+        query_codec=codec(p.mode) if p.quantize_query else None,
+        lse=p.lse,
     )
 
 
@@ -54,9 +84,17 @@ def register(registry: Registry) -> None:
     ):
         registry.add(
             Implementation(
-                name=NAME, op=op, platform="any", modes=_MODES, run=run,
-                array_kind="numpy", devices=frozenset({"cpu"}), priority=PRIORITY,
+                name=NAME,
+                op=op,
+                platform="any",
+                modes=_MODES,
+                run=run,
+                array_kind="numpy",
+                devices=frozenset({"cpu"}),
+                priority=PRIORITY,
                 attention_rtol=1e-5,
-                capabilities=Capabilities(ALL_OPTIONS, formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}),
+                capabilities=Capabilities(
+                    ALL_OPTIONS, formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}
+                ),
             )
         )

@@ -84,27 +84,78 @@ _MIN_DOT_K_INT8 = 32
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, table_ptr,
-    num_seqs, softmax_scale, softcap, window, split_keys, num_splits,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_lt, stride_lh,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    sinks_ptr,
+    table_ptr,
+    num_seqs,
+    softmax_scale,
+    softcap,
+    window,
+    split_keys,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
     stride_bt,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, Q_RESCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, SKIP_DECODE: tl.constexpr, SCALE_IN_CODES: tl.constexpr,
-    QK_INT8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, ROW_ALIGN: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr, HAS_LSE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    Q_RESCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    SCALE_IN_CODES: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
     merge) and direct prefill."""
@@ -127,8 +178,9 @@ def _attention_kernel(
                 return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
-    row_ok, head, pos, token, d, d_ok = tile_rows(q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD,
-                                                  GROUP, BLOCK_D, HEAD_D)
+    row_ok, head, pos, token, d, d_ok = tile_rows(
+        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
 
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q_ok = row_ok[:, None] & d_ok[None, :]
@@ -143,8 +195,9 @@ def _attention_kernel(
     if QK_INT8:
         # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
         q_scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), QUERY_QMAX, SCALE_FLOOR)
-        q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], QUERY_CODE, QUERY_NAN_CODE,
-                                     False).to(tl.int8)
+        q = _encode.encode_row_codes(q * _encode.reciprocal(q_scale)[:, None], QUERY_CODE, QUERY_NAN_CODE, False).to(
+            tl.int8
+        )
         row_scale = q_scale
     else:
         q = q.to(DOT_DTYPE)
@@ -157,14 +210,70 @@ def _attention_kernel(
 
     # The split path's sink joins in the merge.
     m_i, l_i, acc, _ = attend(
-        seq, q_block, q_len, seq_len, context, block_tables_ptr, stride_bt, window, split, split_keys, sinks_ptr, head,
-        row_ok, paged_tile,
-        (q, row_scale, q_offset, pos, window, softcap, kv_head, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr,
-         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-         stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-         BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, CODE_CONVERT, DOT_DTYPE, DOT_PRECISION,
-         HAS_SOFTCAP, HAS_WINDOW, SCALE_IN_CODES, QK_INT8, SAME_KV_STRIDES, ROW_ALIGN),
-        BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SPLIT, HAS_SINKS and not SPLIT, INTERPRETED,
+        seq,
+        q_block,
+        q_len,
+        seq_len,
+        context,
+        block_tables_ptr,
+        stride_bt,
+        window,
+        split,
+        split_keys,
+        sinks_ptr,
+        head,
+        row_ok,
+        paged_tile,
+        (
+            q,
+            row_scale,
+            q_offset,
+            pos,
+            window,
+            softcap,
+            kv_head,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            table_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            stride_vd,
+            stride_ksb,
+            stride_kst,
+            stride_ksh,
+            stride_vsb,
+            stride_vst,
+            stride_vsh,
+            BLOCK_N,
+            HEAD_D,
+            BLOCK_D,
+            PAGE,
+            SCALE_MODE,
+            CODE_CONVERT,
+            DOT_DTYPE,
+            DOT_PRECISION,
+            HAS_SOFTCAP,
+            HAS_WINDOW,
+            SCALE_IN_CODES,
+            QK_INT8,
+            SAME_KV_STRIDES,
+            ROW_ALIGN,
+        ),
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        SPLIT,
+        HAS_SINKS and not SPLIT,
+        INTERPRETED,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -176,26 +285,77 @@ def _attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
     else:
-        store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_od,
-                   stride_lt, stride_lh, HAS_LSE)
+        store_rows(
+            out_ptr,
+            lse_ptr,
+            acc,
+            m_i,
+            l_i,
+            token,
+            head,
+            d,
+            row_ok,
+            d_ok,
+            stride_ot,
+            stride_oh,
+            stride_od,
+            stride_lt,
+            stride_lh,
+            HAS_LSE,
+        )
 
 
 @triton.jit
 def _staged_attention_kernel(
-    q_ptr, q_undo_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr,
-    first_page_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
-    num_seqs, softmax_scale, softcap, window,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_lt, stride_lh,
-    stride_wb, stride_wt, stride_wh, stride_wd,
-    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    q_ptr,
+    q_undo_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    lse_ptr,
+    first_page_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    sinks_ptr,
+    num_seqs,
+    softmax_scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_wb,
+    stride_wt,
+    stride_wh,
+    stride_wd,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
     stride_bt,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, INTERPRETED: tl.constexpr, HAS_LSE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     """Prefill on staging.py's workspace: q the query rows rescaled into fp16 and q_undo their
     factors, K and V (one layout: strides stride_w*) fp16 operands with one scale per page of
@@ -210,8 +370,9 @@ def _staged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
-    row_ok, head, pos, token, d, d_ok = tile_rows(q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD,
-                                                  GROUP, BLOCK_D, HEAD_D)
+    row_ok, head, pos, token, d, d_ok = tile_rows(
+        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
 
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q_ok = row_ok[:, None] & d_ok[None, :]
@@ -222,26 +383,101 @@ def _staged_attention_kernel(
     row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
 
     m_i, l_i, acc, v_unit = attend(
-        seq, q_block, q_len, seq_len, context, first_page_ptr, stride_bt, window, 0, 0, sinks_ptr, head, row_ok,
+        seq,
+        q_block,
+        q_len,
+        seq_len,
+        context,
+        first_page_ptr,
+        stride_bt,
+        window,
+        0,
+        0,
+        sinks_ptr,
+        head,
+        row_ok,
         staged_tile,
-        (q, row_scale, pos, window, softcap, kv_head, k_ptr, v_ptr, ks_ptr, vs_ptr,
-         stride_wb, stride_wt, stride_wh, stride_wd, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-         BLOCK_N, HEAD_D, BLOCK_D, PAGE, SCALE_MODE, HAS_SOFTCAP, HAS_WINDOW),
-        BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, False, HAS_SINKS, INTERPRETED,
+        (
+            q,
+            row_scale,
+            pos,
+            window,
+            softcap,
+            kv_head,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            stride_wb,
+            stride_wt,
+            stride_wh,
+            stride_wd,
+            stride_ksb,
+            stride_ksh,
+            stride_vsb,
+            stride_vsh,
+            BLOCK_N,
+            HEAD_D,
+            BLOCK_D,
+            PAGE,
+            SCALE_MODE,
+            HAS_SOFTCAP,
+            HAS_WINDOW,
+        ),
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        False,
+        HAS_SINKS,
+        INTERPRETED,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     acc = acc * v_unit
-    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_od,
-               stride_lt, stride_lh, HAS_LSE)
+    store_rows(
+        out_ptr,
+        lse_ptr,
+        acc,
+        m_i,
+        l_i,
+        token,
+        head,
+        d,
+        row_ok,
+        d_ok,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lt,
+        stride_lh,
+        HAS_LSE,
+    )
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, lse_ptr,
-    split_keys, num_splits, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    lse_ptr,
+    split_keys,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -273,8 +509,11 @@ def _merge_splits_kernel(
         acc = acc + w * tl.load(part_acc_ptr + (base + i) * BLOCK_D + d)
         i += 1
     out = acc / total
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_D,
+    )
     if HAS_LSE:
         # The splits' merged (max, sum), the sink's term included, in log2 units.
         tl.store(lse_ptr + q_start.to(tl.int64) * stride_lt + head * stride_lh, (m_use + tl.log2(total)) * LN2)
@@ -361,8 +600,10 @@ def _cache_codes(p: Attention) -> CacheCodes:
         return CacheCodes.MODEL_DTYPE
     codes = _CODES_OF_FORMAT.get((fmt.kind, fmt.bits))
     if codes is None:
-        raise NotImplementedError(f"{fmt.name}: no attention table rows for {fmt.bits}-bit {fmt.kind} codes "
-                                  "(kvzoo/backends/triton/attention_tables.py)")
+        raise NotImplementedError(
+            f"{fmt.name}: no attention table rows for {fmt.bits}-bit {fmt.kind} codes "
+            "(kvzoo/backends/triton/attention_tables.py)"
+        )
     return codes
 
 
@@ -465,8 +706,9 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig) -> _Operands:
         if interpreted and k.dtype == torch.bfloat16:
             # The interpreter carries bf16 as raw integers in dots, and its cast to fp32 breaks
             # subnormals: fp32 dots on values widened from the bits.
-            return _Operands(k.view(torch.int16), v.view(torch.int16), None, tl.float32, "ieee", CONVERT_BF16_BITS,
-                             False)
+            return _Operands(
+                k.view(torch.int16), v.view(torch.int16), None, tl.float32, "ieee", CONVERT_BF16_BITS, False
+            )
         if same:
             return _Operands(k, v, None, _TORCH_TO_TL[k.dtype], "tf32", CONVERT_CAST, False)
         return _Operands(k, v, None, tl.float32, "ieee", CONVERT_CAST, False)
@@ -553,13 +795,20 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     arguments it fills. Where an operand is absent its position keeps the stand-in, which the
     kernel never dereferences."""
     fills = {
-        "query": ("q_ptr",), "key_cache": ("k_ptr",), "value_cache": ("v_ptr",),
-        "block_tables": ("block_tables_ptr",), "seq_lens": ("seq_lens_ptr",), "query_start_loc": ("qsl_ptr",),
+        "query": ("q_ptr",),
+        "key_cache": ("k_ptr",),
+        "value_cache": ("v_ptr",),
+        "block_tables": ("block_tables_ptr",),
+        "seq_lens": ("seq_lens_ptr",),
+        "query_start_loc": ("qsl_ptr",),
         # Without a split the partials' pointers are stand-ins too: the output's.
         "out": ("out_ptr",) if split else ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"),
-        "k_scale_cache": ("ks_ptr",) if token_head else (), "v_scale_cache": ("vs_ptr",) if token_head else (),
-        "k_scale": ("ks_ptr",) if per_tensor else (), "v_scale": ("vs_ptr",) if per_tensor else (),
-        "sinks": ("sinks_ptr",) if sinks else (), "lse": ("lse_ptr",) if lse else (),
+        "k_scale_cache": ("ks_ptr",) if token_head else (),
+        "v_scale_cache": ("vs_ptr",) if token_head else (),
+        "k_scale": ("ks_ptr",) if per_tensor else (),
+        "v_scale": ("vs_ptr",) if per_tensor else (),
+        "sinks": ("sinks_ptr",) if sinks else (),
+        "lse": ("lse_ptr",) if lse else (),
     }
     partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
     names = tuple(fills[name] for name in Attention.operand_names())
@@ -567,8 +816,13 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     slots += tuple((_PAGED_AT[a],) for a in partials) if split else ((), (), ())
     if not split:
         return slots, ()
-    merge_fills = {"seq_lens": ("seq_lens_ptr",), "query_start_loc": ("qsl_ptr",), "out": ("out_ptr",),
-                   "sinks": ("sinks_ptr",) if sinks else (), "lse": ("lse_ptr",) if lse else ()}
+    merge_fills = {
+        "seq_lens": ("seq_lens_ptr",),
+        "query_start_loc": ("qsl_ptr",),
+        "out": ("out_ptr",),
+        "sinks": ("sinks_ptr",) if sinks else (),
+        "lse": ("lse_ptr",) if lse else (),
+    }
     merge_slots = tuple(tuple(_MERGE_AT[a] for a in merge_fills.get(name, ())) for name in Attention.operand_names())
     return slots, merge_slots + tuple((_MERGE_AT[a],) for a in partials)
 
@@ -588,8 +842,10 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     per query block, skip_decode leaving 1-token sequences to a decode launch."""
     if not isinstance(cfg, AttentionConfig):
         # A StagedConfig tiles staging.py's workspace, which only staged_kernel_call takes.
-        raise TypeError(f"kernel_call: expected an AttentionConfig, got {type(cfg).__name__} "
-                        "(staged tiles launch through staged_kernel_call(staging.staged_problem(p), ...))")
+        raise TypeError(
+            f"kernel_call: expected an AttentionConfig, got {type(cfg).__name__} "
+            "(staged tiles launch through staged_kernel_call(staging.staged_problem(p), ...))"
+        )
     ops = _operands(p, platform, cfg)
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
@@ -612,39 +868,104 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
         merge = (
             (num_seqs, p.num_q_heads),
-            (part_m, part_l, part_acc, p.out, p.query_start_loc, p.seq_lens, sinks, lse,
-             cfg.split_keys, num_splits, *p.out.stride(), *lse_strides),
-            dict(NUM_Q_HEADS=p.num_q_heads, HEAD_D=p.head_size, BLOCK_D=block_d,
-                 HAS_SINKS=p.sinks is not None, HAS_LSE=p.lse is not None, num_warps=1),
+            (
+                part_m,
+                part_l,
+                part_acc,
+                p.out,
+                p.query_start_loc,
+                p.seq_lens,
+                sinks,
+                lse,
+                cfg.split_keys,
+                num_splits,
+                *p.out.stride(),
+                *lse_strides,
+            ),
+            dict(
+                NUM_Q_HEADS=p.num_q_heads,
+                HEAD_D=p.head_size,
+                BLOCK_D=block_d,
+                HAS_SINKS=p.sinks is not None,
+                HAS_LSE=p.lse is not None,
+                num_warps=1,
+            ),
         )
     else:
         part_m = part_l = part_acc = p.out
     args = (
-        _encode.bf16_as_bits(p.query), ops.k, ops.v, ks, vs, p.out,
-        part_m, part_l, part_acc, lse,
-        p.block_tables, p.seq_lens, p.query_start_loc, sinks, ops.table if ops.table is not None else dummy,
-        num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
-        max(cfg.split_keys, 1), num_splits,
-        *p.query.stride(), *p.out.stride(), *lse_strides, *ops.k.stride(), *ops.v.stride(), *kss, *vss,
+        _encode.bf16_as_bits(p.query),
+        ops.k,
+        ops.v,
+        ks,
+        vs,
+        p.out,
+        part_m,
+        part_l,
+        part_acc,
+        lse,
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        sinks,
+        ops.table if ops.table is not None else dummy,
+        num_seqs,
+        float(p.softmax_scale),
+        float(p.softcap or 1.0),
+        int(p.sliding_window or 0),
+        max(cfg.split_keys, 1),
+        num_splits,
+        *p.query.stride(),
+        *p.out.stride(),
+        *lse_strides,
+        *ops.k.stride(),
+        *ops.v.stride(),
+        *kss,
+        *vss,
         p.block_tables.stride(0),
     )
     constexprs = dict(
-        NUM_Q_HEADS=p.num_q_heads, GROUP=group, G_PAD=g_pad,
-        BLOCK_Q=cfg.block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
-        SCALE_MODE=_scale_mode(p), CODE_CONVERT=ops.convert, DOT_DTYPE=ops.dot_dtype, DOT_PRECISION=ops.precision,
-        Q_RESCALE=ops.q_rescale, HAS_SOFTCAP=p.softcap is not None,
-        HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
-        PER_SEQ=per_seq, SPLIT=split, SKIP_DECODE=skip_decode, SCALE_IN_CODES=cfg.scale_in_codes,
-        QK_INT8=p.quantize_query, SAME_KV_STRIDES=same_kv_strides(p), ROW_ALIGN=row_align(ops.k, ops.v),
-        SCALE_FLOOR=float(SCALE_FLOOR), LONGEST_FIRST=cfg.longest_first and not per_seq,
+        NUM_Q_HEADS=p.num_q_heads,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_D=p.head_size,
+        BLOCK_D=block_d,
+        PAGE=p.block_size,
+        SCALE_MODE=_scale_mode(p),
+        CODE_CONVERT=ops.convert,
+        DOT_DTYPE=ops.dot_dtype,
+        DOT_PRECISION=ops.precision,
+        Q_RESCALE=ops.q_rescale,
+        HAS_SOFTCAP=p.softcap is not None,
+        HAS_WINDOW=p.sliding_window is not None,
+        HAS_SINKS=p.sinks is not None,
+        PER_SEQ=per_seq,
+        SPLIT=split,
+        SKIP_DECODE=skip_decode,
+        SCALE_IN_CODES=cfg.scale_in_codes,
+        QK_INT8=p.quantize_query,
+        SAME_KV_STRIDES=same_kv_strides(p),
+        ROW_ALIGN=row_align(ops.k, ops.v),
+        SCALE_FLOOR=float(SCALE_FLOOR),
+        LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
         # The split path's rows are written by the merge: the split programs store partials only.
         HAS_LSE=p.lse is not None and not split,
     )
     slots, merge_slots = _slots(split, p.mode.per_token_head, p.mode.per_tensor, p.sinks is not None, p.lse is not None)
-    return KernelCall(_attention_kernel, (grid0, p.num_kv_heads, num_splits), args, constexprs, _options(cfg), merge,
-                      slots, merge_slots)
+    return KernelCall(
+        _attention_kernel,
+        (grid0, p.num_kv_heads, num_splits),
+        args,
+        constexprs,
+        _options(cfg),
+        merge,
+        slots,
+        merge_slots,
+    )
 
 
 def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig) -> KernelCall:
@@ -652,8 +973,9 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
     over the workspace and the factors that undo its fp16 query rows' rescaling, which mean
     nothing apart (a paged problem, or rows without their factors, would give wrong numbers)."""
     if not isinstance(staged, _staging.Staged):
-        raise TypeError(f"staged_kernel_call: expected staging.Staged (staging.staged_problem(p)), "
-                        f"got {type(staged).__name__}")
+        raise TypeError(
+            f"staged_kernel_call: expected staging.Staged (staging.staged_problem(p)), got {type(staged).__name__}"
+        )
     if not isinstance(cfg, StagedConfig):
         raise TypeError(f"staged_kernel_call: expected a StagedConfig, got {type(cfg).__name__}")
     p, q_undo = staged
@@ -667,19 +989,49 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
     # Page scales [pages, STAGE_PAGE, KV heads] are stride-0 views over the keys of a page.
     ks, vs, kss, vss, sinks, lse, lse_strides = _optional_arrays(p)
     args = (
-        p.query, q_undo, ws, p.value_cache, ks, vs, p.out, lse,
-        p.block_tables, p.seq_lens, p.query_start_loc, sinks,
-        num_seqs, float(p.softmax_scale), float(p.softcap or 1.0), int(p.sliding_window or 0),
-        *p.query.stride(), *p.out.stride(), *lse_strides, *ws.stride(), kss[0], kss[2], vss[0], vss[2],
+        p.query,
+        q_undo,
+        ws,
+        p.value_cache,
+        ks,
+        vs,
+        p.out,
+        lse,
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        sinks,
+        num_seqs,
+        float(p.softmax_scale),
+        float(p.softcap or 1.0),
+        int(p.sliding_window or 0),
+        *p.query.stride(),
+        *p.out.stride(),
+        *lse_strides,
+        *ws.stride(),
+        kss[0],
+        kss[2],
+        vss[0],
+        vss[2],
         p.block_tables.stride(0),
     )
     constexprs = dict(
-        NUM_Q_HEADS=p.num_q_heads, GROUP=group, G_PAD=g_pad,
-        BLOCK_Q=cfg.block_q, BLOCK_M=max(cfg.min_rows, cfg.block_q * g_pad), BLOCK_N=cfg.block_n,
-        HEAD_D=p.head_size, BLOCK_D=block_d, PAGE=p.block_size,
-        SCALE_MODE=_scale_mode(p), HAS_SOFTCAP=p.softcap is not None,
-        HAS_WINDOW=p.sliding_window is not None, HAS_SINKS=p.sinks is not None,
-        LONGEST_FIRST=cfg.longest_first, INTERPRETED=_platform.interpreted(), HAS_LSE=p.lse is not None,
+        NUM_Q_HEADS=p.num_q_heads,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=max(cfg.min_rows, cfg.block_q * g_pad),
+        BLOCK_N=cfg.block_n,
+        HEAD_D=p.head_size,
+        BLOCK_D=block_d,
+        PAGE=p.block_size,
+        SCALE_MODE=_scale_mode(p),
+        HAS_SOFTCAP=p.softcap is not None,
+        HAS_WINDOW=p.sliding_window is not None,
+        HAS_SINKS=p.sinks is not None,
+        LONGEST_FIRST=cfg.longest_first,
+        INTERPRETED=_platform.interpreted(),
+        HAS_LSE=p.lse is not None,
     )
     grid = (p.query.shape[0] // cfg.block_q + num_seqs, p.num_kv_heads, 1)
     return KernelCall(_staged_attention_kernel, grid, args, constexprs, _options(cfg), None)
@@ -701,9 +1053,13 @@ def _launch(call: KernelCall):
     return kernel
 
 
-def _launches(p: Attention, platform: str, decode: AttentionConfig | None,
-              prefill: AttentionConfig | StagedConfig | None,
-              options: TritonAttentionOptions) -> tuple[list[tuple[AttentionConfig, bool, bool]], StagedConfig | None]:
+def _launches(
+    p: Attention,
+    platform: str,
+    decode: AttentionConfig | None,
+    prefill: AttentionConfig | StagedConfig | None,
+    options: TritonAttentionOptions,
+) -> tuple[list[tuple[AttentionConfig, bool, bool]], StagedConfig | None]:
     """The paged kernel's launches of `p` as (config, per_seq, skip_decode), and the staged
     prefill's config when its prefills go through the staging workspace (after those
     launches), else None."""
@@ -711,8 +1067,10 @@ def _launches(p: Attention, platform: str, decode: AttentionConfig | None,
         return [(decode or decode_config(p, p.batch_invariant, platform), True, False)], None
     cfg = prefill or prefill_config(p, options)
     if isinstance(cfg, StagedConfig) and not _staging.stageable(p):
-        raise ValueError(f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
-                         f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})")
+        raise ValueError(
+            f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
+            f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})"
+        )
     if p.batch_invariant:
         # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed
         # prefill tiles. Which launch a sequence takes depends on its own q_len only.
@@ -725,9 +1083,14 @@ def _launches(p: Attention, platform: str, decode: AttentionConfig | None,
     return [], cfg
 
 
-def run(p: Attention, platform: str = "cuda", *, decode: AttentionConfig | None = None,
-        prefill: AttentionConfig | StagedConfig | None = None,
-        options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> None:
+def run(
+    p: Attention,
+    platform: str = "cuda",
+    *,
+    decode: AttentionConfig | None = None,
+    prefill: AttentionConfig | StagedConfig | None = None,
+    options: TritonAttentionOptions = _DEFAULT_OPTIONS,
+) -> None:
     """Attention for problem `p`. decode / prefill override the table (tests, tuning)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return

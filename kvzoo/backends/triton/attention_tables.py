@@ -127,16 +127,27 @@ PREFILL_TILES: dict[tuple[int, KOperand], PrefillTile] = {
 STAGED_PREFILL = (
     Run("python3 bench/staging_sweep.py", "404f0e1", "longest first on the workspace"),
     Run("python3 bench/gpu_bench.py --cases decode,prefill", "6dbf199", "grid order on the paged cache"),
-    Run("python3 bench/staging_sweep.py 8x1024 4x4096", "cb14094",
-        "the AS_STORED tile: 64-key tiles at 3 or 4 stages were slower"),
+    Run(
+        "python3 bench/staging_sweep.py 8x1024 4x4096",
+        "cb14094",
+        "the AS_STORED tile: 64-key tiles at 3 or 4 stages were slower",
+    ),
 )
 
 # The quantized 1-warp tiles need more programs per SM than the bf16 ones to hide their latency,
 # so they split sooner and further.
 SPLIT_RULES: dict[CacheCodes, SplitRule] = {
-    CacheCodes.MODEL_DTYPE: SplitRule(2, 8, (
-        Run("python3 bench/attention_probe.py", "df065dd", "8 x 65536 in 16 splits, 64 x 16384 unsplit (adopted in 1ac5c5e)"),
-    )),
+    CacheCodes.MODEL_DTYPE: SplitRule(
+        2,
+        8,
+        (
+            Run(
+                "python3 bench/attention_probe.py",
+                "df065dd",
+                "8 x 65536 in 16 splits, 64 x 16384 unsplit (adopted in 1ac5c5e)",
+            ),
+        ),
+    ),
     CacheCodes.INT8: SplitRule(8, 16, (Run("python3 bench/kernel_facts.py 5", "29d1091", "16 programs per SM"),)),
     CacheCodes.FP8: SplitRule(8, 16, (Run("python3 bench/kernel_facts.py 9", "ff1fc21", "int8's rule"),)),
 }

@@ -151,8 +151,9 @@ def paged_rows(page, in_page, kv_head, stride_b, stride_t, stride_h, ROW_ALIGN: 
 
 
 @triton.jit
-def logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+def logits_folded_scales(
+    q, kc, ks, row_scale, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     # The per-key scales folded into the fp16 K operand (normalised by the tile's largest, so
     # they cannot overflow) instead of scaling the [rows, keys] logits: cheaper when the tile
     # has many rows (prefill).
@@ -163,8 +164,16 @@ def logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE: tl.constexp
 
 
 @triton.jit
-def dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+def dot_codes(
+    q,
+    kc,
+    q_offset,
+    table_ptr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PURE: tl.constexpr,
+):
     """q . the converted K codes, unscaled: what the offset conversions add taken back out."""
     k = codes_to_dot(kc, table_ptr, DOT_DTYPE, CODE_CONVERT, PURE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -174,8 +183,18 @@ def dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT:
 
 
 @triton.jit
-def logits_key_scales(q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE: tl.constexpr,
-                      CODE_CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+def logits_key_scales(
+    q,
+    kc,
+    ks,
+    row_scale,
+    q_offset,
+    table_ptr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PURE: tl.constexpr,
+):
     # The dot is of the rescaled row (absmax near 2^14) with the codes, so its size is fixed;
     # the row's undo (the query's magnitude) and the key's scale meet first, as the logit's own
     # scale: s * ks alone overflows for huge keys beside tiny query rows, s * row_scale alone
@@ -185,8 +204,17 @@ def logits_key_scales(q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE: tl.c
 
 
 @triton.jit
-def logits_row_scales(q, kc, row_scale, q_offset, table_ptr, DOT_DTYPE: tl.constexpr, CODE_CONVERT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PURE: tl.constexpr):
+def logits_row_scales(
+    q,
+    kc,
+    row_scale,
+    q_offset,
+    table_ptr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PURE: tl.constexpr,
+):
     # Mode none and static scales: one factor per row carries them all.
     return dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, PURE) * row_scale[:, None]
 
@@ -242,8 +270,18 @@ def pv_folded_scales(p, v, vs, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISIO
 
 
 @triton.jit
-def pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  CODE_CONVERT: tl.constexpr, MASKED: tl.constexpr):
+def pv_key_scales(
+    p,
+    v,
+    vs,
+    acc,
+    alpha,
+    visible,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     # The probabilities scaled by the value's scale before the dot (decode: few rows).
     pv = p * vs[None, :]
     if MASKED:
@@ -262,8 +300,7 @@ def pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE: tl.constexpr, DOT_PR
 
 
 @triton.jit
-def pv_row_scales(p, v, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  CODE_CONVERT: tl.constexpr):
+def pv_row_scales(p, v, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, CODE_CONVERT: tl.constexpr):
     # Mode none and static scales (the static V scale multiplies acc once, at the end).
     p16 = p.to(DOT_DTYPE)
     pv_v = tl.dot(p16, v, input_precision=DOT_PRECISION)
@@ -281,17 +318,54 @@ def pv_row_scales(p, v, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.c
 
 @triton.jit
 def paged_tile(
-    start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED: tl.constexpr,
-    q, row_scale, q_offset, pos, window, softcap, kv_head,
-    k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh,
-    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, CODE_CONVERT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALE_IN_CODES: tl.constexpr, QK_INT8: tl.constexpr,
-    SAME_KV_STRIDES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc,
+    v_unit,
+    MASKED: tl.constexpr,
+    q,
+    row_scale,
+    q_offset,
+    pos,
+    window,
+    softcap,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SCALE_IN_CODES: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """One key tile on the paged cache, its keys gathered through the sequence's block-table row
     (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
@@ -320,11 +394,13 @@ def paged_tile(
         elif SCALE_IN_CODES:
             s = logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION)
         else:
-            s = logits_key_scales(q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT,
-                                  DOT_PRECISION, True)
+            s = logits_key_scales(
+                q, kc, ks, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, True
+            )
     else:
-        s = logits_row_scales(q, kc, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION,
-                              not SCALE_IN_CODES)
+        s = logits_row_scales(
+            q, kc, row_scale, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, not SCALE_IN_CODES
+        )
     if HAS_SOFTCAP:
         s = softcap_logits(s, softcap)
     visible = key_ok
@@ -355,13 +431,39 @@ def paged_tile(
 
 @triton.jit
 def staged_tile(
-    start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED: tl.constexpr,
-    q, row_scale, pos, window, softcap, kv_head,
-    k_ptr, v_ptr, ks_ptr, vs_ptr,
-    stride_wb, stride_wt, stride_wh, stride_wd,
-    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc,
+    v_unit,
+    MASKED: tl.constexpr,
+    q,
+    row_scale,
+    pos,
+    window,
+    softcap,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_wb,
+    stride_wt,
+    stride_wh,
+    stride_wd,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One key tile on staging.py's workspace: fp16 K and V as logits_folded_scales and
     pv_folded_scales would build them, with one scale per page of keys (the tile's page),
@@ -403,8 +505,21 @@ def staged_tile(
 
 
 @triton.jit
-def _attend_range(lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE: tl.constexpr, tile_args,
-                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+def _attend_range(
+    lo,
+    hi,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc,
+    v_unit,
+    TILE: tl.constexpr,
+    tile_args,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi."""
     if INTERPRETED:
         # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
@@ -421,16 +536,38 @@ def _attend_range(lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE: tl.conste
 
 
 @triton.jit
-def attend(seq, q_block, q_len, seq_len, context, block_tables_ptr, stride_bt, window, split, split_keys, sinks_ptr,
-           head, row_ok, TILE: tl.constexpr, tile_args, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-           WITH_SINK: tl.constexpr, INTERPRETED: tl.constexpr):
+def attend(
+    seq,
+    q_block,
+    q_len,
+    seq_len,
+    context,
+    block_tables_ptr,
+    stride_bt,
+    window,
+    split,
+    split_keys,
+    sinks_ptr,
+    head,
+    row_ok,
+    TILE: tl.constexpr,
+    tile_args,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WITH_SINK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """The online softmax of a query tile over every key its rows see (within this program's
     split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
     Masked tiles come before the whole ones (a window only), then the whole tiles without
     masks, then the masked tiles at the causal edge."""
-    kv_begin, kv_end, tile_first, tile_last = _key_range(context, q_block, q_len, seq_len, window, split, split_keys,
-                                                        BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT)
+    kv_begin, kv_end, tile_first, tile_last = _key_range(
+        context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
+    )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
@@ -447,8 +584,9 @@ def attend(seq, q_block, q_len, seq_len, context, block_tables_ptr, stride_bt, w
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc, v_unit = _attend_range(lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args,
-                                                  phase != 1, BLOCK_N, INTERPRETED)
+            m_i, l_i, acc, v_unit = _attend_range(
+                lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED
+            )
     return m_i, l_i, acc, v_unit
 
 
@@ -487,8 +625,19 @@ def query_block(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.cons
 
 
 @triton.jit
-def tile_rows(q_block, q_start, q_len, context, kv_head, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-              G_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr):
+def tile_rows(
+    q_block,
+    q_start,
+    q_len,
+    context,
+    kv_head,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
     """The tile's rows: (row_ok, head, pos, token, d, d_ok). Row r is query token r // G_PAD of
     this block and query head r % G_PAD of the KV head's group."""
     rows = tl.arange(0, BLOCK_M)
@@ -520,8 +669,19 @@ def logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE: tl.constexpr, HAS_
 
 
 @triton.jit
-def _key_range(context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q: tl.constexpr,
-              BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+def _key_range(
+    context,
+    q_block,
+    q_len,
+    seq_len,
+    window,
+    split,
+    split_keys,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """(kv_begin, kv_end, tile_first, tile_last): the keys this tile needs, up to its last row's
     position and from the window of its first row (within this program's split), and those
     two rows' positions."""
@@ -565,16 +725,36 @@ def _initial_state(sinks_ptr, head, row_ok, BLOCK_M: tl.constexpr, WITH_SINK: tl
 
 
 @triton.jit
-def store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_od,
-               stride_lt, stride_lh, HAS_LSE: tl.constexpr):
+def store_rows(
+    out_ptr,
+    lse_ptr,
+    acc,
+    m_i,
+    l_i,
+    token,
+    head,
+    d,
+    row_ok,
+    d_ok,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    HAS_LSE: tl.constexpr,
+):
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
     )
     if HAS_LSE:
         # m and l are in log2 units; a row with no term (m = -inf, l = 0) gives -inf.
         # Padding rows (not stored) take log2(1): no log of their zero sum.
         m_use = tl.where(m_i > float("-inf"), m_i, 0.0)
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh,
-                 (m_use + tl.log2(tl.where(row_ok, l_i, 1.0))) * LN2, mask=row_ok)
+        tl.store(
+            lse_ptr + token * stride_lt + head * stride_lh,
+            (m_use + tl.log2(tl.where(row_ok, l_i, 1.0))) * LN2,
+            mask=row_ok,
+        )

@@ -186,8 +186,14 @@ def _finite_codes(yc, CODE: tl.constexpr, TRUNC: tl.constexpr):
 
 @triton.jit
 def encode_codes(
-    y, CODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, NAN_CODE: tl.constexpr,
-    INF_POS: tl.constexpr, INF_NEG: tl.constexpr, TRUNC: tl.constexpr,
+    y,
+    CODE: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    INF_POS: tl.constexpr,
+    INF_NEG: tl.constexpr,
+    TRUNC: tl.constexpr,
 ):
     """y = x / scale (fp32) -> code bytes in the low 8 bits of an int32 (the caller's cast to
     the 8-bit cache type keeps them; the upper bits are not meaningful).

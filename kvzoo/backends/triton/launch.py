@@ -40,8 +40,9 @@ class BoundLaunch:
     # (_args: under the interpreter, the arguments relaunches start from; compiled, only the
     # tensors the bound addresses must keep alive.)
 
-    def __init__(self, kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], kwargs: dict[str, Any],
-                 slots: Slots) -> None:
+    def __init__(
+        self, kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], kwargs: dict[str, Any], slots: Slots
+    ) -> None:
         self._kernel, self._grid, self._slots = kernel, tuple(grid), slots
         self._args, self._kwargs = list(args), dict(kwargs)
         # The interpreter reads a tensor through its dtype: an operand viewed for the kernel
@@ -58,7 +59,7 @@ class BoundLaunch:
             # the launcher asks the driver about every pointer passed as a tensor (to refuse
             # host memory), which costs more than the launch itself. The plan has checked the
             # devices, and self._args keeps the bound tensors alive.
-            names = kernel.arg_names[len(self._args):]
+            names = kernel.arg_names[len(self._args) :]
             defaults = {p.name: p.default for p in kernel.params}
             self._values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args]
             self._values += [self._kwargs.get(n, defaults[n]) for n in names]
@@ -68,8 +69,13 @@ class BoundLaunch:
             # with it: a launch kept for later calls must not hold a caller's cache).
             swapped = {i for positions in slots for i in positions}
             operand_storage = {self._args[i].untyped_storage().data_ptr() for i in swapped}
-            self._args = [a for i, a in enumerate(self._args) if isinstance(a, torch.Tensor) and i not in swapped
-                          and a.untyped_storage().data_ptr() not in operand_storage]
+            self._args = [
+                a
+                for i, a in enumerate(self._args)
+                if isinstance(a, torch.Tensor)
+                and i not in swapped
+                and a.untyped_storage().data_ptr() not in operand_storage
+            ]
         else:
             self._values = self._args
 
@@ -93,8 +99,18 @@ class BoundLaunch:
         # A profiler's enter hook wants the launch's metadata; without one it is not built.
         metadata = None if enter is None else compiled.launch_metadata(self._grid, stream, *values)
         grid = self._grid
-        self._launch(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, leave, *values)
+        self._launch(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            metadata,
+            enter,
+            leave,
+            *values,
+        )
 
 
 def _active(hook: Any) -> Any:

@@ -61,9 +61,30 @@ _HW_DTYPES = {CODE_INT8: tl.int8, CODE_E4M3FN: tl.float8e4nv}
 
 @triton.jit
 def _stage_rows(
-    codes_ptr, scales_ptr, ws_ptr, page_scale_ptr, block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
-    s_b, s_t, s_h, s_d, s_sb, s_st, s_sh, head, store_page_scale,
-    CODE: tl.constexpr, HW_DTYPE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    ws_ptr,
+    page_scale_ptr,
+    block,
+    offset,
+    page_block,
+    page_offset,
+    page_ok,
+    t_ok,
+    mask,
+    d,
+    s_b,
+    s_t,
+    s_h,
+    s_d,
+    s_sb,
+    s_st,
+    s_sh,
+    head,
+    store_page_scale,
+    CODE: tl.constexpr,
+    HW_DTYPE: tl.constexpr,
+    PER_TOKEN_HEAD: tl.constexpr,
 ):
     """One tensor's rows: fp16 codes x (scale / page max) to ws_ptr (per-token-head: and the
     page max, by the page's first program), or the codes alone (per-tensor). HW_DTYPE: the
@@ -75,7 +96,9 @@ def _stage_rows(
     else:
         x = decode_codes(raw, CODE).to(tl.float16)
     if PER_TOKEN_HEAD:
-        page_scales = tl.load(scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0)
+        page_scales = tl.load(
+            scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0
+        )
         # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
         page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
         # Floored at the smallest normal float32 so that 1 / page_max stays finite: a page of
@@ -114,14 +137,45 @@ def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, 
 
 @triton.jit
 def _stage_kernel(
-    k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, seq_of_slot_ptr,
-    ws_k_ptr, ws_v_ptr, k_page_scales_ptr, v_page_scales_ptr,
-    head_size, page, pages_per_slot,
-    s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
-    s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
-    s_bt, s_wt, s_wh, s_wsp, s_wsh,
-    CODE: tl.constexpr, HW_DTYPE: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr, STAGE: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    seq_of_slot_ptr,
+    ws_k_ptr,
+    ws_v_ptr,
+    k_page_scales_ptr,
+    v_page_scales_ptr,
+    head_size,
+    page,
+    pages_per_slot,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_ksb,
+    s_kst,
+    s_ksh,
+    s_vsb,
+    s_vst,
+    s_vsh,
+    s_bt,
+    s_wt,
+    s_wh,
+    s_wsp,
+    s_wsh,
+    CODE: tl.constexpr,
+    HW_DTYPE: tl.constexpr,
+    PER_TOKEN_HEAD: tl.constexpr,
+    STAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """ROWS rows of one workspace page of one KV head, of K (even programs) or V (odd)."""
     slot = tl.program_id(0)
@@ -152,20 +206,65 @@ def _stage_kernel(
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
     if is_key:
-        _stage_rows(k_ptr, ks_ptr, ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-                    block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
-                    s_kb, s_kt, s_kh, s_kd, s_ksb, s_kst, s_ksh, head, first_of_page,
-                    CODE, HW_DTYPE, PER_TOKEN_HEAD)
+        _stage_rows(
+            k_ptr,
+            ks_ptr,
+            ws_k_ptr + ws,
+            k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+            block,
+            offset,
+            page_block,
+            page_offset,
+            page_ok,
+            t_ok,
+            mask,
+            d,
+            s_kb,
+            s_kt,
+            s_kh,
+            s_kd,
+            s_ksb,
+            s_kst,
+            s_ksh,
+            head,
+            first_of_page,
+            CODE,
+            HW_DTYPE,
+            PER_TOKEN_HEAD,
+        )
     else:
-        _stage_rows(v_ptr, vs_ptr, ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-                    block, offset, page_block, page_offset, page_ok, t_ok, mask, d,
-                    s_vb, s_vt, s_vh, s_vd, s_vsb, s_vst, s_vsh, head, first_of_page,
-                    CODE, HW_DTYPE, PER_TOKEN_HEAD)
+        _stage_rows(
+            v_ptr,
+            vs_ptr,
+            ws_v_ptr + ws,
+            v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+            block,
+            offset,
+            page_block,
+            page_offset,
+            page_ok,
+            t_ok,
+            mask,
+            d,
+            s_vb,
+            s_vt,
+            s_vh,
+            s_vd,
+            s_vsb,
+            s_vst,
+            s_vsh,
+            head,
+            first_of_page,
+            CODE,
+            HW_DTYPE,
+            PER_TOKEN_HEAD,
+        )
 
 
 @triton.jit
-def _stage_query_kernel(q_ptr, ws_ptr, undo_ptr, num_heads, head_size, s_qt, s_qh, s_qd,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _stage_query_kernel(
+    q_ptr, ws_ptr, undo_ptr, num_heads, head_size, s_qt, s_qh, s_qd, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """One token's query rows, rescaled by powers of two into fp16 (exact for bf16 and fp16
     rows); the attention multiplies each row's logits by the row's undo factor."""
     token = tl.program_id(0).to(tl.int64)
@@ -244,8 +343,9 @@ def staged_problem(p: Attention, fill: float | None = None) -> Staged:
     # beside a few prefills would each launch a sequence's worth of empty programs.
     seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
     first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)
-    _slot_kernel[(1,)](p.query_start_loc, p.num_seqs, slots, pages_per_seq, seq_of_slot, first_page,
-                       BLOCK=SLOT_BLOCK, num_warps=4)
+    _slot_kernel[(1,)](
+        p.query_start_loc, p.num_seqs, slots, pages_per_seq, seq_of_slot, first_page, BLOCK=SLOT_BLOCK, num_warps=4
+    )
     dummy = p.seq_lens
     code = code_of(p.mode)
     # Hardware conversions on CUDA (e4m3fn; int8 anywhere compiled); the interpreter and
@@ -257,28 +357,70 @@ def staged_problem(p: Attention, fill: float | None = None) -> Staged:
     k_pages, v_pages = (page_scales[0], page_scales[1]) if per_token_head else (dummy, dummy)
     no_strides = (0, 0, 0)
     _stage_kernel[(slots, pages_per_seq * (STAGE_PAGE // GATHER_ROWS), heads * 2)](
-        k_codes, v_codes, k_scales, v_scales, p.block_tables, p.seq_lens, seq_of_slot, ws_k, ws_v, k_pages, v_pages,
-        dim, p.block_size, pages_per_seq, *k_codes.stride(), *v_codes.stride(),
-        *(k_scales.stride() if per_token_head else no_strides), *(v_scales.stride() if per_token_head else no_strides),
-        p.block_tables.stride(0), ws_k.stride(1), ws_k.stride(2), *(k_pages.stride() if per_token_head else (0, 0)),
-        CODE=code, HW_DTYPE=hw_dtype, PER_TOKEN_HEAD=per_token_head, STAGE=STAGE_PAGE, ROWS=GATHER_ROWS,
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=GATHER_WARPS,
+        k_codes,
+        v_codes,
+        k_scales,
+        v_scales,
+        p.block_tables,
+        p.seq_lens,
+        seq_of_slot,
+        ws_k,
+        ws_v,
+        k_pages,
+        v_pages,
+        dim,
+        p.block_size,
+        pages_per_seq,
+        *k_codes.stride(),
+        *v_codes.stride(),
+        *(k_scales.stride() if per_token_head else no_strides),
+        *(v_scales.stride() if per_token_head else no_strides),
+        p.block_tables.stride(0),
+        ws_k.stride(1),
+        ws_k.stride(2),
+        *(k_pages.stride() if per_token_head else (0, 0)),
+        CODE=code,
+        HW_DTYPE=hw_dtype,
+        PER_TOKEN_HEAD=per_token_head,
+        STAGE=STAGE_PAGE,
+        ROWS=GATHER_ROWS,
+        BLOCK_D=triton.next_power_of_2(dim),
+        num_warps=GATHER_WARPS,
     )
     scales = {}
     if per_token_head:
         # Every key of a page carries the page's scale: a stride-0 view, no copies.
-        scales = dict(k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
-                      v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads))
+        scales = dict(
+            k_scale_cache=page_scales[0][:, None, :].expand(pages, STAGE_PAGE, heads),
+            v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads),
+        )
     tokens, q_heads = p.query.shape[0], p.num_q_heads
     ws_q = _allocate((tokens, q_heads, dim), torch.float16, device, fill)
     q_undo = _allocate((tokens, q_heads), torch.float32, device, fill)
-    _stage_query_kernel[(tokens,)](bf16_as_bits(p.query), ws_q, q_undo, q_heads, dim, *p.query.stride(),
-                                   BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
-                                   num_warps=4)
-    staged = dataclasses.replace(p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None],
-                                 **scales)
+    _stage_query_kernel[(tokens,)](
+        bf16_as_bits(p.query),
+        ws_q,
+        q_undo,
+        q_heads,
+        dim,
+        *p.query.stride(),
+        BLOCK_H=triton.next_power_of_2(q_heads),
+        BLOCK_D=triton.next_power_of_2(dim),
+        num_warps=4,
+    )
+    staged = dataclasses.replace(
+        p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales
+    )
     return Staged(staged, q_undo)
 
 
-__all__ = ["STAGE_MAX_BYTES", "STAGE_MIN_QUERY_LEN", "Staged", "stageable", "staged_problem", "workspace_bytes", "workspace_shape",
-           "worth_staging"]
+__all__ = [
+    "STAGE_MAX_BYTES",
+    "STAGE_MIN_QUERY_LEN",
+    "Staged",
+    "stageable",
+    "staged_problem",
+    "workspace_bytes",
+    "workspace_shape",
+    "worth_staging",
+]

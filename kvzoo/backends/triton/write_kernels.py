@@ -440,8 +440,17 @@ def _write_call(p, scale_floor: float):
         num_warps=_write_warps(block_h * block_d, code, num_tokens),
         enable_fp_fusion=False,
     )
-    slots = ((0,), (1,), (2,), (3,), (8,), (4,) if per_token_head else (), (5,) if per_token_head else (),
-             (6,) if mode.per_tensor else (), (7,) if mode.per_tensor else ())
+    slots = (
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+        (8,),
+        (4,) if per_token_head else (),
+        (5,) if per_token_head else (),
+        (6,) if mode.per_tensor else (),
+        (7,) if mode.per_tensor else (),
+    )
     return grid, args, kwargs, slots
 
 

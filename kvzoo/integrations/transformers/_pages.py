@@ -115,7 +115,8 @@ class PageTable:
         if self.max_num_blocks is not None and new_capacity > self.max_num_blocks:
             raise PagesFullError(
                 f"the KV cache needs {new_capacity} blocks of {self.block_size} tokens; max_num_blocks is "
-                f"{self.max_num_blocks}")
+                f"{self.max_num_blocks}"
+            )
         # Lowest ids first: pop() takes from the end.
         self.free.extend(range(new_capacity - 1, self.capacity - 1, -1))
         self.refcount = np.concatenate([self.refcount, np.zeros(count, np.int32)])
@@ -161,7 +162,8 @@ class PageTable:
         elif batch != len(self.tables):
             raise ValueError(
                 f"batch: this step has {batch} rows but the cache holds {len(self.tables)}; change the batch "
-                "through reorder_cache / batch_select_indices / batch_repeat_interleave")
+                "through reorder_cache / batch_select_indices / batch_repeat_interleave"
+            )
         flags = np.ones((batch, q_len), bool) if real is None else real
         start = self.positions
         self._record(flags)
@@ -185,24 +187,31 @@ class PageTable:
             pos = np.arange(old, new)
             row_slots = np.asarray(table, np.int64)[pos // bs] * bs + pos % bs
             if real is None:
-                slots[b * q_len:(b + 1) * q_len] = row_slots
+                slots[b * q_len : (b + 1) * q_len] = row_slots
             else:
                 slots[b * q_len + np.flatnonzero(flags[b])] = row_slots
             self.lens[b] = new
         widest = max((len(t) for t in self.tables), default=0)
         tables = np.zeros((batch, max(widest, 1)), np.int32)
         for b, table in enumerate(self.tables):
-            tables[b, :len(table)] = table
+            tables[b, : len(table)] = table
         qsl = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         all_real = bool(flags.all())
         return StepLayout(
-            start=start, batch=batch, q_len=q_len, slot_mapping=slots,
+            start=start,
+            batch=batch,
+            q_len=q_len,
+            slot_mapping=slots,
             real_rows=None if all_real else np.flatnonzero(flags.reshape(-1)).astype(np.int64),
-            block_tables=tables, seq_lens=self.lens.astype(np.int32), query_start_loc=qsl,
+            block_tables=tables,
+            seq_lens=self.lens.astype(np.int32),
+            query_start_loc=qsl,
             copies=np.asarray(copies, np.int64).reshape(-1, 2),
             max_query_len=int(n_new.max()) if batch else 0,
             max_seq_len=int(self.lens.max()) if batch else 0,
-            num_prefills=int((n_new > 1).sum()), capacity=self.capacity, gapped=bool(self._gapped.any()),
+            num_prefills=int((n_new > 1).sum()),
+            capacity=self.capacity,
+            gapped=bool(self._gapped.any()),
         )
 
     def _record(self, flags: np.ndarray) -> None:
@@ -210,9 +219,9 @@ class PageTable:
         end = self.positions + q_len
         if end > self._real.shape[1]:
             grown = np.zeros((batch, max(end, 2 * self._real.shape[1])), bool)
-            grown[:, :self.positions] = self._real[:, :self.positions]
+            grown[:, : self.positions] = self._real[:, : self.positions]
             self._real = grown
-        self._real[:, self.positions:end] = flags
+        self._real[:, self.positions : end] = flags
         self.positions = end
         # A padding position after a real one, in this step or since the row's first real token.
         after_real = np.logical_or.accumulate(flags, axis=1) | self._seen_real[:, None]
@@ -251,7 +260,7 @@ class PageTable:
             return
         count = min(count, self.positions)
         keep = self.positions - count
-        self.lens -= self._real[:, keep:self.positions].sum(axis=1)
+        self.lens -= self._real[:, keep : self.positions].sum(axis=1)
         bs = self.block_size
         for b, table in enumerate(self.tables):
             needed = -(-int(self.lens[b]) // bs)
@@ -283,4 +292,4 @@ class PageTable:
         assert sorted(self.free) == sorted(np.flatnonzero(counts == 0).tolist()), "free list disagrees"
         for b, table in enumerate(self.tables or []):
             assert len(table) == -(-int(self.lens[b]) // self.block_size), f"row {b}: table length"
-            assert int(self.lens[b]) == int(self._real[b, :self.positions].sum()), f"row {b}: length"
+            assert int(self.lens[b]) == int(self._real[b, : self.positions].sum()), f"row {b}: length"

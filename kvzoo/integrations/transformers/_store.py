@@ -22,7 +22,9 @@ from ...layout import KVCacheTensors, allocate_inline, allocate_separate
 from ...modes import QuantMode, get_kv_quant_mode
 
 MODEL_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
 }
 
 # Same-width integer carriers: index copies on float8 tensors are not implemented on the CPU.
@@ -42,8 +44,16 @@ class LayerStore:
     """
 
     def __init__(
-        self, mode: str | QuantMode, layout: str, *, block_size: int, num_kv_heads: int, head_size: int,
-        model_dtype: torch.dtype, device: torch.device | str, k_scale: float | None = None,
+        self,
+        mode: str | QuantMode,
+        layout: str,
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        model_dtype: torch.dtype,
+        device: torch.device | str,
+        k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> None:
         self.mode = get_kv_quant_mode(mode)
@@ -63,17 +73,28 @@ class LayerStore:
 
     def _allocate(self, num_blocks: int) -> KVCacheTensors:
         if self.layout == "inline":
-            return allocate_inline(num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.mode,
-                                   device=str(self.device))
-        return allocate_separate(num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.mode,
-                                 model_dtype=MODEL_DTYPES[self.model_dtype], device=str(self.device))
+            return allocate_inline(
+                num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.mode, device=str(self.device)
+            )
+        return allocate_separate(
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.mode,
+            model_dtype=MODEL_DTYPES[self.model_dtype],
+            device=str(self.device),
+        )
 
     def _arrays(self, tensors: KVCacheTensors) -> list[Any]:
         # The inline layout's four views share one buffer: moving the buffer moves them all.
         if tensors.buffer is not None:
             return [tensors.buffer]
-        return [a for a in (tensors.key_cache, tensors.value_cache, tensors.k_scale_cache, tensors.v_scale_cache)
-                if a is not None]
+        return [
+            a
+            for a in (tensors.key_cache, tensors.value_cache, tensors.k_scale_cache, tensors.v_scale_cache)
+            if a is not None
+        ]
 
     def ensure(self, capacity: int) -> None:
         """Hold at least `capacity` blocks, keeping what is stored."""
@@ -82,7 +103,7 @@ class LayerStore:
         grown = self._allocate(capacity)
         if self.tensors is not None:
             for old, new in zip(self._arrays(self.tensors), self._arrays(grown)):
-                new[:self.num_blocks].copy_(old)
+                new[: self.num_blocks].copy_(old)
         self.tensors, self.num_blocks = grown, capacity
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -30,13 +30,20 @@ def _take_layer(key: torch.Tensor) -> KVZooLayer:
     if layer is None or layer.pending is None or layer.pending[0] is not key:
         raise KVZooIntegrationError(
             f"{ATTENTION_NAME!r} attention reads a KVZooCache's pages, but this call's key/value did not come from "
-            "one: pass past_key_values=KVZooCache(model.config, ...) (use_cache=True) to the forward or generate call")
+            "one: pass past_key_values=KVZooCache(model.config, ...) (use_cache=True) to the forward or generate call"
+        )
     return layer
 
 
 def kvzoo_paged_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal paged attention over a KVZooCache layer: query [B, Hq, Q, D] -> ([B, Q, Hq, D], None).
 
@@ -49,19 +56,29 @@ def kvzoo_paged_attention(
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise KVZooIntegrationError(f"{ATTENTION_NAME}: only causal (decoder) attention is supported")
     if value.shape[-1] != query.shape[-1]:
-        raise KVZooIntegrationError(f"{ATTENTION_NAME}: value head size {value.shape[-1]} differs from the query's "
-                                    f"{query.shape[-1]}")
+        raise KVZooIntegrationError(
+            f"{ATTENTION_NAME}: value head size {value.shape[-1]} differs from the query's {query.shape[-1]}"
+        )
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
     softcap = kwargs.get("softcap")
-    out = layer.attend(query, key, value, attention_mask, softmax_scale=scaling,
-                       sliding_window=kwargs.get("sliding_window"), softcap=softcap or None, sinks=sinks)
+    out = layer.attend(
+        query,
+        key,
+        value,
+        attention_mask,
+        softmax_scale=scaling,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=softcap or None,
+        sinks=sinks,
+    )
     return out, None
 
 
-def kvzoo_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, kv_length: int | None = None,
-                       **kwargs: Any) -> torch.Tensor | None:
+def kvzoo_padding_mask(
+    *args: Any, attention_mask: torch.Tensor | None = None, kv_length: int | None = None, **kwargs: Any
+) -> torch.Tensor | None:
     """The mask transformers hands to kvzoo_paged: the 2-D padding mask's last kv_length columns
     (bool [B, kv_length], True = real), or None without padding information."""
     if attention_mask is None:

@@ -77,8 +77,10 @@ def _layer_windows(config: Any, num_layers: int) -> list[int | None]:
         elif kind == "sliding_attention":
             windows.append(int(config.sliding_window))
         else:
-            raise NotImplementedError(f"layer {i}: layer type {kind!r} is not supported by KVZooCache "
-                                      "(full_attention and sliding_attention are)")
+            raise NotImplementedError(
+                f"layer {i}: layer type {kind!r} is not supported by KVZooCache "
+                "(full_attention and sliding_attention are)"
+            )
     return windows
 
 
@@ -112,8 +114,13 @@ class KVZooLayer(CacheLayerMixin):
         self.store = self.cache._new_store(self.index, num_kv_heads, head_size, key_states.dtype, key_states.device)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Take this step's K/V [B, Hkv, Q, D]; returns them unchanged for kvzoo's attention,
         which writes them into the pages."""
         if not self.is_initialized:
@@ -123,38 +130,64 @@ class KVZooLayer(CacheLayerMixin):
             raise KVZooIntegrationError(
                 f"layer {self.index}: the previous step's K/V were never written, because attention did not run "
                 f"through {ATTENTION_NAME!r}; a KVZooCache needs model.set_attn_implementation({ATTENTION_NAME!r}) "
-                "(or kvzoo.integrations.transformers.use_kvzoo_attention(model))")
+                "(or kvzoo.integrations.transformers.use_kvzoo_attention(model))"
+            )
         store = self.store
-        if (key_states.shape[1], key_states.shape[3]) != (store.num_kv_heads, store.head_size) or \
-                key_states.dtype != store.model_dtype or key_states.device != store.device:
+        if (
+            (key_states.shape[1], key_states.shape[3]) != (store.num_kv_heads, store.head_size)
+            or key_states.dtype != store.model_dtype
+            or key_states.device != store.device
+        ):
             raise KVZooIntegrationError(
                 f"layer {self.index}: key_states {tuple(key_states.shape)} {key_states.dtype} on {key_states.device}; "
-                f"this layer holds {store.num_kv_heads} heads x {store.head_size}, {store.model_dtype} on {store.device}")
+                f"this layer holds {store.num_kv_heads} heads x {store.head_size}, {store.model_dtype} on {store.device}"
+            )
         self.pending = (key_states, value_states, self.seen)
         self.seen += int(key_states.shape[-2])
         _HANDOFF.layer = self
         return key_states, value_states
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, *,
-               softmax_scale: float | None, sliding_window: int | None, softcap: float | None,
-               sinks: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        padding_mask: Any,
+        *,
+        softmax_scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D]."""
         pending_key, pending_value, start = self.pending
         if key is not pending_key or value is not pending_value:
             raise KVZooIntegrationError(
                 f"layer {self.index}: the key/value given to attention are not the ones the cache handed out; "
-                "this model changes them between cache.update and attention, which kvzoo_paged does not support")
+                "this model changes them between cache.update and attention, which kvzoo_paged does not support"
+            )
         self.pending = None
         step = self.cache._step_for(self, start, query, padding_mask)
         window = sliding_window if sliding_window is not None else self.sliding_window
         if window is not None and step.layout.gapped:
             raise KVZooIntegrationError(
                 "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
-                "transformers in positions; only left padding is supported with sliding windows")
+                "transformers in positions; only left padding is supported with sliding windows"
+            )
         cache = self.cache
-        out = step.run_layer(self.store, query, key, value, softmax_scale=softmax_scale, sliding_window=window,
-                             softcap=softcap, sinks=sinks, rounding=cache.rounding, impl=cache.impl,
-                             validate=cache.validate)
+        out = step.run_layer(
+            self.store,
+            query,
+            key,
+            value,
+            softmax_scale=softmax_scale,
+            sliding_window=window,
+            softcap=softcap,
+            sinks=sinks,
+            rounding=cache.rounding,
+            impl=cache.impl,
+            validate=cache.validate,
+        )
         step.done.add(self.index)
         return out
 
@@ -179,8 +212,10 @@ class KVZooLayer(CacheLayerMixin):
         pass
 
     def _whole_cache_only(self, *args: Any, **kwargs: Any) -> None:
-        raise KVZooIntegrationError("the layers of a KVZooCache share block tables: call reset, reorder_cache, "
-                                    "crop and batch_* on the cache, not on a layer")
+        raise KVZooIntegrationError(
+            "the layers of a KVZooCache share block tables: call reset, reorder_cache, "
+            "crop and batch_* on the cache, not on a layer"
+        )
 
     reset = reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _whole_cache_only
 
@@ -197,7 +232,7 @@ class KVZooCache(Cache):
         runs out); max_num_blocks: a ceiling (None: none).
     rounding: "nearest" or "trunc" (int8_per_token_head only). k_scale, v_scale: a per-tensor
         mode's static scales, one float or one per layer (see static_fp8_scales).
-    impl: a kvzoo implementation name for both operations, or {"reshape_and_cache": ..., 
+    impl: a kvzoo implementation name for both operations, or {"reshape_and_cache": ...,
         "paged_attention": ...}; None lets kvzoo's registry choose. validate: run kvzoo's full
         argument checks on every call (host reads of the metadata per layer; for debugging).
 
@@ -205,10 +240,19 @@ class KVZooCache(Cache):
     """
 
     def __init__(
-        self, config: Any, *, mode: str | QuantMode = "int8_per_token_head", layout: str = "separate",
-        block_size: int = 16, num_blocks: int = 0, max_num_blocks: int | None = None, rounding: str = "nearest",
-        k_scale: float | Sequence[float] | None = None, v_scale: float | Sequence[float] | None = None,
-        impl: str | Mapping[str, Any] | None = None, validate: bool = False,
+        self,
+        config: Any,
+        *,
+        mode: str | QuantMode = "int8_per_token_head",
+        layout: str = "separate",
+        block_size: int = 16,
+        num_blocks: int = 0,
+        max_num_blocks: int | None = None,
+        rounding: str = "nearest",
+        k_scale: float | Sequence[float] | None = None,
+        v_scale: float | Sequence[float] | None = None,
+        impl: str | Mapping[str, Any] | None = None,
+        validate: bool = False,
     ) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = int(text.num_hidden_layers)
@@ -233,17 +277,28 @@ class KVZooCache(Cache):
         super().__init__(layers=[KVZooLayer(self, i, windows[i]) for i in range(num_layers)])
 
     def __repr__(self) -> str:
-        return (f"KVZooCache(mode={self.mode.name}, layout={self.layout}, layers={len(self.layers)}, "
-                f"block_size={self.pages.block_size}, blocks={self.pages.blocks_in_use()}/{self.pages.capacity}, "
-                f"seq_len={self.get_seq_length()})")
+        return (
+            f"KVZooCache(mode={self.mode.name}, layout={self.layout}, layers={len(self.layers)}, "
+            f"block_size={self.pages.block_size}, blocks={self.pages.blocks_in_use()}/{self.pages.capacity}, "
+            f"seq_len={self.get_seq_length()})"
+        )
 
     # -- used by the layers --------------------------------------------------------------
 
-    def _new_store(self, index: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                   device: torch.device) -> LayerStore:
-        return LayerStore(self.mode, self.layout, block_size=self.pages.block_size, num_kv_heads=num_kv_heads,
-                          head_size=head_size, model_dtype=dtype, device=device, k_scale=self._k_scales[index],
-                          v_scale=self._v_scales[index])
+    def _new_store(
+        self, index: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerStore:
+        return LayerStore(
+            self.mode,
+            self.layout,
+            block_size=self.pages.block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            model_dtype=dtype,
+            device=device,
+            k_scale=self._k_scales[index],
+            v_scale=self._v_scales[index],
+        )
 
     def _check_attention_implementation(self) -> None:
         name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
@@ -251,19 +306,27 @@ class KVZooCache(Cache):
             raise KVZooIntegrationError(
                 f"the model's attention implementation is {name!r}; a KVZooCache is read only by "
                 f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) "
-                f"(or model.set_attn_implementation({ATTENTION_NAME!r})) first")
+                f"(or model.set_attn_implementation({ATTENTION_NAME!r})) first"
+            )
 
     def _step_for(self, layer: KVZooLayer, start: int, query: torch.Tensor, padding_mask: Any) -> ForwardStep:
         """This forward step's metadata: built by the first layer to attend, reused by the rest."""
         batch, q_len = int(query.shape[0]), int(query.shape[2])
         pages, step = self.pages, self._step
-        if (step is not None and step.epoch == pages.epoch and step.layout.start == start
-                and step.layout.q_len == q_len and step.layout.batch == batch and layer.index not in step.done):
+        if (
+            step is not None
+            and step.epoch == pages.epoch
+            and step.layout.start == start
+            and step.layout.q_len == q_len
+            and step.layout.batch == batch
+            and layer.index not in step.done
+        ):
             return step
         if start != pages.positions:
             raise KVZooIntegrationError(
                 f"layer {layer.index} starts at position {start} but the cache is at {pages.positions}: "
-                "every layer must run once per forward step, in step with the others")
+                "every layer must run once per forward step, in step with the others"
+            )
         real = self._real_flags(padding_mask, batch, q_len, start)
         step = ForwardStep.build(pages.plan_step(real, batch, q_len), query.device, pages.epoch)
         self._step = step
@@ -277,16 +340,21 @@ class KVZooCache(Cache):
             shape = tuple(getattr(padding_mask, "shape", ()))
             raise KVZooIntegrationError(
                 f"{ATTENTION_NAME} takes transformers' 2-D padding mask (it applies the causal rule itself); "
-                f"got a {type(padding_mask).__name__} of shape {shape}: custom 4-D masks are not supported")
+                f"got a {type(padding_mask).__name__} of shape {shape}: custom 4-D masks are not supported"
+            )
         mask = padding_mask.to("cpu").numpy().astype(bool)
         if mask.shape[0] != batch or mask.shape[1] < q_len:
             raise KVZooIntegrationError(f"attention_mask: shape {mask.shape} for {batch} rows of {q_len} new tokens")
-        if mask.shape[1] == start + q_len and start and \
-                not np.array_equal(mask[:, :start], self.pages._real[:, :start]):
+        if (
+            mask.shape[1] == start + q_len
+            and start
+            and not np.array_equal(mask[:, :start], self.pages._real[:, :start])
+        ):
             raise KVZooIntegrationError(
                 "attention_mask: its columns for tokens already in the cache differ from the mask they were "
-                "written under; a KVZooCache drops padding tokens when writing, so the past cannot be re-masked")
-        real = mask[:, mask.shape[1] - q_len:]
+                "written under; a KVZooCache drops padding tokens when writing, so the past cannot be re-masked"
+            )
+        real = mask[:, mask.shape[1] - q_len :]
         return None if real.all() else real
 
     # -- what generate() calls -------------------------------------------------------------
@@ -335,8 +403,10 @@ class KVZooCache(Cache):
         elif max_length == 0:
             count = 0
         else:
-            raise ValueError(f"Calling `crop` with a positive value (`{max_length}`) is not supported. Please use a "
-                             "negative integer to remove that number of tokens from the cache instead.")
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{max_length}`) is not supported. Please use a "
+                "negative integer to remove that number of tokens from the cache instead."
+            )
         count = min(count, seen)
         if count <= 0:
             return

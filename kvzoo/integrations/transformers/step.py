@@ -59,9 +59,18 @@ class ForwardStep:
         return cls(layout, device, epoch)
 
     def run_layer(
-        self, store: LayerStore, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-        softmax_scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
-        sinks: torch.Tensor | None = None, rounding: str = "nearest", impl: ImplChoice = None,
+        self,
+        store: LayerStore,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        softmax_scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        rounding: str = "nearest",
+        impl: ImplChoice = None,
         validate: bool = False,
     ) -> torch.Tensor:
         """Write this step's K/V into `store`, then attend: query [B, Hq, Q, D], key/value
@@ -70,14 +79,14 @@ class ForwardStep:
         batch, num_q_heads, q_len, head_size = query.shape
         num_kv_heads = key.shape[1]
         if (batch, q_len) != (lay.batch, lay.q_len):
-            raise ValueError(f"query: [B={batch}, Q={q_len}] but this step was planned for "
-                             f"[B={lay.batch}, Q={lay.q_len}]")
+            raise ValueError(
+                f"query: [B={batch}, Q={q_len}] but this step was planned for [B={lay.batch}, Q={lay.q_len}]"
+            )
         store.ensure(lay.capacity)
         if self.copies is not None:
             store.copy_blocks(*self.copies)
         t = store.tensors
-        plan = self._plan(store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl,
-                          validate)
+        plan = self._plan(store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl, validate)
         # [B, H, Q, D] -> [B*Q, H, D]: kvzoo's token-major rows (one copy unless B == 1).
         rows = batch * q_len
         k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
@@ -94,23 +103,50 @@ class ForwardStep:
             out = full
         return out.view(batch, q_len, num_q_heads, head_size)
 
-    def _plan(self, store: LayerStore, num_q_heads: int, softmax_scale: float | None, sliding_window: int | None,
-              softcap: float | None, sinks: torch.Tensor | None, rounding: str, impl: ImplChoice,
-              validate: bool) -> StepPlan:
-        spec = CacheSpec(store.mode, num_blocks=store.num_blocks, block_size=store.block_size,
-                         num_kv_heads=store.num_kv_heads, head_size=store.head_size, layout=store.layout,
-                         model_dtype=MODEL_DTYPES[store.model_dtype], device=str(store.device), rounding=rounding)
+    def _plan(
+        self,
+        store: LayerStore,
+        num_q_heads: int,
+        softmax_scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        rounding: str,
+        impl: ImplChoice,
+        validate: bool,
+    ) -> StepPlan:
+        spec = CacheSpec(
+            store.mode,
+            num_blocks=store.num_blocks,
+            block_size=store.block_size,
+            num_kv_heads=store.num_kv_heads,
+            head_size=store.head_size,
+            layout=store.layout,
+            model_dtype=MODEL_DTYPES[store.model_dtype],
+            device=str(store.device),
+            rounding=rounding,
+        )
         impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
         key = (spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key, validate)
         plan = self._plans.get(key)
         if plan is None:
             lay = self.layout
             plan = plan_step(
-                spec, block_tables=self.block_tables, seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
-                slot_mapping=self.slot_mapping, num_q_heads=num_q_heads, softmax_scale=softmax_scale,
-                sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                max_query_len=lay.max_query_len, max_seq_len=lay.max_seq_len, num_prefills=lay.num_prefills,
-                validate=validate, impl=impl,
+                spec,
+                block_tables=self.block_tables,
+                seq_lens=self.seq_lens,
+                query_start_loc=self.query_start_loc,
+                slot_mapping=self.slot_mapping,
+                num_q_heads=num_q_heads,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                sinks=sinks,
+                max_query_len=lay.max_query_len,
+                max_seq_len=lay.max_seq_len,
+                num_prefills=lay.num_prefills,
+                validate=validate,
+                impl=impl,
             )
             self._plans[key] = plan
         return plan
