@@ -369,7 +369,8 @@ def _write_warps(elements: int, code: int, num_tokens: int) -> int:
 
 @functools.cache
 def _has_e4m3_cvt(device_index: int) -> bool:
-    # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once (sm_89's rounded twice: DESIGN.md).
+    # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once; earlier GPUs are not trusted with it
+    # (docs/hardware.md: the sm_89 claim is unsourced).
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
