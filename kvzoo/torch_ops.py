@@ -512,7 +512,8 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    lse = _lse_output(lse, return_lse, query)
+    # The op writes lse exactly when it is given one, so return_lse is settled here.
+    lse = api.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
@@ -543,19 +544,6 @@ def paged_attention(
         impl,
     )
     return (out, lse) if return_lse else out
-
-
-def _lse_output(lse: torch.Tensor | None, return_lse: bool, query: torch.Tensor) -> torch.Tensor | None:
-    # The op writes lse exactly when it is given one, so return_lse is settled here.
-    if not return_lse:
-        if lse is not None:
-            fail(
-                "lse: given without return_lse=True; pass return_lse=True to have it written (and returned beside out)"
-            )
-        return None
-    if lse is None:
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-    return lse
 
 
 # -- the engine-step plan through ops ---------------------------------------------------------
@@ -877,7 +865,8 @@ def step_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    lse = _lse_output(lse, return_lse, query)
+    # The op writes lse exactly when it is given one, so return_lse is settled here.
+    lse = api.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
     torch.ops.kvzoo.step_attention(
         out,
         query,

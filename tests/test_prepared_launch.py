@@ -322,7 +322,9 @@ def test_functional_prepared_launches_follow_the_registry_and_let_caches_go():
     generation = kvzoo.registry.default().generation
     kvzoo.registry.default().invalidate()
     assert kvzoo.registry.default().generation == generation + 1
-    functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")  # selects again
+    functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")
+    # The old entry does not serve the new generation: the call selected and prepared anew.
+    assert [k for k in api._PREPARED if k[0] == "reshape_and_cache" and k[3] == generation + 1]
     if CUDA:
         # A kept launch holds addresses, not the caller's cache: the cache goes with its owner.
         gone = weakref.ref(c.key_cache)

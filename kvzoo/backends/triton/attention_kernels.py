@@ -67,7 +67,7 @@ from .attention_ops import TritonAttentionOptions
 from .attention_tables import DECODE_TILES, PREFILL_TILES, SPLIT_RULES, CacheCodes, KOperand
 from .attention_tiles import attend, logit_scale, paged_tile, query_block, staged_tile, store_rows, tile_rows
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
-from .launch import BoundLaunch, relaunch_all
+from .launch import BoundLaunch, launch_nothing, relaunch_all
 
 _DEFAULT_OPTIONS = TritonAttentionOptions()
 
@@ -1107,7 +1107,7 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     alignment of `p`'s. It launches nothing now. None where `p` takes the staged prefill (its
     workspace is sized and filled per call)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
-        return _launch_nothing
+        return launch_nothing
     launches, staged_cfg = _launches(p, platform, None, None, options)
     if staged_cfg is not None:
         return None
@@ -1128,7 +1128,3 @@ def _relaunch_split(bound: tuple, partials: tuple, device: torch.device, operand
     # Each call its own partials, from torch's stream-ordered allocator as run() takes them: a
     # buffer kept here would be shared by calls on different streams.
     relaunch_all(bound, (*operands, *(torch.empty(shape, dtype=torch.float32, device=device) for shape in partials)))
-
-
-def _launch_nothing(operands) -> None:
-    return None

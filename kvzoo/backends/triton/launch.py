@@ -121,6 +121,10 @@ def _active(hook: Any) -> Any:
     return hook
 
 
+def launch_nothing(operands: Sequence[Any]) -> None:
+    """The prepared launch of a problem with no rows: nothing to run."""
+
+
 def relaunch_all(launches: Sequence[BoundLaunch], operands: Sequence[Any]) -> None:
     for launch in launches:
         launch.relaunch(operands)

@@ -37,7 +37,7 @@ from .encode import (
     widen_bf16_bits,
 )
 from .formats import code_of
-from .launch import BoundLaunch
+from .launch import BoundLaunch, launch_nothing
 from .platform import interpreted
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
@@ -468,13 +468,9 @@ def prepare_write(p, scale_floor: float):
     equal to `p` but for its arrays, each of the dtype, shape, strides and 16-byte
     alignment of `p`'s. It launches nothing now."""
     if p.key.shape[0] == 0:
-        return _write_nothing
+        return launch_nothing
     grid, args, kwargs, slots = _write_call(p, scale_floor)
     return BoundLaunch(_reshape_and_cache_kernel, grid, args, kwargs, slots).relaunch
-
-
-def _write_nothing(operands) -> None:
-    return None
 
 
 def dequantize(p) -> None:
