@@ -4,6 +4,11 @@ Inputs may be torch tensors (CPU or GPU) or NumPy arrays (CPU); strided views (K
 sliced out of a fused QKV projection, caches viewed out of an inline-layout buffer) are taken
 as they are, never copied.
 
+With validate=False a call whose arguments' metadata (dtypes, shapes, strides, devices, flags,
+host scalars) equals one already checked goes straight to the launch that call resolved to,
+checking only what its new addresses change (kvzoo/recall.py): an engine's layers pay the full
+checks once per shape.
+
 The check helpers here (check_block_tables, check_slot_values, attention_bounds, ...) are
 shared with kvzoo.plan, which runs the ones that read device values once per engine step
 instead of once per layer.
@@ -16,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from . import recall
 from . import registry as _registry
 from .arrays import as_numpy, as_torch, dtype_name, is_torch, same_kind_empty
+from .capabilities import shares_buffer
 from .formats import INT8
 from .modes import MODES, ROUNDINGS, QuantMode, get_kv_quant_mode
 from .problem import Attention, CacheWrite, Dequantize
@@ -59,7 +66,9 @@ _PREPARED: dict[tuple, tuple[Any, _registry.Implementation, Any, bool]] = {}
 _MAX_PREPARED = 256
 
 
-def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> None:
+def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> tuple[Any, Any, bool]:
+    """Check aliasing, choose, prepare (or recall both) and run; returns (the implementation
+    chosen, its prepared launch or None, whether it took the problem's arrays as given)."""
     check_aliasing(problem)
     reg = _registry.default()
     # The object the entry was made for: a key's id() cannot be reused while it is held here.
@@ -83,7 +92,7 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
             launch(operands)
         else:
             chosen.run(problem)
-        return
+        return chosen, launch, as_given
     chosen = reg.select(problem, op, impl)
     given = problem
     problem = _for_chosen(chosen, problem)
@@ -97,6 +106,50 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
         launch(problem.operands())
     else:
         chosen.run(problem)
+    return chosen, launch, problem is given
+
+
+def _recall_key(op: str, impl: Any, values: tuple) -> tuple[tuple | None, Any]:
+    """(the key kvzoo.recall keeps this unvalidated call's resolution under, the object the
+    entry is for: the Implementation asked for, else the registry)."""
+    reg = _registry.default()
+    held = impl if isinstance(impl, _registry.Implementation) else reg
+    key = recall.call_key(values)
+    if key is None:
+        return None, held
+    return (op, id(held), impl if isinstance(impl, str) else None, reg.generation, key), held
+
+
+def _mode_key(mode: Any) -> Any:
+    # A mode as its name when it is kvzoo's own object (equal names then parse to it); any
+    # other object is left for call_key to decline.
+    if isinstance(mode, QuantMode) and MODES.get(mode.name) is mode:
+        return mode.name
+    return mode
+
+
+def _recalled(entry: recall.Resolved, problem_type: type, operands: tuple) -> bool:
+    """Run a recalled call with these operands; False (nothing run) when its written arrays
+    meet another where the checked call's did not, which the full path then decides."""
+    if not entry.disjoint(operands):
+        return False
+    if entry.launch is not None:
+        entry.launch(operands)
+    else:
+        entry.chosen.run(problem_type(**dict(zip(problem_type.operand_names(), operands)), **entry.host))
+    return True
+
+
+def _remember(key: tuple | None, held: Any, resolved: tuple, problem: Any, given: tuple) -> None:
+    """Keep a checked call's resolution where its implementation was handed the caller's own
+    arrays (given, in operand order): then a later call's arguments are its operands."""
+    chosen, launch, as_given = resolved
+    if key is None or not as_given or not all(a is b for a, b in zip(problem.operands(), given)):
+        return
+    names = problem.operand_names()
+    written = tuple(names.index(n) for n in problem.WRITTEN)
+    host = {n: getattr(problem, n) for n in problem.host_field_names()}
+    recall.remember(key, held, chosen, launch, given, written, host)
 
 
 def _for_chosen(chosen: _registry.Implementation, problem: Any) -> Any:
@@ -194,6 +247,15 @@ def reshape_and_cache(
     validate=False no device value is read on the host (CUDA-graph safe); a negative slot is
     still skipped. check_finite=True raises instead of storing NaN/Inf rows.
     """
+    memo = held = None
+    if not validate and not check_finite:
+        # Arguments in CacheWrite's operand order, then the host scalars.
+        given = (key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache, k_scale, v_scale)
+        shared = (shares_buffer(key_cache, k_scale_cache), shares_buffer(value_cache, v_scale_cache))
+        memo, held = _recall_key("reshape_and_cache", impl, (*given, _mode_key(mode), rounding, *shared))
+        entry = recall.lookup(memo, held)
+        if entry is not None and _recalled(entry, CacheWrite, given):
+            return
     mode = get_kv_quant_mode(mode)
     require_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     require_ndim("value", value, 3, "[num_tokens, num_kv_heads, head_size]")
@@ -253,7 +315,9 @@ def reshape_and_cache(
         v_scale=statics["v_scale"],
         rounding=rounding,
     )
-    _run("reshape_and_cache", problem, impl)
+    resolved = _run("reshape_and_cache", problem, impl)
+    if memo is not None:
+        _remember(memo, held, resolved, problem, given)
 
 
 def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> None:
@@ -488,6 +552,24 @@ def paged_attention(
     (give sinks to one part only). lse: a writable float32 array to write it into (allocated
     when None); it needs return_lse=True, so that the return type follows that flag alone.
     """
+    memo = held = None
+    if not validate and max_query_len is not None and max_seq_len is not None:
+        scalars = (_mode_key(mode), softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, num_prefills)
+        # Whether a cache and its scales share a buffer (the inline page) is an option the
+        # registry chooses by, and no metadata of either tells it.
+        flags = (batch_invariant, quantize_query, return_lse, shares_buffer(key_cache, k_scale_cache))
+        given = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+        given += (k_scale_cache, v_scale_cache, k_scale, v_scale, sinks, lse)  # Attention's operand order
+        memo, held = _recall_key("paged_attention", impl, (*given, *scalars, *flags))
+        entry = recall.lookup(memo, held)
+        if entry is not None:
+            shape = tuple(query.shape)
+            mine = (
+                same_kind_empty(query, shape, dtype_name(query)) if out is None else out,
+                same_kind_empty(query, shape[:2], "float32") if return_lse and lse is None else lse,
+            )
+            if _recalled(entry, Attention, (*given[:6], mine[0], *given[7:12], mine[1])):
+                return mine if return_lse else mine[0]
     mode = get_kv_quant_mode(mode)
     if quantize_query and not (mode.format is INT8 and mode.per_token_head):
         fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
@@ -581,7 +663,9 @@ def paged_attention(
         lse=lse,
     )
     if num_tokens:
-        _run("paged_attention", problem, impl)
+        resolved = _run("paged_attention", problem, impl)
+        if memo is not None:
+            _remember(memo, held, resolved, problem, (*given[:6], out, *given[7:12], lse))
     return (out, lse) if return_lse else out
 
 

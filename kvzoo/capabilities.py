@@ -72,7 +72,7 @@ class Requirements:
     options: frozenset[str] = field(default_factory=frozenset)
 
 
-def _shares_buffer(a: Any, b: Any) -> bool:
+def shares_buffer(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return False
     if is_torch(a):
@@ -90,7 +90,7 @@ def required(problem: Any) -> Requirements:
     """The Requirements of a validated problem record (kvzoo.problem)."""
     options = set()
     scale_pair = ("key_cache", "k_scale_cache") if hasattr(problem, "key_cache") else ("cache", "scale_cache")
-    if _shares_buffer(getattr(problem, scale_pair[0]), getattr(problem, scale_pair[1], None)):
+    if shares_buffer(getattr(problem, scale_pair[0]), getattr(problem, scale_pair[1], None)):
         options.add("inline_layout")
     rounding = getattr(problem, "rounding", "nearest")
     if rounding == "trunc":

@@ -63,6 +63,10 @@ class _Problem:
     def operands(self) -> tuple[Array | None, ...]:
         return tuple(getattr(self, name) for name in _array_field_names(type(self)))
 
+    @classmethod
+    def host_field_names(cls) -> tuple[str, ...]:
+        return _host_field_names(cls)
+
     def host_fields(self) -> tuple:
         """The values of every field that is not an array (mode, bounds, options)."""
         return tuple(getattr(self, name) for name in _host_field_names(type(self)))

@@ -184,14 +184,16 @@ class Implementation:
 def prepared_signature(arrays: Iterable[Any]) -> tuple:
     """What a prepared launch is specialised on, per array: dtype, shape, strides, device and
     whether its address is 16-byte aligned (Triton's pointer specialisation); None where absent."""
-    return tuple(
-        None
-        if a is None
-        else (a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0)
-        if hasattr(a, "data_ptr")
-        else (a.dtype, a.shape, a.strides, "cpu", a.ctypes.data & 15 == 0)
-        for a in arrays
-    )
+    # Runs on every prepared call: one loop, tensors first.
+    signature = []
+    for a in arrays:
+        if a is None:
+            signature.append(None)
+        elif hasattr(a, "data_ptr"):
+            signature.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0))
+        else:
+            signature.append((a.dtype, a.shape, a.strides, "cpu", a.ctypes.data & 15 == 0))
+    return tuple(signature)
 
 
 class NoImplementationError(KVZooInputError, RuntimeError):

@@ -36,7 +36,20 @@ class BoundLaunch:
     operand, the positions of args it fills (pointer arguments only).
     """
 
-    __slots__ = ("_kernel", "_grid", "_args", "_kwargs", "_slots", "_views", "_values", "_compiled", "_launch")
+    __slots__ = (
+        "_kernel",
+        "_grid",
+        "_args",
+        "_kwargs",
+        "_slots",
+        "_views",
+        "_values",
+        "_compiled",
+        "_launch",
+        "_head",
+        "_stream",
+        "_device",
+    )
     # (_args: under the interpreter, the arguments relaunches start from; compiled, only the
     # tensors the bound addresses must keep alive.)
 
@@ -63,7 +76,8 @@ class BoundLaunch:
             defaults = {p.name: p.default for p in kernel.params}
             self._values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args]
             self._values += [self._kwargs.get(n, defaults[n]) for n in names]
-            self._launch = compiled.run
+            self._launch, self._head = _launcher(compiled)
+            self._stream, self._device = driver.active.get_current_stream, driver.active.get_current_device
             # Kept alive: the bound tensors that are not the operands' (stand-ins at unused
             # slots share an operand's storage and are never dereferenced, so they are let go
             # with it: a launch kept for later calls must not hold a caller's cache).
@@ -94,7 +108,7 @@ class BoundLaunch:
                 address = x.data_ptr()
                 for i in positions:
                     values[i] = address
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        stream = self._stream(self._device())
         enter, leave = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
         # A profiler's enter hook wants the launch's metadata; without one it is not built.
         metadata = None if enter is None else compiled.launch_metadata(self._grid, stream, *values)
@@ -105,12 +119,30 @@ class BoundLaunch:
             grid[2],
             stream,
             compiled.function,
+            *self._head,
             compiled.packed_metadata,
             metadata,
             enter,
             leave,
             *values,
         )
+
+
+def _launcher(compiled: Any) -> tuple[Any, tuple]:
+    """(launch, the arguments it takes between the kernel's function and its metadata).
+
+    Triton's CUDA launcher object wraps a compiled C launch in a Python call that allocates
+    scratch memory for kernels that use some; for one that uses none the C launch is called
+    directly, with the launcher's own cooperative-grid and PDL flags and no scratch (Triton
+    3.6's argument order). Any other launcher (ROCm's, a kernel with scratch) is called as is.
+    """
+    run = compiled.run
+    direct = type(run).__name__ == "CudaLauncher" and all(
+        getattr(run, name, 1) == 0 for name in ("global_scratch_size", "profile_scratch_size")
+    )
+    if not direct:
+        return run, ()
+    return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
 
 
 def _active(hook: Any) -> Any:

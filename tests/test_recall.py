@@ -1,0 +1,303 @@
+"""The unvalidated functional API's memory of checked calls (kvzoo/recall.py).
+
+A recalled call skips the argument checks, so these tests hold it to three things: it runs
+(hits are counted, so a suite where nothing is recalled fails), it writes what a checked call
+writes, and every input a check would refuse is still refused after a good call of the same
+shapes: each thing the checks read but the shapes do not show (gradient flags, writability,
+byte order, storage sharing, aliasing at new addresses).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvzoo
+from kvzoo import recall
+from kvzoo.arrays import as_numpy, as_torch
+from kvzoo.errors import KVZooInputError
+
+from support import SEED
+
+NUM_BLOCKS, BLOCK_SIZE, HKV, HQ, D = 9, 4, 2, 4, 64
+SEQ_LENS = (5, 9, 3)
+# Where the test's arrays live: the GPU for the Triton backend where there is one (set by _usable).
+_where = {"device": "cpu"}
+
+
+@pytest.fixture
+def hits(monkeypatch):
+    """Counts the calls recall answered (a lookup that found an entry)."""
+    counted = {"hits": 0}
+    lookup = recall.lookup
+
+    def counting(key, held):
+        entry = lookup(key, held)
+        counted["hits"] += entry is not None
+        return entry
+
+    monkeypatch.setattr(recall, "lookup", counting)
+    recall.forget()
+    _where["device"] = "cpu"
+    yield counted
+    recall.forget()
+
+
+def _rows(gen, tokens, heads, dtype=torch.bfloat16):
+    return torch.randn(tokens, heads, D, generator=gen).to(dtype).to(_where["device"])
+
+
+def _caches(mode, gen, layout="separate"):
+    spec = kvzoo.CacheSpec(
+        mode,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HKV,
+        head_size=D,
+        layout=layout,
+        device=_where["device"],
+    )
+    c = spec.allocate()
+    # Poison: every byte random, so a write that lands or misses shows.
+    for t in (c.buffer,) if c.buffer is not None else (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache):
+        if t is not None:
+            t.view(torch.uint8).copy_(
+                torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+            )
+    return c
+
+
+def _cache_arrays(c, kind=lambda x: x):
+    arrays = dict(
+        key_cache=c.key_cache, value_cache=c.value_cache, k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache
+    )
+    return {n: None if a is None else kind(a) for n, a in arrays.items()}
+
+
+def _kind(impl):
+    """The arrays an implementation takes as they come (recall keeps only such calls): NumPy
+    views of the same memory for the CPU backends."""
+    i = kvzoo.registry.default().get("reshape_and_cache", impl)
+    return as_numpy if i.array_kind == "numpy" else (lambda x: x)
+
+
+def _bytes(c):
+    parts = (c.buffer,) if c.buffer is not None else (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)
+    return [p.view(torch.uint8).clone() for p in parts if p is not None]
+
+
+def _same_bits(a, b):
+    # Poisoned caches give NaN rows; bits compare them where == would not.
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _slots(gen, n):
+    return torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(torch.int32).to(_where["device"])
+
+
+def _write(key, value, c, slots, mode, impl, validate=False):
+    kind = _kind(impl)
+    kvzoo.reshape_and_cache(
+        kind(key),
+        kind(value),
+        slot_mapping=kind(slots),
+        mode=mode,
+        impl=impl,
+        validate=validate,
+        **_cache_arrays(c, kind),
+    )
+
+
+def _metadata():
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    q_lens = torch.tensor((1, 3, 1), dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)])
+    tables = torch.arange(NUM_BLOCKS, dtype=torch.int32).flip(0).view(3, 3)
+    bounds = dict(max_query_len=int(q_lens.max()), max_seq_len=max(SEQ_LENS), num_prefills=1)
+    meta = dict(block_tables=tables, seq_lens=lens, query_start_loc=qsl)
+    return {n: t.to(_where["device"]) for n, t in meta.items()}, bounds, int(qsl[-1])
+
+
+def _attend(query, c, mode, impl, out=None, validate=False, **kw):
+    meta, bounds, _ = _metadata()
+    kind = _kind(impl)
+    caches = _cache_arrays(c, kind)
+    result = kvzoo.paged_attention(
+        kind(query),
+        caches.pop("key_cache"),
+        caches.pop("value_cache"),
+        mode=mode,
+        **caches,
+        out=None if out is None else kind(out),
+        impl=impl,
+        validate=validate,
+        **{n: kind(t) for n, t in meta.items()},
+        **({} if validate else bounds),
+        **kw,
+    )
+    return tuple(map(as_torch, result)) if isinstance(result, tuple) else as_torch(result)
+
+
+IMPLS = ("numpy", "numba", "triton-cuda")
+MODES = ("int8_per_token_head", "fp8_per_token_head", "none")
+
+
+def _usable(impl, mode):
+    i = kvzoo.registry.default().get("reshape_and_cache", impl)
+    if not i.available or mode not in i.modes:
+        pytest.skip(f"{impl} does not take {mode} here")
+    _where["device"] = "cuda" if "cuda" in i.devices and torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", MODES)
+def test_recalled_writes_and_attention_match_checked_calls(impl, mode, hits):
+    _usable(impl, mode)
+    gen = torch.Generator().manual_seed(SEED + 11)
+    recalled, checked = _caches(mode, gen), None
+    checked = kvzoo.layout.KVCacheTensors(*(None if t is None else t.clone() for t in _cache_arrays(recalled).values()))
+    for step in range(3):
+        key, value = _rows(gen, 5, HKV), _rows(gen, 5, HKV)
+        slots = _slots(gen, 5)
+        _write(key, value, recalled, slots, mode, impl)
+        _write(key, value, checked, slots, mode, impl, validate=True)
+        for a, b in zip(_bytes(recalled), _bytes(checked)):
+            assert torch.equal(a, b), f"step {step}: a recalled write differs from a checked one"
+    assert hits["hits"] == 2
+    _, _, tokens = _metadata()
+    for step in range(3):
+        query = _rows(gen, tokens, HQ)
+        out = torch.full_like(query, float("nan"))
+        _attend(query, recalled, mode, impl, out=out)
+        expected = _attend(query, checked, mode, impl, validate=True)
+        assert _same_bits(out, expected), f"step {step}: recalled attention differs from a checked call"
+    assert hits["hits"] == 4
+    # out allocated by the call, and lse, are recalled too.
+    query = _rows(gen, tokens, HQ)
+    first = _attend(query, recalled, mode, impl, return_lse=True)
+    again = _attend(query, recalled, mode, impl, return_lse=True)
+    assert hits["hits"] == 5
+    assert first[0] is not again[0] and _same_bits(first[0], again[0]) and _same_bits(first[1], again[1])
+
+
+def _refused_like_a_first_call(call, expected_words, caches):
+    before = _bytes(caches)
+    with pytest.raises(KVZooInputError) as err:
+        call()
+    for word in expected_words:
+        assert word in str(err.value)
+    for a, b in zip(before, _bytes(caches)):
+        assert torch.equal(a, b), "a refused call changed the cache"
+
+
+def test_what_the_shapes_do_not_show_is_checked_after_a_good_call(hits):
+    # Torch tensors, for the gradient flag: an implementation taking them as they come.
+    mode, impl = "int8_per_token_head", "triton-cuda"
+    _usable(impl, mode)
+    gen = torch.Generator().manual_seed(SEED + 12)
+    c = _caches(mode, gen)
+    key, value, slots = _rows(gen, 5, HKV), _rows(gen, 5, HKV), _slots(gen, 5)
+    _write(key, value, c, slots, mode, impl)
+    _write(key, value, c, slots, mode, impl)
+    assert hits["hits"] == 1
+    graded = key.clone().requires_grad_(True)
+    _refused_like_a_first_call(lambda: _write(graded, value, c, slots, mode, impl), ["key", "requires_grad"], c)
+
+    _, _, tokens = _metadata()
+    query = _rows(gen, tokens, HQ)
+    out = torch.empty_like(query)
+    _attend(query, c, mode, impl, out=out)
+    _attend(query, c, mode, impl, out=out)
+    assert hits["hits"] == 2
+    _refused_like_a_first_call(
+        lambda: _attend(query.clone().requires_grad_(True), c, mode, impl, out=out), ["query", "requires_grad"], c
+    )
+
+
+def test_numpy_flags_are_in_the_key(hits):
+    mode, impl = "int8_per_token_head", "numpy"
+    gen = torch.Generator().manual_seed(SEED + 13)
+    c = _caches(mode, gen)
+    arrays = {n: t.numpy() for n, t in _cache_arrays(c).items()}
+    key, value = _rows(gen, 5, HKV, torch.float32).numpy(), _rows(gen, 5, HKV, torch.float32).numpy()
+    slots = _slots(gen, 5).numpy()
+
+    def write(k=key, v=value, **over):
+        kvzoo.reshape_and_cache(k, v, slot_mapping=slots, mode=mode, impl=impl, validate=False, **{**arrays, **over})
+
+    write()
+    write()
+    assert hits["hits"] == 1
+    read_only = arrays["key_cache"].view()
+    read_only.flags.writeable = False
+    _refused_like_a_first_call(lambda: write(key_cache=read_only), ["key_cache", "read-only"], c)
+    swapped = key.astype(key.dtype.newbyteorder(">"))
+    _refused_like_a_first_call(lambda: write(k=swapped), ["key", "byte order"], c)
+
+
+def test_a_written_array_meeting_a_read_one_is_refused_at_any_address(hits):
+    mode, impl = "int8_per_token_head", "numpy"
+    gen = torch.Generator().manual_seed(SEED + 14)
+    c = _caches(mode, gen)
+    _, _, tokens = _metadata()
+    rows = tokens * HQ * D
+    buffer = torch.randn(3 * rows, generator=gen).to(torch.bfloat16)
+    flat = as_numpy(buffer)
+    view = lambda at: flat[at : at + rows].reshape(tokens, HQ, D)  # noqa: E731
+    _attend(view(0), c, mode, impl, out=view(rows))
+    _attend(view(0), c, mode, impl, out=view(2 * rows))
+    assert hits["hits"] == 1
+    # Same shapes, strides and alignment as the recalled calls: only the addresses tell.
+    untouched = buffer.clone()
+    with pytest.raises(KVZooInputError, match="out: shares memory with query"):
+        _attend(view(rows), c, mode, impl, out=view(rows + 8 * D))
+    assert _same_bits(buffer, untouched)
+
+
+def test_the_inline_page_is_recalled_and_a_shifted_scale_view_is_not(hits):
+    mode, impl = "int8_per_token_head", "numpy"
+    gen = torch.Generator().manual_seed(SEED + 15)
+    c = _caches(mode, gen, layout="inline")
+    key, value, slots = _rows(gen, 5, HKV), _rows(gen, 5, HKV), _slots(gen, 5)
+    checked = _caches(mode, torch.Generator().manual_seed(SEED + 15), layout="inline")
+    for _ in range(2):
+        _write(key, value, c, slots, mode, impl)
+        _write(key, value, checked, slots, mode, impl, validate=True)
+    assert hits["hits"] == 1
+    assert torch.equal(c.buffer, checked.buffer)
+    # The scale view moved 16 bytes (its alignment kept) back into the codes: the same
+    # metadata as the recalled calls, now overlapping the key codes it is written beside.
+    page = c.buffer.view(torch.uint8)
+    scales = c.k_scale_cache
+    moved = torch.as_strided(
+        page.view(-1).view(torch.float32), scales.shape, scales.stride(), scales.storage_offset() - 4
+    )
+    arrays = {**_cache_arrays(c), "k_scale_cache": moved}
+    before = page.clone()
+    with pytest.raises(KVZooInputError, match="shares memory"):
+        kvzoo.reshape_and_cache(
+            *map(as_numpy, (key, value)),
+            slot_mapping=as_numpy(slots),
+            mode=mode,
+            impl=impl,
+            validate=False,
+            **{n: as_numpy(a) for n, a in arrays.items()},
+        )
+    assert torch.equal(page, before)
+
+
+def test_separate_tensors_with_the_inline_strides_choose_as_a_first_call(hits):
+    # Storage sharing is an option the registry selects by (inline_layout); no shape shows it.
+    # Torch tensors: storage identity is what the registry asks of them.
+    mode, impl = "int8_per_token_head", "triton-cuda"
+    _usable(impl, mode)
+    gen = torch.Generator().manual_seed(SEED + 16)
+    inline = _caches(mode, gen, layout="inline")
+    key, value, slots = _rows(gen, 5, HKV), _rows(gen, 5, HKV), _slots(gen, 5)
+    _write(key, value, inline, slots, mode, impl)
+    separate = {
+        n: torch.as_strided(torch.empty_like(inline.buffer).view(t.dtype), t.shape, t.stride(), t.storage_offset())
+        for n, t in _cache_arrays(inline).items()
+    }
+    kvzoo.reshape_and_cache(key, value, slot_mapping=slots, mode=mode, impl=impl, validate=False, **separate)
+    assert hits["hits"] == 0
