@@ -7,7 +7,8 @@ What it measures, in one run, on text that ships with Python (the standard libra
    prefill (not scored), and every later chunk is scored while attending to all earlier
    chunks through the cache, so most of what a token attends has been through the cache's
    format. Formats: DynamicCache (sdpa), kvzoo `none`, int8 per-token-head (nearest, trunc),
-   fp8 e4m3fn and e4m3fnuz per-token-head, fp8 per-tensor (static scales calibrated once on
+   fp8 e4m3fn and e4m3fnuz per-token-head, int4 per-token-head with and without its Hadamard
+   rotation, fp8 per-tensor (static scales calibrated once on
    the first chunk of the first window with DynamicCache: absmax / 448 per layer), and
    transformers' QuantizedCache backends that install here (quanto, HQQ, fp8; each keeps the
    latest <= 128 tokens in full precision and attends the current chunk at full precision,
@@ -95,6 +96,8 @@ KVZOO_MODES: list[tuple[str, str, str]] = [  # (label, mode, rounding)
     ("kvzoo fp8 e4m3fn", "fp8_per_token_head", "nearest"),
     ("kvzoo fp8 e4m3fnuz", "fp8_e4m3fnuz_per_token_head", "nearest"),
     ("kvzoo fp8 per-tensor", "fp8_per_tensor", "nearest"),
+    ("kvzoo int4 rotated", "int4_per_token_head", "nearest"),
+    ("kvzoo int4 unrotated", "int4_per_token_head_norot", "nearest"),
 ]
 QUANTIZED_CACHE: list[tuple[str, str, dict[str, Any], str]] = [  # (label, backend, kwargs, needs module)
     ("HF quanto int4", "quanto", {"nbits": 4}, "optimum.quanto"),

@@ -9,20 +9,22 @@ that takes it, one table entry; a backend without the entry declines the modes t
 kvzoo_spec/oracle.py keeps its own, independent definitions; tests/test_formats.py holds the
 two against each other.
 
-Adding a format (int4, say): a CodeFormat row here (bits=4, so codes_per_byte 2 and
-storage_width(D) = ceil(D / 2) uint8; zero_point for an unsigned encoding; the bytes stored for
-NaN and for +-Inf), a QuantMode using it in kvzoo/modes.py, the same definitions written
-independently in the oracle, and an entry in the table of each backend that implements it
-(numpy_vectorized ENCODERS, numba FORMAT_KINDS, triton formats.FORMAT_CODES) with that backend's
-encoder and decoder. The API's shapes and dtypes (kvzoo.arrays), the layouts and the
-conformance inputs follow from the row; a backend without the entry leaves the mode out
-(tests/test_formats.py prints the table). What packing does to the kernels' addressing is each
-backend's own work.
+Adding a format: a CodeFormat row here (bits, so codes_per_byte and storage_width; the bytes
+stored for NaN and for +-Inf; zero_point_bits for a zero point carried per row in the scale
+word), a QuantMode using it in kvzoo/modes.py, the same definitions written independently in
+the oracle, and an entry in the table of each backend that implements it (numpy_vectorized
+ENCODERS, numba FORMAT_KINDS, triton formats.FORMAT_CODES) with that backend's encoder and
+decoder. The API's shapes and dtypes (kvzoo.arrays), the layouts and the conformance inputs
+follow from the row; a backend without the entry leaves the mode out (tests/test_formats.py
+prints the table). What packing does to the kernels' addressing is each backend's own work.
 
     >>> from kvzoo.formats import FORMATS
     >>> f = FORMATS["float8_e4m3fn"]
     >>> f.qmax, f.nan_codes, f.storage_width(128)
     (448.0, (127, 255), 128)
+    >>> u = FORMATS["uint4"]
+    >>> u.codes_per_byte, u.storage_width(128), u.pack(np.array([1, 2], np.uint8)).tolist()
+    (2, 64, [33])
 """
 
 from __future__ import annotations
@@ -68,8 +70,14 @@ class CodeFormat:
     exponent_bits: int = 0
     mantissa_bits: int = 0
     exponent_bias: int = 0
-    # Code of the value 0 (non-zero for asymmetric formats, e.g. uint4 stored around 8).
+    # Code of the value 0 when it is fixed for the format (code_values() are c - zero_point).
     zero_point: int = 0
+    # Formats whose zero moves with the row (uint4): the number of low bits of each row's
+    # float32 scale word that hold the row's zero point, the code that stands for 0 in that
+    # row. The row's scale is the word with those bits cleared, so it is truncated toward zero
+    # by less than 2**zero_point_bits ulp (SPEC.md section 12.3). 0: no per-row zero point.
+    # code_values() are then the values at zero point 0; a row decodes as (c - zp) * scale.
+    zero_point_bits: int = 0
 
     @property
     def codes_per_byte(self) -> int:
@@ -82,6 +90,49 @@ class CodeFormat:
     def head_size_of(self, storage_width: int) -> int:
         """The head size a row of storage_width elements holds (packed formats: the largest)."""
         return storage_width * self.codes_per_byte
+
+    @property
+    def row_zero_point(self) -> bool:
+        """Whether each row's scale word carries the row's zero point (zero_point_bits)."""
+        return self.zero_point_bits > 0
+
+    def split_scale_words(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scales float32 with the zero-point bits cleared, zero points int64) of float32 scale
+        words; formats without a per-row zero point give the words and zeros."""
+        bits = np.ascontiguousarray(words, dtype=np.float32).view(np.uint32)
+        low = np.uint32((1 << self.zero_point_bits) - 1)
+        return (bits & ~low).view(np.float32), (bits & low).astype(np.int64)
+
+    def scale_words(self, scales: np.ndarray, zero_points: np.ndarray) -> np.ndarray:
+        """float32 scale words: each scale's bits with the low zero_point_bits replaced by its
+        zero point (the inverse of split_scale_words for scales whose low bits are clear)."""
+        bits = np.ascontiguousarray(scales, dtype=np.float32).view(np.uint32)
+        low = np.uint32((1 << self.zero_point_bits) - 1)
+        return ((bits & ~low) | (np.asarray(zero_points).astype(np.uint32) & low)).view(np.float32)
+
+    def pack(self, codes: np.ndarray) -> np.ndarray:
+        """Codes [..., D] (one per uint8, unpacked) as storage bytes [..., storage_width(D)]:
+        element k * codes_per_byte + j in bits j * bits .. (j + 1) * bits - 1 of byte k (for
+        uint4: element 2k in the low nibble). D must be a multiple of codes_per_byte."""
+        codes = np.asarray(codes, dtype=np.uint8)
+        n = self.codes_per_byte
+        if n == 1:
+            return codes.copy()
+        if codes.shape[-1] % n:
+            raise ValueError(f"{self.name}: a row of {codes.shape[-1]} codes does not fill whole bytes")
+        parts = codes.reshape(*codes.shape[:-1], codes.shape[-1] // n, n).astype(np.uint16)
+        shifts = np.arange(n, dtype=np.uint16) * self.bits
+        return (parts << shifts).sum(axis=-1).astype(np.uint8)
+
+    def unpack(self, stored: np.ndarray) -> np.ndarray:
+        """Storage bytes [..., W] as codes [..., head_size_of(W)], one per uint8 (pack's inverse)."""
+        stored = np.asarray(stored).view(np.uint8)
+        n = self.codes_per_byte
+        if n == 1:
+            return stored.copy()
+        shifts = np.arange(n, dtype=np.uint8) * self.bits
+        codes = (stored[..., None] >> shifts) & np.uint8((1 << self.bits) - 1)
+        return codes.reshape(*stored.shape[:-1], stored.shape[-1] * n)
 
     @property
     def accepted_dtypes(self) -> tuple[str, ...]:
@@ -191,4 +242,12 @@ FLOAT8_E5M2 = CodeFormat(
     exponent_bias=15,
 )
 
-FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2)}
+# Two unsigned 4-bit codes per byte with a per-row zero point in the scale word's low 4 bits
+# (vLLM's int4 per-token-head, SPEC.md section 12). No NaN code: a poisoned row stores codes 0
+# under a NaN scale word. inf_codes are the ends of the range, as for int8 (no per-tensor mode
+# uses this format, so the encoder never meets an infinite y).
+UINT4 = CodeFormat(
+    "uint4", "int", 4, False, "uint8", qmax=15.0, qmin=0.0, nan_code=0, inf_codes=(15, 0), zero_point_bits=4
+)
+
+FORMATS: dict[str, CodeFormat] = {f.name: f for f in (INT8, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, UINT4)}

@@ -89,16 +89,22 @@ def allocate_inline(
 ) -> KVCacheTensors:
     """A zero-filled inline-layout page buffer and its four views (device=None gives NumPy)."""
     mode = get_kv_quant_mode(mode)
+    _require_inline(mode)
     _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
     buffer = _zeros((num_blocks, 2, block_size, num_kv_heads, head_size + SCALE_BYTES), "uint8", device)
     return inline_views(buffer, head_size, mode)
 
 
+def _require_inline(mode: QuantMode) -> None:
+    refusal = mode.inline_refusal()
+    if refusal:
+        fail(f"mode: {refusal}")
+
+
 def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheTensors:
     """Code and scale views of an inline-layout byte buffer."""
     mode = get_kv_quant_mode(mode)
-    if not mode.per_token_head:
-        fail(f"mode: the inline layout stores per-row scales; {mode.name!r} has none")
+    _require_inline(mode)
     if head_size % SCALE_BYTES:
         fail(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
     if tuple(buffer.shape[1:2]) != (2,) or buffer.shape[-1] != head_size + SCALE_BYTES or len(buffer.shape) != 5:

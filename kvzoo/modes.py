@@ -6,13 +6,14 @@ holds the constants. This module names the modes and parses the strings engines 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from .errors import fail
-from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, INT8, CodeFormat
+from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, INT8, UINT4, CodeFormat
 
 Granularity = Literal["none", "per_tensor", "per_token_head"]
 Rounding = Literal["nearest", "trunc"]
@@ -24,6 +25,62 @@ SCALE_FLOOR = np.float32(1e-6)
 # Canonical float32 NaN stored as the scale of a row holding a NaN; hardware default NaNs
 # differ (x86 gives 0xFFC00000, NVIDIA 0x7FFFFFFF) and scales are compared as raw bytes.
 CANONICAL_NAN_BITS = 0x7FC00000
+
+# The randomized Hadamard rotation of int4_per_token_head (SPEC.md section 12.2): bit i set
+# means sign -1 for element i; head size D uses bits 0..D-1. vLLM's signs, as SPEC.md says
+# they were produced.
+RHT_SIGN_BITS = int(
+    "75625346365fdb8932d9dff1cfc7869167fc4ca6e46ae22557563834b291e3cc"
+    "05dfbc5fcdf467b754503bbeb55b747e9480abc759bbc2937f7fca4e9a8ca6f2",
+    16,
+)
+RHT_MAX_HEAD_SIZE = 512
+
+
+@functools.cache
+def rht_signs(head_size: int) -> np.ndarray:
+    """The rotation's signs for head_size (a power of two <= RHT_MAX_HEAD_SIZE), float32 +-1
+    (read-only: one array per head size, shared by every caller)."""
+    if not 1 <= head_size <= RHT_MAX_HEAD_SIZE or head_size & (head_size - 1):
+        raise ValueError(f"head_size: the rotation takes a power of two in [1, {RHT_MAX_HEAD_SIZE}], got {head_size}")
+    signs = np.array([-1.0 if RHT_SIGN_BITS >> i & 1 else 1.0 for i in range(head_size)], dtype=np.float32)
+    signs.setflags(write=False)
+    return signs
+
+
+@dataclass(frozen=True)
+class HeadSizes:
+    """The head sizes a mode takes: lowest..highest (None: no bound), and only powers of two
+    where power_of_two. Asked by every layer that derives a cache's shape (QuantMode.cache_width)
+    and by the conformance cases, which pick their shapes from it."""
+
+    lowest: int = 1
+    highest: int | None = None
+    power_of_two: bool = False
+
+    def takes(self, head_size: int) -> bool:
+        if head_size < self.lowest or (self.highest is not None and head_size > self.highest):
+            return False
+        return not self.power_of_two or head_size & (head_size - 1) == 0
+
+    def __str__(self) -> str:
+        kind = "a power of two" if self.power_of_two else "an int"
+        return f"{kind} in [{self.lowest}, {self.highest}]" if self.highest is not None else f"{kind} >= {self.lowest}"
+
+    def closest(self, head_size: int) -> int:
+        """The size taken nearest to head_size (the larger of two equally near)."""
+        if self.takes(head_size):
+            return head_size
+        if not self.power_of_two:
+            return max(self.lowest, min(head_size, self.highest if self.highest is not None else head_size))
+        top = self.highest if self.highest is not None else max(head_size, self.lowest) * 2
+        taken = [d for d in (1 << k for k in range(top.bit_length())) if self.takes(d)]
+        return min(taken, key=lambda d: (abs(d - head_size), -d))
+
+
+ANY_HEAD_SIZE = HeadSizes()
+# The rotation's butterfly needs a power of two (vLLM asserts one); its sign table bounds it at 512.
+INT4_HEAD_SIZES = HeadSizes(2, RHT_MAX_HEAD_SIZE, power_of_two=True)
 
 
 @dataclass(frozen=True)
@@ -39,6 +96,13 @@ class QuantMode:
     format: CodeFormat | None = None
     # Roundings of y to a code the mode defines ("trunc" only for integer formats).
     roundings: tuple[str, ...] = ("nearest",)
+    # The rotation applied to every row before it is quantized (and to queries at attention,
+    # undone on the output): "rht" (SPEC.md section 12.2) or None.
+    rotation: str | None = None
+    head_sizes: HeadSizes = ANY_HEAD_SIZE
+    # Whether SPEC.md section 5's inline page (each row's codes, then its float32 scale) is
+    # defined for the mode's rows: not yet for packed int4 rows (SPEC.md section 12.1).
+    inline_page: bool = True
 
     @property
     def per_token_head(self) -> bool:
@@ -85,9 +149,37 @@ class QuantMode:
         per-row scale, or a format with a NaN code (int8_per_tensor has none of them)."""
         return self.format is None or self.per_token_head or bool(self.format.nan_codes)
 
+    def head_size_refusal(self, head_size: int) -> str | None:
+        """Why the mode does not take head_size (to follow an argument's name); None if it does."""
+        if self.head_sizes.takes(head_size):
+            return None
+        return f"mode {self.name!r} takes a head_size that is {self.head_sizes}, got {head_size}"
+
     def cache_width(self, head_size: int) -> int:
-        """Last-axis length of a cache holding rows of head_size elements."""
+        """Last-axis length of a cache holding rows of head_size elements; a head size the mode
+        does not take is refused here, where every layer derives a cache's shape."""
+        if self.head_sizes is not ANY_HEAD_SIZE:
+            refusal = self.head_size_refusal(head_size)
+            if refusal:
+                fail(f"head_size: {refusal}")
         return head_size if self.format is None else self.format.storage_width(head_size)
+
+    def head_size_of(self, cache_width: int) -> int:
+        """The head size of a cache whose last axis is cache_width (cache_width's inverse)."""
+        return cache_width if self.format is None else self.format.head_size_of(cache_width)
+
+    def inline_refusal(self) -> str | None:
+        """Why the inline layout (SPEC.md section 5) cannot hold this mode's rows; None when it can."""
+        if not self.per_token_head:
+            return f"the inline layout stores per-row scales; {self.name!r} has none"
+        if not self.inline_page:
+            return f"the inline layout is not defined for {self.name!r} (SPEC.md section 12.1); use the separate one"
+        return None
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The cache layouts defined for the mode (kvzoo.layout)."""
+        return ("separate",) if self.inline_refusal() else ("separate", "inline")
 
     def scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...] | None:
         """Shape of the float32 scale storage of one cache (K or V): a scale per row for
@@ -108,6 +200,14 @@ FP8_E4M3FNUZ_PER_TOKEN_HEAD = QuantMode("fp8_e4m3fnuz_per_token_head", "per_toke
 # vLLM's static-scale int8 (PR 41954): round-to-nearest-even only, as its cache write does.
 INT8_PER_TENSOR = QuantMode("int8_per_tensor", "per_tensor", INT8)
 FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2)
+# vLLM's int4 per-token-head (PR 40835): rows rotated, then asymmetric 4-bit codes with the
+# zero point in the scale word (SPEC.md section 12); the variant without rotation is kvzoo's.
+INT4_PER_TOKEN_HEAD = QuantMode(
+    "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=INT4_HEAD_SIZES, inline_page=False
+)
+INT4_PER_TOKEN_HEAD_NOROT = QuantMode(
+    "int4_per_token_head_norot", "per_token_head", UINT4, head_sizes=INT4_HEAD_SIZES, inline_page=False
+)
 
 MODES: dict[str, QuantMode] = {
     m.name: m
@@ -119,6 +219,8 @@ MODES: dict[str, QuantMode] = {
         FP8_E4M3FNUZ_PER_TOKEN_HEAD,
         INT8_PER_TENSOR,
         FP8_E5M2_PER_TENSOR,
+        INT4_PER_TOKEN_HEAD,
+        INT4_PER_TOKEN_HEAD_NOROT,
     )
 }
 
@@ -141,11 +243,13 @@ _ALIASES: dict[str, str] = {
     # vLLM's fp8_e5m2 is per tensor, like every fp8 string without a granularity.
     "fp8_e5m2": "fp8_e5m2_per_tensor",
     "fp8_e5m2_per_tensor": "fp8_e5m2_per_tensor",
+    "int4_per_token_head": "int4_per_token_head",
+    "int4_per_token_head_norot": "int4_per_token_head_norot",
 }
 
 
 # Engine kv-cache dtypes kvzoo knows of but does not implement.
-NOT_IMPLEMENTED: frozenset[str] = frozenset({"fp8_inc", "fp8_ds_mla", "int4_per_token_head"})
+NOT_IMPLEMENTED: frozenset[str] = frozenset({"fp8_inc", "fp8_ds_mla"})
 
 
 def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:

@@ -136,9 +136,13 @@ class CacheSpec:
         require_sizes("num_blocks", num_blocks=self.num_blocks, block_size=self.block_size)
         if self.layout not in LAYOUTS:
             fail(f"layout: expected one of {list(LAYOUTS)}, got {self.layout!r}")
+        refusal = mode.head_size_refusal(self.head_size)
+        if refusal:
+            fail(f"head_size: {refusal}")
         if self.layout == "inline":
-            if not mode.per_token_head:
-                fail(f"layout: the inline layout stores per-row scales; mode {mode.name!r} has none")
+            refusal = mode.inline_refusal()
+            if refusal:
+                fail(f"layout: {refusal}")
             if self.head_size % SCALE_BYTES:
                 fail(
                     f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), "

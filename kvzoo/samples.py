@@ -172,12 +172,45 @@ def draw_batch(
 # cache contents
 
 
+# Per-row scales fill_quantized draws: with its codes (about +-qmax / 3 for int8) rows decode to
+# values of about 0.1 to 2.
+ROW_SCALES = (0.002, 0.05)
+# Codes of a format with a per-row zero point are drawn around it with this spread (in codes).
+_ZERO_POINT_SPREAD = 2.5
+
+
+def row_scale_range(mode: QuantMode, head_size: int) -> tuple[float, float]:
+    """The range of the per-row scales fill_quantized draws for mode's rows of head_size: for a
+    format with a per-row zero point, ROW_SCALES widened by int8's code spread over its own,
+    and by sqrt(head_size) for a rotated mode (whose stored rows are sqrt(D) times the model's,
+    SPEC.md 12.2), so that its rows decode to values of the same size."""
+    if mode.format is None or not mode.format.row_zero_point:
+        return ROW_SCALES
+    factor = (127 / 3) / _ZERO_POINT_SPREAD * (math.sqrt(head_size) if mode.rotation else 1.0)
+    return ROW_SCALES[0] * factor, ROW_SCALES[1] * factor
+
+
+def _fill_with_zero_points(mode: QuantMode, rng: np.random.Generator, shape: tuple[int, ...]):
+    """fill_quantized for a format whose rows carry a zero point in the scale word: each row's
+    codes spread around its own zero point (so every row's range holds 0, as an encoder's does),
+    packed; scale words with the zero point in their low bits."""
+    fmt = mode.format
+    zero_points = rng.integers(3, int(fmt.qmax) - 2, shape[:3])
+    y = zero_points[..., None] + rng.standard_normal(shape) * _ZERO_POINT_SPREAD
+    codes = np.clip(np.rint(y), fmt.qmin, fmt.qmax).astype(np.uint8)
+    scales = rng.uniform(*row_scale_range(mode, shape[-1]), shape[:3]).astype(np.float32)
+    return fmt.pack(codes), fmt.scale_words(scales, zero_points)
+
+
 def fill_quantized(mode: QuantMode, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str):
     """Random but realistic cache contents: (codes uint8 or model-dtype values, float32 per-row
-    scales or None). Only representable codes: never a NaN code."""
+    scales or None) of caches of rows shape [..., head_size] (the codes packed to the mode's
+    cache width). Only representable codes: never a NaN code."""
     fmt = mode.format
     if fmt is None:
         return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
+    if fmt.row_zero_point:
+        return _fill_with_zero_points(mode, rng, shape)
     # Values spread over the format's range as rows scaled by absmax / qmax are, snapped to codes.
     values = fmt.representable()
     y = np.clip(rng.standard_normal(shape) * fmt.qmax / 3, fmt.qmin, fmt.qmax)
@@ -186,7 +219,7 @@ def fill_quantized(mode: QuantMode, rng: np.random.Generator, shape: tuple[int, 
     codes = fmt.codes_of(np.where(nearer_below, values[i - 1], values[i]))
     if not mode.per_token_head:
         return codes, None
-    scales = rng.uniform(0.002, 0.05, shape[:3]).astype(np.float32)
+    scales = rng.uniform(*ROW_SCALES, shape[:3]).astype(np.float32)
     return codes, scales
 
 
@@ -231,6 +264,9 @@ def _fill_torch(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
     import torch
 
     fmt = mode.format
+    if fmt is not None and fmt.row_zero_point:
+        _fill_torch_with_zero_points(mode, caches, gen)
+        return
     if fmt is not None:
         values = fmt.representable()
         half_tiny = float(values[values > 0].min()) / 2
@@ -254,6 +290,30 @@ def _fill_torch(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
     for sc in (caches.k_scale_cache, caches.v_scale_cache):
         if sc is not None:
             sc.uniform_(0.002, 0.05, generator=gen)
+
+
+def _fill_torch_with_zero_points(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
+    """_fill_with_zero_points' distribution drawn by torch ops on the caches' device."""
+    import torch
+
+    fmt = mode.format
+    per_byte, bits = fmt.codes_per_byte, fmt.bits
+    low = (1 << fmt.zero_point_bits) - 1
+    lowest, highest = row_scale_range(mode, fmt.head_size_of(caches.key_cache.shape[-1]))
+    for cache, words in ((caches.key_cache, caches.k_scale_cache), (caches.value_cache, caches.v_scale_cache)):
+        if not (cache.is_contiguous() and words.is_contiguous()):
+            raise ValueError("fill='torch' takes contiguous caches")
+        flat, flat_words = cache.view(-1, cache.shape[-1]), words.view(torch.int32).view(-1)
+        rows = max(1, _TORCH_CHUNK // (flat.shape[1] * per_byte))
+        for i in range(0, flat.shape[0], rows):
+            part, part_words = flat[i : i + rows], flat_words[i : i + rows]
+            zero_points = torch.randint(3, int(fmt.qmax) - 2, (part.shape[0], 1), device=part.device, generator=gen)
+            y = torch.randn((*part.shape, per_byte), device=part.device, generator=gen) * _ZERO_POINT_SPREAD
+            codes = (y + zero_points[..., None]).round_().clamp_(fmt.qmin, fmt.qmax).to(torch.int32)
+            shifts = torch.arange(per_byte, device=part.device, dtype=torch.int32) * bits
+            part.copy_((codes << shifts).sum(-1).to(part.dtype))
+            scales = torch.empty(part.shape[0], device=part.device).uniform_(lowest, highest, generator=gen)
+            part_words.copy_((scales.view(torch.int32) & ~low) | zero_points[:, 0].to(torch.int32))
 
 
 def torch_generator(rng: np.random.Generator, device: str) -> Any:
@@ -303,6 +363,107 @@ def _scalar(x: Any) -> float | None:
 # the oracle's answer and the tolerance it is held to
 
 
+def _in_int4_oracle(mode: QuantMode) -> bool:
+    # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 12.7), with their own
+    # table of the modes they take.
+    return mode.name in oracle.INT4_MODES
+
+
+def oracle_decoded_cache(
+    mode: str | QuantMode, codes: np.ndarray, scales: Any = None, static: Any = None
+) -> np.ndarray:
+    """float32 [NB, BS, H, D]: the oracle's decode of a whole host cache (uint8 codes, or
+    model-dtype values for mode none), bit for bit what dequantize returns (SPEC.md sections 7
+    and 12.3: a rotated mode's rows un-rotated in float32)."""
+    mode = get_kv_quant_mode(mode)
+    if not _in_int4_oracle(mode):
+        return oracle.decode_cache(codes, host_scales(scales), mode.name, _scalar(static))
+    decoded = oracle.int4_decode_rows(np.asarray(codes, np.uint8), host_scales(scales))
+    return oracle.int4_unrotate(decoded) if mode.rotation else decoded
+
+
+def oracle_gathered(
+    mode: str | QuantMode, codes: np.ndarray, scales: Any, block_tables: Any, seq_lens: Any, static: Any = None
+) -> np.ndarray:
+    """float32 [sum(seq_lens), H, D]: the oracle's dequantize of each sequence's tokens in order."""
+    mode = get_kv_quant_mode(mode)
+    if not _in_int4_oracle(mode):
+        return oracle.gather_dequantize(codes, host_scales(scales), block_tables, seq_lens, mode.name, _scalar(static))
+    # Each row decodes alone, so gathering the decoded rows is decoding the gathered ones.
+    decoded = oracle_decoded_cache(mode, codes, scales)
+    tables, block_size = np.asarray(block_tables), decoded.shape[1]
+    rows = [
+        decoded[int(tables[s, i // block_size]), i % block_size]
+        for s, n in enumerate(np.asarray(seq_lens).tolist())
+        for i in range(n)
+    ]
+    return np.stack(rows) if rows else np.zeros((0, *decoded.shape[2:]), np.float32)
+
+
+def oracle_model_values(mode: str | QuantMode, codes: np.ndarray, scales: Any = None, static: Any = None) -> np.ndarray:
+    """[NB, BS, H, D]: the values a host cache stands for in the model's basis, as the oracle's
+    attention reads them (float64 for int4, whose un-rotation the reference does in float64;
+    the float32 decode otherwise)."""
+    mode = get_kv_quant_mode(mode)
+    if not _in_int4_oracle(mode):
+        return oracle_decoded_cache(mode, codes, scales, static)
+    return oracle.int4_dequantize_rows_f64(np.asarray(codes, np.uint8), host_scales(scales), mode.name)
+
+
+def oracle_write(
+    mode: str | QuantMode,
+    key: np.ndarray,
+    value: np.ndarray,
+    slot_mapping: np.ndarray,
+    *,
+    num_blocks: int,
+    block_size: int,
+    rounding: str = "nearest",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    key_cache: np.ndarray | None = None,
+    value_cache: np.ndarray | None = None,
+    k_scale_cache: np.ndarray | None = None,
+    v_scale_cache: np.ndarray | None = None,
+) -> tuple[Any, Any, Any, Any]:
+    """The oracle's reshape_and_cache onto copies of host caches (key, value in their input
+    dtype: a rotated mode rounds its rotated rows to it): (key_cache, value_cache,
+    k_scale_cache, v_scale_cache) as uint8 codes and float32 scale words."""
+    mode = get_kv_quant_mode(mode)
+    if not _in_int4_oracle(mode):
+        return oracle.reshape_and_cache(
+            key,
+            value,
+            slot_mapping,
+            mode_name=mode.name,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            rounding=rounding,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+        )
+    if rounding != "nearest":
+        raise ValueError(f"rounding {rounding!r}: {mode.name} has one rounding, 'nearest'")
+    num_kv_heads, head_size = np.asarray(key).shape[1:]
+    shape = (num_blocks, block_size, num_kv_heads)
+    out = []
+    for rows, cache, words in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
+        cache = (
+            np.zeros((*shape, mode.cache_width(head_size)), np.uint8) if cache is None else np.array(cache, np.uint8)
+        )
+        words = np.zeros(shape, np.float32) if words is None else np.array(words, np.float32)
+        for t, slot in enumerate(np.asarray(slot_mapping).tolist()):
+            if slot >= 0:
+                block, offset = divmod(int(slot), block_size)
+                cache[block, offset], words[block, offset] = oracle.int4_quantize_rows(np.asarray(rows)[t], mode.name)
+        out += [cache, words]
+    return out[0], out[2], out[1], out[3]
+
+
 def oracle_attention(
     mode: str | QuantMode,
     query: Any,
@@ -322,32 +483,39 @@ def oracle_attention(
     softcap: float | None = None,
     sinks: Any = None,
 ) -> np.ndarray:
-    """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches.
+    """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches (int4:
+    int4_attention_f64 on the codes, SPEC.md 12.6).
 
     key_codes / value_codes: host uint8 codes (model-dtype values for mode none), e.g.
     host_codes() of a live cache; query: any array in its own dtype."""
     mode = get_kv_quant_mode(mode)
+    host = lambda x: None if x is None else np.asarray(as_numpy(x.cpu()) if is_torch(x) else x)  # noqa: E731
+    q = as_numpy(query.detach().cpu()) if is_torch(query) else np.asarray(query)
+    options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=host(sinks))
+    if _in_int4_oracle(mode):
+        if quantize_query:
+            raise ValueError(f"quantize_query: defined for int8 per-token-head caches, not {mode.name}")
+        # SPEC.md 12.6's reference: logits on the codes of the rotated query, output un-rotated.
+        return oracle.int4_attention_f64(
+            q,
+            key_codes,
+            value_codes,
+            host_scales(k_scales),
+            host_scales(v_scales),
+            host(block_tables),
+            host(seq_lens),
+            host(query_start_loc),
+            mode_name=mode.name,
+            **options,
+        )
     k_deq = oracle.decode_cache(key_codes, host_scales(k_scales), mode.name, _scalar(k_static))
     v_deq = oracle.decode_cache(value_codes, host_scales(v_scales), mode.name, _scalar(v_static))
-    q = as_numpy(query.detach().cpu()) if is_torch(query) else np.asarray(query)
     if quantize_query:
         d = q.shape[-1]
         rows = oracle.widen_to_float32(q).reshape(-1, d)
         codes, scales = oracle.quantize_rows(rows, QUERY_ROUND_TRIP_MODE)
         q = oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
-    host = lambda x: None if x is None else np.asarray(as_numpy(x.cpu()) if is_torch(x) else x)  # noqa: E731
-    return oracle.attention_f64(
-        q,
-        k_deq,
-        v_deq,
-        host(block_tables),
-        host(seq_lens),
-        host(query_start_loc),
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=host(sinks),
-    )
+    return oracle.attention_f64(q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc), **options)
 
 
 def attention_tolerance(impl: Any, out_dtype: str) -> float:
@@ -628,7 +796,8 @@ def poisoned_caches(
         buf = random_bytes(rng, (nb, 2, bs, h, d + 4), "uint8", device, kind)
         return inline_views(buf, d, mode)
     dtype = mode.code_dtype or model_dtype
-    kc, vc = (random_bytes(rng, shape, dtype, device, kind) for _ in range(2))
+    code_shape = (nb, bs, h, mode.cache_width(d))
+    kc, vc = (random_bytes(rng, code_shape, dtype, device, kind) for _ in range(2))
     if mode.per_token_head:
         ks, vs = (random_bytes(rng, shape[:3], "float32", device, kind) for _ in range(2))
         return KVCacheTensors(kc, vc, ks, vs)
@@ -817,6 +986,11 @@ __all__ = [
     "host_codes",
     "host_scales",
     "oracle_attention",
+    "oracle_decoded_cache",
+    "oracle_gathered",
+    "oracle_model_values",
+    "oracle_write",
+    "row_scale_range",
     "paged_sample",
     "poisoned_caches",
     "scattered_tables",

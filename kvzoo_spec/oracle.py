@@ -517,8 +517,9 @@ def attention_f64(
 
 
 # --------------------------------------------------------------------------------------------
-# int4 per-token-head (SPEC.md section 12). Not a registered mode: no backend implements it yet,
-# so these functions stand beside ORACLE_MODES instead of in it.
+# int4 per-token-head (SPEC.md section 12). Its rows quantize by a rule of their own (a range
+# and a zero point, after a rotation), so these functions stand beside ORACLE_MODES, with their
+# own table of modes (INT4_MODES).
 
 INT4_QMAX = 15
 # The sign vector of the randomized Hadamard rotation for D <= 512: bit i set means sign -1 for

@@ -34,7 +34,6 @@ from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
 from kvzoo.conformance.inputs import device_for
 from kvzoo.modes import MODES
 from kvzoo.samples import OUT_ROUNDOFF, Batch, assert_attention_close  # noqa: F401 (the battery's names)
-from kvzoo_spec import oracle
 
 from support import SEED, rng_for  # noqa: F401
 
@@ -636,7 +635,7 @@ class Caches:
     def decoded(self, which: str, when: str = "now") -> np.ndarray:
         codes, scales = self.oracle_codes(which, when)
         static = self.k_static if which == "key" else self.v_static
-        return oracle.decode_cache(codes, scales, self.mode, static)
+        return samples.oracle_decoded_cache(self.mode, codes, scales, static)
 
 
 def make_caches(
@@ -669,8 +668,10 @@ def make_caches(
         ks = page.sub("k_scale_cache", views.k_scale_cache, idx[:, 0, ..., d] // 4, "float32")
         vs = page.sub("v_scale_cache", views.v_scale_cache, idx[:, 1, ..., d] // 4, "float32")
     else:
-        key = Region(rng, shape, dt, kind, impl=impl, label="key_cache", gaps=gaps)
-        value = Region(rng, shape, dt, kind, impl=impl, label="value_cache", gaps=gaps)
+        # Rows of shape[-1] elements take the mode's cache width (int4: two codes a byte).
+        code_shape = (*shape[:3], mode.cache_width(shape[3]))
+        key = Region(rng, code_shape, dt, kind, impl=impl, label="key_cache", gaps=gaps)
+        value = Region(rng, code_shape, dt, kind, impl=impl, label="value_cache", gaps=gaps)
         ks = vs = None
         if mode.per_token_head and layout == "interleaved":
             both = Region(rng, (*shape[:3], 2), "float32", kind, impl=impl, label="k/v scale buffer", gaps=gaps)
@@ -732,11 +733,11 @@ def expected_write(
     kc, ks = caches.oracle_codes("key", "before")
     vc, vs = caches.oracle_codes("value", "before")
     nb, bs = caches.key.shape[:2]
-    return oracle.reshape_and_cache(
+    return samples.oracle_write(
+        caches.mode,
         key_vals,
         value_vals,
         np.asarray(slots, np.int64),
-        mode_name=caches.mode,
         num_blocks=nb,
         block_size=bs,
         rounding=rounding,

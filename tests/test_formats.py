@@ -10,17 +10,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvzoo import modes as kvzoo_modes
 from kvzoo import registry
 from kvzoo.formats import FORMATS
 from kvzoo.modes import MODES
 from kvzoo_spec import oracle
 
+from support import rng_for
+
 CODED_MODES = [name for name, m in MODES.items() if m.format is not None]
+# The oracle states int4 (SPEC.md section 12) in functions of its own beside ORACLE_MODES.
+TABLE_MODES = [name for name in CODED_MODES if name in oracle.ORACLE_MODES]
+INT4_MODES = list(oracle.INT4_MODES)
 
 
 def test_every_mode_is_an_oracle_mode_with_the_same_constants():
-    assert set(MODES) == set(oracle.ORACLE_MODES)
+    assert set(MODES) == set(oracle.ORACLE_MODES) | set(oracle.INT4_MODES)
     for name, mode in MODES.items():
+        assert mode.rotation == ("rht" if name == "int4_per_token_head" else None)
+        if name in oracle.INT4_MODES:
+            assert mode.granularity == "per_token_head" and mode.format.storage_dtype == "uint8"
+            assert (mode.qmin, mode.qmax) == (0, oracle.INT4_QMAX) and mode.roundings == ("nearest",)
+            assert mode.scale_floor == oracle.SCALE_FLOOR
+            continue
         spec = oracle.ORACLE_MODES[name]
         assert mode.granularity == spec.granularity
         assert (None if mode.format is None else mode.format.storage_dtype) == spec.code
@@ -30,7 +42,7 @@ def test_every_mode_is_an_oracle_mode_with_the_same_constants():
         assert mode.scale_floor == oracle.SCALE_FLOOR
 
 
-@pytest.mark.parametrize("name", CODED_MODES)
+@pytest.mark.parametrize("name", TABLE_MODES)
 def test_non_finite_codes_are_the_oracle_encoding_of_nan_and_inf(name):
     """The format row's NaN and +-Inf bytes are what the oracle's encoder, from its own rules,
     stores for y = NaN, +Inf and -Inf (every format: a per-token-head row never reaches +-Inf,
@@ -59,7 +71,7 @@ def test_inf_codes_follow_the_format(name):
         assert fmt.nan_code in fmt.nan_codes
 
 
-@pytest.mark.parametrize("name", CODED_MODES)
+@pytest.mark.parametrize("name", TABLE_MODES)
 def test_code_values_are_the_oracle_decoding_of_every_byte(name):
     fmt = MODES[name].format
     codes = np.arange(2**fmt.bits, dtype=np.uint8)[None, :]
@@ -70,7 +82,7 @@ def test_code_values_are_the_oracle_decoding_of_every_byte(name):
     assert fmt.nan_codes == tuple(int(c) for c in np.flatnonzero(np.isnan(want)))
 
 
-@pytest.mark.parametrize("name", CODED_MODES)
+@pytest.mark.parametrize("name", TABLE_MODES)
 def test_midpoints_round_away_as_the_oracle_rounds(name):
     """Values just below and just above each midpoint of the format object encode (in the
     oracle) to its two neighbours, and representable values encode to themselves. Only
@@ -100,6 +112,54 @@ def _oracle_codes(name: str, y: np.ndarray) -> np.ndarray:
     return codes[0, 1:]
 
 
+# ---------------------------------------------------------------------------------------------
+# uint4: packing and the zero point in the scale word (SPEC.md 12.1), against the oracle's own
+
+
+@pytest.mark.parametrize("name", INT4_MODES)
+def test_uint4_rows_match_the_oracle_definitions(name):
+    fmt = MODES[name].format
+    assert fmt is FORMATS["uint4"] and (fmt.bits, fmt.signed, fmt.codes_per_byte) == (4, False, 2)
+    assert fmt.storage_width(128) == 64 and fmt.head_size_of(64) == 128
+    assert fmt.code_values().tolist() == list(range(16)) and fmt.nan_codes == ()
+    assert fmt.midpoints().tolist() == [n + 0.5 for n in range(15)]
+    # Every byte, both ways.
+    all_bytes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    assert np.array_equal(fmt.unpack(all_bytes), oracle.int4_unpack(all_bytes))
+    rng = rng_for("uint4 rows", name)
+    codes = rng.integers(0, 16, (5, 3, 64), dtype=np.uint8)
+    assert np.array_equal(fmt.pack(codes), oracle.int4_pack(codes))
+    assert np.array_equal(fmt.unpack(fmt.pack(codes)), codes)
+    # Every 32-bit word splits as the oracle splits it; scale_words puts the zero point back.
+    words = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    scale, zp = fmt.split_scale_words(words)
+    want_scale, want_zp = oracle.int4_split_scale(words)
+    assert np.array_equal(scale.view(np.uint32), want_scale.view(np.uint32)) and np.array_equal(zp, want_zp)
+    assert np.array_equal(fmt.scale_words(scale, zp).view(np.uint32), words.view(np.uint32))
+    # The value of code c in a row of zero point zp is c - zp, as the oracle decodes it.
+    for z in range(16):
+        word = fmt.scale_words(np.ones(1, np.float32), np.array([z]))
+        decoded = oracle.int4_decode_rows(oracle.int4_pack(np.arange(16, dtype=np.uint8))[None], word)[0]
+        assert np.array_equal(decoded, fmt.code_values() - z)
+
+
+@pytest.mark.parametrize("name", INT4_MODES)
+def test_int4_head_sizes_and_rotation_signs_are_the_oracles(name):
+    mode = MODES[name]
+    for d in range(0, 1100):
+        try:
+            oracle.int4_rht_signs(d)
+            oracle_takes = True
+        except ValueError:
+            oracle_takes = False
+        assert mode.head_sizes.takes(d) == oracle_takes, d
+    for d in (2**k for k in range(1, 10)):
+        assert np.array_equal(kvzoo_modes.rht_signs(d), oracle.int4_rht_signs(d))
+    # A uint4 poisoned row stores code 0 everywhere under the canonical NaN word.
+    codes, word = oracle.int4_quantize_row_f32(np.array([1.0, np.nan, 2.0, 3.0], np.float32))
+    assert (codes == mode.nan_code).all() and int(word) == kvzoo_modes.CANONICAL_NAN_BITS
+
+
 def test_storage_widths_and_scale_shapes():
     for fmt in FORMATS.values():
         assert fmt.codes_per_byte * fmt.bits == 8
@@ -109,6 +169,8 @@ def test_storage_widths_and_scale_shapes():
     assert MODES["fp8_per_tensor"].scale_shape(3, 16, 2) == (1,)
     assert MODES["int8_per_tensor"].scale_shape(3, 16, 2) == MODES["fp8_e5m2_per_tensor"].scale_shape(3, 16, 2) == (1,)
     assert MODES["none"].scale_shape(3, 16, 2) is None
+    assert MODES["int4_per_token_head"].scale_shape(3, 16, 2) == (3, 16, 2)
+    assert MODES["int4_per_token_head"].cache_width(128) == 64
 
 
 def format_table() -> dict[str, dict[str, object]]:

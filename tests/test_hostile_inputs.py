@@ -67,14 +67,14 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import kvzoo
-from kvzoo import KVZooInputError
+from kvzoo import KVZooInputError, samples
 from kvzoo.modes import MODES
-from kvzoo_spec import oracle
 
 H, HQ, D, BS = 2, 4, 16, 4
 # Every mode with a code format (per-token-head first), so a new mode goes through each test
-# below; the inline layout takes the per-token-head ones only.
+# below; the inline layout takes the modes that define it (per-token-head ones but int4).
 PER_TOKEN_HEAD = tuple(name for name, m in MODES.items() if m.per_token_head)
+INLINE = tuple(name for name, m in MODES.items() if "inline" in m.layouts)
 PER_TENSOR = tuple(name for name, m in MODES.items() if m.per_tensor)
 QUANTIZED = PER_TOKEN_HEAD + PER_TENSOR
 ALL_MODES = tuple(MODES)
@@ -622,10 +622,10 @@ def check_dequantize(
         assert g.unchanged(), f"{impl.name} dequantize: {g.label} changed"
     codes, scales = caches.oracle_codes("key", "before")
     if tables is None:
-        want = oracle.decode_cache(codes, scales, caches.mode, caches.k_static)
+        want = samples.oracle_decoded_cache(caches.mode, codes, scales, caches.k_static)
     else:
-        want = oracle.gather_dequantize(
-            codes, scales, np.asarray(tables), np.asarray(seq_lens), caches.mode, caches.k_static
+        want = samples.oracle_gathered(
+            caches.mode, codes, scales, np.asarray(tables), np.asarray(seq_lens), caches.k_static
         )
     assert_same_floats(to_host_float32(got), want, f"{impl.name} dequantize")
     return got
@@ -1250,7 +1250,7 @@ def test_dequantize_stride0_cache_accepted(impl):
 def test_write_views_of_one_buffer_accepted(impl, layout, kind):
     """Disjoint views of one buffer are not aliases: the inline page (SPEC 5, here with gaps
     between rows) and scale caches interleaved in one float32 buffer."""
-    mode = pick_mode(impl, "one-buffer", layout, kind, candidates=PER_TOKEN_HEAD)
+    mode = pick_mode(impl, "one-buffer", layout, kind, candidates=INLINE if layout == "inline" else PER_TOKEN_HEAD)
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-one-buffer", impl.name, layout, kind)
     w = WriteSetup(rng, mode, kind, T=7, layout=layout, impl=impl)
@@ -1261,7 +1261,7 @@ def test_write_views_of_one_buffer_accepted(impl, layout, kind):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_inline_page_with_gaps(impl, kind):
-    mode = pick_mode(impl, "inline-attn", kind, candidates=PER_TOKEN_HEAD)
+    mode = pick_mode(impl, "inline-attn", kind, candidates=INLINE)
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-inline-attn", impl.name, kind)
     a = AttentionSetup(rng, mode, kind, make_batch(rng, "mixed"), layout="inline", impl=impl)
@@ -1271,7 +1271,7 @@ def test_attention_inline_page_with_gaps(impl, kind):
 
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_inline_page_with_gaps(impl):
-    mode = pick_mode(impl, "inline-deq", candidates=PER_TOKEN_HEAD)
+    mode = pick_mode(impl, "inline-deq", candidates=INLINE)
     require_usable(impl, mode)
     rng = rng_for("hostile-inline-deq", impl.name)
     caches = make_caches(rng, mode, (4, BS, H, D), "torch", realistic=False, layout="inline", impl=impl)

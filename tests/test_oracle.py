@@ -531,14 +531,24 @@ def test_golden_files_regenerate_identically():
     assert _load_make_golden().check(GOLDEN) == []
 
 
+def _golden_decode(codes, scales, mode):
+    """What dequantize returns for golden rows: the oracle's decode (int4: stored-domain decode,
+    un-rotated in float32, SPEC.md 12.3)."""
+    if mode not in oracle.INT4_MODES:
+        return oracle.decode_rows(codes, scales, mode)
+    decoded = oracle.int4_decode_rows(codes, scales)
+    return oracle.int4_unrotate(decoded) if mode == "int4_per_token_head" else decoded
+
+
 def test_golden_rows_decode_and_cover_the_specials():
     files = sorted(GOLDEN.glob("rows-*.npz"))
-    assert len(files) == 21
+    assert len(files) == 27
     for path in files:
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
             mode = meta["mode"]
-            decoded = oracle.decode_rows(z["codes"], z["scales"].view(np.float32), mode)
+            int4 = mode in oracle.INT4_MODES
+            decoded = _golden_decode(z["codes"], z["scales"].view(np.float32), mode)
             nan = np.isnan(decoded)
             stored = z["decoded"].view(np.float32)
             assert np.array_equal(nan, np.isnan(stored)) and np.all(z["decoded"][nan] == NAN_BITS)
@@ -554,5 +564,11 @@ def test_golden_rows_decode_and_cover_the_specials():
             tiny = float(np.finfo(np.float16).smallest_normal) if meta["dtype"] == "float16" else 1.1754944e-38
             assert ((np.abs(x) < tiny) & (x != 0)).any()
             assert (np.abs(x[np.isfinite(x)]) > 6e4).any()
-            if oracle.ORACLE_MODES[mode].granularity != "per_tensor":
+            if int4:
+                # The scale word's low 4 bits hold the zero point (SPEC.md 12.1).
+                floor_words = (z["scales"] & np.uint32(0xFFFFFFF0)) == (f32_bits(FLOOR) & 0xFFFFFFF0)
+                assert floor_words.any() and (z["scales"] == NAN_BITS).any()
+                assert z["codes"].shape == (x.shape[0], x.shape[1] // 2)
+                assert len(np.unique(z["scales"] & 0xF)) >= 8, "zero points of many values"
+            elif oracle.ORACLE_MODES[mode].granularity != "per_tensor":
                 assert (z["scales"] == f32_bits(FLOOR)).any() and (z["scales"] == NAN_BITS).any()

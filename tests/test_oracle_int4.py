@@ -1,6 +1,6 @@
 """Tests of the oracle's int4 per-token-head functions (kvzoo_spec/SPEC.md section 12).
 
-The mode is not registered (no backend yet); these hold the oracle to facts written out here:
+These hold the oracle itself (the backends are held to it by the conformance suite) to facts written out here:
 the Hadamard matrix by Sylvester's construction, the nibble layout, the scale / zero-point bit
 layout, hand-computed bytes, and attention on dequantized rows.
 """

@@ -27,13 +27,8 @@ PLACES = [
         marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     ),
 ]
-# The inline layout stores per-row scales: per-token-head modes only.
-MODE_LAYOUTS = [
-    pytest.param(m, lay, id=f"{m}-{lay}")
-    for m in MODES
-    for lay in ("separate", "inline")
-    if lay == "separate" or MODES[m].per_token_head
-]
+# The layouts each mode defines (the inline one: per-token-head modes but int4).
+MODE_LAYOUTS = [pytest.param(m, lay, id=f"{m}-{lay}") for m in MODES for lay in MODES[m].layouts]
 
 
 def _bytes(x) -> bytes:
@@ -178,6 +173,16 @@ def _valid_codes(mode: str) -> set[int]:
     return set(fmt.codes_of(fmt.representable()).tolist())
 
 
+def _codes_and_scales(mode: str, cache, scales) -> tuple[np.ndarray, np.ndarray | None]:
+    """(one code per element, the per-row scales) of a live cache: packed codes unpacked, and a
+    per-row zero point taken off the scale word."""
+    m = MODES[mode]
+    codes, sc = samples.host_codes(cache, m), samples.host_scales(scales)
+    if m.format is not None and m.format.row_zero_point:
+        return m.format.unpack(codes), m.format.split_scale_words(sc)[0]
+    return codes, sc
+
+
 @pytest.mark.parametrize("fill", ["host", "torch"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_caches_hold_representable_codes_and_no_nan(mode, fill):
@@ -185,17 +190,26 @@ def test_caches_hold_representable_codes_and_no_nan(mode, fill):
     kw = dict(spare_blocks=0, spare_columns=0) if fill == "torch" else {}
     s = _small(rng_for("samples", "codes", mode, fill), mode, fill=fill, **kw)
     for cache, scales in ((s.caches.key_cache, s.caches.k_scale_cache), (s.caches.value_cache, s.caches.v_scale_cache)):
-        codes = samples.host_codes(cache, m)
+        codes, sc = _codes_and_scales(mode, cache, scales)
         if m.code_dtype is None:
             assert np.isfinite(codes.astype(np.float32)).all()
         else:
             assert set(np.unique(codes).tolist()) <= _valid_codes(mode)
-            assert len(np.unique(codes)) > 20, "codes spread over the format's range"
+            # Spread over the format's range (all 16 of uint4's, more than 20 of 8-bit ones).
+            assert len(np.unique(codes)) > min(20, len(_valid_codes(mode)) - 4), "codes spread over the range"
         if m.per_token_head:
-            sc = samples.host_scales(scales)
-            assert ((0.002 <= sc) & (sc <= 0.05)).all()
-        decoded = oracle.decode_cache(codes, samples.host_scales(scales), mode, s.k_scale)
+            low, high = samples.row_scale_range(m, 16)
+            assert ((np.float32(low) * (1 - 2.0**-19) <= sc) & (sc <= np.float32(high))).all()
+        decoded = samples.oracle_model_values(
+            mode, samples.host_codes(cache, m), samples.host_scales(scales), s.k_scale
+        )
         assert np.isfinite(decoded).all()
+        if m.format is not None and m.format.row_zero_point:
+            # Rows decode to values of the size int8's do (about 0.1 to 2), and each row's
+            # range holds 0 (its zero point is one of the codes' values), as an encoder's does.
+            assert 0.05 < float(np.sqrt(np.mean(decoded**2))) < 2
+            zp = m.format.split_scale_words(samples.host_scales(scales))[1]
+            assert ((codes.min(axis=-1) <= zp) & (zp <= codes.max(axis=-1))).mean() > 0.9
     if m.per_tensor:
         # unit_static_scale: codes of about +-qmax / 3 decode to order 1 whatever the format.
         lo, hi = np.float32(0.004 * 448 / m.qmax), np.float32(0.02 * 448 / m.qmax)
@@ -210,12 +224,12 @@ def test_poison_makes_exactly_the_asked_key_nan(mode):
             _small(rng_for("samples", "poison", mode), mode, poison=True)
         return
     s = _small(rng_for("samples", "poison", mode), mode, poison=True)
-    k = oracle.decode_cache(s.key_codes, s.k_scales, mode, s.k_scale)
+    k = samples.oracle_model_values(mode, s.key_codes, s.k_scales, s.k_scale)
     bad = np.argwhere(~np.isfinite(k))
     pos = int(s.batch.seq_lens[0]) - 1
     block, off = int(s.batch.tables[0, pos // 4]), pos % 4
     assert len(bad) and all(tuple(b[:3]) == (block, off, 0) for b in bad), bad
-    assert np.isfinite(oracle.decode_cache(s.value_codes, s.v_scales, mode, s.v_scale)).all()
+    assert np.isfinite(samples.oracle_model_values(mode, s.value_codes, s.v_scales, s.v_scale)).all()
     ref = s.reference()
     group = s.query.shape[1] // s.caches.key_cache.shape[2]
     last = int(s.batch.qsl[1]) - 1
@@ -247,7 +261,7 @@ def test_paged_sample_shapes_and_dtypes(mode, layout, place):
     assert tuple(s.query.shape) == (T, 4, 16) and dtype_name(s.query) == "float16"
     want_cache = m.code_dtype or "float16"
     for cache in (c.key_cache, c.value_cache):
-        assert tuple(cache.shape) == (nb, 4, 2, 16) and dtype_name(cache) == want_cache
+        assert tuple(cache.shape) == (nb, 4, 2, m.cache_width(16)) and dtype_name(cache) == want_cache
     if m.per_token_head:
         assert tuple(c.k_scale_cache.shape) == (nb, 4, 2) and dtype_name(c.v_scale_cache) == "float32"
     else:
@@ -273,7 +287,8 @@ def test_paged_sample_shapes_and_dtypes(mode, layout, place):
     [
         p
         for p in MODE_LAYOUTS
-        if p.values[0] in ("none", "int8_per_token_head", "fp8_per_tensor", "fp8_e4m3fnuz_per_token_head")
+        if p.values[0]
+        in ("none", "int8_per_token_head", "fp8_per_tensor", "fp8_e4m3fnuz_per_token_head", "int4_per_token_head")
     ],
 )
 def test_write_sample_shapes_slots_and_poison(mode, layout, place):

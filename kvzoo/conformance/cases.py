@@ -16,6 +16,16 @@ HEAD_SIZES = (64, 80, 96, 128, 256, 67)
 MODE_NAMES = tuple(MODES)
 
 
+def head_size_for(mode: str, head_size: int) -> int:
+    """The head size a case of `mode` uses where the others use head_size: the nearest one the
+    mode takes (int4: a power of two), so each mode meets the suite's shapes as far as it can."""
+    return MODES[mode].head_sizes.closest(head_size)
+
+
+def _inline(mode: str) -> bool:
+    return "inline" in MODES[mode].layouts
+
+
 @dataclass(frozen=True)
 class WriteCase:
     mode: str
@@ -73,7 +83,7 @@ def write_cases() -> list[WriteCase]:
             for dtype in ("bfloat16", "float16", "float32"):
                 for dist in ("normal", "outliers", "tiny", "midpoints", "specials"):
                     d, bs, h = next(shapes)
-                    per_token_head = MODES[mode].per_token_head
+                    d = head_size_for(mode, d)
                     cases.append(
                         WriteCase(
                             mode,
@@ -84,7 +94,7 @@ def write_cases() -> list[WriteCase]:
                             head_size=d,
                             block_size=bs,
                             rounding=rounding,
-                            layout="inline" if per_token_head and d % 4 == 0 and dist == "normal" else "separate",
+                            layout="inline" if _inline(mode) and d % 4 == 0 and dist == "normal" else "separate",
                             strided=dist in ("outliers", "specials"),
                             kind="numpy" if dist == "tiny" else "torch",
                         )
@@ -94,8 +104,19 @@ def write_cases() -> list[WriteCase]:
         cases.append(WriteCase(mode, num_tokens=0))
         cases.append(WriteCase(mode, num_tokens=1, negative_slots=False))
         cases.append(WriteCase(mode, num_tokens=64, num_kv_heads=16, head_size=128, block_size=16))
-        cases.append(WriteCase(mode, num_tokens=40, num_kv_heads=1, head_size=67, block_size=1, strided=True))
+        cases.append(
+            WriteCase(
+                mode, num_tokens=40, num_kv_heads=1, head_size=head_size_for(mode, 67), block_size=1, strided=True
+            )
+        )
         cases.append(WriteCase(mode, num_tokens=20, block_size=4, wild_slots=True))
+        # A mode with bounds on its head sizes meets both ends of them, in every input dtype
+        # (int4: D = 2 and the rotation's largest, 512).
+        rule = MODES[mode].head_sizes
+        if rule.highest is not None:
+            for d, dtype in itertools.product((rule.lowest, rule.highest), ("bfloat16", "float16", "float32")):
+                dist = "specials" if d == rule.lowest else "normal"
+                cases.append(WriteCase(mode, dtype, dist, num_tokens=5, num_kv_heads=2, head_size=d, block_size=4))
     return cases
 
 
@@ -124,9 +145,15 @@ def dequant_cases() -> list[DequantCase]:
     cases = []
     for mode in MODE_NAMES:
         cases.append(DequantCase(mode))
-        cases.append(DequantCase(mode, head_size=67, num_kv_heads=3, block_size=32, whole_cache=True))
-        if MODES[mode].per_token_head:
+        cases.append(
+            DequantCase(mode, head_size=head_size_for(mode, 67), num_kv_heads=3, block_size=32, whole_cache=True)
+        )
+        if _inline(mode):
             cases.append(DequantCase(mode, head_size=128, block_size=1, layout="inline"))
+        rule = MODES[mode].head_sizes
+        if rule.highest is not None:
+            cases.append(DequantCase(mode, head_size=rule.lowest, block_size=4))
+            cases.append(DequantCase(mode, head_size=rule.highest, num_kv_heads=1, block_size=4, whole_cache=True))
     return cases
 
 
@@ -195,18 +222,35 @@ def attention_cases() -> list[AttentionCase]:
         cases.append(AttentionCase(mode, "decode", num_q_heads=8, num_kv_heads=1, head_size=128))  # MQA
         cases.append(
             AttentionCase(
-                mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, block_size=32, query_dtype="float16"
+                mode,
+                "mixed",
+                num_q_heads=2,
+                num_kv_heads=2,
+                head_size=head_size_for(mode, 80),
+                block_size=32,
+                query_dtype="float16",
             )
         )
         cases.append(
             AttentionCase(
-                mode, "mixed", num_q_heads=16, num_kv_heads=2, head_size=96, sliding_window=19, softcap=30.0, sinks=True
+                mode,
+                "mixed",
+                num_q_heads=16,
+                num_kv_heads=2,
+                head_size=head_size_for(mode, 96),
+                sliding_window=19,
+                softcap=30.0,
+                sinks=True,
             )
         )
-        if MODES[mode].per_token_head:
+        if _inline(mode):
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
         if MODES[mode].holds_nan:
             cases.append(AttentionCase(mode, "decode", poison=True))
+        rule = MODES[mode].head_sizes
+        if rule.highest is not None:
+            cases.append(AttentionCase(mode, "decode", num_q_heads=4, head_size=rule.highest, query_dtype="float32"))
+            cases.append(AttentionCase(mode, "prefill", num_q_heads=2, head_size=rule.lowest, block_size=4))
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
     for batch in ("decode", "prefill", "mixed"):
         cases.append(AttentionCase("int8_per_token_head", batch, quantize_query=True))

@@ -119,13 +119,14 @@ def check_reshape_and_cache(impl, case: WriteCase):
         )
         expect_caches = [before[0].view(model)[..., 0], before[1].view(model)[..., 0]]
     else:
-        expect_inputs = (w.key32, w.value32)
+        # In the input dtype (exact): a rotated mode rounds its rotated rows to it.
+        expect_inputs = tuple(x.astype(numpy_dtype(case.dtype)) for x in (w.key32, w.value32))
         expect_caches = [before[0][..., 0], before[1][..., 0]]
     scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
-    expected = oracle.reshape_and_cache(
+    expected = samples.oracle_write(
+        mode,
         *expect_inputs,
         w.oracle_slots,
-        mode_name=case.mode,
         num_blocks=w.num_blocks,
         block_size=w.block_size,
         rounding=case.rounding,
@@ -152,13 +153,19 @@ def check_reshape_and_cache(impl, case: WriteCase):
 
 
 def _random_codes_and_scales(mode, rng, shape, model_dtype="float32"):
-    """A cache of random codes (NaN codes included) and positive scales spanning decades."""
+    """A cache of random codes (NaN codes included) and positive scales spanning decades, for
+    rows of shape [..., head_size] (codes at the mode's cache width). A format whose scale word
+    also carries a zero point gets random low bits there, and some words of random bits
+    (negative, NaN, Inf, subnormal: SPEC.md 12.3 decodes every word)."""
     if mode.code_dtype is None:
         return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
-    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    codes = rng.integers(0, 256, (*shape[:3], mode.cache_width(shape[3])), dtype=np.uint8)
     if not mode.per_token_head:
         return codes, None
     scales = (np.abs(rng.standard_normal(shape[:3])) * 10.0 ** rng.uniform(-6, 2, shape[:3])).astype(np.float32)
+    if mode.format.row_zero_point:
+        wild = rng.random(shape[:3]) < 0.125
+        scales[wild] = rng.integers(0, 2**32, int(wild.sum()), dtype=np.uint64).astype(np.uint32).view(np.float32)
     return codes, scales
 
 
@@ -195,7 +202,7 @@ def check_dequantize(impl, case: DequantCase):
     raw = codes if mode.code_dtype else codes.astype(np.float32)
     if case.whole_cache:
         got = api.dequantize(cache, scale_cache, **kw)
-        want = oracle.decode_cache(raw, scales, case.mode, static)
+        want = samples.oracle_decoded_cache(mode, raw, scales, static)
     else:
         seq_lens = np.array([5, 0, BS * 3 + 1, 1], np.int32)
         tables = np.stack([rng.permutation(num_blocks)[:5] for _ in seq_lens]).astype(np.int32)
@@ -206,7 +213,7 @@ def check_dequantize(impl, case: DequantCase):
             seq_lens=torch.from_numpy(seq_lens).to(device),
             **kw,
         )
-        want = oracle.gather_dequantize(raw, scales, tables, seq_lens, case.mode, static)
+        want = samples.oracle_gathered(mode, raw, scales, tables, seq_lens, static)
     _assert_same_floats(got, want, f"{impl.name} dequantize")
 
 
@@ -297,7 +304,8 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         x = z["x"]
         n, d = x.shape
         key = _as(x.reshape(n, 1, d), meta["dtype"], device)
-        kc = torch.full((n, 1, 1, d), 0x5A, dtype=torch.uint8, device=device).view(getattr(torch, mode.code_dtype))
+        width = mode.cache_width(d)
+        kc = torch.full((n, 1, 1, width), 0x5A, dtype=torch.uint8, device=device).view(getattr(torch, mode.code_dtype))
         vc = kc.clone()
         sc = torch.full((n, 1, 1), -3.0, device=device) if mode.per_token_head else None
         static = _static(meta, "static_scale_bits")
@@ -315,8 +323,8 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
             rounding=meta["rounding"],
             impl=impl,
         )
-        assert_same_bytes(kc.reshape(n, d), z["codes"], f"{impl.name} codes")
-        assert_same_bytes(vc.reshape(n, d), z["codes"], f"{impl.name} value codes")
+        assert_same_bytes(kc.reshape(n, width), z["codes"], f"{impl.name} codes")
+        assert_same_bytes(vc.reshape(n, width), z["codes"], f"{impl.name} value codes")
         if mode.per_token_head:
             assert_same_bytes(sc.reshape(n), z["scales"].view(np.float32), f"{impl.name} scales")
         decoded = api.dequantize(kc, sc, mode=mode_name, scale=static, impl=dequant)

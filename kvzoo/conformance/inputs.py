@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..arrays import as_numpy, as_torch, numpy_dtype, torch_dtype
-from ..modes import QuantMode
+from ..modes import QuantMode, rht_signs
 
 SEED = int(os.environ.get("KVZOO_SEED", secrets.randbits(32)))
 
@@ -77,6 +77,8 @@ def make_rows(
 def _midpoint_rows(mode, rng, rows, d, static_scale):
     if mode.code_dtype is None:
         return rng.standard_normal((rows, d))
+    if mode.format.row_zero_point:
+        return _zero_point_midpoint_rows(mode, rng, rows, d)
     y = midpoint_targets(mode, rng, rows * d).reshape(rows, d).astype(np.float64)
     if mode.per_tensor:
         return y * static_scale
@@ -84,6 +86,30 @@ def _midpoint_rows(mode, rng, rows, d, static_scale):
     power = 2.0 ** rng.integers(-3, 3, (rows, 1))
     y[:, 0] = mode.qmax * rng.choice([-1, 1], rows)
     return y * power
+
+
+def _zero_point_midpoint_rows(mode, rng, rows, d):
+    """Rows whose y = r / scale + zp land on the rounding midpoints (and beside them) for a
+    format with a per-row zero point (SPEC.md 12.3): r spans exactly [-zp, qmax - qmin - zp]
+    times 2^k, so scale is 2^k and zp comes out as drawn; for float32 inputs of a rotated mode
+    the row given is the exact inverse rotation of that, so that the rotation gives it back."""
+    fmt = mode.format
+    steps = fmt.qmax - fmt.qmin
+    zero_points = rng.integers(0, int(steps) + 1, (rows, 1)).astype(np.float64)
+    power = 2.0 ** rng.integers(-3, 3, (rows, 1))
+    y = midpoint_targets(mode, rng, rows * d).reshape(rows, d).astype(np.float64)
+    # A nudged target's r rounds to the input dtype: it then lands beside the midpoint, where
+    # the float32 add of zp decides (0.5 - 2^-25 with zp 0 gives code 1, SPEC.md 12.3).
+    r = (y - zero_points) * power
+    r[:, 0] = -zero_points[:, 0] * power[:, 0]
+    r[:, 1 % d] = (steps - zero_points[:, 0]) * power[:, 0]
+    if mode.rotation is None:
+        return r
+    # R^T r / D, exact in float32: sums of a few significant bits over a power of two.
+    h = np.array([[1.0]])
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (r @ h.T) * rht_signs(d).astype(np.float64) / d
 
 
 def _special_rows(dtype, rng, rows, d):

@@ -38,6 +38,8 @@ QUANT_MODES = (
     "fp8_e5m2_per_tensor",
 )
 PER_TOKEN_HEAD = tuple(m for m in QUANT_MODES if oracle.ORACLE_MODES[m].granularity == "per_token_head")
+# SPEC.md section 12: rows and cache files (no inline page is defined for int4).
+INT4_MODES = oracle.INT4_MODES
 # A few significant bits, not a power of two: x / s and x * (1/s) differ for many x, and
 # x = midpoint * s is exact in every input dtype.
 STATIC_SCALE = np.float32(0.375)
@@ -45,7 +47,7 @@ STATIC_V_SCALE = np.float32(0.0123)
 
 
 def roundings(mode: str) -> tuple[str, ...]:
-    return oracle.ORACLE_MODES[mode].roundings
+    return ("nearest",) if mode in INT4_MODES else oracle.ORACLE_MODES[mode].roundings
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +207,104 @@ def special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[np.nda
     return out + midpoint_rows(mode_name, dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# int4 rows (SPEC.md section 12)
+
+
+def int4_decoded(packed: np.ndarray, scales: np.ndarray, mode_name: str) -> np.ndarray:
+    """What dequantize returns: the stored-domain decode, un-rotated in float32 (12.2, 12.3)."""
+    decoded = oracle.int4_decode_rows(packed, scales)
+    return oracle.int4_unrotate(decoded) if mode_name == "int4_per_token_head" else decoded
+
+
+def int4_stored_midpoint_rows(dtype, with_neighbours: bool) -> list[np.ndarray]:
+    """Stored-domain rows r whose y = r / scale + zp land on every midpoint n + 1/2 of the
+    codes (with_neighbours: and on their neighbours in the input dtype): r[0] = -zp * 2^-4 and
+    r[1] = (15 - zp) * 2^-4 make the scale exactly 2^-4 and the zero point zp. One row has zp 0
+    and y = 0.5 - 2^-25 (float32), which the float32 add of 0.5 rounds up to code 1."""
+    step = 2.0**-4
+    rows = []
+    for zp in (0, 3, 8, 15):
+        mids = (np.arange(15) + 0.5 - zp) * step
+        x = mids.astype(dtype)
+        assert np.all(x.astype(np.float64) == mids), "int4 midpoints must be exact"
+        values = np.concatenate([x, neighbours(x[x != 0])]) if with_neighbours else x
+        for start in range(0, len(values), D_ROWS - 2):
+            chunk = values[start : start + D_ROWS - 2]
+            chunk = np.concatenate([chunk, np.resize(chunk, D_ROWS - 2 - len(chunk))])
+            rows.append(np.concatenate([np.array([-zp * step, (15 - zp) * step], dtype=dtype), chunk]))
+    if dtype is np.float32:
+        r = np.zeros(D_ROWS, np.float32)
+        r[1], r[2:] = 15.0, np.float32(0.5 - 2.0**-25)
+        rows.append(r)
+    return rows
+
+
+def int4_special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[np.ndarray]:
+    info = ml_dtypes.finfo(dtype) if dtype is ml_dtypes.bfloat16 else np.finfo(dtype)
+    big, tiny, sub = float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)
+    D = D_ROWS
+
+    def normal(scale=1.0):
+        return rng.standard_normal(D) * scale
+
+    rows = [normal() for _ in range(6)] + [rng.standard_t(2, D) * 3 for _ in range(3)]
+    outlier = normal()
+    outlier[[1, 7]] *= 100
+    rows += [outlier, normal(1e-3), normal(1e-30) if big > 1e30 else normal(1e-6)]
+    # Around the scale floor: range / 15 just below, at and above SCALE_FLOOR.
+    for f in (0.25, 0.5, 1.0, 2.0, 4.0):
+        rows.append(rng.uniform(-0.5, 0.5, D) * 15e-6 * f)
+    rows += [np.zeros(D), -np.zeros(D), np.where(rng.random(D) < 0.5, 0.0, -0.0)]
+    r = normal()
+    r[5] = np.nan
+    rows += [r, np.full(D, np.nan)]
+    for infs in ([np.inf], [-np.inf], [np.inf, -np.inf], [np.inf, np.nan]):
+        r = normal()
+        r[: len(infs)] = infs
+        rng.shuffle(r)
+        rows.append(r)
+    # Rows of one sign (kvzoo's range holds 0, 12.4), constant rows, and e_0 (which the
+    # rotation makes constant).
+    rows += [np.linspace(1.0, 2.0, D), -np.linspace(0.5, 3.0, D), np.full(D, 2.5), np.eye(D)[0] * 3]
+    # Subnormals of the input dtype, alone and inside a normal row.
+    rows.append(np.array([sub, -sub, tiny - sub, -(tiny - sub)] + list(rng.integers(-40, 40, D - 4) * sub)))
+    r = normal()
+    r[2:6] = [sub, -sub, 3 * sub, -(tiny - sub)]
+    rows.append(r)
+    # The largest finite values: max - min overflows float32 (or, rotated, the butterfly
+    # does); a float16 row whose rotation overflows float16 when narrowed.
+    rows.append(np.array([big, -big] + list(rng.uniform(-1, 1, D - 2))))
+    rows.append(np.array([big] + list(rng.uniform(0, 1, D - 1))))
+    rows.append(10000.0 * oracle.int4_rht_signs(D).astype(np.float64))
+    out = [np.asarray(r, dtype=np.float64).astype(dtype) for r in rows]
+    if mode_name != "int4_per_token_head":
+        return out + int4_stored_midpoint_rows(dtype, with_neighbours=True)
+    # The rows whose rotation gives the midpoint rows back: R^T r / D, exact in float32 and
+    # float16 (sums of a few bits over a power of two); bfloat16 keeps those it holds. (The
+    # neighbours of a midpoint do not survive the rotation: their inverse is not exact.)
+    back = [oracle.int4_unrotate_f64(r.astype(np.float64)) for r in int4_stored_midpoint_rows(dtype, False)]
+    return out + [b.astype(dtype) for b in back if np.all(b.astype(dtype).astype(np.float64) == b)]
+
+
+def build_int4_rows_file(mode_name: str, dtype_name: str) -> tuple[str, dict]:
+    name = f"rows-{mode_name}-nearest-{dtype_name}.npz"
+    dtype = DTYPES[dtype_name]
+    x = np.stack(int4_special_rows(mode_name, dtype, rng_for(name)))
+    packed, scales = oracle.int4_quantize_rows(x, mode_name)
+    arrays = {
+        "meta": meta(kind="rows", mode=mode_name, rounding="nearest", dtype=dtype_name, static_scale_bits=None),
+        "x": bits(x),
+        "codes": packed,
+        "scales": bits(scales),
+        "decoded": decoded_bits(int4_decoded(packed, scales, mode_name)),
+    }
+    return name, arrays
+
+
 def build_rows_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[str, dict]:
+    if mode_name in INT4_MODES:
+        return build_int4_rows_file(mode_name, dtype_name)
     name = f"rows-{mode_name}-{rounding}-{dtype_name}.npz"
     dtype = DTYPES[dtype_name]
     x = np.stack(special_rows(mode_name, dtype, rng_for(name)))
@@ -243,17 +342,41 @@ def cache_inputs(rng, dtype, T, H, D):
     return key.astype(dtype), value.astype(dtype)
 
 
+def int4_write(key, value, slots, block_size, mode_name, caches, scale_caches):
+    """The oracle's int4 rows written into copies of the caches at their slots."""
+    caches = [c.copy() for c in caches]
+    scale_caches = [c.copy() for c in scale_caches]
+    for rows, cache, scale_cache in zip((key, value), caches, scale_caches):
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                block, offset = divmod(slot, block_size)
+                cache[block, offset], scale_cache[block, offset] = oracle.int4_quantize_rows(rows[t], mode_name)
+    return caches[0], caches[1], scale_caches[0], scale_caches[1]
+
+
+def int4_gather(cache, scale_cache, block_tables, seq_lens, mode_name):
+    decoded = int4_decoded(cache, scale_cache, mode_name)
+    bs = cache.shape[1]
+    rows = [decoded[block_tables[s, i // bs], i % bs] for s, n in enumerate(seq_lens.tolist()) for i in range(n)]
+    return np.stack(rows)
+
+
+def granularity(mode_name: str) -> str:
+    return "per_token_head" if mode_name in INT4_MODES else oracle.ORACLE_MODES[mode_name].granularity
+
+
 def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[str, dict]:
     name = f"cache-{mode_name}-{rounding}-{dtype_name}.npz"
     rng = rng_for(name)
     dtype = DTYPES[dtype_name]
     NB, BS, H, D, T = 4, 4, 2, 16, 12
-    mode = oracle.ORACLE_MODES[mode_name]
+    int4 = mode_name in INT4_MODES
+    g = granularity(mode_name)
     key, value = cache_inputs(rng, dtype, T, H, D)
     slots = rng.permutation(NB * BS)[:T].astype(np.int64)
     slots[[0, 7]] = -1
-    shape = (NB, BS, H, D)
-    if mode.granularity == "none":
+    shape = (NB, BS, H, D // 2 if int4 else D)  # int4: two codes a byte
+    if g == "none":
         code_dtype = np.dtype(dtype)
         before = [
             rng.integers(0, 2 ** (8 * code_dtype.itemsize), shape).astype(bits(key).dtype).view(dtype) for _ in range(2)
@@ -261,31 +384,36 @@ def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[st
     else:
         before = [rng.integers(0, 256, shape).astype(np.uint8) for _ in range(2)]
     scale_before = [None, None]
-    if mode.granularity == "per_token_head":
+    if g == "per_token_head":
         scale_before = [rng.integers(0, 2**32, shape[:3]).astype(np.uint32).view(np.float32) for _ in range(2)]
-    statics = (STATIC_SCALE, STATIC_V_SCALE) if mode.granularity == "per_tensor" else (None, None)
-    after = oracle.reshape_and_cache(
-        key,
-        value,
-        slots,
-        mode_name=mode_name,
-        num_blocks=NB,
-        block_size=BS,
-        rounding=rounding,
-        k_scale=statics[0],
-        v_scale=statics[1],
-        key_cache=before[0],
-        value_cache=before[1],
-        k_scale_cache=scale_before[0],
-        v_scale_cache=scale_before[1],
-    )
+    statics = (STATIC_SCALE, STATIC_V_SCALE) if g == "per_tensor" else (None, None)
+    if int4:
+        after = int4_write(key, value, slots, BS, mode_name, before, scale_before)
+    else:
+        after = oracle.reshape_and_cache(
+            key,
+            value,
+            slots,
+            mode_name=mode_name,
+            num_blocks=NB,
+            block_size=BS,
+            rounding=rounding,
+            k_scale=statics[0],
+            v_scale=statics[1],
+            key_cache=before[0],
+            value_cache=before[1],
+            k_scale_cache=scale_before[0],
+            v_scale_cache=scale_before[1],
+        )
     seq_lens = np.array([5, 1, 9, 0], dtype=np.int32)
     block_tables = np.full((4, 3), -1, dtype=np.int32)
     for s, n in enumerate(seq_lens):
         used = -(-int(n) // BS)
         block_tables[s, :used] = rng.choice(NB, used, replace=False)
     gathered = [
-        oracle.gather_dequantize(after[i], after[i + 2], block_tables, seq_lens, mode_name, statics[i])
+        int4_gather(after[i], after[i + 2], block_tables, seq_lens, mode_name)
+        if int4
+        else oracle.gather_dequantize(after[i], after[i + 2], block_tables, seq_lens, mode_name, statics[i])
         for i in range(2)
     ]
     arrays = {
@@ -308,9 +436,9 @@ def build_cache_file(mode_name: str, rounding: str, dtype_name: str) -> tuple[st
         "value_gathered": decoded_bits(gathered[1]),
     }
     for i, which in enumerate(("key_cache", "value_cache")):
-        arrays[which + "_before"] = before[i] if mode.granularity != "none" else bits(before[i])
-        arrays[which] = after[i] if mode.granularity != "none" else bits(after[i])
-    if mode.granularity == "per_token_head":
+        arrays[which + "_before"] = before[i] if g != "none" else bits(before[i])
+        arrays[which] = after[i] if g != "none" else bits(after[i])
+    if g == "per_token_head":
         for i, which in enumerate(("k_scale_cache", "v_scale_cache")):
             arrays[which + "_before"] = bits(scale_before[i])
             arrays[which] = bits(after[i + 2])
@@ -362,11 +490,11 @@ def build_inline_file(mode_name: str) -> tuple[str, dict]:
 
 def build_all() -> dict[str, bytes]:
     files = []
-    for mode_name in QUANT_MODES:
+    for mode_name in QUANT_MODES + INT4_MODES:
         for rounding in roundings(mode_name):
             for dtype_name in DTYPES:
                 files.append(build_rows_file(mode_name, rounding, dtype_name))
-    for mode_name in ("none",) + QUANT_MODES:
+    for mode_name in ("none",) + QUANT_MODES + INT4_MODES:
         for rounding in roundings(mode_name):
             for dtype_name in DTYPES:
                 files.append(build_cache_file(mode_name, rounding, dtype_name))

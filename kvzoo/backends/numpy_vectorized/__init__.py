@@ -18,6 +18,7 @@ def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
         format=mode.format,
         scale_floor=float(mode.scale_floor),
         rounding=rounding,
+        rotation=mode.rotation,
     )
 
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from ...formats import CodeFormat
+from ...modes import rht_signs
 
 _CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
 # Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
@@ -27,6 +28,8 @@ class Codec:
     format: CodeFormat | None = None
     scale_floor: float = 1e-6
     rounding: str = "nearest"
+    # "rht": rows are rotated before quantizing, queries at attention, outputs un-rotated.
+    rotation: str | None = None
 
 
 def _widen(x: np.ndarray) -> np.ndarray:
@@ -50,6 +53,12 @@ def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
     return integral.astype(np.int8).view(np.uint8)
 
 
+def _encode_uint4(clamped: np.ndarray, rounding: str) -> np.ndarray:
+    # SPEC.md 12.3: round half up through one float32 add (vLLM's (v + 0.5).to(int32)), so
+    # 0.5 - 2**-25 gives 1; the clamp to [0, 15] came first, so the result is a code.
+    return np.trunc(clamped + np.float32(0.5)).astype(np.uint8)
+
+
 def _minifloat_encoder(storage: type):
     # ml_dtypes' cast rounds to nearest, ties to even: SPEC.md's rounding of the fp8 formats.
     def encode(clamped: np.ndarray, rounding: str) -> np.ndarray:
@@ -66,11 +75,46 @@ ENCODERS = {
     "float8_e4m3fn": _minifloat_encoder(ml_dtypes.float8_e4m3fn),
     "float8_e4m3fnuz": _minifloat_encoder(ml_dtypes.float8_e4m3fnuz),
     "float8_e5m2": _minifloat_encoder(ml_dtypes.float8_e5m2),
+    "uint4": _encode_uint4,
 }
+
+
+def _fwht(u: np.ndarray) -> np.ndarray:
+    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 12.2 along the last axis, in u's
+    dtype: stage h = 1, 2, ..., D/2 turns each pair (u[i], u[i + h]), i & h == 0, into their
+    sum and difference."""
+    d = u.shape[-1]
+    h = 1
+    with np.errstate(over="ignore", invalid="ignore"):
+        while h < d:
+            pairs = u.reshape(*u.shape[:-1], d // (2 * h), 2, h)
+            low, high = pairs[..., 0, :], pairs[..., 1, :]
+            u = np.stack((low + high, low - high), axis=-2).reshape(u.shape)
+            h *= 2
+    return u
+
+
+def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
+    """SPEC.md 12.2's forward rotation of float32 rows: signs, butterfly, then rounded to the
+    rows' input dtype and widened back (vLLM's single_rht(x.float()).to(x.dtype))."""
+    rotated = _fwht(xf * rht_signs(xf.shape[-1]))
+    if input_dtype == np.float32:
+        return rotated
+    with np.errstate(over="ignore", invalid="ignore"):
+        return rotated.astype(input_dtype).astype(np.float32)
+
+
+def unrotate_rows(y: np.ndarray) -> np.ndarray:
+    """SPEC.md 12.2's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
+    d = y.shape[-1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _fwht(y) * rht_signs(d) / np.float32(d)
 
 
 def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
+    if codec.format.row_zero_point:
+        return _quantize_rows_with_zero_point(xf, codec)
     with np.errstate(all="ignore"):
         absmax = np.max(np.abs(xf), axis=-1)  # NaN propagates, as the spec requires
         scale = np.maximum(absmax / np.float32(codec.format.qmax), np.float32(codec.scale_floor))
@@ -78,6 +122,29 @@ def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]
         y = xf * inv[..., None]
     scale = np.where(np.isnan(scale), _CANONICAL_NAN, scale)
     return encode(y, codec), scale
+
+
+def _quantize_rows_with_zero_point(r: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
+    """SPEC.md 12.3 on (already rotated) float32 rows: the range [min(r, 0), max(r, 0)] over
+    qmax - qmin steps, the zero point encoded like a code, codes of fl(fl(r * inv) + zp).
+    Returns (packed storage bytes, scale words holding the zero points); a row holding NaN or
+    Inf, or whose range overflows, gets codes 0 and the canonical NaN word."""
+    fmt = codec.format
+    with np.errstate(all="ignore"):
+        hi = np.maximum(r.max(axis=-1), np.float32(0))
+        lo = np.minimum(r.min(axis=-1), np.float32(0))
+        span = hi - lo
+        poisoned = ~(np.isfinite(r).all(axis=-1) & np.isfinite(span))
+        q = span / np.float32(fmt.qmax - fmt.qmin)
+        scale = np.where(q > np.float32(codec.scale_floor), q, np.float32(codec.scale_floor))
+        zero_point = encode(-lo / scale, codec)
+        inv = np.float32(1.0) / scale
+        # Two roundings, never one fused multiply-add (SPEC.md section 1).
+        y = r * inv[..., None] + zero_point[..., None].astype(np.float32)
+        codes = encode(y, codec)
+    codes[poisoned] = fmt.nan_code
+    words = np.where(poisoned, _CANONICAL_NAN, fmt.scale_words(scale, zero_point))
+    return fmt.pack(codes), words
 
 
 def quantize_static(xf: np.ndarray, scale: np.float32, codec: Codec) -> np.ndarray:
@@ -111,6 +178,8 @@ def reshape_and_cache(
             cache[block, offset] = rows
             continue
         xf = _widen(rows)
+        if codec.rotation is not None:
+            xf = rotate_rows(xf, rows.dtype)
         if codec.granularity == "per_tensor":
             codes = quantize_static(xf, np.float32(static.reshape(-1)[0]), codec)
         else:
@@ -125,14 +194,27 @@ def _decode_table(fmt: CodeFormat) -> np.ndarray:
 
 
 def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> np.ndarray:
-    """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32."""
+    """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32, in the model's
+    basis (a rotated mode's rows un-rotated, SPEC.md 12.3)."""
     if codec.granularity == "none":
         return _widen(codes)
+    if codec.format.row_zero_point:
+        values, scale, zero_point = _split_rows(codes, scales, codec.format)
+        with np.errstate(invalid="ignore", over="ignore"):
+            stored = (values - zero_point[..., None]) * scale[..., None]
+        return stored if codec.rotation is None else unrotate_rows(stored)
     values = _decode_table(codec.format)[codes.view(np.uint8)]
     with np.errstate(invalid="ignore", over="ignore"):
         if np.ndim(scales) == 0:
             return values * np.float32(scales)
         return values * scales[..., None]
+
+
+def _split_rows(stored: np.ndarray, words: np.ndarray, fmt: CodeFormat):
+    """Packed rows and their scale words as (codes float32 [..., D], scale float32 [...],
+    zero point float32 [...]): every value exact."""
+    scale, zero_point = fmt.split_scale_words(words)
+    return fmt.unpack(stored).astype(np.float32), scale, zero_point.astype(np.float32)
 
 
 def _token_locations(block_tables, seq_lens, block_size):
@@ -186,22 +268,29 @@ def _logit_operands(q, k_scales, sm_scale, codec):
     if codec.granularity == "none":
         return q, sm_scale
     q, undo = _unit_rows(q)
+    if codec.rotation is not None:
+        # q . (R^T y / D) = (R q) . y / D (SPEC.md 12.6); D is a power of two, so / D is exact.
+        d = q.shape[-1]
+        return _fwht(q * rht_signs(d)) * (sm_scale / np.float32(d)), undo * k_scales
     return q * sm_scale, undo * k_scales
 
 
 def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
-    """Codes [L, H, D] as float32 and per-key scales [L, H] (ones when not per-token-head)."""
+    """Codes [L, H, D] as float32, per-key scales [L, H] (ones when not per-token-head) and
+    per-key zero points [L, H] (None for formats without them)."""
     block_size = cache.shape[1]
     pos = np.arange(seq_len)
     block = block_row[pos // block_size].astype(np.int64)
     offset = pos % block_size
     raw = cache[block, offset]
     if codec.granularity == "none":
-        return _widen(raw), np.ones(raw.shape[:2], np.float32)
+        return _widen(raw), np.ones(raw.shape[:2], np.float32), None
+    if codec.format.row_zero_point:
+        return _split_rows(raw, scale_cache[block, offset], codec.format)
     values = _decode_table(codec.format)[raw.view(np.uint8)]
     if codec.granularity == "per_tensor":
-        return values, np.full(raw.shape[:2], np.float32(static.reshape(-1)[0]))
-    return values, scale_cache[block, offset].astype(np.float32)
+        return values, np.full(raw.shape[:2], np.float32(static.reshape(-1)[0])), None
+    return values, scale_cache[block, offset].astype(np.float32), None
 
 
 def paged_attention(
@@ -240,13 +329,15 @@ def paged_attention(
         seq_len = int(seq_lens[s])
         if q_end == q_start:
             continue
-        k_codes, k_scales = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
-        v_codes, v_scales = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
+        k_codes, k_scales, k_zero = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
+        v_codes, v_scales, v_zero = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
         # [Hkv, L, D] and [Hkv, 1, L] so each KV head serves its whole query group at once.
         k_codes = k_codes.transpose(1, 2, 0)
         v_codes = v_codes.transpose(1, 0, 2)
         k_scales = k_scales.T[:, None, :]
         v_scales = v_scales.T[:, None, :]
+        if k_zero is not None:
+            k_zero, v_zero = k_zero.T[:, None, :], v_zero.T[:, None, :]
         key_pos = np.arange(seq_len)
         for c0 in range(q_start, q_end, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, q_end)
@@ -261,7 +352,11 @@ def paged_attention(
                 visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
             with np.errstate(all="ignore"):
                 q, logit_scales = _logit_operands(q, k_scales, sm_scale, codec)
-                logits = np.matmul(q, k_codes) * logit_scales
+                logits = np.matmul(q, k_codes)
+                if k_zero is not None:
+                    # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 12.6)
+                    logits = logits - q.sum(axis=-1, keepdims=True) * k_zero
+                logits = logits * logit_scales
                 if softcap is not None:
                     logits = np.float32(softcap) * np.tanh(logits / np.float32(softcap))
                 logits = np.where(visible[None], logits, -np.inf)
@@ -273,7 +368,13 @@ def paged_attention(
                 denom = probs.sum(axis=-1, keepdims=True)
                 if sink is not None:
                     denom = denom + np.exp(row_sink - row_max)
-                acc = np.matmul(probs * v_scales, v_codes) / denom
+                weights = probs * v_scales
+                acc = np.matmul(weights, v_codes)
+                if v_zero is not None:
+                    acc = acc - (weights * v_zero).sum(axis=-1, keepdims=True)
+                acc = acc / denom
+                if codec.rotation is not None:
+                    acc = unrotate_rows(acc)
             acc = acc.reshape(num_kv_heads, c1 - c0, group, -1).transpose(1, 0, 2, 3)
             out[c0:c1] = acc.reshape(c1 - c0, num_q_heads, -1).astype(out.dtype)
             if lse is not None:
