@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import memory
+from . import memory, recall
 from . import registry as _registry
 from .api import (
     _run,
@@ -256,6 +256,8 @@ _CACHE_NAMES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 # Static scales remembered per caches object: a layer has two; a caller passing a new float on
 # every call must not grow the table without end.
 _MAX_STATICS = 16
+# Recalled per-layer calls a plan keeps (StepPlan._recall): a handful of argument shapes per layer.
+_MAX_RECALLED = 1024
 _LAYERS: dict[tuple[int, CacheSpec, str], _Layer] = {}
 
 
@@ -420,6 +422,7 @@ class StepPlan:
         "_key_shape",
         "_query_tail",
         "_prepared",
+        "_recalled",
     )
 
     def __init__(self) -> None:
@@ -470,17 +473,50 @@ class StepPlan:
         like = layer.arrays[0]
         return layer.static("k_scale", k_scale, like), layer.static("v_scale", v_scale, like)
 
+    # A call whose own arguments have the metadata of one already checked for this layer
+    # (recall.call_key: everything the per-layer checks read of them but their addresses) goes
+    # from its arguments to the prepared launch, checking only what the addresses decide: that
+    # the arrays it writes meet none it reads, or none of the layer's caches it writes.
+
+    def _recall(self, recall_key: tuple | None, checked: Sequence[Array], against: Sequence[Any]) -> Any:
+        """The prepared launch kept for recall_key, when the arrays `checked` (None: skipped)
+        meet none of `against` ((name, array, extent) each) at their addresses now; else None."""
+        entry = self._recalled.get(recall_key) if recall_key is not None else None
+        if entry is None:
+            return None
+        launch, spans = entry
+        for x, span in zip(checked, spans):
+            if x is None or span is None:
+                continue
+            start = x.data_ptr() if is_torch(x) else x.__array_interface__["data"][0]
+            low, high = start + span[0], start + span[1]
+            for _, _, extent in against:
+                if extent is not None and low < extent[1] and extent[0] < high:
+                    return None
+        return launch
+
     def _launch(
-        self, op: str, impl: Implementation, operands: tuple, make_problem: Callable[[], Any], layer: _Layer, own: tuple
+        self,
+        op: str,
+        impl: Implementation,
+        operands: tuple,
+        make_problem: Callable[[], Any],
+        layer: _Layer,
+        own: tuple,
+        recall_key: tuple | None = None,
+        checked: Sequence[Array] = (),
     ) -> None:
         """Run one layer's call: through the launch `impl` prepared for operands of this
         signature (dtypes, strides, alignment) where it has one, else through run. own: the
-        operands that are not the layer's caches (whose signature the layer keeps)."""
+        operands that are not the layer's caches (whose signature the layer keeps). recall_key:
+        where the call's checks passed on arguments handed on as given, the key _recall keeps
+        the launch under, with the spans of the arrays `checked` at each call."""
         key = None
         if impl.prepare is not None:
             key = (op, layer.signatures[impl.array_kind], _registry.prepared_signature(own))
             launch = self._prepared.get(key)
             if launch is not None:
+                self._keep(recall_key, launch, checked)
                 launch(operands)
                 return
         problem = make_problem()
@@ -491,6 +527,7 @@ class StepPlan:
                 # impl does not prepare this problem, so later layers go straight to run.
                 launch = self._prepared[key] = impl.prepare(problem)
                 if launch is not None:
+                    self._keep(recall_key, launch, checked)
                     launch(operands)
                     return
             impl.run(problem)
@@ -500,6 +537,12 @@ class StepPlan:
         # The planned choice declines this layer's arrays (strides it cannot address): the
         # functional API's path picks another, as a plain call would.
         _run(op, problem, None)
+
+    def _keep(self, recall_key: tuple | None, launch: Any, checked: Sequence[Array]) -> None:
+        if recall_key is not None and recall_key not in self._recalled:
+            if len(self._recalled) >= _MAX_RECALLED:
+                self._recalled.clear()
+            self._recalled[recall_key] = (launch, tuple(None if x is None else recall.span(x) for x in checked))
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
         """Quantize key/value rows into their slots of this layer's cache (reshape_and_cache).
@@ -514,6 +557,14 @@ class StepPlan:
             fail("slot_mapping: this plan was built without slot_mapping, so it cannot write")
         layer, k_from, v_from = self._layer(caches)
         layer.check_written()
+        recall_key = None
+        if k_scale is None and v_scale is None and k_from is None and v_from is None:
+            recall_key = ("w", id(layer), recall.call_key((key, value)))
+            launch = self._recall(recall_key, (key, value), layer.extents)
+            if launch is not None:
+                kc, vc, ksc, vsc = layer.views[impl.array_kind]
+                launch((key, value, kc, vc, self.slot_mapping, ksc, vsc, None, None))
+                return
         shape = self._key_shape
         require_array("key", key)
         self._operand("key", key, shape, "[num_tokens, num_kv_heads, head_size]")
@@ -532,6 +583,8 @@ class StepPlan:
         kc, vc, ksc, vsc = layer.for_kind(kind)
         own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
         operands = (own[0], own[1], kc, vc, self.slot_mapping, ksc, vsc, own[2], own[3])  # CacheWrite's order
+        if ks is not None or own[0] is not key or own[1] is not value:
+            recall_key = None  # recalled calls hand their arguments on as given
         self._launch(
             "reshape_and_cache",
             impl,
@@ -551,6 +604,8 @@ class StepPlan:
             ),
             layer,
             own,
+            recall_key,
+            (key, value),
         )
 
     def attention(
@@ -574,6 +629,21 @@ class StepPlan:
         kvzoo.paged_attention (allocated, or the writable array given as lse=).
         """
         layer, k_from, v_from = self._layer(caches)
+        recall_key = None
+        if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
+            recall_key = ("a", id(layer), return_lse, recall.call_key((query, out)))
+            given = () if out is None else (out,)
+            reads = [("query", query, memory.byte_extent(query)), *layer.extents, *self._meta_extents] if given else ()
+            launch = self._recall(recall_key, given, reads)
+            if launch is not None:
+                shape = tuple(query.shape)
+                if out is None:
+                    out = same_kind_empty(query, shape, self.spec.model_dtype)
+                lse = same_kind_empty(query, shape[:2], "float32") if return_lse else None
+                kc, vc, ksc, vsc = layer.views[self.attention_impl.array_kind]
+                meta = (self.block_tables, self.seq_lens, self.query_start_loc)
+                launch((query, kc, vc, *meta, out, ksc, vsc, None, None, self.sinks, lse))
+                return (out, lse) if return_lse else out
         require_array("query", query)
         num_tokens = self.num_tokens
         if num_tokens is None:  # planned without reading query_start_loc: rows as they come
@@ -593,6 +663,7 @@ class StepPlan:
         )
         if ks is not None:
             reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
+        given_out = out
         if out is None:
             out = same_kind_empty(query, shape, self.spec.model_dtype)
         else:
@@ -686,7 +757,10 @@ class StepPlan:
                 )
             _run("paged_attention", problem(), None)
         else:
-            self._launch("paged_attention", impl, operands, problem, layer, own)
+            if sinks is not self.sinks or own[0] is not query or own[4] is not out or own[5] is not lse:
+                recall_key = None  # recalled calls hand their arguments on as given
+            checked = () if given_out is None else (given_out,)
+            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, checked)
         return (out, lse) if return_lse else out
 
 
@@ -826,6 +900,7 @@ def plan_step(
     plan.num_tokens = num_tokens
     plan._layers = {}
     plan._prepared = {}  # (op, operand signature) -> the implementation's prepared launch, or None
+    plan._recalled = {}  # see StepPlan._recall
     plan._forced = {op: _impl_for(impl, op) is not None for op in ("reshape_and_cache", "paged_attention")}
     plan._query_tail = (num_q_heads, spec.head_size)
 

@@ -64,7 +64,7 @@ def _address(x: Any) -> int:
     return x.data_ptr() if type(x) is _TENSOR else x.__array_interface__["data"][0]
 
 
-def _span(x: Any) -> tuple[int, int] | None:
+def span(x: Any) -> tuple[int, int] | None:
     """[first, end) byte offsets from element 0 that x's elements occupy; None when empty."""
     if type(x) is _TENSOR:
         itemsize, shape, strides = x.element_size(), tuple(x.shape), x.stride()
@@ -140,18 +140,20 @@ def remember(
     which are the caller's own arrays; only their metadata is kept)."""
     if key is None:
         return
-    spans = tuple(None if x is None else _span(x) for x in operands)
+    spans = tuple(None if x is None else span(x) for x in operands)
     starts = [None if x is None else _address(x) for x in operands]
     meets = {}
     for w in written:
         if spans[w] is None:
             continue
-        for o, span in enumerate(spans):
-            if o == w or span is None:
+        for o, theirs in enumerate(spans):
+            if o == w or theirs is None:
                 continue
             # The checked call found these disjoint element by element (it would have refused
             # them otherwise): where their extents overlap, keep the distance that was tested.
-            if not (starts[w] + spans[w][1] <= starts[o] + span[0] or starts[o] + span[1] <= starts[w] + spans[w][0]):
+            if not (
+                starts[w] + spans[w][1] <= starts[o] + theirs[0] or starts[o] + theirs[1] <= starts[w] + spans[w][0]
+            ):
                 meets[(w, o)] = starts[w] - starts[o]
     if len(_ENTRIES) >= _MAX_ENTRIES:
         _ENTRIES.clear()

@@ -301,3 +301,73 @@ def test_separate_tensors_with_the_inline_strides_choose_as_a_first_call(hits):
     }
     kvzoo.reshape_and_cache(key, value, slot_mapping=slots, mode=mode, impl=impl, validate=False, **separate)
     assert hits["hits"] == 0
+
+
+# The plan's per-layer calls recall the same way (StepPlan._recall), per layer.
+
+
+@pytest.fixture
+def plan_hits(monkeypatch):
+    counted = {"hits": 0}
+    original = kvzoo.plan.StepPlan._recall
+
+    def counting(self, *args):
+        launch = original(self, *args)
+        counted["hits"] += launch is not None
+        return launch
+
+    monkeypatch.setattr(kvzoo.plan.StepPlan, "_recall", counting)
+    return counted
+
+
+def _prepared_plan(gen):
+    # The Triton backend: the plan recalls prepared launches (the CPU backends prepare none).
+    _usable("triton-cuda", "int8_per_token_head")
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head",
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HKV,
+        head_size=D,
+        device=_where["device"],
+    )
+    meta, bounds, tokens = _metadata()
+    slots = _slots(gen, tokens)
+    plan = kvzoo.plan_step(
+        spec, **meta, slot_mapping=slots, num_q_heads=HQ, impl="triton-cuda", validate=False, **bounds
+    )
+    return spec, plan, spec.allocate(), tokens
+
+
+def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits):
+    gen = torch.Generator().manual_seed(SEED + 17)
+    spec, plan, caches, tokens = _prepared_plan(gen)
+    checked = kvzoo.layout.KVCacheTensors(*(a.clone() for a in _cache_arrays(caches).values()))
+    for _ in range(3):
+        key, value = _rows(gen, tokens, HKV), _rows(gen, tokens, HKV)
+        plan.write(key, value, caches)
+        kvzoo.reshape_and_cache(
+            key, value, slot_mapping=plan.slot_mapping, mode=spec.mode, impl="triton-cuda", **_cache_arrays(checked)
+        )
+        for a, b in zip(_bytes(caches), _bytes(checked)):
+            assert torch.equal(a, b), "a recalled plan write differs from a checked call"
+    assert plan_hits["hits"] == 2
+    # A key whose bytes are the key cache's own: the metadata of the recalled keys, but the
+    # write would read rows it overwrites.
+    inside = caches.key_cache.view(-1).view(key.dtype)[: key.numel()].view(key.shape)
+    before = _bytes(caches)
+    with pytest.raises(KVZooInputError, match="shares memory"):
+        plan.write(inside, value, caches)
+    assert all(torch.equal(a, b) for a, b in zip(before, _bytes(caches)))
+
+    query = _rows(gen, tokens, HQ)
+    out = torch.empty_like(query)
+    for _ in range(2):
+        plan.attention(query, caches, out=out)
+    allocated = [plan.attention(query, caches) for _ in range(2)]
+    assert allocated[1] is not allocated[0] and all(_same_bits(a, out) for a in allocated)
+    assert plan_hits["hits"] == 4
+    flat = torch.cat([query.view(-1), query.view(-1)])
+    overlapping = flat[query.numel() // 2 : query.numel() // 2 + query.numel()].view(query.shape)
+    with pytest.raises(KVZooInputError, match="out: shares memory with query"):
+        plan.attention(flat[: query.numel()].view(query.shape), caches, out=overlapping)
