@@ -372,7 +372,12 @@ def dequantize(
     require_dtype("cache", cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
     require_no_negative_strides("cache", cache)
     num_blocks, block_size, num_heads, width = (int(s) for s in cache.shape)
-    head_size = width if mode.format is None else mode.format.head_size_of(width)
+    head_size = mode.head_size_of(width)
+    refusal = mode.head_size_refusal(head_size)
+    if refusal:
+        # The other operations meet this in mode.cache_width(head_size); here the cache is
+        # all there is to tell the head size by.
+        fail(f"cache: its rows of {width} elements hold a head size the mode does not take: {refusal}")
     require_sizes("cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_heads, head_size=head_size)
     cache = as_code_storage(cache, mode)
     statics = check_scale_inputs(

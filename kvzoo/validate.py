@@ -27,7 +27,7 @@ from .arrays import (
     torch_dtype,
 )
 from .errors import fail
-from .modes import ANY_HEAD_SIZE, QuantMode
+from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
@@ -117,16 +117,9 @@ def code_dtypes(mode: QuantMode) -> tuple[str, ...]:
     return mode.format.accepted_dtypes
 
 
-def as_code_storage(x: Any, mode: QuantMode, name: str = "cache") -> Any:
+def as_code_storage(x: Any, mode: QuantMode) -> Any:
     """A cache of raw bytes (uint8) viewed as the mode's code dtype, so that no implementation
-    ever meets uint8 storage (SPEC.md section 11); other caches as they are. A cache whose rows
-    hold a head size the mode does not take (int4: powers of two) is refused: every operation
-    passes each cache through here, and dequantize knows its head size only from the cache."""
-    if mode.head_sizes is not ANY_HEAD_SIZE:
-        width = int(x.shape[-1])
-        refusal = mode.head_size_refusal(mode.head_size_of(width))
-        if refusal:
-            fail(f"{name}: its rows of {width} elements hold a head size the mode does not take: {refusal}")
+    ever meets uint8 storage (SPEC.md section 11); other caches as they are."""
     if mode.code_dtype is None or dtype_name(x) != "uint8":
         return x
     if is_torch(x):
