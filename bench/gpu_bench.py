@@ -9,7 +9,8 @@ it writes is what bench/report.py turns into bench/RESULTS.md.
 1. Measures the ceilings here: device-to-device copy bandwidth (bytes read + written) and
    bf16 matmul TFLOP/s on random data.
 2. For every case, first checks kvzoo's output (cache bytes against the NumPy reference;
-   attention against a float32 torch reference on the same cache), then times it. Inputs come
+   attention against a float32 torch reference on the same cache, float64 for int4's packed
+   rows, which it decodes and un-rotates itself), then times it. Inputs come
    from kvzoo.samples, drawn from the session seed (printed; KVZOO_SEED replays it).
 3. Times with CUDA events, median over repetitions. Each timed unit runs the op once on each of
    several input sets (different tensors, together larger than L2) so caches do not flatter;
@@ -66,8 +67,12 @@ DIRECT = "+direct"
 # Decode also reads the inline page (vLLM's engine layout: each row's scale after its codes).
 INLINE = "+inline"
 ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
-DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE)
-PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT)
+# int4 (issue 19): written at 32768 tokens only, read by every attention case (its prefill also
+# direct, as the other quantized modes'), beside the rows above.
+INT4 = "int4_per_token_head"
+INT4_WRITE_TOKENS = 32768
+DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE, INT4)
+PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT, INT4, INT4 + DIRECT)
 SHORT = {
     "none": "none",
     "int8_per_token_head": "int8",
@@ -77,6 +82,8 @@ SHORT = {
     "fp8_per_token_head" + DIRECT: "fp8 direct",
     "int8_per_token_head" + INLINE: "int8 inline",
     "fp8_per_token_head" + INLINE: "fp8 inline",
+    INT4: "int4",
+    INT4 + DIRECT: "int4 direct",
 }
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
@@ -335,10 +342,15 @@ def _check_write(s) -> str:
     return "bytes ok"
 
 
+def _row_bytes(mode: str) -> int:
+    """Bytes of one cached row's codes (a packed mode's own: int4 holds D / 2)."""
+    m = kvzoo.get_kv_quant_mode(mode)
+    return m.cache_width(D) * (2 if m.code_dtype is None else 1)
+
+
 def _write_bytes(tokens: int, mode: str) -> int:
     m = kvzoo.get_kv_quant_mode(mode)
-    code_bytes = 2 if m.code_dtype is None else 1
-    nbytes = tokens * HKV * D * 2 * (2 + code_bytes) + tokens * 8  # K+V read and written, slots
+    nbytes = tokens * HKV * 2 * (2 * D + _row_bytes(mode)) + tokens * 8  # K+V read and written, slots
     if m.per_token_head:
         nbytes += tokens * HKV * 4 * 2
     return nbytes
@@ -424,7 +436,7 @@ def bench_write(ceil, quick: bool) -> None:
     for tokens in sizes:
         times: dict[str, float] = {}
         rows: dict[str, Row] = {}
-        for mode in MODES:
+        for mode in MODES + ((INT4,) if tokens == INT4_WRITE_TOKENS or DRY else ()):
             attempt(f"write T={tokens} {SHORT[mode]}", IMPL, _write_case, ceil, tokens, mode, reps, times, rows)
         attempt(f"write T={tokens} copy", "torch copy_", _same_size_copy, ceil, tokens, reps, times)
         for mode, row in rows.items():
@@ -441,12 +453,15 @@ def bench_write(ceil, quick: bool) -> None:
 
 
 def _decoded(cache, scales, mode, table_row, n):
-    """float32 [n, Hkv, D] of one sequence's first n tokens, decoded with torch."""
+    """float32 [n, Hkv, D] of one sequence's first n tokens, decoded with torch (int4: float64,
+    in the model's basis)."""
     pos = torch.arange(n, device=DEVICE)
     blk = table_row[pos // BLOCK].long()
     off = pos % BLOCK
     raw = cache[blk, off]
     m = kvzoo.get_kv_quant_mode(mode)
+    if m.format is not None and m.format.row_zero_point:
+        return _decoded_int4(raw, scales[blk, off], m)
     x = raw.float()
     if m.per_token_head:
         x = x * scales[blk, off][..., None]
@@ -468,6 +483,23 @@ def _ref_attention(q, k, v, q_pos, scale):
     logits = logits.masked_fill(~mask[None], float("-inf"))
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("hnl,hld->nhd", p, vv)
+
+
+def _decoded_int4(raw, words, m):
+    """SPEC.md 12.3's decode of packed rows [n, Hkv, D / 2] and their scale words in float64,
+    then R^T / D (12.2) for the rotated mode: the rows attention reads, in the model's basis."""
+    codes = torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2).double()
+    bits = words.view(torch.int32)
+    zp = (bits & 0xF).double()
+    scale = (bits & ~0xF).view(torch.float32).double()
+    x = (codes - zp[..., None]) * scale[..., None]
+    if m.rotation is None:
+        return x
+    h = torch.ones((1, 1), dtype=torch.float64, device=DEVICE)
+    while h.shape[0] < D:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    signs = torch.from_numpy(kvzoo.modes.rht_signs(D)).double().to(DEVICE)
+    return (x @ h) * signs / D
 
 
 @dataclass
@@ -560,10 +592,10 @@ def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int =
         v = _decoded(s.cache.value_cache, s.cache.v_scale_cache, mode, s.table[seq], n)
         rows = min(ql, max_rows)
         q0 = int(starts[seq]) + ql - rows
-        q = s.query[q0 : q0 + rows].float()
+        q = s.query[q0 : q0 + rows].to(k.dtype)  # int4's rows come decoded in float64
         q_pos = torch.arange(n - rows, n, device=DEVICE)
         ref = _ref_attention(q, k, v, q_pos, 1 / math.sqrt(D))
-        got = s.out[q0 : q0 + rows].float()
+        got = s.out[q0 : q0 + rows].to(k.dtype)
         err = float((got - ref).norm() / ref.norm())
         worst = max(worst, err)
     if not worst <= ATTN_RTOL:
@@ -572,10 +604,10 @@ def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int =
 
 
 def _attn_bytes(variant, q_lens, seq_lens) -> int:
-    m = kvzoo.get_kv_quant_mode(_variant(variant)[0])
-    code = 2 if m.code_dtype is None else 1
+    mode = _variant(variant)[0]
+    m = kvzoo.get_kv_quant_mode(mode)
     keys = sum(seq_lens)
-    b = keys * HKV * D * 2 * code + sum(q_lens) * HQ * D * 2 * 2  # K+V, query + out
+    b = keys * HKV * _row_bytes(mode) * 2 + sum(q_lens) * HQ * D * 2 * 2  # K+V, query + out
     if m.per_token_head:
         b += keys * HKV * 4 * 2
     return b + sum(-(-n // BLOCK) for n in seq_lens) * 4

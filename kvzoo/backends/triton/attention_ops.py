@@ -15,7 +15,7 @@ from ...errors import fail
 from ...registry import Implementation, Registry
 from ...validate import int_scalar
 from . import platform
-from .formats import platform_formats
+from .formats import packed_rows, platform_formats
 
 if TYPE_CHECKING:
     from ...problem import Attention
@@ -30,6 +30,7 @@ MAX_HEAD_SIZE = 256
 # under 3e-3 before the output's own rounding (which the conformance suite adds separately);
 # bench/gpu_bench.py reports the measured error beside every timing. Staged prefill
 # (staging.py) builds the same fp16 operands once per key, so its error is the direct kernel's.
+# int4 caches' kernels (int4_attention.py) need no more: their module docstring says why.
 ATTENTION_RTOL = 5e-3
 
 
@@ -54,20 +55,27 @@ class TritonAttentionOptions:
         int_scalar("stage_max_bytes", self.stage_max_bytes, -1)
 
 
+def _kernels(p: Attention):
+    """The module whose kernels take `p`: the paged kernels, or int4's for packed rows."""
+    if packed_rows(p.mode):
+        from . import int4_attention
+
+        return int4_attention
+    from . import attention_kernels
+
+    return attention_kernels
+
+
 def _runner(platform_name: str):
     def run(p: Attention, options: TritonAttentionOptions | None = None) -> None:
-        from . import attention_kernels
-
-        attention_kernels.run(p, platform_name, options=options or TritonAttentionOptions())
+        _kernels(p).run(p, platform_name, options=options or TritonAttentionOptions())
 
     return run
 
 
 def _preparer(platform_name: str):
     def prepare(p: Attention, options: TritonAttentionOptions | None = None):
-        from . import attention_kernels
-
-        return attention_kernels.prepare(p, platform_name, options=options or TritonAttentionOptions())
+        return _kernels(p).prepare(p, platform_name, options=options or TritonAttentionOptions())
 
     return prepare
 

@@ -19,20 +19,24 @@ CODE_E4M3FNUZ = 3
 # interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
 CODE_E4M3FN_CVT = 4
 CODE_E5M2 = 5
+# Packed rows with a zero point in the scale word: their own kernels (int4_write.py,
+# int4_attention.py), to which write_kernels and attention_ops hand the modes using it.
+CODE_UINT4 = 6
 
 FORMAT_CODES: dict[str, int] = {
     "int8": CODE_INT8,
     "float8_e4m3fn": CODE_E4M3FN,
     "float8_e4m3fnuz": CODE_E4M3FNUZ,
     "float8_e5m2": CODE_E5M2,
+    "uint4": CODE_UINT4,
 }
 
 # fp8 is e4m3fn on CUDA GPUs and e4m3fnuz on ROCm's MI300. e5m2 is an OCP format of NVIDIA's
 # (sm_89+ convert it in hardware, every generation through fp16): MI300's own e5m2 is the fnuz
 # variant, and vLLM's ROCm paged attention declines fp8_e5m2.
 PLATFORM_FORMATS: dict[str, frozenset[str]] = {
-    "cuda": frozenset({"int8", "float8_e4m3fn", "float8_e5m2"}),
-    "rocm": frozenset({"int8", "float8_e4m3fnuz"}),
+    "cuda": frozenset({"int8", "float8_e4m3fn", "float8_e5m2", "uint4"}),
+    "rocm": frozenset({"int8", "float8_e4m3fnuz", "uint4"}),
 }
 
 
@@ -44,6 +48,11 @@ def code_of(mode) -> int:
 def platform_formats(platform: str) -> dict[str, int]:
     """The format table of one platform's kernels (name -> CODE)."""
     return {name: code for name, code in FORMAT_CODES.items() if name in PLATFORM_FORMATS[platform]}
+
+
+def packed_rows(mode) -> bool:
+    """Whether `mode` stores uint4 rows, which the int4 kernels take."""
+    return mode.format is not None and FORMAT_CODES.get(mode.format.name) == CODE_UINT4
 
 
 def platform_modes(platform: str) -> frozenset[str]:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import int4_write
 from .encode import (
     CODE_COPY,
     CODE_E4M3FN,
@@ -36,7 +37,7 @@ from .encode import (
     row_scale,
     widen_bf16_bits,
 )
-from .formats import code_of
+from .formats import code_of, packed_rows
 from .launch import BoundLaunch, launch_nothing
 from .platform import interpreted
 
@@ -457,6 +458,8 @@ def _write_call(p, scale_floor: float):
 
 def reshape_and_cache(p, scale_floor: float) -> None:
     """Run a validated CacheWrite problem (torch tensors)."""
+    if packed_rows(p.mode):
+        return int4_write.reshape_and_cache(p, scale_floor)
     if p.key.shape[0] == 0:
         return
     grid, args, kwargs, _ = _write_call(p, scale_floor)
@@ -467,6 +470,8 @@ def prepare_write(p, scale_floor: float):
     """`p`'s launch bound once (launch.py): a function of p.operands() that writes a problem
     equal to `p` but for its arrays, each of the dtype, shape, strides and 16-byte
     alignment of `p`'s. It launches nothing now."""
+    if packed_rows(p.mode):
+        return int4_write.prepare_write(p, scale_floor)
     if p.key.shape[0] == 0:
         return launch_nothing
     grid, args, kwargs, slots = _write_call(p, scale_floor)
@@ -475,6 +480,8 @@ def prepare_write(p, scale_floor: float):
 
 def dequantize(p) -> None:
     """Run a validated Dequantize problem (torch tensors)."""
+    if packed_rows(p.mode):
+        return int4_write.dequantize(p)
     mode = p.mode
     num_seqs = p.seq_lens.shape[0]
     _, block_size, num_heads, head_size = p.cache.shape

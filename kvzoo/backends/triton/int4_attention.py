@@ -1,0 +1,882 @@
+"""Paged attention over int4 per-token-head caches (SPEC.md section 12.6), in Triton.
+
+Another memory path, so another kernel beside attention_kernels.py's: a key row is D / 2 bytes
+of nibbles and one scale word (scale and zero point), and the rotated mode works in the rotated
+basis. A program takes a tile of query rows against the paged K/V of one KV head, as
+_attention_kernel does (decode: one token's G query heads, split over the context for long
+sequences; direct prefill: BLOCK_Q tokens x the group), with the shared pieces of
+attention_tiles.py (rows, key range, masks, online softmax, stores) and its own key tile:
+
+1. once per program, the query rows are scaled by a power of two into fp16's range, rotated
+   (q' = R q, the butterfly in float32; `_norot`: q' = q) and rounded to fp16, and split into
+   their even and odd elements, which meet the low and the high nibbles of each key byte;
+2. per key tile, the bytes are turned into two fp16 tiles in registers, CODE_OFFSET + code
+   (an OR with an fp16 exponent: no integer-to-float conversion), and the logits are
+   q'_even . lo + q'_odd . hi less sum(q') * (CODE_OFFSET + zp) per key, times the key's scale;
+3. P . V likewise, the probabilities scaled by the value's scale before the two dots, and
+   sum_k p_k (CODE_OFFSET + zp_k) kept per row and taken off once after the last tile;
+4. the output is un-rotated (s * fwht(o') / D, float32) before it is normalised and stored,
+   or before a split's partial is stored (the merge, attention_kernels._merge_splits_kernel,
+   is linear in the partials).
+
+Prefill with long query runs stages the context instead (int4_staging.py).
+
+Tolerance (ATTENTION_RTOL): the dots take fp16 operands with fp32 accumulation. The codes are
+exact in fp16; what rounds is q' (fp16, 2^-11 relative per element, against 2^-12 for an fp32
+query in the int8 kernel: q' is computed, so bf16 and fp16 queries round too), P (2^-11 per
+probability, as for int8) and the offset's cancellation (the dots carry 64 + c, about 20 times
+the centred code c - zp: some 4 bits of the fp32 accumulation); the rotations of q' and of the
+output in float32 add ~1e-7. That is the int8 kernel's budget with q' rounded twice as coarsely,
+so the same 5e-3 before the output's own rounding: measured up to 6e-4 on float32 outputs under
+the interpreter (tests/test_triton_int4.py), where the GPU's accumulation order differs; the GPU
+error is bench/gpu_bench.py's to report.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...problem import Attention
+from . import platform as _platform
+from . import staging
+from .attention_constants import SCALE_TOKEN_HEAD
+
+# The split rule's bounds, the merge, the launch records and their runners are the paged
+# kernel's own: one definition each.
+from .attention_kernels import (
+    _DEFAULT_OPTIONS,
+    _MAX_SPLITS,
+    _MIN_SPLIT_KEYS,
+    INVARIANT_SPLIT_KEYS,
+    AttentionConfig,
+    KernelCall,
+    StagedConfig,
+    _launch,
+    _merge_splits_kernel,
+    _num_sms,
+    _relaunch_split,
+    staged_prefill_config,
+)
+from .attention_ops import TritonAttentionOptions
+from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
+from .attention_tiles import (
+    _initial_state,
+    _key_range,
+    _whole_tiles,
+    load_keys,
+    logit_scale,
+    mask_logits,
+    online_softmax,
+    paged_rows,
+    query_block,
+    softcap_logits,
+    store_rows,
+    tile_rows,
+)
+from .encode import (
+    FP16_ROW_EXPONENT,
+    MAX_FACTOR_EXPONENT,
+    SMALLEST_NORMAL,
+    bf16_as_bits,
+    bits_float,
+    float_bits,
+    load_f32,
+)
+from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2
+from .launch import BoundLaunch, launch_nothing, relaunch_all
+
+# fp16 value of a code c under the nibble conversions, less c: 0x5400 | c << 4 is the fp16
+# 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it
+# sits in bits 4-7 of a half.
+CODE_OFFSET = tl.constexpr(64.0)
+# How the key tile turns code bytes into dot operands (constexpr CONVERT).
+CONVERT_ASM = tl.constexpr(0)  # CUDA: byte permutes, a shift and an OR per two codes
+CONVERT_CAST = tl.constexpr(1)  # the same values through integer ops, a cast and an add
+# The word layout of SPEC.md 12.3 (as int32).
+SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0
+ZP_MASK = tl.constexpr(0xF)
+OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
+
+# Attention tolerance (the module docstring says where it comes from).
+ATTENTION_RTOL = 5e-3
+# Smallest K of a tensor-core dot on fp16 operands: the half rows (D / 2 bytes, one nibble
+# each) are padded to it with masked loads of zeros.
+_MIN_DOT_K = 16
+
+
+# ----------------------------------------------------------------------------------------
+# Codes to dot operands.
+
+
+@triton.jit
+def _nibbles_x4_to_fp16(x, PURE: tl.constexpr):
+    # Four code bytes b0..b3 in a register -> (64 + low nibbles, 64 + high nibbles) as two
+    # fp16x2 registers each: prmt puts b0 and b1 in the two halves' low bytes, the shift moves
+    # each low nibble to bits 4-7, and one lop3 masks the nibble and ORs in the exponent.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 a, b, c, d;
+        prmt.b32 a, $4, $4, 0x1100;
+        prmt.b32 b, $4, $4, 0x3322;
+        shl.b32 c, a, 4;
+        shl.b32 d, b, 4;
+        lop3.b32 $0, c, 0x00f000f0, 0x54005400, 0xea;
+        lop3.b32 $1, d, 0x00f000f0, 0x54005400, 0xea;
+        lop3.b32 $2, a, 0x00f000f0, 0x54005400, 0xea;
+        lop3.b32 $3, b, 0x00f000f0, 0x54005400, 0xea;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[x],
+        dtype=(tl.float16, tl.float16),
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def nibbles_to_dot(raw, CONVERT: tl.constexpr, PURE: tl.constexpr):
+    """Code bytes (uint8) -> (CODE_OFFSET + the low nibbles, CODE_OFFSET + the high nibbles),
+    fp16 tiles of raw's shape: the even and the odd elements' codes, exact. PURE=False keeps
+    the conversion where the bytes were loaded (attention_tiles.codes_to_dot says why V wants
+    that)."""
+    if CONVERT == CONVERT_ASM:
+        lo, hi = _nibbles_x4_to_fp16(raw, PURE)
+    else:
+        b = raw.to(tl.int32)
+        lo = (b & 0xF).to(tl.float16) + CODE_OFFSET
+        hi = (b >> 4).to(tl.float16) + CODE_OFFSET
+    return lo, hi
+
+
+@triton.jit
+def split_words(words):
+    """Scale words (int32) -> (scale_t, CODE_OFFSET + zp), float32 (SPEC.md 12.3). The second
+    is built on the bits, as the first is: zp << 17 in the mantissa of 64.0 (whose unit there is
+    2^-17) is 64 + zp."""
+    return bits_float(words & SCALE_MASK), bits_float(((words & ZP_MASK) << 17) | OFFSET_BITS)
+
+
+# ----------------------------------------------------------------------------------------
+# The query rows and the output rows.
+
+
+@triton.jit
+def query_factors(amax, HEADROOM: tl.constexpr):
+    """Powers of two (factor, undo), factor * undo == 1: x * factor puts a row of absmax amax
+    at [2^14, 2^15) / 2^HEADROOM (encode.fp16_row_factors with room for the rotation, whose
+    outputs are sums of D = 2^HEADROOM of its elements), so the rotated row neither overflows
+    float32 nor fp16. The factor stops at 2^+-126, as fp16_row_factors' does."""
+    expo = (float_bits(amax) >> 23) & 0xFF
+    k = FP16_ROW_EXPONENT - HEADROOM - expo
+    k = tl.minimum(tl.maximum(k, -MAX_FACTOR_EXPONENT), MAX_FACTOR_EXPONENT)
+    return bits_float((127 + k) << 23), bits_float((127 - k) << 23)
+
+
+@triton.jit
+def rotated_query(
+    q_ptrs, q_ok, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, ROTATE: tl.constexpr
+):
+    """The tile's query rows as the dots take them: (q'_even, q'_odd) fp16 [BLOCK_M, BLOCK_D / 2],
+    sum(q') [BLOCK_M] of those fp16 values, and undo, the factor that takes q' back to R q."""
+    q = load_f32(q_ptrs, q_ok)
+    factor, undo = query_factors(tl.max(tl.abs(q), axis=1), log2(HEAD_D) if ROTATE else 0)
+    q = q * factor[:, None]
+    if ROTATE:
+        q = fwht(flip_signs(q, BLOCK_D), BLOCK_M, BLOCK_D, HEAD_D)
+    q16 = q.to(tl.float16)
+    q_even, q_odd = deinterleave(q16, BLOCK_M, BLOCK_D)
+    return q_even, q_odd, tl.sum(q16.to(tl.float32), axis=1), undo
+
+
+@triton.jit
+def unrotate_rows(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, ROTATE: tl.constexpr):
+    """Output rows in the rotated basis -> the model's: s * fwht(x) / D (`_norot`: x)."""
+    if ROTATE:
+        x = flip_signs(fwht(x, BLOCK_M, BLOCK_D, HEAD_D), BLOCK_D) * (1.0 / HEAD_D)
+    return x
+
+
+# ----------------------------------------------------------------------------------------
+# The key tile and the loop over tiles.
+
+
+@triton.jit
+def _load_bytes(ptrs, key_ok, j, MASKED: tl.constexpr, BYTES: tl.constexpr, HALF: tl.constexpr):
+    # A row's bytes, zeros past them (a half row padded to HALF for the dots), and where the
+    # tile is masked zeros for keys past the sequence; an unmasked full row loads as it is, so
+    # the compiler sees whole 16-byte rows.
+    if MASKED:
+        return tl.load(ptrs, mask=key_ok[:, None] & (j < BYTES)[None, :], other=0)
+    elif BYTES < HALF:
+        return tl.load(ptrs, mask=(j < BYTES)[None, :], other=0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _int4_tile(
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    v_off,
+    MASKED: tl.constexpr,
+    q_e,
+    q_o,
+    q_sum,
+    row_scale,
+    pos,
+    window,
+    softcap,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE: tl.constexpr,
+    CONVERT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+):
+    """Keys [start, start + BLOCK_N) below kv_end: the online softmax's (m, l) and the two
+    accumulators of P . (CODE_OFFSET + codes) (even and odd elements) after them, and v_off, the
+    sum of p * scale * (CODE_OFFSET + zp) they carry per row, counted as they are."""
+    j = tl.arange(0, HALF)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_end
+    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
+    in_page = keys % PAGE
+    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, 1)
+    kc = _load_bytes(k_ptr + k_row[:, None] + j[None, :] * stride_kd, key_ok, j, MASKED, HEAD_D // 2, HALF)
+    k_words = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    k_scale, k_zp = split_words(k_words)
+    k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
+    s = tl.dot(q_e, tl.trans(k_lo))
+    s = tl.dot(q_o, tl.trans(k_hi), s)
+    # The row's undo and the key's scale meet first, as in attention_tiles.logits_key_scales.
+    s = (s - q_sum[:, None] * k_zp[None, :]) * (row_scale[:, None] * k_scale[None, :])
+    if HAS_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    visible = key_ok
+    if MASKED:
+        s, visible = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
+    m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
+
+    if SAME_KV_STRIDES:
+        v_rows = v_ptr + k_row[:, None] + j[None, :] * stride_kd
+        v_words = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    else:
+        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, 1)
+        v_rows = v_ptr + v_row[:, None] + j[None, :] * stride_vd
+        v_words = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
+    vc = _load_bytes(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
+    v_scale, v_zp = split_words(v_words)
+    v_lo, v_hi = nibbles_to_dot(vc, CONVERT, False)
+    pv = p * v_scale[None, :]
+    if MASKED:
+        # Hidden keys may hold a NaN scale (a poisoned row): zero them after the product.
+        pv = tl.where(visible, pv, 0.0)
+    # Each row normalised by its largest weight (floored: attention_tiles.pv_key_scales).
+    w = tl.maximum(tl.max(pv, axis=1), SMALLEST_NORMAL)
+    pv16 = (pv * (1.0 / w)[:, None]).to(tl.float16)
+    acc_e = acc_e * alpha[:, None] + tl.dot(pv16, v_lo) * w[:, None]
+    acc_o = acc_o * alpha[:, None] + tl.dot(pv16, v_hi) * w[:, None]
+    v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[None, :], axis=1) * w
+    return m_i, l_i, acc_e, acc_o, v_off
+
+
+@triton.jit
+def _tile_range(
+    lo,
+    hi,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    v_off,
+    tile_args,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """_int4_tile on the key tiles starting at lo, lo + BLOCK_N, ... below hi (the interpreter
+    takes a while loop: attention_tiles._attend_range says why)."""
+    if INTERPRETED:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
+            )
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
+            )
+    return m_i, l_i, acc_e, acc_o, v_off
+
+
+@triton.jit
+def attend_int4(
+    seq,
+    q_block,
+    q_len,
+    seq_len,
+    context,
+    block_tables_ptr,
+    stride_bt,
+    window,
+    split,
+    split_keys,
+    sinks_ptr,
+    head,
+    row_ok,
+    tile_args,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WITH_SINK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
+    see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
+    by l."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    kv_begin, kv_end, tile_first, tile_last = _key_range(
+        context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
+    )
+    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
+    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
+    v_off = tl.zeros([BLOCK_M], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
+    for phase in tl.static_range(3):
+        if phase == 0:
+            lo = kv_begin
+            hi = full_begin
+        elif phase == 1:
+            lo = full_begin
+            hi = full_end
+        else:
+            lo = full_end
+            hi = kv_end
+        if HAS_WINDOW or phase != 0:
+            m_i, l_i, acc_e, acc_o, v_off = _tile_range(
+                lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
+            )
+    acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
+    return m_i, l_i, acc
+
+
+# ----------------------------------------------------------------------------------------
+# The kernel.
+
+
+@triton.jit
+def _int4_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    sinks_ptr,
+    num_seqs,
+    softmax_scale,
+    softcap,
+    window,
+    split_keys,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    ROTATE: tl.constexpr,
+    CONVERT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    """Attention on an int4 paged cache: decode (PER_SEQ, optionally SPLIT into partials for
+    the merge) and direct prefill; attention_kernels._attention_kernel's grid and rows."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PER_SEQ:
+        seq = tl.program_id(0)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = 0
+        if q_len != 1:
+            return
+    else:
+        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
+        if q_block * BLOCK_Q >= q_len:
+            return
+        if SKIP_DECODE:
+            if q_len == 1:
+                return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    row_ok, head, pos, token, d, d_ok = tile_rows(
+        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
+    if ROTATE:
+        undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 12.6): exact, a power of two
+    row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
+
+    m_i, l_i, acc = attend_int4(
+        seq,
+        q_block,
+        q_len,
+        seq_len,
+        context,
+        block_tables_ptr,
+        stride_bt,
+        window,
+        split,
+        split_keys,
+        sinks_ptr,
+        head,
+        row_ok,
+        (
+            q_e,
+            q_o,
+            q_sum,
+            row_scale,
+            pos,
+            window,
+            softcap,
+            kv_head,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            stride_vd,
+            stride_ksb,
+            stride_kst,
+            stride_ksh,
+            stride_vsb,
+            stride_vst,
+            stride_vsh,
+            BLOCK_N,
+            HEAD_D,
+            BLOCK_D // 2,
+            PAGE,
+            CONVERT,
+            HAS_SOFTCAP,
+            HAS_WINDOW,
+            SAME_KV_STRIDES,
+        ),
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        SPLIT,
+        HAS_SINKS and not SPLIT,
+        INTERPRETED,
+    )
+    # The rotation is linear, so un-rotating acc before the division by l (or before the
+    # merge sums the partials) gives the same rows.
+    acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
+    if SPLIT:
+        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        store_rows(
+            out_ptr,
+            lse_ptr,
+            acc,
+            m_i,
+            l_i,
+            token,
+            head,
+            d,
+            row_ok,
+            d_ok,
+            stride_ot,
+            stride_oh,
+            stride_od,
+            stride_lt,
+            stride_lh,
+            HAS_LSE,
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Tiles: fixed rows keyed by the head size's class, like attention_tables.py's (whose
+# docstring says what a row is); none of these has been timed yet.
+
+
+@dataclass(frozen=True)
+class Int4Tiles:
+    decode: DecodeTile
+    prefill: PrefillTile
+    # Register cap of the decode tile (ptxas .maxnreg), None leaves it to the compiler.
+    decode_maxnreg: int | None = None
+
+
+_OFFLINE = (
+    Run(
+        "python bench/int4_offline_facts.py",
+        "",
+        "the variants without spills on sm_90a and the fewest instructions per key; not timed",
+    ),
+)
+# Decode, heads 64 and 128: int8's 1-warp tile of 32 keys (a 64-key tile on one warp spills;
+# on two warps it issues as many instructions per key in a third fewer registers, the first
+# variant to time). 256: int8's 4-warp tile. Decode is latency-bound (attention_tables.py), so
+# the register caps buy resident warps: left alone ptxas takes 255 registers for head 128 (8
+# warps an SM); capped at 168 (12 warps) it issues no more instructions per key tile and spills
+# nothing in the loop over whole tiles; 128 likewise for head 64 (16 warps against 13); at 256
+# a cap spills inside the loop. Direct prefill: 32-key tiles (64 spill on sm_90a).
+TILES: dict[int, Int4Tiles] = {
+    64: Int4Tiles(DecodeTile(32, 1, 5, _OFFLINE), PrefillTile(128, 32, 8, 2, _OFFLINE), 128),
+    128: Int4Tiles(DecodeTile(32, 1, 5, _OFFLINE), PrefillTile(128, 32, 8, 2, _OFFLINE), 168),
+    256: Int4Tiles(DecodeTile(64, 4, 2, _OFFLINE), PrefillTile(64, 16, 8, 2, _OFFLINE)),
+}
+# The 1-warp decode tiles want as many programs per SM as int8's (attention_tables.SPLIT_RULES).
+SPLIT = SplitRule(8, 16, _OFFLINE)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _tiles(p: Attention) -> Int4Tiles:
+    return TILES[max(64, _pow2(p.head_size))]
+
+
+def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
+    """attention_kernels.decode_config for int4 caches, from TILES and SPLIT."""
+    tiles = _tiles(p)
+    tile = tiles.decode
+    stages = tile.num_stages if platform == "cuda" else min(tile.num_stages, 2)
+    # The caps were read off CUDA's compiler; ROCm's registers are another file.
+    maxnreg = tiles.decode_maxnreg if platform == "cuda" else None
+    # Tiles of the group's real rows on CUDA (Triton pads the dot); ROCm's FMA fallback below
+    # 16 rows is avoided as attention_kernels.decode_config does.
+    min_rows = 1 if platform == "cuda" else 16
+    if invariant:
+        return AttentionConfig(
+            1, tile.block_n, tile.num_warps, stages, INVARIANT_SPLIT_KEYS, maxnreg=maxnreg, min_rows=min_rows
+        )
+    programs = p.num_seqs * p.num_kv_heads
+    sms = _num_sms(p.query.device.index if p.query.device.type == "cuda" else None)
+    split_keys = 0
+    if programs < SPLIT.below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
+        splits = min(_MAX_SPLITS, SPLIT.target * sms // max(programs, 1), p.max_seq_len // _MIN_SPLIT_KEYS)
+        if splits > 1:
+            split_keys = -(-p.max_seq_len // splits)
+            split_keys = -(-split_keys // tile.block_n) * tile.block_n
+    return AttentionConfig(1, tile.block_n, tile.num_warps, stages, split_keys, maxnreg=maxnreg, min_rows=min_rows)
+
+
+def prefill_config(p: Attention) -> AttentionConfig:
+    """The direct prefill kernel's tiles over the int4 cache."""
+    tile = _tiles(p).prefill
+    block_q = max(1, tile.rows // _pow2(p.num_q_heads // p.num_kv_heads))
+    return AttentionConfig(block_q, tile.block_n, tile.num_warps, tile.num_stages, 0)
+
+
+# ----------------------------------------------------------------------------------------
+# Launch.
+
+
+def _convert(platform: str) -> int:
+    return CONVERT_ASM if platform == "cuda" and not _platform.interpreted() else CONVERT_CAST
+
+
+def same_kv_strides(p: Attention) -> bool:
+    return p.key_cache.stride() == p.value_cache.stride() and p.k_scale_cache.stride() == p.v_scale_cache.stride()
+
+
+_AT = {name: i for i, name in enumerate(_int4_attention_kernel.arg_names)}
+
+
+@functools.cache
+def _slots(split: bool, sinks: bool, lse: bool) -> tuple[tuple, tuple]:
+    """(slots, merge_slots) of a launch, as attention_kernels._slots gives them for its kernel:
+    for each of Attention.operand_names(), then the split's partials, the arguments it fills."""
+    fills = {
+        "query": ("q_ptr",),
+        "key_cache": ("k_ptr",),
+        "value_cache": ("v_ptr",),
+        "block_tables": ("block_tables_ptr",),
+        "seq_lens": ("seq_lens_ptr",),
+        "query_start_loc": ("qsl_ptr",),
+        "out": ("out_ptr",) if split else ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"),
+        "k_scale_cache": ("ks_ptr",),
+        "v_scale_cache": ("vs_ptr",),
+        "sinks": ("sinks_ptr",) if sinks else (),
+        "lse": ("lse_ptr",) if lse else (),
+    }
+    partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
+    slots = tuple(tuple(_AT[a] for a in fills.get(name, ())) for name in Attention.operand_names())
+    slots += tuple((_AT[a],) for a in partials) if split else ((), (), ())
+    if not split:
+        return slots, ()
+    merge_at = {name: i for i, name in enumerate(_merge_splits_kernel.arg_names)}
+    merge_fills = {
+        "seq_lens": ("seq_lens_ptr",),
+        "query_start_loc": ("qsl_ptr",),
+        "out": ("out_ptr",),
+        "sinks": ("sinks_ptr",) if sinks else (),
+        "lse": ("lse_ptr",) if lse else (),
+    }
+    merge_slots = tuple(tuple(merge_at[a] for a in merge_fills.get(name, ())) for name in Attention.operand_names())
+    return slots, merge_slots + tuple((merge_at[a],) for a in partials)
+
+
+def block_d(head_size: int) -> int:
+    """The tile's row width: the head size, or 2 * _MIN_DOT_K for the halves' dots."""
+    return max(2 * _MIN_DOT_K, _pow2(head_size))
+
+
+def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
+    """_int4_attention_kernel's launch of `p` under `cfg` (attention_kernels.kernel_call's
+    grid: one program per decode token, or per query block)."""
+    group = p.num_q_heads // p.num_kv_heads
+    g_pad = _pow2(group)
+    width = block_d(p.head_size)
+    num_seqs = p.num_seqs
+    split = per_seq and cfg.split_keys > 0
+    num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
+    grid0 = num_seqs if per_seq else p.query.shape[0] // cfg.block_q + num_seqs
+    dummy = p.seq_lens
+    k, v = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
+    ks, vs = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
+    sinks = p.sinks if p.sinks is not None else dummy
+    lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
+    merge = None
+    if split:
+        shape = (num_seqs, p.num_q_heads, num_splits)
+        part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
+        part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
+        part_acc = torch.empty(shape + (width,), dtype=torch.float32, device=p.query.device)
+        merge = (
+            (num_seqs, p.num_q_heads),
+            (
+                part_m,
+                part_l,
+                part_acc,
+                p.out,
+                p.query_start_loc,
+                p.seq_lens,
+                sinks,
+                lse,
+                cfg.split_keys,
+                num_splits,
+                *p.out.stride(),
+                *lse_strides,
+            ),
+            dict(
+                NUM_Q_HEADS=p.num_q_heads,
+                HEAD_D=p.head_size,
+                BLOCK_D=width,
+                HAS_SINKS=p.sinks is not None,
+                HAS_LSE=p.lse is not None,
+                num_warps=1,
+            ),
+        )
+    else:
+        part_m = part_l = part_acc = p.out
+    args = (
+        bf16_as_bits(p.query),
+        k,
+        v,
+        ks,
+        vs,
+        p.out,
+        part_m,
+        part_l,
+        part_acc,
+        lse,
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        sinks,
+        num_seqs,
+        float(p.softmax_scale),
+        float(p.softcap or 1.0),
+        int(p.sliding_window or 0),
+        max(cfg.split_keys, 1),
+        num_splits,
+        *p.query.stride(),
+        *p.out.stride(),
+        *lse_strides,
+        *k.stride(),
+        *v.stride(),
+        *ks.stride(),
+        *vs.stride(),
+        p.block_tables.stride(0),
+    )
+    constexprs = dict(
+        NUM_Q_HEADS=p.num_q_heads,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=max(cfg.min_rows, cfg.block_q * g_pad),
+        BLOCK_N=cfg.block_n,
+        HEAD_D=p.head_size,
+        BLOCK_D=width,
+        PAGE=p.block_size,
+        ROTATE=p.mode.rotation is not None,
+        CONVERT=_convert(platform),
+        HAS_SOFTCAP=p.softcap is not None,
+        HAS_WINDOW=p.sliding_window is not None,
+        HAS_SINKS=p.sinks is not None,
+        PER_SEQ=per_seq,
+        SPLIT=split,
+        SKIP_DECODE=skip_decode,
+        SAME_KV_STRIDES=same_kv_strides(p),
+        LONGEST_FIRST=cfg.longest_first and not per_seq,
+        INTERPRETED=_platform.interpreted(),
+        HAS_LSE=p.lse is not None and not split,
+    )
+    slots, merge_slots = _slots(split, p.sinks is not None, p.lse is not None)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg is not None and not _platform.interpreted():
+        options["maxnreg"] = cfg.maxnreg
+    grid = (grid0, p.num_kv_heads, num_splits)
+    return KernelCall(_int4_attention_kernel, grid, args, constexprs, options, merge, slots, merge_slots)
+
+
+def _launches(
+    p: Attention, platform: str, options: TritonAttentionOptions
+) -> tuple[list[tuple[AttentionConfig, bool, bool]], StagedConfig | None]:
+    """The paged kernel's launches of `p` as (config, per_seq, skip_decode), and the staged
+    prefill's config when its prefills go through the workspace (int4_staging.py), else None:
+    attention_kernels._launches' choices."""
+    if p.max_query_len <= 1:
+        return [(decode_config(p, p.batch_invariant, platform), True, False)], None
+    if p.batch_invariant:
+        # Which launch a sequence takes depends on its own q_len only (attention_kernels).
+        return [(decode_config(p, True, platform), True, False), (prefill_config(p), False, True)], None
+    if options.prefill == "auto" and staging.worth_staging(p, options.stage_max_bytes):
+        staged = staged_prefill_config(p)
+        if p.num_prefills is None or p.num_prefills < p.num_seqs:
+            return [(decode_config(p, False, platform), True, False)], staged
+        return [], staged
+    return [(prefill_config(p), False, False)], None
+
+
+def run(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> None:
+    """Attention for an int4 problem `p`."""
+    from . import int4_staging
+
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return
+    launches, staged_cfg = _launches(p, platform, options)
+    for cfg, per_seq, skip_decode in launches:
+        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode))
+    if staged_cfg is not None:
+        _launch(int4_staging.staged_call(int4_staging.staged_problem(p, options.workspace_fill), platform, staged_cfg))
+
+
+def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS):
+    """attention_kernels.prepare for an int4 problem: its launches bound once (launch.py); None
+    where `p` takes the staged prefill (its workspace is sized and filled per call)."""
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return launch_nothing
+    launches, staged_cfg = _launches(p, platform, options)
+    if staged_cfg is not None:
+        return None
+    bound, partials = [], ()
+    for cfg, per_seq, skip_decode in launches:
+        call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+        bound.append(BoundLaunch(call.kernel, call.grid, call.args, {**call.constexprs, **call.options}, call.slots))
+        if call.merge is not None:
+            grid, args, constexprs = call.merge
+            bound.append(BoundLaunch(_merge_splits_kernel, (*grid, 1), args, constexprs, call.merge_slots))
+            partials = tuple(tuple(t.shape) for t in args[:3])
+    if not partials:
+        return functools.partial(relaunch_all, tuple(bound))
+    return functools.partial(_relaunch_split, tuple(bound), partials, p.query.device)

@@ -1,0 +1,460 @@
+"""Staged prefill on int4 caches: staging.py's workspace of fp16 operands, built from nibbles.
+
+A long prefill converts each key once instead of once per query tile (staging.py's docstring
+says why that pays). The workspace is the one int8 and fp8 stage into, streamed by the same
+tiles and key loop; what is int4's own is on either side of them:
+
+- the gather decodes each row in the stored (rotated) basis, (code - zp) x (scale / the page's
+  largest scale) in fp16, with that largest scale kept per page (staging._stage_rows' rule);
+- the query rows are rotated once (q' = R q in float32, as the paged kernel does it) and
+  rescaled into fp16, their undo factors carrying the 1 / D of R^T / D;
+- the attention is _int4_staged_attention_kernel, attention_kernels._staged_attention_kernel
+  with the rows un-rotated before they are stored (its arguments, tiles and key loop).
+
+Decode tokens of the batch stay on the paged kernel (int4_attention.py), which writes theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ...problem import Attention
+from . import staging
+from .attention_kernels import KernelCall, staged_kernel_call
+from .attention_tiles import attend, logit_scale, query_block, staged_tile, store_rows, tile_rows
+from .encode import SMALLEST_NORMAL, bf16_as_bits, load_f32
+from .int4_attention import ZP_MASK, query_factors, split_words, unrotate_rows
+from .int4_rotation import flip_signs, fwht, interleave, log2, unpack_nibbles
+
+
+@triton.jit
+def _stage_rows(
+    codes_ptr,
+    words_ptr,
+    ws_ptr,
+    page_scale_ptr,
+    block,
+    offset,
+    page_block,
+    page_offset,
+    page_ok,
+    t_ok,
+    s_b,
+    s_t,
+    s_h,
+    s_d,
+    s_sb,
+    s_st,
+    s_sh,
+    head,
+    store_page_scale,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """One tensor's rows: fp16 (code - zp) x (scale / page max) to ws_ptr [ROWS, D], and the page
+    max, by the page's first program (staging._stage_rows' rule, for packed rows)."""
+    page_words = tl.load(words_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0)
+    page_scales, _ = split_words(page_words)
+    # A NaN scale (a poisoned row) must poison its own key only, as in the paged kernel; the
+    # floor keeps 1 / page_max finite (staging._stage_rows).
+    page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
+    page_max = tl.maximum(page_max, SMALLEST_NORMAL)
+    words = tl.load(words_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0)
+    scale, _ = split_words(words)
+    zp = (words & ZP_MASK)[:, None]
+    ratio = (scale * (1.0 / page_max)).to(tl.float16)[:, None]
+    j = tl.arange(0, D // 2)
+    packed = tl.load(
+        codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + j[None, :] * s_d, mask=t_ok[:, None]
+    )
+    even, odd = unpack_nibbles(packed.to(tl.int32))
+    # code - zp is an integer in [-15, 15]: exact in fp16.
+    x = interleave((even - zp).to(tl.float16) * ratio, (odd - zp).to(tl.float16) * ratio, ROWS, D)
+    tl.store(ws_ptr, x, mask=t_ok[:, None])
+    if store_page_scale:
+        tl.store(page_scale_ptr, page_max)
+
+
+@triton.jit
+def _int4_stage_kernel(
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    seq_of_slot_ptr,
+    ws_k_ptr,
+    ws_v_ptr,
+    k_page_scales_ptr,
+    v_page_scales_ptr,
+    page,
+    pages_per_slot,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_ksb,
+    s_kst,
+    s_ksh,
+    s_vsb,
+    s_vst,
+    s_vsh,
+    s_bt,
+    s_wt,
+    s_wh,
+    s_wsp,
+    s_wsh,
+    STAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """ROWS rows of one workspace page of one KV head, of K (even programs) or V (odd):
+    staging._stage_kernel's grid, slots and page scales."""
+    slot = tl.program_id(0)
+    chunk = tl.program_id(1)
+    head = (tl.program_id(2) // 2).to(tl.int64)
+    if slot >= tl.load(seq_of_slot_ptr + tl.num_programs(0)):  # a slot no prefill took
+        return
+    seq = tl.load(seq_of_slot_ptr + slot)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if chunk * ROWS >= seq_len:
+        return
+    stage_page = chunk // (STAGE // ROWS)
+    pos = chunk * ROWS + tl.arange(0, ROWS)
+    t_ok = pos < seq_len
+    bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
+    block = tl.load(bt_row + pos // page, mask=t_ok, other=0).to(tl.int64)
+    offset = (pos % page).to(tl.int64)
+    page_pos = stage_page * STAGE + tl.arange(0, STAGE)
+    page_ok = page_pos < seq_len
+    page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
+    page_offset = (page_pos % page).to(tl.int64)
+    ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
+    d = tl.arange(0, D)
+    ws = ((ws_page * STAGE + pos % STAGE) * s_wt + head * s_wh)[:, None] + d[None, :]
+    first_of_page = chunk % (STAGE // ROWS) == 0
+    if tl.program_id(2) % 2 == 0:
+        _stage_rows(
+            k_ptr,
+            ks_ptr,
+            ws_k_ptr + ws,
+            k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+            block,
+            offset,
+            page_block,
+            page_offset,
+            page_ok,
+            t_ok,
+            s_kb,
+            s_kt,
+            s_kh,
+            s_kd,
+            s_ksb,
+            s_kst,
+            s_ksh,
+            head,
+            first_of_page,
+            ROWS,
+            D,
+        )
+    else:
+        _stage_rows(
+            v_ptr,
+            vs_ptr,
+            ws_v_ptr + ws,
+            v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
+            block,
+            offset,
+            page_block,
+            page_offset,
+            page_ok,
+            t_ok,
+            s_vb,
+            s_vt,
+            s_vh,
+            s_vd,
+            s_vsb,
+            s_vst,
+            s_vsh,
+            head,
+            first_of_page,
+            ROWS,
+            D,
+        )
+
+
+@triton.jit
+def _int4_stage_query_kernel(
+    q_ptr,
+    ws_ptr,
+    undo_ptr,
+    num_heads,
+    s_qt,
+    s_qh,
+    s_qd,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
+    """One token's query rows as the paged kernel makes them (int4_attention.rotated_query):
+    scaled into fp16's range, rotated, rounded to fp16; undo takes them back to R q / D."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    h_ok = h < num_heads
+    q = load_f32(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, h_ok[:, None])
+    factor, undo = query_factors(tl.max(tl.abs(q), axis=1), log2(D) if ROTATE else 0)
+    q = q * factor[:, None]
+    if ROTATE:
+        q = fwht(flip_signs(q, D), BLOCK_H, D, D)
+        undo = undo * (1.0 / D)
+    row = token * num_heads + h
+    tl.store(ws_ptr + row[:, None] * D + d[None, :], q.to(tl.float16), mask=h_ok[:, None])
+    tl.store(undo_ptr + row, undo, mask=h_ok)
+
+
+@triton.jit
+def _int4_staged_attention_kernel(
+    q_ptr,
+    q_undo_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    lse_ptr,
+    first_page_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    sinks_ptr,
+    num_seqs,
+    softmax_scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_wb,
+    stride_wt,
+    stride_wh,
+    stride_wd,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
+    """attention_kernels._staged_attention_kernel (its arguments, its tiles) with the rows
+    un-rotated before they are stored: the workspace and the query are in the rotated basis."""
+    kv_head = tl.program_id(1)
+    seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    if q_len == 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    row_ok, head, pos, token, d, d_ok = tile_rows(
+        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    row_scale = tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
+    row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
+    m_i, l_i, acc, v_unit = attend(
+        seq,
+        q_block,
+        q_len,
+        seq_len,
+        context,
+        first_page_ptr,
+        stride_bt,
+        window,
+        0,
+        0,
+        sinks_ptr,
+        head,
+        row_ok,
+        staged_tile,
+        (
+            q,
+            row_scale,
+            pos,
+            window,
+            softcap,
+            kv_head,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            stride_wb,
+            stride_wt,
+            stride_wh,
+            stride_wd,
+            stride_ksb,
+            stride_ksh,
+            stride_vsb,
+            stride_vsh,
+            BLOCK_N,
+            HEAD_D,
+            BLOCK_D,
+            PAGE,
+            SCALE_MODE,
+            HAS_SOFTCAP,
+            HAS_WINDOW,
+        ),
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        False,
+        HAS_SINKS,
+        INTERPRETED,
+    )
+    acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
+    store_rows(
+        out_ptr,
+        lse_ptr,
+        acc,
+        m_i,
+        l_i,
+        token,
+        head,
+        d,
+        row_ok,
+        d_ok,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lt,
+        stride_lh,
+        HAS_LSE,
+    )
+
+
+def staged_problem(p: Attention, fill: float | None = None) -> staging.Staged:
+    """staging.staged_problem for an int4 `p`: the problem over a fresh workspace of its
+    prefills' context (in the stored basis) and its query rows (rotated), with their undo
+    factors. staged_call launches it."""
+    shape = staging.workspace_shape(p)
+    pages, _, heads, dim = shape
+    pages_per_seq = -(-p.max_seq_len // staging.STAGE_PAGE)
+    slots = pages // pages_per_seq
+    device = p.query.device
+    ws_k = staging._allocate(shape, torch.float16, device, fill)
+    ws_v = staging._allocate(shape, torch.float16, device, fill)
+    page_scales = staging._allocate((2, pages, heads), torch.float32, device, fill)
+    seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
+    first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)
+    staging._slot_kernel[(1,)](
+        p.query_start_loc,
+        p.num_seqs,
+        slots,
+        pages_per_seq,
+        seq_of_slot,
+        first_page,
+        BLOCK=staging.SLOT_BLOCK,
+        num_warps=4,
+    )
+    k, v = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
+    ks, vs = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
+    _int4_stage_kernel[(slots, pages_per_seq * (staging.STAGE_PAGE // staging.GATHER_ROWS), heads * 2)](
+        k,
+        v,
+        ks,
+        vs,
+        p.block_tables,
+        p.seq_lens,
+        seq_of_slot,
+        ws_k,
+        ws_v,
+        page_scales[0],
+        page_scales[1],
+        p.block_size,
+        pages_per_seq,
+        *k.stride(),
+        *v.stride(),
+        *ks.stride(),
+        *vs.stride(),
+        p.block_tables.stride(0),
+        ws_k.stride(1),
+        ws_k.stride(2),
+        *page_scales[0].stride(),
+        STAGE=staging.STAGE_PAGE,
+        ROWS=staging.GATHER_ROWS,
+        D=dim,
+        num_warps=staging.GATHER_WARPS,
+    )
+    tokens, q_heads = p.query.shape[0], p.num_q_heads
+    ws_q = staging._allocate((tokens, q_heads, dim), torch.float16, device, fill)
+    q_undo = staging._allocate((tokens, q_heads), torch.float32, device, fill)
+    rotate = p.mode.rotation is not None
+    _int4_stage_query_kernel[(tokens,)](
+        bf16_as_bits(p.query),
+        ws_q,
+        q_undo,
+        q_heads,
+        *p.query.stride(),
+        BLOCK_H=triton.next_power_of_2(q_heads),
+        D=dim,
+        ROTATE=rotate,
+        num_warps=4,
+    )
+    scales = dict(
+        k_scale_cache=page_scales[0][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
+        v_scale_cache=page_scales[1][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
+    )
+    staged = dataclasses.replace(
+        p,
+        query=ws_q,
+        key_cache=ws_k,
+        value_cache=ws_v,
+        block_tables=first_page[:, None],
+        **scales,
+    )
+    return staging.Staged(staged, q_undo)
+
+
+def staged_call(staged: staging.Staged, platform: str, cfg) -> KernelCall:
+    """The staged kernel's launch: attention_kernels.staged_kernel_call's arguments and tiles,
+    on the kernel that un-rotates its rows."""
+    call = staged_kernel_call(staged, platform, cfg)
+    rotate = staged.problem.mode.rotation is not None
+    return dataclasses.replace(
+        call, kernel=_int4_staged_attention_kernel, constexprs={**call.constexprs, "ROTATE": rotate}
+    )
