@@ -82,11 +82,11 @@ def test_butterfly_is_the_oracles_bit_for_bit(D):
     x = (rng.standard_normal((rows, D)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))).astype(np.float32)
     x[0, : D // 2] = np.float32(2.0**-149) * rng.integers(1, 9, D // 2)  # subnormal sums
     x[1] = np.float32(3e38) * rng.choice([-1, 1], D)  # overflow to +-Inf, and Inf - Inf
-    y = torch.full((rows, D), float("nan"))
-    _fwht_kernel[(1,)](torch.from_numpy(x), y, rows, D, D, False)
+    y = torch.full((rows, D), float("nan"), device=DEVICE)
+    _fwht_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, rows, D, D, False)
     with np.errstate(all="ignore"):
         want = oracle.int4_fwht(x)
-    same = (_bits(y.numpy()) == _bits(want)) | (np.isnan(y.numpy()) & np.isnan(want))
+    same = (_bits(y.cpu().numpy()) == _bits(want)) | (np.isnan(y.cpu().numpy()) & np.isnan(want))
     assert same.all(), f"{int((~same).sum())} elements differ from oracle.int4_fwht"
 
 
@@ -98,10 +98,10 @@ def test_butterfly_in_a_padded_tile_keeps_each_row_and_its_zeros(D):
     W, rows = 32, 4
     x = np.zeros((rows, W), np.float32)
     x[:, :D] = rng.standard_normal((rows, D)).astype(np.float32)
-    y = torch.full((rows, W), float("nan"))
-    _fwht_kernel[(1,)](torch.from_numpy(x), y, rows, W, D, False)
-    assert np.array_equal(_bits(y.numpy()[:, :D]), _bits(oracle.int4_fwht(x[:, :D])))
-    assert np.array_equal(y.numpy()[:, D:], np.zeros((rows, W - D), np.float32))
+    y = torch.full((rows, W), float("nan"), device=DEVICE)
+    _fwht_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, rows, W, D, False)
+    assert np.array_equal(_bits(y.cpu().numpy()[:, :D]), _bits(oracle.int4_fwht(x[:, :D])))
+    assert np.array_equal(y.cpu().numpy()[:, D:], np.zeros((rows, W - D), np.float32))
 
 
 def test_sign_flip_is_the_table_exactly():
@@ -113,12 +113,12 @@ def test_sign_flip_is_the_table_exactly():
     x[3, ::3] = np.nan
     x[3, 1::3] = np.inf
     # A transform of size 1 is the identity: the kernel only flips.
-    y = torch.full((4, D), float("nan"))
-    _fwht_kernel[(1,)](torch.from_numpy(x), y, 4, D, 1, True)
+    y = torch.full((4, D), float("nan"), device=DEVICE)
+    _fwht_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, 4, D, 1, True)
     signs = rht_signs(D)
     assert np.array_equal(signs, oracle.int4_rht_signs(D))
     # Each element's sign bit flipped where its sign is -1, and nothing else: NaN, Inf and 0 too.
-    assert np.array_equal(_bits(y.numpy()), _bits(x) ^ (_bits(signs) & 0x80000000))
+    assert np.array_equal(_bits(y.cpu().numpy()), _bits(x) ^ (_bits(signs) & 0x80000000))
 
 
 @triton.jit
@@ -139,11 +139,11 @@ def test_bf16_narrowing_on_the_bits_is_round_to_nearest_even():
     bits = np.concatenate([ties, near, subnormal, top, finite])
     bits = np.concatenate([bits, bits | 0x80000000])
     x = bits.view(np.float32)
-    y = torch.empty(len(x))
-    _narrow_kernel[(triton.cdiv(len(x), 1024),)](torch.from_numpy(x.copy()), y, len(x), 1024)
+    y = torch.empty(len(x), device=DEVICE)
+    _narrow_kernel[(triton.cdiv(len(x), 1024),)](torch.from_numpy(x.copy()).to(DEVICE), y, len(x), 1024)
     with np.errstate(over="ignore"):
         want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-    assert np.array_equal(_bits(y.numpy()), _bits(want))
+    assert np.array_equal(_bits(y.cpu().numpy()), _bits(want))
 
 
 # ----------------------------------------------------------------------------------------
@@ -203,6 +203,24 @@ def test_write_matches_the_oracle(mode, dtype, dist):
     slots = torch.from_numpy(rng.permutation(NB * BS)[:T]).to(DEVICE)
     slots[::5] = -1  # skipped tokens
     caches = _poisoned_caches(rng, NB, BS, H, head_size)
+    before = tuple(c.clone() for c in caches)
+    int4_write.reshape_and_cache(_write_problem(mode, key, value, slots, caches), float(SCALE_FLOOR))
+    _check_written(mode, key, value, slots, caches, before, NB, BS)
+
+
+@pytest.mark.parametrize("mode", INT4)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,heads", [(1, 1), (1, 2), (2, 1), (3, 1), (1, 4)])
+def test_write_of_a_few_rows_matches_the_oracle(mode, dtype, tokens, heads):
+    # A decode step writes a row per KV head: tiles of one to four rows. On the H200 a
+    # two-row tile of 16-bit rows at head size 64 gave wrong scales (int4_write.MIN_TILE_ROWS).
+    rng = rng_for("int4 few rows", mode, dtype, tokens, heads)
+    NB, BS, D = 4, 8, 64
+    m = MODES[mode]
+    key = torch.from_numpy(make_rows(m, "normal", dtype, (tokens, heads, D), rng)).to(DTYPES[dtype]).to(DEVICE)
+    value = torch.from_numpy(make_rows(m, "normal", dtype, (tokens, heads, D), rng)).to(DTYPES[dtype]).to(DEVICE)
+    slots = torch.from_numpy(rng.permutation(NB * BS)[:tokens]).to(DEVICE)
+    caches = _poisoned_caches(rng, NB, BS, heads, D)
     before = tuple(c.clone() for c in caches)
     int4_write.reshape_and_cache(_write_problem(mode, key, value, slots, caches), float(SCALE_FLOOR))
     _check_written(mode, key, value, slots, caches, before, NB, BS)

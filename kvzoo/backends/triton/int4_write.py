@@ -404,11 +404,20 @@ def _narrow_hw(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.version.hip is None and not interpreted()
 
 
+# On the H200 (Triton 3.6), a tile of two 16-bit rows at head size 64 gave those rows a wrong
+# max and min, so wrong scale words and codes, in the unrotated mode (one row, four and more,
+# float32 rows and the rotated mode were right: bench/archive/RESULTS-history.md, eleventh
+# session). The cause inside the compiler was not traced; no tile has fewer than four rows.
+MIN_TILE_ROWS = 4
+
+
 def _write_tile(num_tokens: int, num_heads: int, head_size: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, warps): a token's heads in one program, and tokens up to a warp's rows."""
     rows_per_warp = 32 * WRITE_THREAD_ELEMENTS // max(head_size, WRITE_THREAD_ELEMENTS)
     block_h = triton.next_power_of_2(num_heads)
     block_t = max(1, min(rows_per_warp // block_h, triton.next_power_of_2(num_tokens)))
+    # At least MIN_TILE_ROWS rows, the rest masked: see its comment.
+    block_t = max(block_t, MIN_TILE_ROWS // block_h)
     return block_t, block_h, max(1, min(8, block_t * block_h // rows_per_warp))
 
 
