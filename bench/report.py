@@ -39,6 +39,8 @@ VARIANT_LABEL = {
     "fp8 direct": "fp8 direct kernel",
     "int8 inline": "int8 inline page",
     "fp8 inline": "fp8 inline page",
+    "int4": "int4 (rotated)",
+    "int4 direct": "int4 direct kernel",
 }
 # Issue 5's smallest write size with a bandwidth target; smaller writes are launch-bound.
 WRITE_TARGET_TOKENS = 4096
@@ -533,6 +535,23 @@ def _inline_vs_separate(run: Run):
     return ("; ".join(figures), min(ratios) >= 0.95) if ratios else None
 
 
+def _int4_at(run: Run, op: str, shape: str | None, floor: float):
+    """int4 against kvzoo's bf16 (decode) at one shape: (figure, met)."""
+    i, b = (run.kvzoo(op, shape, v) if shape else None for v in ("int4", "none"))
+    return (f"{b.time_us / i.time_us:.2f}x at {shape}", b.time_us / i.time_us >= floor) if i and b else None
+
+
+def _int4_prefill(run: Run):
+    big = run.largest("prefill")
+    i, q = (run.kvzoo("prefill", big, v) if big else None for v in ("int4", "int8"))
+    return (f"{i.time_us / q.time_us:.2f}x int8's time", i.time_us <= 1.1 * q.time_us) if i and q else None
+
+
+def _int4_write(run: Run):
+    rows = [r for s in run.shapes("write") if (r := run.kvzoo("write", s, "int4"))]
+    return (", ".join(f"{r.pct:.1f}% at {r.shape}" for r in rows), all(r.pct >= 80 for r in rows)) if rows else None
+
+
 # What the issues ask of these rows (figures the issues fix, not measurements). Issue 20's
 # fp8-prefill target needs rows gpu_bench.py does not time yet.
 TARGETS = (
@@ -561,6 +580,18 @@ TARGETS = (
     ),
     Target(20, "int8 decode >= 1.75x kvzoo bf16", _int8_vs_bf16(1.75)),
     Target(20, "decode on the inline page >= 0.95x the separate layout's speed", _inline_vs_separate),
+    Target(
+        19,
+        f"int4 decode at 64x{DECODE_CONTEXT} >= 2.8x kvzoo bf16",
+        lambda run: _int4_at(run, "decode", run.with_context("decode", DECODE_CONTEXT), 2.8),
+    ),
+    Target(
+        19,
+        f"int4 decode at {DECODE_CONTEXT} context >= 80% of the copy ceiling (its own bytes)",
+        lambda run: _pct_at(run, run.with_context("decode", DECODE_CONTEXT), ("int4",), 80),
+    ),
+    Target(19, "int4 prefill within 10% of int8's", _int4_prefill),
+    Target(19, "int4 writes >= 80% of the copy ceiling", _int4_write),
 )
 
 
