@@ -115,15 +115,18 @@ def bound_relaunch(plan, attr: str, call: Callable[[], None]) -> Callable[[], No
         launch = impl.prepare(problem, **kw)
         return None if launch is None else (lambda operands: seen.append((launch, operands)))
 
-    saved = plan._prepared.copy()
+    # The plan's tables of prepared and recalled launches are set aside, so the call prepares.
+    saved = plan._prepared.copy(), plan._recalled.copy()
     plan._prepared.clear()
+    plan._recalled.clear()
     setattr(plan, attr, dataclasses.replace(impl, prepare=prepare))
     try:
         call()
     finally:
         setattr(plan, attr, impl)
-        plan._prepared.clear()
-        plan._prepared.update(saved)
+        for table, kept in zip((plan._prepared, plan._recalled), saved):
+            table.clear()
+            table.update(kept)
     if not seen:
         return None
     launch, operands = seen[0]
