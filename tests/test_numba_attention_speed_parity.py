@@ -24,7 +24,16 @@ def _strided_copy(a: np.ndarray) -> np.ndarray:
     return view
 
 
-@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "fp8_e4m3fnuz_per_token_head"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "fp8_e4m3fnuz_per_token_head",
+        "int4_per_token_head",
+        "int4_per_token_head_norot",
+    ],
+)
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 1), (8, 1)])
 def test_fused_and_tile_paths_match(mode, hq, hkv):
     rng = np.random.default_rng()

@@ -21,9 +21,10 @@ import numpy as np
 
 from ...arrays import dtype_name
 from ...capabilities import ALL_OPTIONS, Capabilities
-from ...modes import MODES
+from ...modes import MODES, rht_signs
 from ...registry import Implementation
-from .formats import FORMAT_KINDS
+from .formats import FORMAT_KINDS, U4
+from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Outputs, PagedCache, Params, Query, Rows, Step, operand
 from .strided import KINDS, flat, stride_problem
 
 NAME = "numba"
@@ -109,6 +110,42 @@ def _strided_reasons(problem: Any, names: tuple[str, ...]) -> list[str]:
     return reasons
 
 
+@functools.cache
+def _signs(head_size: int) -> np.ndarray:
+    # Built bit by bit in Python (tens of microseconds): once per head size. Never written.
+    return rht_signs(head_size)
+
+
+def _rotation(mode: Any, head_size: int) -> tuple[bool, np.ndarray]:
+    """(whether the mode's rows are stored rotated, the rotation's signs) for PagedCache."""
+    if mode.rotation is None:
+        return False, NO_SIGNS
+    if mode.rotation != "rht":
+        raise NotImplementedError(f"numba: rotation {mode.rotation!r}")
+    return True, _signs(head_size)
+
+
+def _paged_cache(p: Any, carrier: type) -> PagedCache:
+    """The cache operands of a write or attention problem as the kernels' record."""
+    mode = p.mode
+    if mode.per_token_head:
+        scales = (*operand(p.k_scale_cache, np.uint32), *operand(p.v_scale_cache, np.uint32))
+    else:
+        scales = (*NO_SCALES, *NO_SCALES)
+    tensor_scales = (_f32(p.k_scale), _f32(p.v_scale)) if mode.per_tensor else (np.float32(1.0),) * 2
+    kind = _cache_kind(mode, p.key_cache)[0]
+    return PagedCache(
+        np.int64(kind),
+        *operand(p.key_cache, carrier),
+        *operand(p.value_cache, carrier),
+        mode.per_token_head,
+        *scales,
+        *tensor_scales,
+        np.int64(p.block_size),
+        *_rotation(mode, p.head_size),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # reshape_and_cache
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +169,22 @@ def run_reshape_and_cache(p: Any) -> None:
         kc, kcs = flat(p.key_cache, carrier)
         vc, vcs = flat(p.value_cache, carrier)
         k.write_plain(key, kst, value, vst, slots, num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
+        return
+    if FORMAT_KINDS[mode.format.name] == U4:
+        rows = Rows(np.int64(kind), *operand(p.key, carrier), *operand(p.value, carrier))
+        fmt = mode.format
+        floor = np.float32(mode.scale_floor)
+        k.write_int4(
+            rows,
+            _paged_cache(p, _cache_kind(mode, p.key_cache)[1]),
+            slots,
+            num_slots,
+            heads,
+            hsize,
+            np.float32(fmt.qmax),
+            np.float32(fmt.qmin),
+            floor,
+        )
         return
     kc, kcs = flat(p.key_cache, np.uint8)
     vc, vcs = flat(p.value_cache, np.uint8)
@@ -185,9 +238,13 @@ def write_reasons(p: Any) -> list[str]:
 
 
 def _cache_kind(mode: Any, cache: np.ndarray) -> tuple[int, type]:
+    """(element kind, carrier) of a cache. uint4 bytes travel as int8, 8-bit codes as uint8:
+    the carrier is part of the compiled signature, so each kernel compiles the uint4 paths only
+    where a uint4 cache can reach them, and the 8-bit ones only where 8-bit codes can."""
     if mode.code_dtype is None:
         return KINDS[np.dtype(cache.dtype).name]
-    return FORMAT_KINDS[mode.format.name], np.uint8
+    kind = FORMAT_KINDS[mode.format.name]
+    return kind, (np.int8 if kind == U4 else np.uint8)
 
 
 def run_dequantize(p: Any) -> None:
@@ -197,6 +254,23 @@ def run_dequantize(p: Any) -> None:
     kind, carrier = _cache_kind(p.mode, p.cache)
     cache, cst = flat(p.cache, carrier)
     out, ost = flat(p.out, np.float32)
+    if kind == U4:
+        scales, sst = flat(p.scale_cache, np.uint32)
+        k.dequantize_int4(
+            cache,
+            cst,
+            scales,
+            sst,
+            *_rotation(p.mode, p.head_size),
+            np.ascontiguousarray(p.block_tables, dtype=np.int64),
+            np.ascontiguousarray(p.cu_seq_lens, dtype=np.int64),
+            out,
+            ost,
+            np.int64(p.cache.shape[2]),
+            np.int64(p.head_size),
+            np.int64(p.cache.shape[1]),
+        )
+        return
     if p.mode.per_token_head:
         scales, sst = flat(p.scale_cache, np.uint32)
         tscale = np.float32(1.0)
@@ -256,64 +330,29 @@ def run_paged_attention(p: Any) -> None:
     if p.query.shape[0] == 0:
         return
     q_kind, q_carrier = KINDS[np.dtype(p.query.dtype).name]
-    kv_kind, kv_carrier = _cache_kind(p.mode, p.key_cache)
-    query, qst = flat(p.query, q_carrier)
-    kc, kcs = flat(p.key_cache, kv_carrier)
-    vc, vcs = flat(p.value_cache, kv_carrier)
-    if p.mode.per_token_head:
-        ksc, kscs = flat(p.k_scale_cache, np.uint32)
-        vsc, vscs = flat(p.v_scale_cache, np.uint32)
-        kts = vts = np.float32(1.0)
-    else:
-        ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
-        if p.mode.per_tensor:
-            kts, vts = _f32(p.k_scale), _f32(p.v_scale)
-        else:
-            kts = vts = np.float32(1.0)
+    cache = _paged_cache(p, _cache_kind(p.mode, p.key_cache)[1])
     group = p.num_q_heads // p.num_kv_heads
     block_tokens = 1 if p.max_query_len <= 1 else max(1, _PREFILL_ROWS // group)
     seq_lens = np.ascontiguousarray(p.seq_lens, dtype=np.int64)
     qsl = np.ascontiguousarray(p.query_start_loc, dtype=np.int64)
-    items = work_items(qsl, block_tokens, seq_lens)
-    direct = np.dtype(p.out.dtype) == np.float32
-    out32 = p.out if direct else np.empty(p.out.shape, np.float32)
-    out, ost = flat(out32, np.float32)
-    sinks = np.ascontiguousarray(p.sinks, dtype=np.float32) if p.sinks is not None else np.zeros(1, np.float32)
-    # Without lse a one-element stand-in of the same types: one compiled signature serves both.
-    lse_args = (*flat(p.lse, np.float32), True) if p.lse is not None else (np.empty(1, np.float32), (0, 0, 0), False)
-    k.attention(
-        query,
-        qst,
-        np.int64(q_kind),
-        kc,
-        kcs,
-        vc,
-        vcs,
-        np.int64(kv_kind),
-        ksc,
-        kscs,
-        vsc,
-        vscs,
-        p.mode.per_token_head,
-        kts,
-        vts,
-        np.ascontiguousarray(p.block_tables, dtype=np.int64),
-        seq_lens,
-        qsl,
-        *items,
-        out,
-        ost,
+    step = Step(
+        np.ascontiguousarray(p.block_tables, dtype=np.int64), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens)
+    )
+    params = Params(
         np.int64(p.num_q_heads),
         np.int64(p.num_kv_heads),
         np.int64(p.head_size),
-        np.int64(p.block_size),
         np.float32(p.softmax_scale),
         np.int64(p.sliding_window or 0),
         np.float32(p.softcap or 0.0),
-        sinks,
         p.sinks is not None,
-        *lse_args,
+        np.ascontiguousarray(p.sinks, dtype=np.float32) if p.sinks is not None else NO_SINKS,
     )
+    direct = np.dtype(p.out.dtype) == np.float32
+    out32 = p.out if direct else np.empty(p.out.shape, np.float32)
+    lse = operand(p.lse, np.float32) if p.lse is not None else NO_LSE
+    outputs = Outputs(*operand(out32, np.float32), p.lse is not None, *lse)
+    k.attention(Query(*operand(p.query, q_carrier), np.int64(q_kind)), cache, step, params, outputs)
     if not direct:
         p.out[...] = out32
 

@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .formats import BF16, E4M3FN, E4M3FNUZ, E5M2, F16, F32, I8
+from .formats import BF16, E4M3FN, E4M3FNUZ, E5M2, F16, F32, I8, U4
 
 # ----------------------------------------------------------------------------------------------
 # Bit-level helpers: reinterpretation, widening, fp8 coding. They live in this file because
@@ -106,6 +106,19 @@ def f32_from_f16_bits(typingctx, bits):
         return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def f32_through_f16(typingctx, x):
+    """A float32 rounded to IEEE half (nearest even; beyond the half range +-Inf, NaN a NaN)
+    and widened back: one fptrunc (F16C vcvtps2ph) and one exact fpext."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(x), codegen
 
 
 # The helpers below are written branch-free in int32 where they sit in inner loops, so LLVM
@@ -234,6 +247,23 @@ _WRITE_CHUNK = 8
 # Keys per attention tile: decoded K and V tiles (TILE x head_size fp32) stay in L1.
 TILE = 32
 _FUSED_ROWS = 8
+
+
+@njit(inline="always")
+def _strides3(a):
+    """An operand's int64 [offset, *strides] (records.py) as scalars, which stay in registers
+    where array elements would be reloaded after every store."""
+    return a[0], a[1], a[2]
+
+
+@njit(inline="always")
+def _strides4(a):
+    return a[0], a[1], a[2], a[3]
+
+
+@njit(inline="always")
+def _strides5(a):
+    return a[0], a[1], a[2], a[3], a[4]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -651,6 +681,297 @@ def dequantize(
 
 
 # ----------------------------------------------------------------------------------------------
+# int4 per-token-head (SPEC.md section 12): two 4-bit codes per byte (element 2j in the low
+# nibble of byte j), an asymmetric scale per row whose word carries the row's zero point in its
+# low 4 bits, and for the rotated mode a sign flip and Walsh-Hadamard butterfly before encoding.
+# ----------------------------------------------------------------------------------------------
+
+# The bits of a uint4 row's scale word that hold its zero point (kvzoo.formats' UINT4 has 4
+# zero-point bits; tests/test_numba_int4.py holds the two together), and the rest: the scale.
+_ZP_MASK = _i32(0xF)
+_SCALE_BITS = _i32(-16)  # 0xFFFFFFF0
+
+
+@njit(inline="always")
+def _fwht_lanes(t, n, lanes):
+    """SPEC.md 12.2's butterfly on `lanes` rows of n elements (n a power of two) at once, in
+    place, in float32: for h = 1, 2, 4, ..., n/2 in that order, each pair (x[i], x[i+h]) of a
+    row with i & h == 0 becomes (x[i] + x[i+h], x[i] - x[i+h]), every add and subtract one
+    rounding of the previous stage's values (so only the stage order and the pairing fix the
+    result). The rows are held element-major, element d of row r at t[d*lanes + r], so the
+    innermost loop runs over rows and vectorizes at every stage; one row at a time, stages 1,
+    2 and 4 pair elements within a vector (D = 128: 27 ns a row over 64 rows, against 180 ns a
+    row alone, measured)."""
+    h = 1
+    while h < n:
+        for b in range(0, n, 2 * h):
+            for i in range(b, b + h):
+                a0 = i * lanes
+                c0 = (i + h) * lanes
+                for r in range(lanes):
+                    a = t[_u(a0 + r)]
+                    c = t[_u(c0 + r)]
+                    t[_u(a0 + r)] = a + c
+                    t[_u(c0 + r)] = a - c
+        h *= 2
+
+
+@njit(inline="always")
+def _through_bf16(x):
+    """x rounded to bfloat16 (nearest even, beyond its range +-Inf) and widened back; a NaN
+    stays a NaN (the integer rounding would carry a NaN's mantissa into its sign)."""
+    u = i32_from_f32(x)
+    rounded = _i32(u + _i32(_i32(0x7FFF) + _i32(_i32(u >> _i32(16)) & _i32(1)))) & _i32(-65536)
+    return x if x != x else f32_from_bits(rounded)
+
+
+@njit(inline="always")
+def _narrow_like_input(x, n, kind):
+    """SPEC.md 12.2 step 3: each of x[0:n] rounded to the input's dtype and widened back."""
+    if kind == BF16:
+        for d in range(n):
+            x[_u(d)] = _through_bf16(x[_u(d)])
+    elif kind == F16:
+        for d in range(n):
+            x[_u(d)] = f32_through_f16(x[_u(d)])
+
+
+@njit(inline="always")
+def _u4_code(v, qmax, qmin):
+    """SPEC.md 12.3's R(v) for a finite v: clamped to [qmin, qmax] = [0, 15], then the integer
+    part of fl(v + 0.5) (vLLM's (v + 0.5).to(int32): half away from zero through one add)."""
+    return _i32(min(max(v, qmin), qmax) + np.float32(0.5))
+
+
+@njit(inline="always")
+def _encode_u4(xf, dst, d0, dd, n, qmax, qmin, floor):
+    """SPEC.md 12.3 on the float32 row xf[0:n] (rotated and narrowed already, or not): n / 2
+    bytes of two codes at dst[d0 + j * dd]; returns the scale word."""
+    # One integer pass (it vectorizes; a float max without nnan does not): the magnitude bits'
+    # max (NaN and Inf above every finite), and the ends of the range as ordered keys, which
+    # start at +0's key so the range holds 0. -0's key (-1) moves neither end once decoded.
+    amax = _i32(0)
+    hi_key = _i32(0)
+    lo_key = _i32(0)
+    for d in range(n):
+        bits = i32_from_f32(xf[_u(d)])
+        mag = _i32(bits & _i32(0x7FFFFFFF))
+        amax = mag if mag > amax else amax
+        key = _i32(bits ^ _i32(_i32(bits >> _i32(31)) & _i32(0x7FFFFFFF)))
+        hi_key = key if key > hi_key else hi_key
+        lo_key = key if key < lo_key else lo_key
+    hi = f32_from_bits(hi_key)
+    lo = f32_from_bits(_i32(lo_key ^ _i32(0x7FFFFFFF))) if lo_key < _i32(-1) else _ZERO
+    span = hi - lo
+    if amax >= _i32(0x7F800000) or not span < np.float32(np.inf):
+        # A NaN or Inf in the row, or a range beyond float32: codes 0 under the NaN word.
+        for j in range(n // 2):
+            dst[_u(d0 + j * dd)] = 0
+        return _i32(_CANONICAL_NAN)
+    q = span / (qmax - qmin)
+    scale = q if q > floor else floor
+    zp = _u4_code(-lo / scale, qmax, qmin)
+    inv = _ONE / scale
+    zpf = np.float32(zp)
+    for j in range(n // 2):
+        # Two roundings each (the product, then the zero point added): no fused multiply-add.
+        c0 = _u4_code(xf[_u(2 * j)] * inv + zpf, qmax, qmin)
+        c1 = _u4_code(xf[_u(2 * j + 1)] * inv + zpf, qmax, qmin)
+        dst[_u(d0 + j * dd)] = c0 | (c1 << _i32(4))
+    return _i32(i32_from_f32(scale) & _SCALE_BITS) | zp
+
+
+# The row functions below are compiled functions for the reason _quantize_row is one (they
+# call no other compiled function, so their array arguments cost no refcount updates).
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _quantize_row_u4(src, s0, sd, kind, xf, dst, d0, dd, n, qmax, qmin, floor):
+    """One row of the unrotated mode: widened into xf, then _encode_u4."""
+    _load_row_absmax(src, s0, sd, kind, xf, n)
+    return _encode_u4(xf, dst, d0, dd, n, qmax, qmin, floor)
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _rotate_rows_u4(src, st, kind, t_lo, t_hi, num_heads, n, signs, lanes, xf):
+    """SPEC.md 12.2 steps 1-2 on the rows of tokens t_lo..t_hi-1, every head, at once: row r =
+    (t - t_lo) * num_heads + h goes to lanes[d * rows + r] (element-major, see _fwht_lanes)."""
+    rows = (t_hi - t_lo) * num_heads
+    for t in range(t_lo, t_hi):
+        for h in range(num_heads):
+            _load_row_absmax(src, st[0] + t * st[1] + h * st[2], st[3], kind, xf, n)
+            r = (t - t_lo) * num_heads + h
+            for d in range(n):
+                lanes[_u(d * rows + r)] = xf[_u(d)] * signs[_u(d)]
+    _fwht_lanes(lanes, n, rows)
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _quantize_rotated_u4(lanes, r, rows, kind, xf, dst, d0, dd, n, qmax, qmin, floor):
+    """Row r of _rotate_rows_u4's output: narrowed to the input dtype (12.2 step 3) in xf,
+    then _encode_u4."""
+    for d in range(n):
+        xf[_u(d)] = lanes[_u(d * rows + r)]
+    _narrow_like_input(xf, n, kind)
+    return _encode_u4(xf, dst, d0, dd, n, qmax, qmin, floor)
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _write_tokens_u4(t_lo, t_hi, xf, klanes, vlanes, rows, cache, slots, num_slots, num_heads, n, qmax, qmin, floor):
+    """The int4 write of tokens t_lo..t_hi-1 (see write_int4); klanes / vlanes hold their
+    rotated rows (rotated modes)."""
+    kind = rows.kind
+    key, ks_, value, vs_ = rows.key, _strides4(rows.key_strides), rows.value, _strides4(rows.value_strides)
+    kc, kcs, vc, vcs = cache.key, _strides5(cache.key_strides), cache.value, _strides5(cache.value_strides)
+    ksc, kscs = cache.key_scales, _strides4(cache.key_scale_strides)
+    vsc, vscs = cache.value_scales, _strides4(cache.value_scale_strides)
+    block_size = cache.block_size
+    rotate = cache.rotated
+    lanes_rows = (t_hi - t_lo) * num_heads
+    if rotate:
+        _rotate_rows_u4(key, ks_, kind, t_lo, t_hi, num_heads, n, cache.signs, klanes, xf)
+        _rotate_rows_u4(value, vs_, kind, t_lo, t_hi, num_heads, n, cache.signs, vlanes, xf)
+    for t in range(t_lo, t_hi):
+        slot = slots[t]
+        if slot < 0 or slot >= num_slots:  # as in _write_tokens
+            continue
+        blk = slot // block_size
+        off = slot - blk * block_size
+        for h in range(num_heads):
+            kd = kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3]
+            vd = vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3]
+            if rotate:
+                r = (t - t_lo) * num_heads + h
+                kbits = _quantize_rotated_u4(klanes, r, lanes_rows, kind, xf, kc, kd, kcs[4], n, qmax, qmin, floor)
+                vbits = _quantize_rotated_u4(vlanes, r, lanes_rows, kind, xf, vc, vd, vcs[4], n, qmax, qmin, floor)
+            else:
+                k0 = ks_[0] + t * ks_[1] + h * ks_[2]
+                v0 = vs_[0] + t * vs_[1] + h * vs_[2]
+                kbits = _quantize_row_u4(key, k0, ks_[3], kind, xf, kc, kd, kcs[4], n, qmax, qmin, floor)
+                vbits = _quantize_row_u4(value, v0, vs_[3], kind, xf, vc, vd, vcs[4], n, qmax, qmin, floor)
+            ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
+            vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
+
+
+@njit(parallel=True, **_OPTS)
+def write_int4(rows, cache, slots, num_slots, num_heads, head_size, qmax, qmin, floor):
+    """reshape_and_cache for the uint4 modes; rows and cache are records.py's Rows and
+    PagedCache (codes uint8 [.., head_size / 2] bytes, scale words uint32). Parallel over chunks
+    of tokens, heads inside, as write_quantized."""
+    num_tokens = slots.shape[0]
+    lanes = _WRITE_CHUNK * num_heads * head_size if cache.rotated else 0
+    for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
+        xf = np.empty(head_size, dtype=np.float32)
+        klanes = np.empty(lanes, dtype=np.float32)
+        vlanes = np.empty(lanes, dtype=np.float32)
+        _write_tokens_u4(
+            chunk * _WRITE_CHUNK,
+            min(num_tokens, (chunk + 1) * _WRITE_CHUNK),
+            xf,
+            klanes,
+            vlanes,
+            rows,
+            cache,
+            slots,
+            num_slots,
+            num_heads,
+            head_size,
+            qmax,
+            qmin,
+            floor,
+        )
+
+
+@njit(inline="always")
+def _u4_values(b, zp):
+    """The values code - zp of the two codes of byte b (as int32, sign-extended from the int8
+    carrier, see __init__._cache_kind): exact integers, as float32."""
+    lo = _i32(b & _ZP_MASK)
+    hi = _i32(_i32(b >> _i32(4)) & _ZP_MASK)
+    return np.float32(_i32(lo - zp)), np.float32(_i32(hi - zp))
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _dequantize_tokens_u4(
+    t_lo,
+    t_hi,
+    lanes,
+    cache,
+    cs,
+    scales,
+    ss,
+    rotate,
+    signs,
+    block_tables,
+    cu_seq_lens,
+    out,
+    os_,
+    num_heads,
+    head_size,
+    block_size,
+):
+    """dequantize_int4 of the output rows t_lo..t_hi-1, every head: the stored value
+    fl((code - zp) * scale_t), then (rotate) SPEC.md 12.2's float32 inverse fl(fl(fwht(y) * s)
+    / D), the rows held in lanes element-major (see _fwht_lanes)."""
+    rows = (t_hi - t_lo) * num_heads
+    half = head_size // 2
+    for t in range(t_lo, t_hi):
+        s = np.searchsorted(cu_seq_lens, t, side="right") - 1
+        i = t - cu_seq_lens[s]
+        blk = block_tables[s, i // block_size]
+        off = i - (i // block_size) * block_size
+        for h in range(num_heads):
+            r = (t - t_lo) * num_heads + h
+            word = _i32(scales[_u(ss[0] + blk * ss[1] + off * ss[2] + h * ss[3])])
+            scale = f32_from_bits(word & _SCALE_BITS)
+            zp = _i32(word & _ZP_MASK)
+            c0 = cs[0] + blk * cs[1] + off * cs[2] + h * cs[3]
+            for j in range(half):
+                lo, hi = _u4_values(_i32(cache[_u(c0 + j * cs[4])]), zp)
+                lanes[_u(2 * j * rows + r)] = lo * scale
+                lanes[_u((2 * j + 1) * rows + r)] = hi * scale
+    if rotate:
+        _fwht_lanes(lanes, head_size, rows)
+        dsize = np.float32(head_size)
+        for d in range(head_size):
+            for r in range(rows):
+                lanes[_u(d * rows + r)] = (lanes[_u(d * rows + r)] * signs[_u(d)]) / dsize
+    for t in range(t_lo, t_hi):
+        for h in range(num_heads):
+            r = (t - t_lo) * num_heads + h
+            o0 = os_[0] + t * os_[1] + h * os_[2]
+            for d in range(head_size):
+                out[_u(o0 + d * os_[3])] = lanes[_u(d * rows + r)]
+
+
+@njit(parallel=True, **_OPTS)
+def dequantize_int4(
+    cache, cs, scales, ss, rotate, signs, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size
+):
+    """dequantize for the uint4 modes, into the model's basis (see _dequantize_tokens_u4):
+    cache flat uint8 with (offset, sB, sS, sH, sByte), scales flat uint32 words."""
+    total = cu_seq_lens[cu_seq_lens.shape[0] - 1]
+    for chunk in prange((total + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
+        lanes = np.empty(_WRITE_CHUNK * num_heads * head_size, dtype=np.float32)
+        _dequantize_tokens_u4(
+            chunk * _WRITE_CHUNK,
+            min(total, (chunk + 1) * _WRITE_CHUNK),
+            lanes,
+            cache,
+            cs,
+            scales,
+            ss,
+            rotate,
+            signs,
+            block_tables,
+            cu_seq_lens,
+            out,
+            os_,
+            num_heads,
+            head_size,
+            block_size,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # Paged attention
 # ----------------------------------------------------------------------------------------------
 
@@ -738,6 +1059,8 @@ def _decode_rows_any_overload(src, st, kind, block_tables, seq, bi, off, g, n, d
                 _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
         return codes
+    if src.dtype == types.int8:  # uint4 codes: _decode_tile_u4 decodes them
+        return lambda src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size: None
     if src.dtype == types.uint16:
 
         def half(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
@@ -982,6 +1305,231 @@ def _fused_accumulate_overload(acc, w, vc, vrow, kind, rows, n, hd):
     return lambda acc, w, vc, vrow, kind, rows, n, hd: None
 
 
+# uint4 rows (SPEC.md 12.6): byte j holds elements 2j and 2j + 1, and the products take a row
+# in the order "even elements, then odd" (element 2j at j, 2j + 1 at D/2 + j), so each loop
+# runs over a row's D/2 bytes with unit-stride query, accumulator and byte operands. A uint4
+# item keeps its query rows and accumulators in that order (_u4_query_rows, _u4_output_rows).
+# Each code enters as code - zp, exact, keeping the zero point out of the products' rounding
+# (SPEC.md's q . codes - sum(q) * zp form subtracts two large sums). As for the 8-bit codes, a
+# tile is read either as the cache's bytes (few query rows) or decoded once into a float32
+# tile in the same order, and both give the same bytes: q . k is one copy of the loops for
+# both (_scores_u4); p . v on a decoded tile is _accumulate_tile, whose additions into each
+# element are _accumulate_u4's, in the same order and the same expression shape
+# (tests/test_numba_attention_speed_parity.py holds the two paths together).
+
+
+def _u4_pair(src, a, j, half, zp):
+    """Elements 2j and 2j + 1 of the uint4 row at src[a:], as (code - zp) float32 values:
+    decoded from byte a + j of the cache, or read from a decoded tile (at a + j, a + half + j)."""
+
+
+@overload(_u4_pair, inline="always")
+def _u4_pair_overload(src, a, j, half, zp):
+    if isinstance(src.dtype, types.Float):
+        return lambda src, a, j, half, zp: (src[_u(a + j)], src[_u(a + half + j)])
+    return lambda src, a, j, half, zp: _u4_values(_i32(src[_u(a + j)]), zp)
+
+
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores_u4(q, rows, src, rowa, zps, n, hd, out):
+    """out[r*TILE + kk] = q[r] . (codes - zp) of uint4 K row kk (at src[rowa[kk]:], bytes or a
+    decoded tile), q rows in even-then-odd order; four rows per pass, as _scores_of."""
+    half = hd // 2
+    r = 0
+    while r + 4 <= rows:
+        q0 = r * hd
+        q1 = q0 + hd
+        q2 = q1 + hd
+        q3 = q2 + hd
+        for kk in range(n):
+            s0 = _ZERO
+            s1 = _ZERO
+            s2 = _ZERO
+            s3 = _ZERO
+            k0 = rowa[kk]
+            zp = zps[kk]
+            for j in range(half):
+                lo, hi = _u4_pair(src, k0, j, half, zp)
+                s0 += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
+                s1 += q[_u(q1 + j)] * lo + q[_u(q1 + half + j)] * hi
+                s2 += q[_u(q2 + j)] * lo + q[_u(q2 + half + j)] * hi
+                s3 += q[_u(q3 + j)] * lo + q[_u(q3 + half + j)] * hi
+            out[_u(r * TILE + kk)] = s0
+            out[_u(r * TILE + TILE + kk)] = s1
+            out[_u(r * TILE + 2 * TILE + kk)] = s2
+            out[_u(r * TILE + 3 * TILE + kk)] = s3
+        r += 4
+    for row in range(r, rows):
+        q0 = row * hd
+        for kk in range(n):
+            acc = _ZERO
+            k0 = rowa[kk]
+            zp = zps[kk]
+            for j in range(half):
+                lo, hi = _u4_pair(src, k0, j, half, zp)
+                acc += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
+            out[_u(row * TILE + kk)] = acc
+
+
+@njit(inline="always")
+def _axpy_u4_block(acc, w, src, rowa, zps, r, kk, hd):
+    """_axpy_block for uint4 V rows: acc rows r..r+3 += their weights for keys kk..kk+3 times
+    the keys' values, each acc element's additions in key order."""
+    half = hd // 2
+    w0 = r * TILE + kk
+    x00 = w[_u(w0)]
+    x01 = w[_u(w0 + 1)]
+    x02 = w[_u(w0 + 2)]
+    x03 = w[_u(w0 + 3)]
+    x10 = w[_u(w0 + TILE)]
+    x11 = w[_u(w0 + TILE + 1)]
+    x12 = w[_u(w0 + TILE + 2)]
+    x13 = w[_u(w0 + TILE + 3)]
+    x20 = w[_u(w0 + 2 * TILE)]
+    x21 = w[_u(w0 + 2 * TILE + 1)]
+    x22 = w[_u(w0 + 2 * TILE + 2)]
+    x23 = w[_u(w0 + 2 * TILE + 3)]
+    x30 = w[_u(w0 + 3 * TILE)]
+    x31 = w[_u(w0 + 3 * TILE + 1)]
+    x32 = w[_u(w0 + 3 * TILE + 2)]
+    x33 = w[_u(w0 + 3 * TILE + 3)]
+    v0, v1, v2, v3 = rowa[kk], rowa[kk + 1], rowa[kk + 2], rowa[kk + 3]
+    z0, z1, z2, z3 = zps[kk], zps[kk + 1], zps[kk + 2], zps[kk + 3]
+    a0 = r * hd
+    a1 = a0 + hd
+    a2 = a1 + hd
+    a3 = a2 + hd
+    for j in range(half):
+        e0, f0 = _u4_pair(src, v0, j, half, z0)
+        e1, f1 = _u4_pair(src, v1, j, half, z1)
+        e2, f2 = _u4_pair(src, v2, j, half, z2)
+        e3, f3 = _u4_pair(src, v3, j, half, z3)
+        acc[_u(a0 + j)] = (((acc[_u(a0 + j)] + x00 * e0) + x01 * e1) + x02 * e2) + x03 * e3
+        acc[_u(a1 + j)] = (((acc[_u(a1 + j)] + x10 * e0) + x11 * e1) + x12 * e2) + x13 * e3
+        acc[_u(a2 + j)] = (((acc[_u(a2 + j)] + x20 * e0) + x21 * e1) + x22 * e2) + x23 * e3
+        acc[_u(a3 + j)] = (((acc[_u(a3 + j)] + x30 * e0) + x31 * e1) + x32 * e2) + x33 * e3
+        h0 = a0 + half + j
+        h1 = a1 + half + j
+        h2 = a2 + half + j
+        h3 = a3 + half + j
+        acc[_u(h0)] = (((acc[_u(h0)] + x00 * f0) + x01 * f1) + x02 * f2) + x03 * f3
+        acc[_u(h1)] = (((acc[_u(h1)] + x10 * f0) + x11 * f1) + x12 * f2) + x13 * f3
+        acc[_u(h2)] = (((acc[_u(h2)] + x20 * f0) + x21 * f1) + x22 * f2) + x23 * f3
+        acc[_u(h3)] = (((acc[_u(h3)] + x30 * f0) + x31 * f1) + x32 * f2) + x33 * f3
+
+
+@njit(inline="always")
+def _axpy_u4_key(acc, a0, wk, src, v0, zp, hd):
+    """_axpy_key for a uint4 V row (a zero weight adds nothing)."""
+    if wk != _ZERO:
+        half = hd // 2
+        for j in range(half):
+            lo, hi = _u4_pair(src, v0, j, half, zp)
+            acc[_u(a0 + j)] += wk * lo
+            acc[_u(a0 + half + j)] += wk * hi
+
+
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate_u4(acc, w, src, rowa, zps, rows, n, hd):
+    """_accumulate (the same blocks, the same key order) on uint4 V code rows: acc[r] +=
+    w[r*TILE + kk] * (codes - zp) of V row kk, acc rows in even-then-odd order."""
+    r = 0
+    while r < rows:
+        nr = 4 if r + 4 <= rows else 1
+        kk = 0
+        while kk < n:
+            ke = min(kk + 4, n) if nr == 4 else n
+            nonzero = ke - kk == 4
+            for i in range(nr):
+                for j in range(kk, ke):
+                    nonzero = nonzero and w[_u((r + i) * TILE + j)] != _ZERO
+            if nonzero and nr == 4:
+                _axpy_u4_block(acc, w, src, rowa, zps, r, kk, hd)
+            else:
+                for i in range(nr):
+                    for k in range(kk, ke):
+                        _axpy_u4_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], zps[k], hd)
+            kk = ke
+        r += nr
+
+
+@njit(inline="always")
+def _decode_u4_row(src, a, sd, zp, dst, d0, half):
+    for j in range(half):
+        lo, hi = _u4_values(_i32(src[_u(a + j * sd)]), zp)
+        dst[_u(d0 + j)] = lo
+        dst[_u(d0 + half + j)] = hi
+
+
+@njit(**_LEAF)
+def _decode_tile_u4(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """_decode_tile for uint4 rows: dst row kk = codes - zps[kk], even elements then odd."""
+    half = hd // 2
+    for kk in range(n):
+        blk = block_tables[seq, bi]
+        a = st[0] + blk * st[1] + off * st[2] + g * st[3]
+        if st[4] == 1:  # the stride a constant, so the loop vectorizes (as _decode_rows)
+            _decode_u4_row(src, a, 1, zps[kk], dst, kk * hd, half)
+        else:
+            _decode_u4_row(src, a, st[4], zps[kk], dst, kk * hd, half)
+        off += 1
+        if off == block_size:
+            off = 0
+            bi += 1
+
+
+# uint4 caches arrive as int8 (see __init__._cache_kind): the functions below run the uint4
+# loops for those and are nothing for any other cache, so other signatures compile no uint4 code.
+
+
+def _fused_u4_scores(q, rows, kc, krow, kzp, n, hd, out):
+    """_scores_u4 on the cache's code rows."""
+
+
+@overload(_fused_u4_scores)
+def _fused_u4_scores_overload(q, rows, kc, krow, kzp, n, hd, out):
+    if kc.dtype == types.int8:
+        return lambda q, rows, kc, krow, kzp, n, hd, out: _scores_u4(q, rows, kc, krow, kzp, n, hd, out)
+    return lambda q, rows, kc, krow, kzp, n, hd, out: None
+
+
+def _fused_u4_accumulate(acc, w, vc, vrow, vzp, rows, n, hd):
+    """_accumulate_u4 on the cache's code rows."""
+
+
+@overload(_fused_u4_accumulate)
+def _fused_u4_accumulate_overload(acc, w, vc, vrow, vzp, rows, n, hd):
+    if vc.dtype == types.int8:
+        return lambda acc, w, vc, vrow, vzp, rows, n, hd: _accumulate_u4(acc, w, vc, vrow, vzp, rows, n, hd)
+    return lambda acc, w, vc, vrow, vzp, rows, n, hd: None
+
+
+def _u4_decode_tile(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """_decode_tile_u4 on the cache's code rows."""
+
+
+@overload(_u4_decode_tile)
+def _u4_decode_tile_overload(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    if src.dtype == types.int8:
+
+        def codes(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+            _decode_tile_u4(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+        return codes
+    return lambda src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size: None
+
+
+def _u4_tile_scores(kc, q, rows, kt, rowa, kzp, n, hd, out):
+    """_scores_u4 on a decoded tile kt, where kc (the cache it came from) holds uint4 codes."""
+
+
+@overload(_u4_tile_scores)
+def _u4_tile_scores_overload(kc, q, rows, kt, rowa, kzp, n, hd, out):
+    if kc.dtype == types.int8:
+        return lambda kc, q, rows, kt, rowa, kzp, n, hd, out: _scores_u4(q, rows, kt, rowa, kzp, n, hd, out)
+    return lambda kc, q, rows, kt, rowa, kzp, n, hd, out: None
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693145751953125)  # ln 2 split so n * _LN2_HI is exact for |n| <= 2^8
 _LN2_LO = np.float32(1.4286068203094172e-06)
@@ -1070,6 +1618,7 @@ def _tile_keys(
     vsc,
     vscs,
     has_scales,
+    zero_points,
     block_tables,
     seq,
     bi,
@@ -1082,10 +1631,13 @@ def _tile_keys(
     vrow,
     kscale,
     vscale,
+    kzp,
+    vzp,
 ):
     """For the n keys from page index bi, offset off: where their K and V code rows start
     (krow, vrow) and, with per-token-head scales, kscale = K scale * key_unit and vscale =
-    V scale. One page lookup per page run, not per key."""
+    V scale; with zero_points (uint4) the scale words' low bits go to kzp / vzp instead. One
+    page lookup per page run, not per key."""
     kk = 0
     while kk < n:
         blk = block_tables[seq, bi]
@@ -1098,9 +1650,18 @@ def _tile_keys(
         if has_scales:
             ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
             va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
-            for i in range(run):
-                kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * key_unit
-                vscale[_u(kk + i)] = f32_from_bits(vsc[_u(va + i * vscs[2])])
+            if zero_points:
+                for i in range(run):
+                    kw = _i32(ksc[_u(ka + i * kscs[2])])
+                    vw = _i32(vsc[_u(va + i * vscs[2])])
+                    kscale[_u(kk + i)] = f32_from_bits(kw & _SCALE_BITS) * key_unit
+                    vscale[_u(kk + i)] = f32_from_bits(vw & _SCALE_BITS)
+                    kzp[_u(kk + i)] = _i32(kw & _ZP_MASK)
+                    vzp[_u(kk + i)] = _i32(vw & _ZP_MASK)
+            else:
+                for i in range(run):
+                    kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * key_unit
+                    vscale[_u(kk + i)] = f32_from_bits(vsc[_u(va + i * vscs[2])])
         kk += run
         off = 0
         bi += 1
@@ -1127,55 +1688,90 @@ def _unit_row(q, q0, n, unit):
     return f32_from_bits((_i32(127) - k) << _i32(23))
 
 
+@njit(**_LEAF)
+def _u4_query_rows(q, rows, n, rotated, signs, t):
+    """Each query row q[r*n:(r+1)*n] rotated (rotated: R q, SPEC.md 12.2 in float32) and put in
+    the uint4 products' even-then-odd order; t is scratch of rows * n."""
+    for r in range(rows):
+        for d in range(n):
+            t[_u(d * rows + r)] = q[_u(r * n + d)] * signs[_u(d)] if rotated else q[_u(r * n + d)]
+    if rotated:
+        _fwht_lanes(t, n, rows)
+    half = n // 2
+    for r in range(rows):
+        for j in range(half):
+            q[_u(r * n + j)] = t[_u(2 * j * rows + r)]
+            q[_u(r * n + half + j)] = t[_u((2 * j + 1) * rows + r)]
+
+
+@njit(**_LEAF)
+def _u4_output_rows(acc, rows, n, l_sum, rotated, signs, t):
+    """t[d*rows + r] = element d of output row r: o' = acc * (1 / l_sum) back in element order,
+    then (rotated) SPEC.md 12.6 step 4, signs * fwht(o') / D, in float32."""
+    half = n // 2
+    for r in range(rows):
+        inv_l = _ONE / l_sum[_u(r)]
+        for j in range(half):
+            t[_u(2 * j * rows + r)] = acc[_u(r * n + j)] * inv_l
+            t[_u((2 * j + 1) * rows + r)] = acc[_u(r * n + half + j)] * inv_l
+    if rotated:
+        _fwht_lanes(t, n, rows)
+        dsize = np.float32(n)
+        for d in range(n):
+            for r in range(rows):
+                t[_u(d * rows + r)] = (t[_u(d * rows + r)] * signs[_u(d)]) / dsize
+
+
+def _u4_rows_in(kc, q, rows, n, rotated, signs, t):
+    """_u4_query_rows where kc holds uint4 codes (see _fused_u4_scores)."""
+
+
+@overload(_u4_rows_in)
+def _u4_rows_in_overload(kc, q, rows, n, rotated, signs, t):
+    if kc.dtype == types.int8:
+        return lambda kc, q, rows, n, rotated, signs, t: _u4_query_rows(q, rows, n, rotated, signs, t)
+    return lambda kc, q, rows, n, rotated, signs, t: None
+
+
+def _u4_rows_out(vc, acc, rows, n, l_sum, rotated, signs, t):
+    """_u4_output_rows where vc holds uint4 codes (see _fused_u4_scores)."""
+
+
+@overload(_u4_rows_out)
+def _u4_rows_out_overload(vc, acc, rows, n, l_sum, rotated, signs, t):
+    if vc.dtype == types.int8:
+        return lambda vc, acc, rows, n, l_sum, rotated, signs, t: _u4_output_rows(
+            acc, rows, n, l_sum, rotated, signs, t
+        )
+    return lambda vc, acc, rows, n, l_sum, rotated, signs, t: None
+
+
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _attention_item(
-    it,
-    query,
-    qs,
-    q_kind,
-    kc,
-    kcs,
-    vc,
-    vcs,
-    kv_kind,
-    ksc,
-    kscs,
-    vsc,
-    vscs,
-    has_scales,
-    k_tscale,
-    v_tscale,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    items_seq,
-    items_t0,
-    items_nq,
-    out,
-    os_,
-    num_q_heads,
-    num_kv_heads,
-    head_size,
-    block_size,
-    softmax_scale,
-    window,
-    softcap,
-    sinks,
-    has_sinks,
-    lse,
-    ls_,
-    has_lse,
-):
+def _attention_item(it, query, cache, step, params, outputs):
     """One (query block, kv head) item of attention (see attention())."""
-    group = num_q_heads // num_kv_heads
-    hd = head_size
+    num_kv_heads = params.num_kv_heads
+    group = params.num_q_heads // num_kv_heads
+    hd = params.head_size
+    softmax_scale = params.softmax_scale
+    window = params.sliding_window
+    softcap = params.softcap
+    q_kind, qs = query.kind, _strides4(query.strides)
+    kv_kind = cache.kind
+    kc, kcs, vc, vcs = cache.key, _strides5(cache.key_strides), cache.value, _strides5(cache.value_strides)
+    ksc, kscs = cache.key_scales, _strides4(cache.key_scale_strides)
+    vsc, vscs = cache.value_scales, _strides4(cache.value_scale_strides)
+    has_scales = cache.per_token_head
+    u4 = kv_kind == U4
+    rotated = cache.rotated
+    block_size = cache.block_size
+    block_tables, query_start_loc = step.block_tables, step.query_start_loc
     wi = it // num_kv_heads
     g = it - wi * num_kv_heads
-    seq = items_seq[wi]
-    t0 = items_t0[wi]
-    nq = items_nq[wi]
+    seq = step.item_seq[wi]
+    t0 = step.item_first_token[wi]
+    nq = step.item_num_tokens[wi]
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    first_pos = seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
+    first_pos = step.seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
     rows = nq * group
 
     # The dot meets codes, whose size is fixed while the key's sits in its scale: q . codes
@@ -1185,6 +1781,10 @@ def _attention_item(
     # range wherever the logit is). Mode none's q . k is the logit's size already: kept as is.
     codes = is_code_kind(kv_kind)
     key_unit = _ONE if codes else softmax_scale
+    if rotated:
+        # q . R^T y / D = (R q) . y / D (SPEC.md 12.6): the rows are rotated below and the
+        # 1 / D, a power of two, rides with the key scale.
+        key_unit = _ONE / np.float32(hd)
 
     # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
     q = np.empty(rows * hd, dtype=np.float32)
@@ -1199,18 +1799,22 @@ def _attention_item(
         pos[r] = first_pos + j
         q0 = qs[0] + (t0 + j) * qs[1] + h * qs[2]
         if q_kind == BF16:
-            _load_row(query, q0, qs[3], BF16, q[r * hd :], hd)
+            _load_row(query.rows, q0, qs[3], BF16, q[r * hd :], hd)
         elif q_kind == F16:
-            _load_row(query, q0, qs[3], F16, q[r * hd :], hd)
+            _load_row(query.rows, q0, qs[3], F16, q[r * hd :], hd)
         else:
-            _load_row(query, q0, qs[3], F32, q[r * hd :], hd)
+            _load_row(query.rows, q0, qs[3], F32, q[r * hd :], hd)
         undo[r] = _unit_row(q, r * hd, hd, softmax_scale) if codes else _ONE
-        if has_sinks:
-            m[r] = sinks[h]
+        if params.has_sinks:
+            m[r] = params.sinks[h]
             l_sum[r] = _ONE
         else:
             m[r] = _NEG_INF
             l_sum[r] = _ZERO
+
+    u4_rows = np.empty(rows * hd if u4 else 0, dtype=np.float32)  # element-major rows
+    if u4:
+        _u4_rows_in(kc, q, rows, hd, rotated, cache.signs, u4_rows)
 
     hi = first_pos + nq  # exclusive end of the keys any row sees
     lo = 0
@@ -1220,6 +1824,9 @@ def _attention_item(
     factor = _tile_factor(kv_kind)
     kscale = np.empty(TILE, dtype=np.float32)
     vscale = np.empty(TILE, dtype=np.float32)
+    kzp = np.empty(TILE if u4 else 0, dtype=np.int32)
+    vzp = np.empty(TILE if u4 else 0, dtype=np.int32)
+    row_width = hd // 2 if u4 else hd  # elements of the cache's carrier in a row
     sc = np.empty(rows * TILE, dtype=np.float32)  # scores, then weights, row-major
     krow = np.empty(TILE, dtype=np.int64)
     vrow = np.empty(TILE, dtype=np.int64)
@@ -1256,7 +1863,7 @@ def _attention_item(
                 nxt - pbi * block_size,
                 g,
                 min(TILE, hi - nxt),
-                hd,
+                row_width,
                 block_size,
             )
         _tile_keys(
@@ -1267,6 +1874,7 @@ def _attention_item(
             vsc,
             vscs,
             has_scales,
+            u4,
             block_tables,
             seq,
             bi,
@@ -1279,18 +1887,27 @@ def _attention_item(
             vrow,
             kscale,
             vscale,
+            kzp,
+            vzp,
         )
         if not has_scales and k0 == lo:
             for kk in range(TILE):
-                kscale[kk] = k_tscale * key_unit
-                vscale[kk] = v_tscale
-        if fused:
+                kscale[kk] = cache.key_tensor_scale * key_unit
+                vscale[kk] = cache.value_tensor_scale
+        if fused and u4:
+            _fused_u4_scores(q, rows, kc, krow, kzp, n, hd, sc)
+        elif fused:
             _fused_scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
         else:
             # The tile's K and V rows decoded once for all the rows (codes, unscaled).
-            _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
-            _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-            _scores_tile(q, rows, kt, tile_rows, n, hd, sc, factor)
+            if u4:
+                _u4_decode_tile(kc, kcs, kzp, block_tables, seq, bi, off, g, n, kt, hd, block_size)
+                _u4_decode_tile(vc, vcs, vzp, block_tables, seq, bi, off, g, n, vt, hd, block_size)
+                _u4_tile_scores(kc, q, rows, kt, tile_rows, kzp, n, hd, sc)
+            else:
+                _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
+                _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
+                _scores_tile(q, rows, kt, tile_rows, n, hd, sc, factor)
         for r in range(rows):
             p = pos[r]
             s0 = r * TILE
@@ -1324,19 +1941,29 @@ def _attention_item(
             l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, s0, n, m_new, vscale)
             if alpha != _ONE:
                 _scale(acc, r * hd, alpha, hd)
-        if fused:
+        if fused and u4:
+            _fused_u4_accumulate(acc, sc, vc, vrow, vzp, rows, n, hd)
+        elif fused:
             _fused_accumulate(acc, sc, vc, vrow, kv_kind, rows, n, hd)
         else:
             _accumulate_tile(acc, sc, vt, tile_rows, rows, n, hd)
 
+    out, os_ = outputs.out, _strides4(outputs.out_strides)
+    lse, ls_ = outputs.lse, _strides3(outputs.lse_strides)
+    if u4:
+        _u4_rows_out(vc, acc, rows, hd, l_sum, rotated, cache.signs, u4_rows)
     for r in range(rows):
         j = r // group
         h = g * group + (r - j * group)
         o0 = os_[0] + (t0 + j) * os_[1] + h * os_[2]
         inv_l = _ONE / l_sum[r]
-        for d in range(hd):
-            out[_u(o0 + d * os_[3])] = (acc[_u(r * hd + d)] * factor) * inv_l
-        if has_lse:
+        if u4:
+            for d in range(hd):
+                out[_u(o0 + d * os_[3])] = u4_rows[_u(d * rows + r)]
+        else:
+            for d in range(hd):
+                out[_u(o0 + d * os_[3])] = (acc[_u(r * hd + d)] * factor) * inv_l
+        if outputs.has_lse:
             # m and l_sum are the running max and the denominator over it (the sink's term
             # included); the log in float64, rounded once. No term: -inf + log(0) = -inf.
             lse[_u(ls_[0] + (t0 + j) * ls_[1] + h * ls_[2])] = np.float32(
@@ -1345,44 +1972,9 @@ def _attention_item(
 
 
 @njit(parallel=True, **_OPTS)
-def attention(
-    query,
-    qs,
-    q_kind,
-    kc,
-    kcs,
-    vc,
-    vcs,
-    kv_kind,
-    ksc,
-    kscs,
-    vsc,
-    vscs,
-    has_scales,
-    k_tscale,
-    v_tscale,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    items_seq,
-    items_t0,
-    items_nq,
-    out,
-    os_,
-    num_q_heads,
-    num_kv_heads,
-    head_size,
-    block_size,
-    softmax_scale,
-    window,
-    softcap,
-    sinks,
-    has_sinks,
-    lse,
-    ls_,
-    has_lse,
-):
-    """Causal paged attention; one parallel item per (query block, kv head).
+def attention(query, cache, step, params, outputs):
+    """Causal paged attention; one parallel item per (query block, kv head). The arguments are
+    the records of records.py.
 
     A query block is up to a few query tokens of one sequence; the item processes all
     Hq/Hkv query heads of its KV head together, so each K/V row is decoded once per group.
@@ -1390,45 +1982,8 @@ def attention(
     scale on the q.codes product, the V scale on the probability.
     """
     # The per-item work is a compiled function: a small parfor body compiles much faster.
-    for it in prange(items_seq.shape[0] * num_kv_heads):
-        _attention_item(
-            np.int64(it),
-            query,
-            qs,
-            q_kind,
-            kc,
-            kcs,
-            vc,
-            vcs,
-            kv_kind,
-            ksc,
-            kscs,
-            vsc,
-            vscs,
-            has_scales,
-            k_tscale,
-            v_tscale,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            items_seq,
-            items_t0,
-            items_nq,
-            out,
-            os_,
-            num_q_heads,
-            num_kv_heads,
-            head_size,
-            block_size,
-            softmax_scale,
-            window,
-            softcap,
-            sinks,
-            has_sinks,
-            lse,
-            ls_,
-            has_lse,
-        )
+    for it in prange(step.item_seq.shape[0] * params.num_kv_heads):
+        _attention_item(np.int64(it), query, cache, step, params, outputs)
 
 
 # ----------------------------------------------------------------------------------------------

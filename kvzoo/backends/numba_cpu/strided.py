@@ -14,13 +14,14 @@ from ...formats import FORMATS
 from .formats import BF16, F16, F32, FORMAT_KINDS, I8
 
 # dtype name -> (element kind, unsigned carrier dtype the kernels receive): the model dtypes,
-# and the storage dtype of every format in the backend's table.
+# and the storage dtype of every format in the backend's table. A cache's kind comes from its
+# mode's format (FORMAT_KINDS), not from here: one storage dtype (uint8) holds several formats.
 KINDS: dict[str, tuple[int, type]] = {
+    **{FORMATS[name].storage_dtype: (kind, np.uint8) for name, kind in FORMAT_KINDS.items()},
+    "uint8": (I8, np.uint8),
     "float32": (F32, np.uint32),
     "bfloat16": (BF16, np.uint16),
     "float16": (F16, np.uint16),
-    "uint8": (I8, np.uint8),
-    **{FORMATS[name].storage_dtype: (kind, np.uint8) for name, kind in FORMAT_KINDS.items()},
 }
 
 
@@ -41,6 +42,11 @@ def flat(a: np.ndarray, carrier: type | None = None) -> tuple[np.ndarray, tuple[
     if a.size == 0:
         empty = np.empty(1, dtype=carrier or a.dtype)
         return empty, (0, *strides)
+    if a.flags.c_contiguous:
+        # The common case, a few times cheaper than the general one below (as_strided alone
+        # costs microseconds per call); the same memory, offset 0 and the same strides.
+        base = a.reshape(-1)
+        return (base if carrier is None or base.dtype == np.dtype(carrier) else base.view(carrier)), (0, *strides)
     # Start the flat view at the lowest-addressed element so negative strides work too.
     low = a[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(a.shape, strides))]
     offset = sum((n - 1) * -s for n, s in zip(a.shape, strides) if s < 0)
@@ -51,7 +57,3 @@ def flat(a: np.ndarray, carrier: type | None = None) -> tuple[np.ndarray, tuple[
         low = low.view(carrier)
     base = as_strided(low, shape=(extent,), strides=(itemsize,))
     return base, (offset, *strides)
-
-
-def kind_of(a: np.ndarray) -> tuple[int, type]:
-    return KINDS[np.dtype(a.dtype).name]
