@@ -55,7 +55,7 @@ def unavailable() -> list[str]:
     return []
 
 
-_ENTRY_POINTS = ("write_plain", "write_quantized", "dequantize", "attention")
+_ENTRY_POINTS = ("write_plain", "write_quantized", "write_int4", "dequantize", "dequantize_int4", "attention")
 _announced = False
 
 
@@ -112,8 +112,11 @@ def _strided_reasons(problem: Any, names: tuple[str, ...]) -> list[str]:
 
 @functools.cache
 def _signs(head_size: int) -> np.ndarray:
-    # Built bit by bit in Python (tens of microseconds): once per head size. Never written.
-    return rht_signs(head_size)
+    # Read-only like NO_SIGNS whatever rht_signs returns: numba types read-only arrays apart,
+    # and one type keeps one compiled attention signature for the rotated and unrotated modes.
+    signs = rht_signs(head_size).view()
+    signs.flags.writeable = False
+    return signs
 
 
 def _rotation(mode: Any, head_size: int) -> tuple[bool, np.ndarray]:
@@ -172,19 +175,9 @@ def run_reshape_and_cache(p: Any) -> None:
         return
     if FORMAT_KINDS[mode.format.name] == U4:
         rows = Rows(np.int64(kind), *operand(p.key, carrier), *operand(p.value, carrier))
-        fmt = mode.format
-        floor = np.float32(mode.scale_floor)
-        k.write_int4(
-            rows,
-            _paged_cache(p, _cache_kind(mode, p.key_cache)[1]),
-            slots,
-            num_slots,
-            heads,
-            hsize,
-            np.float32(fmt.qmax),
-            np.float32(fmt.qmin),
-            floor,
-        )
+        cache = _paged_cache(p, _cache_kind(mode, p.key_cache)[1])
+        qmax, qmin, floor = np.float32(mode.qmax), np.float32(mode.qmin), np.float32(mode.scale_floor)
+        k.write_int4(rows, cache, slots, num_slots, heads, hsize, qmax, qmin, floor)
         return
     kc, kcs = flat(p.key_cache, np.uint8)
     vc, vcs = flat(p.value_cache, np.uint8)

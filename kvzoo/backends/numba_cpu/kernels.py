@@ -1,10 +1,12 @@
-"""Numba kernels: the quantizing cache write, dequantize/gather, and paged attention.
+"""Numba kernels: the quantizing cache write, dequantize/gather, and paged attention, for the
+8-bit formats and for int4 (uint4 codes, SPEC.md section 12).
 
-Every array arrives as a flat 1-D contiguous view of the caller's memory plus a tuple
-(offset, stride, stride, ...) in elements (see strided.py), so one compiled specialization
-serves every layout (contiguous, inline-scale pages, views into a fused QKV tensor) and the
-innermost loops see a plain 1-D array LLVM can vectorize. Float inputs travel as their bit
-patterns (uint16 for bf16/fp16, uint32 for fp32) and are widened in-kernel, exactly.
+Every array arrives as a flat 1-D contiguous view of the caller's memory plus its offset and
+strides in elements (see strided.py): a tuple beside it, or an int64 array beside it in one of
+records.py's records (attention, the int4 write). So one compiled specialization serves every
+layout (contiguous, inline-scale pages, views into a fused QKV tensor) and the innermost loops
+see a plain 1-D array LLVM can vectorize. Float inputs travel as their bit patterns (uint16 for
+bf16/fp16, uint32 for fp32) and are widened in-kernel, exactly.
 
 Indices in hot loops are cast to uint64 (`_u`): numba wraps negative signed indices, and that
 per-element select keeps LLVM from vectorizing (measured 8x on the widening loop). Offsets
@@ -15,8 +17,8 @@ an inlined helper, so each inner loop is compiled for one format.
 
 fastmath stays off in this module: the write and dequantize bytes are fixed by the spec, and
 the attention kernel keeps IEEE NaN/Inf propagation so a poisoned cache row shows in the output.
-The exceptions are attention's q.k and p.v products (_scores, _accumulate): reassociation and
-contraction only, no flag that changes NaN/Inf/signed-zero behaviour.
+The exceptions are attention's q.k and p.v products (_scores, _accumulate and their uint4
+twins): reassociation and contraction only, no flag that changes NaN/Inf/signed-zero behaviour.
 """
 
 from __future__ import annotations
@@ -1812,7 +1814,9 @@ def _attention_item(it, query, cache, step, params, outputs):
             m[r] = _NEG_INF
             l_sum[r] = _ZERO
 
-    u4_rows = np.empty(rows * hd if u4 else 0, dtype=np.float32)  # element-major rows
+    # uint4: the query rows rotated (the rotated mode) and put in the products' order; the
+    # outputs come back through u4_rows too (_u4_rows_out).
+    u4_rows = np.empty(rows * hd if u4 else 0, dtype=np.float32)
     if u4:
         _u4_rows_in(kc, q, rows, hd, rotated, cache.signs, u4_rows)
 
@@ -2020,7 +2024,9 @@ __all__ = [
     "attention",
     "decode_codes_array",
     "dequantize",
+    "dequantize_int4",
     "encode_codes_array",
+    "write_int4",
     "write_plain",
     "write_quantized",
 ]

@@ -1,5 +1,5 @@
-"""The records the attention kernel takes: the query, the paged cache, the step's metadata, the
-call's parameters and its outputs, each one argument.
+"""The records the attention kernel takes (the query, the paged cache, the step's metadata, the
+call's parameters and its outputs, each one argument), and the int4 write (the rows, the cache).
 
 Plain NamedTuples (a module importable without numba). numba types a namedtuple as a struct of
 its fields and reads a field at a constant offset, so a record compiles to the code its fields
@@ -97,4 +97,5 @@ def operand(a: np.ndarray, carrier: type) -> tuple[np.ndarray, np.ndarray]:
 NO_SCALES = (np.empty(1, np.uint32), np.zeros(4, np.int64))
 NO_SINKS = np.zeros(1, np.float32)
 NO_SIGNS = np.ones(1, np.float32)
+NO_SIGNS.flags.writeable = False  # the rotations' signs are read-only too (__init__._signs)
 NO_LSE = (np.empty(1, np.float32), np.zeros(3, np.int64))
