@@ -488,7 +488,7 @@ class StepPlan:
         for x, span in zip(checked, spans):
             if x is None or span is None:
                 continue
-            start = x.data_ptr() if is_torch(x) else x.__array_interface__["data"][0]
+            start = recall.address(x)
             low, high = start + span[0], start + span[1]
             for _, _, extent in against:
                 if extent is not None and low < extent[1] and extent[0] < high:

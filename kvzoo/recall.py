@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from . import memory
+
 try:
     import torch
 except ImportError:  # NumPy-only installs
@@ -60,22 +62,18 @@ def call_key(values: Sequence[Any]) -> tuple | None:
     return tuple(keys)
 
 
-def _address(x: Any) -> int:
+def address(x: Any) -> int:
+    """The address of x's element 0 (a tensor or a NumPy array)."""
     return x.data_ptr() if type(x) is _TENSOR else x.__array_interface__["data"][0]
 
 
 def span(x: Any) -> tuple[int, int] | None:
     """[first, end) byte offsets from element 0 that x's elements occupy; None when empty."""
-    if type(x) is _TENSOR:
-        itemsize, shape, strides = x.element_size(), tuple(x.shape), x.stride()
-        strides = tuple(s * itemsize for s in strides)
-    else:
-        itemsize, shape, strides = x.itemsize, x.shape, x.strides
-    if any(n == 0 for n in shape):
+    extent = memory.byte_extent(x)
+    if extent is None:
         return None
-    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-    return low, high + itemsize
+    start = address(x)
+    return extent[0] - start, extent[1] - start
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class Resolved:
 
     def disjoint(self, operands: Sequence[Any]) -> bool:
         """Whether the written operands meet no other operand, as in the checked call."""
-        starts = [None if s is None or x is None else _address(x) for x, s in zip(operands, self.spans)]
+        starts = [None if s is None or x is None else address(x) for x, s in zip(operands, self.spans)]
         for w in self.written:
             start = starts[w]
             if start is None:
@@ -141,7 +139,7 @@ def remember(
     if key is None:
         return
     spans = tuple(None if x is None else span(x) for x in operands)
-    starts = [None if x is None else _address(x) for x in operands]
+    starts = [None if x is None else address(x) for x in operands]
     meets = {}
     for w in written:
         if spans[w] is None:
