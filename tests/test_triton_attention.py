@@ -673,3 +673,86 @@ def test_row_align_is_what_every_cache_row_offset_divides_by():
     assert row_align(s.key_cache, s.value_cache) == 16
     odd = allocate_separate(3, 16, 2, 130, "none", model_dtype="bfloat16", device="cpu")
     assert row_align(odd.key_cache, odd.value_cache) == 2
+
+
+def _inline_decode(mode, num_kv_heads, head_size, lens, seed=0, **extra):
+    s = samples.paged_sample(
+        rng_for("triton inline decode", mode, num_kv_heads, head_size, seed),
+        mode,
+        q_lens=[1] * len(lens),
+        seq_lens=lens,
+        num_q_heads=2 * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        layout="inline",
+        sinks=extra.pop("sinks", False),
+        spare_columns=0,
+        device=DEVICE,
+    )
+    c = s.caches
+    # The output is a window of a NaN buffer wider on both sides, to see what was written.
+    around = torch.full((len(lens), s.query.shape[1], head_size + 8), float("nan"), dtype=s.query.dtype, device=DEVICE)
+    p = Attention(
+        mode=s.mode,
+        query=s.query,
+        key_cache=c.key_cache,
+        value_cache=c.value_cache,
+        block_tables=s.block_tables,
+        seq_lens=s.seq_lens,
+        query_start_loc=s.query_start_loc,
+        out=around[:, :, 4 : 4 + head_size],
+        max_query_len=1,
+        max_seq_len=max(lens),
+        softmax_scale=1.0 / math.sqrt(head_size),
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        sinks=s.sinks,
+        **extra,
+    )
+    return p, around
+
+
+def _codes_as_loaded(p):
+    return _kernels()._operands(p, "cuda", _kernels().AttentionConfig(1, 32, 1, 2))[:2]
+
+
+def test_inline_decode_reads_aligned_windows_only_where_each_head_has_one_shift():
+    k = _kernels()
+    cfg = k.AttentionConfig(1, 32, 1, 2)
+    for (heads, head_size), want in {
+        (4, 64): True,
+        (8, 128): True,
+        (8, 32): True,
+        (2, 36): False,
+        (2, 128): False,
+        (1, 64): False,
+    }.items():
+        p, _ = _inline_decode("int8_per_token_head", heads, head_size, [20, 3])
+        key, value = _codes_as_loaded(p)
+        assert k.shifted_rows(p, key, value, cfg, per_seq=True) is want, (heads, head_size)
+        assert not k.shifted_rows(p, key, value, cfg, per_seq=False), "prefill keeps its tiles"
+        assert not k.shifted_rows(dataclasses.replace(p, quantize_query=True), key, value, cfg, per_seq=True)
+    separate = make_problem([1, 1], [20, 3], num_kv_heads=4, head_size=64)
+    assert not k.shifted_rows(separate, separate.key_cache, separate.value_cache, cfg, per_seq=True)
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("heads,head_size", [(4, 64), (8, 32)], ids=["H4-D64", "H8-D32"])
+@pytest.mark.parametrize("split_keys", [0, 64], ids=["single", "split"])
+def test_inline_decode_through_aligned_windows_against_float64(mode, heads, head_size, split_keys, monkeypatch):
+    # Every shift a KV head's rows can have (0, 4, 8, 12 bytes, at either shape), and
+    # in fp8 the neighbour bytes inside each window include NaN patterns (the scales' bytes),
+    # which must not reach the logits.
+    k = _kernels()
+    extra = dict(sliding_window=40, softcap=30.0, sinks=True) if split_keys else {}
+    p, around = _inline_decode(mode, heads, head_size, [300, 129, 64, 1], **extra)
+    cfg = k.AttentionConfig(1, 32, 1, 2, split_keys)
+    assert k.shifted_rows(p, *_codes_as_loaded(p), cfg, per_seq=True)
+    check(p, decode=cfg)
+    assert torch.isnan(around[..., :4]).all() and torch.isnan(around[..., 4 + head_size :]).all(), "wrote outside out"
+    windows = p.out.clone()
+    monkeypatch.setattr(k, "shifted_rows", lambda *a, **kw: False)
+    p.out.fill_(float("nan"))
+    run(p, decode=cfg)
+    # The 4-byte path sums the same products in another grouping: close, not bitwise.
+    assert torch.allclose(windows.float(), p.out.float(), rtol=2e-2, atol=2e-3)

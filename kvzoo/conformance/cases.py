@@ -245,6 +245,23 @@ def attention_cases() -> list[AttentionCase]:
         )
         if _inline(mode):
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
+            # Slots a multiple of 16 bytes apart, so each KV head's rows share one shift from
+            # 16-byte alignment (0, 4, 8 and 12 bytes here): what Triton's decode reads through
+            # aligned windows (attention_kernels.shifted_rows).
+            cases.append(
+                AttentionCase(
+                    mode,
+                    "decode",
+                    num_q_heads=16,
+                    num_kv_heads=4,
+                    head_size=64,
+                    layout="inline",
+                    sliding_window=19,
+                    softcap=30.0,
+                    sinks=True,
+                    poison=MODES[mode].holds_nan,
+                )
+            )
         if MODES[mode].holds_nan:
             cases.append(AttentionCase(mode, "decode", poison=True))
         rule = MODES[mode].head_sizes

@@ -58,6 +58,7 @@ from .attention_constants import (
     QUERY_CODE,
     QUERY_NAN_CODE,
     QUERY_QMAX,
+    ROW_TAIL,
     SCALE_NONE,
     SCALE_TENSOR,
     SCALE_TOKEN_HEAD,
@@ -65,7 +66,16 @@ from .attention_constants import (
 )
 from .attention_ops import TritonAttentionOptions
 from .attention_tables import DECODE_TILES, PREFILL_TILES, SPLIT_RULES, CacheCodes, KOperand
-from .attention_tiles import attend, logit_scale, paged_tile, query_block, staged_tile, store_rows, tile_rows
+from .attention_tiles import (
+    attend,
+    logit_scale,
+    paged_tile,
+    query_block,
+    shifted_tile,
+    staged_tile,
+    store_rows,
+    tile_rows,
+)
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .launch import BoundLaunch, launch_nothing, relaunch_all
 
@@ -156,9 +166,11 @@ def _attention_kernel(
     LONGEST_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    SHIFTED_ROWS: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
-    merge) and direct prefill."""
+    merge) and direct prefill. SHIFTED_ROWS: decode reads rows through their aligned windows
+    (attention_tiles.shifted_tile; kernel_call says when)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PER_SEQ:
@@ -182,15 +194,30 @@ def _attention_kernel(
         q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
     )
 
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     q_ok = row_ok[:, None] & d_ok[None, :]
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    q = _encode.load_f32(q_ptrs, q_ok)
+    if SHIFTED_ROWS:
+        tl.static_assert(PER_SEQ and SCALE_MODE == SCALE_TOKEN_HEAD and SAME_KV_STRIDES, "shifted rows: decode")
+        tl.static_assert(not QK_INT8 and not SCALE_IN_CODES and HEAD_D == BLOCK_D, "shifted rows: decode")
+        # This KV head's rows all start `shift` bytes past a 16-byte boundary (kernel_call
+        # checked that pages and slots are 16-byte multiples); q moves by as much.
+        shift = (kv_head * stride_kh) % ROW_TAIL
+        head_at = kv_head * stride_kh - shift
+        t = tl.arange(0, ROW_TAIL)
+        q = _encode.load_f32(q_rows + (d - shift)[None, :] * stride_qd, q_ok & (d >= shift)[None, :])
+        q_tail = _encode.load_f32(q_rows + (BLOCK_D + t - shift)[None, :] * stride_qd, row_ok[:, None] & (t < shift))
+        row_absmax = tl.maximum(tl.max(tl.abs(q), axis=1), tl.max(tl.abs(q_tail), axis=1))
+    else:
+        q = _encode.load_f32(q_rows + d[None, :] * stride_qd, q_ok)
+        row_absmax = tl.max(tl.abs(q), axis=1)
     if Q_RESCALE:
         # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow, and
         # q . codes has the same size whatever the row's (SPEC.md section 11).
-        factor, undo = _encode.fp16_row_factors(tl.max(tl.abs(q), axis=1))
+        factor, undo = _encode.fp16_row_factors(row_absmax)
         q = q * factor[:, None]
+        if SHIFTED_ROWS:
+            q_tail = q_tail * factor[:, None]
         row_scale = undo
     if QK_INT8:
         # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
@@ -207,6 +234,118 @@ def _attention_kernel(
         q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
     else:
         q_offset = tl.zeros([BLOCK_M], tl.float32)  # unused (and a raw sum could overflow)
+
+    if SHIFTED_ROWS:
+        q_tail = q_tail.to(DOT_DTYPE)
+        if offset_codes(CODE_CONVERT):
+            q_offset += I8_OFFSET * tl.sum(q_tail.to(tl.float32), axis=1)
+        m_i, l_i, acc, acc_tail = attend(
+            seq,
+            q_block,
+            q_len,
+            seq_len,
+            context,
+            block_tables_ptr,
+            stride_bt,
+            window,
+            split,
+            split_keys,
+            sinks_ptr,
+            head,
+            row_ok,
+            shifted_tile,
+            (
+                q,
+                q_tail,
+                row_scale,
+                q_offset,
+                pos,
+                window,
+                softcap,
+                kv_head,
+                shift,
+                head_at,
+                k_ptr,
+                v_ptr,
+                ks_ptr,
+                vs_ptr,
+                table_ptr,
+                stride_kb,
+                stride_kt,
+                stride_ksb,
+                stride_kst,
+                stride_ksh,
+                BLOCK_N,
+                BLOCK_D,
+                PAGE,
+                CODE_CONVERT,
+                DOT_DTYPE,
+                DOT_PRECISION,
+                HAS_SOFTCAP,
+                HAS_WINDOW,
+                not offset_codes(CODE_CONVERT),
+            ),
+            BLOCK_Q,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            HAS_WINDOW,
+            SPLIT,
+            HAS_SINKS and not SPLIT,
+            INTERPRETED,
+            ROW_TAIL,
+        )
+        # Back to the output's columns: acc's column c is the row's c - shift, acc_tail's
+        # BLOCK_D + c - shift.
+        out_d = d - shift
+        out_ok = d >= shift
+        tail_d = BLOCK_D + t - shift
+        tail_ok = t < shift
+        if SPLIT:
+            part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+            tl.store(part_m_ptr + part, m_i, mask=row_ok)
+            tl.store(part_l_ptr + part, l_i, mask=row_ok)
+            part_row = part_acc_ptr + part[:, None] * BLOCK_D
+            tl.store(part_row + out_d[None, :], acc, mask=row_ok[:, None] & out_ok[None, :])
+            tl.store(part_row + tail_d[None, :], acc_tail, mask=row_ok[:, None] & tail_ok[None, :])
+        else:
+            store_rows(
+                out_ptr,
+                lse_ptr,
+                acc,
+                m_i,
+                l_i,
+                token,
+                head,
+                out_d,
+                row_ok,
+                out_ok,
+                stride_ot,
+                stride_oh,
+                stride_od,
+                stride_lt,
+                stride_lh,
+                HAS_LSE,
+            )
+            store_rows(
+                out_ptr,
+                lse_ptr,
+                acc_tail,
+                m_i,
+                l_i,
+                token,
+                head,
+                tail_d,
+                row_ok,
+                tail_ok,
+                stride_ot,
+                stride_oh,
+                stride_od,
+                stride_lt,
+                stride_lh,
+                False,
+            )
+        return
 
     # The split path's sink joins in the merge.
     m_i, l_i, acc, _ = attend(
@@ -274,6 +413,7 @@ def _attention_kernel(
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
+        0,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -432,6 +572,7 @@ def _staged_attention_kernel(
         False,
         HAS_SINKS,
         INTERPRETED,
+        0,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -837,6 +978,24 @@ def row_align(k: torch.Tensor, v: torch.Tensor) -> int:
     return align
 
 
+def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, *, per_seq: bool) -> bool:
+    """Whether a decode launch reads K and V through their rows' 16-byte windows
+    (attention_tiles.shifted_tile): 1-byte codes with per-token-head scales, a power-of-two head
+    size, rows not all 16-byte aligned (row_align) although pages and slots are, so each KV
+    head's rows share one shift. That is the inline page with num_kv_heads * (head_size + 4) a
+    multiple of 16 (at head size 128: 4 or 8 KV heads);
+    where slots are not (fewer KV heads), each key's row has a shift of its own and the
+    4-byte loads stay."""
+    if not (per_seq and p.mode.per_token_head and not p.quantize_query and not cfg.scale_in_codes):
+        return False
+    if k.element_size() != 1 or p.head_size != _pow2(p.head_size) or p.head_size < _MIN_DOT_K:
+        return False
+    if not same_kv_strides(p) or k.stride(3) != 1 or row_align(k, v) >= ROW_TAIL.value:
+        return False
+    aligned = (k.stride(0), k.stride(1), k.data_ptr(), v.data_ptr())
+    return all(x % ROW_TAIL.value == 0 for x in aligned)
+
+
 def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
     """_attention_kernel's launch of `p` under `cfg`: one program per decode token (per_seq) or
     per query block, skip_decode leaving 1-token sequences to a decode launch."""
@@ -954,6 +1113,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
         INTERPRETED=_platform.interpreted(),
         # The split path's rows are written by the merge: the split programs store partials only.
         HAS_LSE=p.lse is not None and not split,
+        SHIFTED_ROWS=shifted_rows(p, ops.k, ops.v, cfg, per_seq=per_seq),
     )
     slots, merge_slots = _slots(split, p.mode.per_token_head, p.mode.per_tensor, p.sinks is not None, p.lse is not None)
     return KernelCall(

@@ -26,6 +26,7 @@ from .attention_constants import (
     I8_OFFSET,
     LN2,
     LOG2E,
+    ROW_TAIL,
     SCALE_TENSOR,
     SCALE_TOKEN_HEAD,
     offset_codes,
@@ -283,6 +284,17 @@ def pv_key_scales(
     MASKED: tl.constexpr,
 ):
     # The probabilities scaled by the value's scale before the dot (decode: few rows).
+    pv, w = key_weights(p, vs, visible, DOT_DTYPE, MASKED)
+    pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
+    return acc * alpha[:, None] + pv_v * w[:, None]
+
+
+@triton.jit
+def key_weights(p, vs, visible, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """(weights, w): p times each key's V scale as a dot operand, normalised per row by its
+    largest, w."""
     pv = p * vs[None, :]
     if MASKED:
         # Hidden keys may hold a NaN scale (a poisoned row): zero them after the product.
@@ -292,11 +304,7 @@ def pv_key_scales(
     # below the row's largest logit (log2 units) has subnormal weights, whose reciprocal
     # would be Inf (and NaN in the output).
     w = tl.maximum(tl.max(pv, axis=1), _encode.SMALLEST_NORMAL)
-    pv = (pv * (1.0 / w)[:, None]).to(DOT_DTYPE)
-    pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
-    if offset_codes(CODE_CONVERT):
-        pv_v = pv_v - I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
-    return acc * alpha[:, None] + pv_v * w[:, None]
+    return (pv * (1.0 / w)[:, None]).to(DOT_DTYPE), w
 
 
 @triton.jit
@@ -430,6 +438,113 @@ def paged_tile(
 
 
 @triton.jit
+def window_codes(ptr, window_at, key_ok, shift, MASKED: tl.constexpr, BLOCK_D: tl.constexpr, SANITIZE: tl.constexpr):
+    """The 16-byte-aligned windows of rows starting `shift` bytes past window_at: (main, tail),
+    [keys, BLOCK_D] and [keys, ROW_TAIL] raw codes, the row's codes at main's columns from
+    shift on and tail's below it. The tail is read only where rows are shifted (shift > 0), so
+    no load leaves the granules the rows occupy. SANITIZE zeroes the other columns (neighbour
+    bytes and the row's scale), which a code format with NaN codes needs before they meet the
+    query's zeros there."""
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, ROW_TAIL)
+    main_ptrs = ptr + window_at[:, None] + d[None, :]
+    tail_ptrs = ptr + window_at[:, None] + (BLOCK_D + t)[None, :]
+    tail_ok = key_ok[:, None] & (shift > 0)
+    if MASKED:
+        main = tl.load(main_ptrs, mask=key_ok[:, None], other=0)
+    else:
+        main = tl.load(main_ptrs)
+    tail = tl.load(tail_ptrs, mask=tail_ok, other=0)
+    if SANITIZE:
+        main = tl.where((d >= shift)[None, :], main, 0)
+        tail = tl.where((t < shift)[None, :], tail, 0)
+    return main, tail
+
+
+@triton.jit
+def shifted_tile(
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc,
+    acc_tail,
+    MASKED: tl.constexpr,
+    q,
+    q_tail,
+    row_scale,
+    q_offset,
+    pos,
+    window,
+    softcap,
+    kv_head,
+    shift,
+    head_at,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    stride_kb,
+    stride_kt,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SANITIZE: tl.constexpr,
+):
+    """paged_tile's decode on rows of 1-byte codes that start `shift` bytes past a 16-byte
+    boundary, the same for every key of this KV head (the inline page: rows head_size + 4
+    bytes apart, pages and slots 16-byte multiples). Each row is read as its aligned window
+    (window_codes) in 16-byte vectors, where the row's own alignment allows only 4-byte ones.
+    The query arrives shifted to match (q: columns [shift, BLOCK_D) hold its first
+    BLOCK_D - shift elements, q_tail's [0, shift) the rest, zeros elsewhere), and the output
+    leaves shifted back: acc holds output columns [0, BLOCK_D - shift) at [shift, BLOCK_D),
+    acc_tail the rest. Per-token-head scales, K and V laid out alike (SAME_KV_STRIDES)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_end
+    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
+    in_page = keys % PAGE
+    window_at = tl.multiple_of(page * stride_kb + in_page * stride_kt + head_at, ROW_TAIL)
+    scale_at = page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh
+
+    kc, kc_tail = window_codes(k_ptr, window_at, key_ok, shift, MASKED, BLOCK_D, SANITIZE)
+    ks = load_keys(ks_ptr + scale_at, key_ok, MASKED)
+    s = dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, True)
+    k_tail = codes_to_dot(kc_tail, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
+    s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PRECISION)
+    s = s * (row_scale[:, None] * ks[None, :])
+    if HAS_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    visible = key_ok
+    if MASKED:
+        s, visible = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
+    m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
+
+    vc, vc_tail = window_codes(v_ptr, window_at, key_ok, shift, MASKED, BLOCK_D, False)
+    vs = load_keys(vs_ptr + scale_at, key_ok, MASKED)
+    pv, w = key_weights(p, vs, visible, DOT_DTYPE, MASKED)
+    # V's other columns may hold anything (NaN): they reach only acc columns no store reads.
+    pv_v = tl.dot(pv, codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False), input_precision=DOT_PRECISION)
+    pv_t = tl.dot(pv, codes_to_dot(vc_tail, table_ptr, DOT_DTYPE, CODE_CONVERT, False), input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        offset = I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
+        pv_v = pv_v - offset
+        pv_t = pv_t - offset
+    acc = acc * alpha[:, None] + pv_v * w[:, None]
+    acc_tail = acc_tail * alpha[:, None] + pv_t * w[:, None]
+    return m_i, l_i, acc, acc_tail
+
+
+@triton.jit
 def staged_tile(
     start,
     kv_end,
@@ -560,17 +675,23 @@ def attend(
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    CARRY_COLS: tl.constexpr,
 ):
     """The online softmax of a query tile over every key its rows see (within this program's
-    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
-    Masked tiles come before the whole ones (a window only), then the whole tiles without
-    masks, then the masked tiles at the causal edge."""
+    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, carry) after the last.
+    carry is what a tile keeps beside acc: staged_tile its V unit (a scalar, CARRY_COLS 0),
+    shifted_tile its tail columns ([BLOCK_M, CARRY_COLS]). Masked tiles come before the whole
+    ones (a window only), then the whole tiles without masks, then the masked tiles at the
+    causal edge."""
     kv_begin, kv_end, tile_first, tile_last = _key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
+    if CARRY_COLS > 0:
+        v_unit = tl.zeros([BLOCK_M, CARRY_COLS], tl.float32)
+    else:
+        v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
     for phase in tl.static_range(3):
