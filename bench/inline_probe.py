@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench as gb  # noqa: E402
 
-from kvzoo import recall  # noqa: E402
+from kvzoo import api, recall  # noqa: E402
 from kvzoo.backends.triton import attention_kernels  # noqa: E402
 
 _WINDOWS = attention_kernels.shifted_rows
@@ -33,9 +33,17 @@ def _four_byte_rows(*args, **kwargs) -> bool:
 
 
 def _time(variant: str, read_path, q_lens, seq_lens, ceil) -> dict:
-    # The choice is made at launch preparation: forget recalled launches so it is made again.
-    attention_kernels.shifted_rows = read_path
+    # The choice is made at launch preparation: forget prepared and recalled launches so it is
+    # made again.
+    taken: list[bool] = []
+
+    def spy(*args, **kwargs) -> bool:
+        taken.append(read_path(*args, **kwargs))
+        return taken[-1]
+
+    attention_kernels.shifted_rows = spy
     recall.forget()
+    api._PREPARED.clear()
     rng = gb.rng_for("inline_probe", variant, len(seq_lens))
     nbytes = gb._attn_bytes(variant, q_lens, seq_lens)
     n = gb.n_sets_for(nbytes)
@@ -45,7 +53,8 @@ def _time(variant: str, read_path, q_lens, seq_lens, ceil) -> dict:
     sets.clear()
     gb.free()
     attention_kernels.shifted_rows = _WINDOWS
-    return {"us": t * 1e6, "pct": 100 * nbytes / t / 1e9 / ceil["copy_GBps"], "check": check, "how": how}
+    pct = 100 * nbytes / t / 1e9 / ceil["copy_GBps"]
+    return {"us": t * 1e6, "pct": pct, "check": check, "how": how, "windows": any(taken), "prepared": len(taken)}
 
 
 def main() -> int:
@@ -80,7 +89,7 @@ def main() -> int:
                 pct = max(r["pct"] for r in results)
                 print(
                     f"{shape:>9} {mode:<22} {name:<15} {figures:>17} us  {pct:5.1f}% of copy  "
-                    f"{base / best:5.2f}x separate's speed  {results[0]['check']}"
+                    f"{base / best:5.2f}x separate's speed  {results[0]['check']}  windows {results[0]['windows']}"
                 )
     out = os.environ.get("OUT")
     if out:

@@ -75,6 +75,7 @@ from .attention_tiles import (
     staged_tile,
     store_rows,
     tile_rows,
+    window_keep,
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .launch import BoundLaunch, launch_nothing, relaunch_all
@@ -265,6 +266,8 @@ def _attention_kernel(
                 kv_head,
                 shift,
                 head_at,
+                window_keep(d, shift, BLOCK_D),
+                window_keep(t, 0, shift),
                 k_ptr,
                 v_ptr,
                 ks_ptr,

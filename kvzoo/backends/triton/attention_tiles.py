@@ -438,27 +438,73 @@ def paged_tile(
 
 
 @triton.jit
-def window_codes(ptr, window_at, key_ok, shift, MASKED: tl.constexpr, BLOCK_D: tl.constexpr, SANITIZE: tl.constexpr):
-    """The 16-byte-aligned windows of rows starting `shift` bytes past window_at: (main, tail),
-    [keys, BLOCK_D] and [keys, ROW_TAIL] raw codes, the row's codes at main's columns from
+def _e4m3x4_kept_to_fp16(x, keep, PURE: tl.constexpr):
+    # _e4m3x4_to_fp16 of x & keep: one and per four codes zeroes the bytes keep marks 0.
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t;
+        .reg .b16 lo, hi;
+        and.b32 t, $2, $3;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }
+        """,
+        constraints="=r,=r,r,r",
+        args=[x, keep],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def window_codes(ptr, window_at, key_ok, shift, MASKED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The 16-byte-aligned windows of rows starting `shift` bytes past window_at, as bytes:
+    (main, tail), [keys, BLOCK_D] and [keys, ROW_TAIL], the row's codes at main's columns from
     shift on and tail's below it. The tail is read only where rows are shifted (shift > 0), so
-    no load leaves the granules the rows occupy. SANITIZE zeroes the other columns (neighbour
-    bytes and the row's scale), which a code format with NaN codes needs before they meet the
-    query's zeros there."""
+    no load leaves the granules the rows occupy."""
     d = tl.arange(0, BLOCK_D)
     t = tl.arange(0, ROW_TAIL)
-    main_ptrs = ptr + window_at[:, None] + d[None, :]
-    tail_ptrs = ptr + window_at[:, None] + (BLOCK_D + t)[None, :]
+    # As bytes, whatever the codes' type (fp8 has no integer zero to mask with).
+    raw = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+    main_ptrs = raw + window_at[:, None] + d[None, :]
+    tail_ptrs = raw + window_at[:, None] + (BLOCK_D + t)[None, :]
     tail_ok = key_ok[:, None] & (shift > 0)
     if MASKED:
         main = tl.load(main_ptrs, mask=key_ok[:, None], other=0)
     else:
         main = tl.load(main_ptrs)
     tail = tl.load(tail_ptrs, mask=tail_ok, other=0)
-    if SANITIZE:
-        main = tl.where((d >= shift)[None, :], main, 0)
-        tail = tl.where((t < shift)[None, :], tail, 0)
     return main, tail
+
+
+@triton.jit
+def window_keep(cols, lo, hi):
+    """Per column of a window, -1 (all bits) for the row's bytes [lo, hi) and 0 for the rest."""
+    return tl.where((cols >= lo) & (cols < hi), -1, 0).to(tl.int8)[None, :]
+
+
+@triton.jit
+def window_to_dot(
+    raw,
+    keep,
+    codes,
+    table_ptr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_CONVERT: tl.constexpr,
+    PURE: tl.constexpr,
+    SANITIZE: tl.constexpr,
+):
+    """codes_to_dot of a window's bytes `raw`, read as `codes`. SANITIZE makes the bytes keep
+    marks 0 (a neighbour's, the row's scale) code 0 first: where a format has NaN codes those
+    bytes could be NaN, which the query's zeros in their columns would not cancel."""
+    if SANITIZE:
+        if CODE_CONVERT == CONVERT_E4M3_ASM:
+            return _e4m3x4_kept_to_fp16(raw, tl.broadcast_to(keep, raw.shape), PURE)
+        raw = raw & keep
+    return codes_to_dot(raw.to(codes, bitcast=True), table_ptr, DOT_DTYPE, CODE_CONVERT, PURE)
 
 
 @triton.jit
@@ -481,6 +527,8 @@ def shifted_tile(
     kv_head,
     shift,
     head_at,
+    keep,
+    tail_keep,
     k_ptr,
     v_ptr,
     ks_ptr,
@@ -504,8 +552,8 @@ def shifted_tile(
     """paged_tile's decode on rows of 1-byte codes that start `shift` bytes past a 16-byte
     boundary, the same for every key of this KV head (the inline page: rows head_size + 4
     bytes apart, pages and slots 16-byte multiples). Each row is read as its aligned window
-    (window_codes) in 16-byte vectors, where the row's own alignment allows only 4-byte ones.
-    The query arrives shifted to match (q: columns [shift, BLOCK_D) hold its first
+    (window_codes) in 16-byte vectors, where the row's own alignment allows only 4-byte ones;
+    keep and tail_keep mark the row's bytes in each (window_keep). The query arrives shifted to match (q: columns [shift, BLOCK_D) hold its first
     BLOCK_D - shift elements, q_tail's [0, shift) the rest, zeros elsewhere), and the output
     leaves shifted back: acc holds output columns [0, BLOCK_D - shift) at [shift, BLOCK_D),
     acc_tail the rest. Per-token-head scales, K and V laid out alike (SAME_KV_STRIDES)."""
@@ -516,11 +564,15 @@ def shifted_tile(
     window_at = tl.multiple_of(page * stride_kb + in_page * stride_kt + head_at, ROW_TAIL)
     scale_at = page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh
 
-    kc, kc_tail = window_codes(k_ptr, window_at, key_ok, shift, MASKED, BLOCK_D, SANITIZE)
+    codes = k_ptr.dtype.element_ty
+    kc, kc_tail = window_codes(k_ptr, window_at, key_ok, shift, MASKED, BLOCK_D)
     ks = load_keys(ks_ptr + scale_at, key_ok, MASKED)
-    s = dot_codes(q, kc, q_offset, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION, True)
-    k_tail = codes_to_dot(kc_tail, table_ptr, DOT_DTYPE, CODE_CONVERT, True)
+    k = window_to_dot(kc, keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, True, SANITIZE)
+    k_tail = window_to_dot(kc_tail, tail_keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, True, SANITIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PRECISION)
+    if offset_codes(CODE_CONVERT):
+        s = s - q_offset[:, None]
     s = s * (row_scale[:, None] * ks[None, :])
     if HAS_SOFTCAP:
         s = softcap_logits(s, softcap)
@@ -529,12 +581,14 @@ def shifted_tile(
         s, visible = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
     m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
 
-    vc, vc_tail = window_codes(v_ptr, window_at, key_ok, shift, MASKED, BLOCK_D, False)
+    vc, vc_tail = window_codes(v_ptr, window_at, key_ok, shift, MASKED, BLOCK_D)
     vs = load_keys(vs_ptr + scale_at, key_ok, MASKED)
     pv, w = key_weights(p, vs, visible, DOT_DTYPE, MASKED)
     # V's other columns may hold anything (NaN): they reach only acc columns no store reads.
-    pv_v = tl.dot(pv, codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False), input_precision=DOT_PRECISION)
-    pv_t = tl.dot(pv, codes_to_dot(vc_tail, table_ptr, DOT_DTYPE, CODE_CONVERT, False), input_precision=DOT_PRECISION)
+    v = window_to_dot(vc, keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, False, False)
+    v_tail = window_to_dot(vc_tail, tail_keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, False, False)
+    pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
+    pv_t = tl.dot(pv, v_tail, input_precision=DOT_PRECISION)
     if offset_codes(CODE_CONVERT):
         offset = I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
         pv_v = pv_v - offset
