@@ -71,6 +71,8 @@ ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
 # direct, as the other quantized modes'), beside the rows above.
 INT4 = "int4_per_token_head"
 INT4_WRITE_TOKENS = 32768
+# The inline page is written at these sizes too (issue 20: at the separate layout's speed).
+INLINE_WRITE_TOKENS = (4096, 32768)
 DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE, INT4)
 PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT, INT4, INT4 + DIRECT)
 SHORT = {
@@ -274,7 +276,7 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
     # Zeroed caches: _check_write poisons the one set it checks.
     w = samples.write_sample(
         rng,
-        mode,
+        _variant(mode)[0],
         num_tokens=tokens,
         num_kv_heads=HKV,
         head_size=D,
@@ -285,7 +287,10 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
         num_blocks=2 * -(-tokens // BLOCK),
         poison=False,
     )
-    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=w.caches, mode=mode)
+    caches = w.caches
+    if mode.endswith(INLINE):
+        caches = kvzoo.allocate_inline(*w.caches.key_cache.shape[:3], D, _variant(mode)[0], device=DEVICE)
+    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=caches, mode=_variant(mode)[0])
 
 
 def _write_call(s, impl=IMPL):
@@ -307,9 +312,10 @@ def _write_call(s, impl=IMPL):
 def _check_write(s) -> str:
     """Rows written at the first slots equal the NumPy reference's bytes."""
     c = s["cache"]
-    for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache):
+    # Poison: an unwritten byte cannot pass (the inline page's views share one byte buffer).
+    for t in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache) if c.buffer is None else (c.buffer,):
         if t is not None:
-            t.view(torch.uint8).fill_(0x55)  # poison: an unwritten byte cannot pass
+            t.view(torch.uint8).fill_(0x55)
     _write_call(s)
     n = min(int(s["key"].shape[0]), 1024)
     m = kvzoo.get_kv_quant_mode(s["mode"])
@@ -349,6 +355,7 @@ def _row_bytes(mode: str) -> int:
 
 
 def _write_bytes(tokens: int, mode: str) -> int:
+    mode = _variant(mode)[0]
     m = kvzoo.get_kv_quant_mode(mode)
     nbytes = tokens * HKV * 2 * (2 * D + _row_bytes(mode)) + tokens * 8  # K+V read and written, slots
     if m.per_token_head:
@@ -436,12 +443,17 @@ def bench_write(ceil, quick: bool) -> None:
     for tokens in sizes:
         times: dict[str, float] = {}
         rows: dict[str, Row] = {}
-        for mode in MODES + ((INT4,) if tokens == INT4_WRITE_TOKENS or DRY else ()):
+        extra = (INT4,) if tokens == INT4_WRITE_TOKENS or DRY else ()
+        if tokens in INLINE_WRITE_TOKENS or DRY:
+            extra += tuple(m + INLINE for m in MODES if m != "none")
+        for mode in MODES + extra:
             attempt(f"write T={tokens} {SHORT[mode]}", IMPL, _write_case, ceil, tokens, mode, reps, times, rows)
         attempt(f"write T={tokens} copy", "torch copy_", _same_size_copy, ceil, tokens, reps, times)
         for mode, row in rows.items():
             if mode != "none" and "none" in times:
                 row.ratios["vs none"] = times["none"] / times[mode]
+            if mode.endswith(INLINE) and _variant(mode)[0] in times:
+                row.ratios["vs separate"] = times[_variant(mode)[0]] / times[mode]
             if "index_copy" in times:
                 row.ratios["vs index_copy"] = times["index_copy"] / times[mode]
             if mode != "none" and "copy" in times:

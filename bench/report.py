@@ -535,6 +535,18 @@ def _inline_vs_separate(run: Run):
     return ("; ".join(figures), min(ratios) >= 0.95) if ratios else None
 
 
+def _inline_writes(run: Run):
+    """Writes to the inline page against the separate layout, per quantized mode and size."""
+    figures, ratios = [], []
+    for shape in run.shapes("write"):
+        for mode in QUANTIZED:
+            inline, separate = run.kvzoo("write", shape, f"{mode} inline"), run.kvzoo("write", shape, mode)
+            if inline and separate:
+                ratios.append(separate.time_us / inline.time_us)
+                figures.append(f"{mode} {ratios[-1]:.2f}x at {shape}")
+    return ("; ".join(figures), min(ratios) >= 0.95) if ratios else None
+
+
 def _int4_at(run: Run, op: str, shape: str | None, floor: float):
     """int4 against kvzoo's bf16 (decode) at one shape: (figure, met)."""
     i, b = (run.kvzoo(op, shape, v) if shape else None for v in ("int4", "none"))
@@ -580,6 +592,7 @@ TARGETS = (
     ),
     Target(20, "int8 decode >= 1.75x kvzoo bf16", _int8_vs_bf16(1.75)),
     Target(20, "decode on the inline page >= 0.95x the separate layout's speed", _inline_vs_separate),
+    Target(20, "writes to the inline page >= 0.95x the separate layout's speed", _inline_writes),
     Target(
         19,
         f"int4 decode at 64x{DECODE_CONTEXT} >= 2.8x kvzoo bf16",
