@@ -392,7 +392,9 @@ class StepPlan:
     softcap, max_query_len, max_seq_len, num_prefills, num_tokens (query rows, from
     query_start_loc[-1]; None when planned with validate=False and the bounds given),
     block_tables, seq_lens, query_start_loc, slot_mapping (the tensors the kernels read),
-    write_impl, attention_impl (the chosen Implementations).
+    write_impl, attention_impl (the chosen Implementations), workspace (the caller's buffer, or
+    None), workspace_bytes (what attention_impl's calls take of it, at the plan's bounds; 0
+    for an implementation that takes none).
     """
 
     __slots__ = (
@@ -423,6 +425,8 @@ class StepPlan:
         "_query_tail",
         "_prepared",
         "_recalled",
+        "workspace",
+        "workspace_bytes",
     )
 
     def __init__(self) -> None:
@@ -446,8 +450,12 @@ class StepPlan:
                 fail(f"caches: a PagedKVCache of mode {caches.mode.name!r}; the plan's is {self.spec.mode.name!r}")
         held = self._layers.get(id(tensors))
         if held is None:
+            layer = _layer_of(tensors, self.spec, self._device)
+            if self.workspace is not None:
+                ws = self.workspace
+                _refuse_overlap("workspace", ws, memory.byte_extent(ws), layer.extents, "read or write")
             # The plan holds the object beside its entry, so the id stays its own meanwhile.
-            held = self._layers[id(tensors)] = (_layer_of(tensors, self.spec, self._device), tensors)
+            held = self._layers[id(tensors)] = (layer, tensors)
         return held[0], k_scale, v_scale
 
     def _operand(self, name: str, x: Array, shape: tuple[int, ...], layout: str) -> None:
@@ -629,6 +637,10 @@ class StepPlan:
         kvzoo.paged_attention (allocated, or the writable array given as lse=).
         """
         layer, k_from, v_from = self._layer(caches)
+        if self.workspace is not None:
+            # The workspace is written by the call, the query read.
+            require_array("query", query)
+            _refuse_overlap("query", query, memory.byte_extent(query), self._meta_extents[-1:], "write")
         recall_key = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
             recall_key = ("a", id(layer), return_lse, recall.call_key((query, out)))
@@ -793,6 +805,7 @@ def plan_step(
     num_prefills: int | None = None,
     validate: bool = True,
     impl: ImplChoice = None,
+    workspace: Array | None = None,
 ) -> StepPlan:
     """Check one step's metadata and choose its implementations; once per step, for every layer.
 
@@ -813,7 +826,14 @@ def plan_step(
     max_seq_len given reads nothing at all (num_prefills, if given, bounds the GPU's staged
     prefill workspace). impl: an implementation name for both operations, an Implementation
     (for its own operation), or a mapping {"reshape_and_cache": ..., "paged_attention": ...};
-    None lets the registry choose. Raises kvzoo.KVZooInputError naming the argument.
+    None lets the registry choose. workspace: a contiguous 1-D uint8 tensor on the plan's
+    device, of at least `StepPlan.workspace_bytes`, that the attention's calls carve their own
+    arrays from (split-KV partials, the staged prefill's workspace) instead of allocating
+    them, so an engine sizes and places that memory once; None lets each call allocate. Its
+    size is checked here, against the bounds (plan a CUDA graph's step with the bounds it will
+    replay under); implementations that take none (NumPy, Numba) leave it unused. One layer's
+    call uses it at a time: a step whose layers may run on several streams at once needs a
+    plan (and a workspace) per stream. Raises kvzoo.KVZooInputError naming the argument.
 
     Example: a step of two prefills (20 and 5 tokens) over two layers.
 
@@ -942,6 +962,19 @@ def plan_step(
         for name in ("block_tables", "seq_lens", "query_start_loc", "sinks")
         if getattr(meta, name) is not None
     )
+    plan.workspace, plan.workspace_bytes = None, 0
+    if chosen.workspace_bytes is not None:
+        # At the bounds: every query row the step may bring (validate=False plans do not read
+        # query_start_loc[-1]).
+        rows = num_tokens if num_tokens is not None else num_seqs * max_query_len
+        sizing = meta.replace(query=_stand_in(block_tables, (rows, num_q_heads, spec.head_size), dtype))
+        plan.workspace_bytes = int(chosen.workspace_bytes(sizing, options=chosen.options))
+    if workspace is not None:
+        _check_workspace(workspace, plan.workspace_bytes, device, plan._meta_extents)
+        plan.workspace = workspace
+        if chosen.workspace_bytes is not None:
+            plan.attention_impl = chosen.with_options(workspace=workspace)
+        plan._meta_extents += (("workspace", workspace, memory.byte_extent(workspace)),)
 
     plan.write_impl = plan.slot_mapping = plan._slot_extent = None
     if slot_mapping is not None:
@@ -965,6 +998,22 @@ def plan_step(
         plan.slot_mapping = slots = _for_impl(chosen, write).slot_mapping
         plan._slot_extent = ("slot_mapping", slots, memory.byte_extent(slots))
     return plan
+
+
+def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
+    if torch is None or not isinstance(workspace, torch.Tensor):
+        fail(f"workspace: expected a torch.Tensor of dtype uint8, got {type(workspace).__name__}")
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
+        fail(
+            f"workspace: expected a contiguous 1-D uint8 tensor, got dtype {workspace.dtype} "
+            f"shape {tuple(workspace.shape)} strides {workspace.stride()}"
+        )
+    if _device_key(workspace) != device:
+        fail(f"workspace: on {_device_key(workspace)}, the plan's tensors are on {device}")
+    if workspace.numel() < need:
+        fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
+    require_writable("workspace", workspace)
+    _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")
 
 
 def _for_impl(impl: Implementation, problem: Any) -> Any:

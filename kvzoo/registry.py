@@ -126,6 +126,9 @@ class Implementation:
     # implementation with a prepare hook decides its reasons from the signature alone.
     # None: every call goes through run.
     prepare: Callable[..., Callable[[tuple], None] | None] | None = None
+    # workspace_bytes(problem, options=...): bytes of the caller-given workspace a call of the
+    # problem takes (an option of its option_type named `workspace`); None: it takes none.
+    workspace_bytes: Callable[..., int] | None = None
     # A line for `kvzoo list`; informational.
     notes: str = ""
 

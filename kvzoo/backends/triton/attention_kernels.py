@@ -79,6 +79,7 @@ from .attention_tiles import (
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .launch import BoundLaunch, launch_nothing, relaunch_all
+from .scratch import Need, Scratch, bytes_needed
 
 _DEFAULT_OPTIONS = TritonAttentionOptions()
 
@@ -999,9 +1000,41 @@ def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionC
     return all(x % ROW_TAIL.value == 0 for x in aligned)
 
 
-def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
+def split_partials(p: Attention, cfg: AttentionConfig, width: int) -> list[Need]:
+    """(shape, dtype) of a split decode's partials (max, sum, acc of `width` columns) per
+    sequence, query head and split."""
+    shape = (p.num_seqs, p.num_q_heads, -(-p.max_seq_len // cfg.split_keys))
+    return [(shape, torch.float32), (shape, torch.float32), (shape + (width,), torch.float32)]
+
+
+def call_arrays(p: Attention, launches: list, staged_cfg: StagedConfig | None, width: int, page_scales: bool):
+    """(shape, dtype) of every array a call takes for itself (scratch.py), in the order it
+    takes them: each split launch's partials, then the staged prefill's workspace."""
+    arrays = []
+    for cfg, per_seq, _ in launches:
+        if per_seq and cfg.split_keys > 0:
+            arrays += split_partials(p, cfg, width)
+    if staged_cfg is not None:
+        arrays += _staging.staged_arrays(p, page_scales)
+    return arrays
+
+
+def _block_d(p: Attention) -> int:
+    return max(_MIN_DOT_K_INT8 if p.quantize_query else _MIN_DOT_K, _pow2(p.head_size))
+
+
+def kernel_call(
+    p: Attention,
+    platform: str,
+    cfg: AttentionConfig,
+    *,
+    per_seq: bool,
+    skip_decode: bool,
+    scratch: Scratch | None = None,
+) -> KernelCall:
     """_attention_kernel's launch of `p` under `cfg`: one program per decode token (per_seq) or
-    per query block, skip_decode leaving 1-token sequences to a decode launch."""
+    per query block, skip_decode leaving 1-token sequences to a decode launch. A split takes
+    its partials from scratch (fresh ones by default)."""
     if not isinstance(cfg, AttentionConfig):
         # A StagedConfig tiles staging.py's workspace, which only staged_kernel_call takes.
         raise TypeError(
@@ -1012,7 +1045,7 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
     block_m = max(cfg.min_rows, cfg.block_q * g_pad)
-    block_d = max(_MIN_DOT_K_INT8 if p.quantize_query else _MIN_DOT_K, _pow2(p.head_size))
+    block_d = _block_d(p)
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
     num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
@@ -1024,10 +1057,8 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     ks, vs, kss, vss, sinks, lse, lse_strides = _optional_arrays(p)
     merge = None
     if split:
-        shape = (num_seqs, p.num_q_heads, num_splits)
-        part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
-        part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
-        part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=p.query.device)
+        scratch = scratch or Scratch(p.query.device, None, ())
+        part_m, part_l, part_acc = (scratch.take(*a) for a in split_partials(p, cfg, block_d))
         merge = (
             (num_seqs, p.num_q_heads),
             (
@@ -1258,10 +1289,22 @@ def run(
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, decode, prefill, options)
+    scratch = Scratch(
+        p.query.device, options.workspace, call_arrays(p, launches, staged_cfg, _block_d(p), p.mode.per_token_head), p
+    )
     for cfg, per_seq, skip_decode in launches:
-        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode))
+        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
     if staged_cfg is not None:
-        _launch(staged_kernel_call(_staging.staged_problem(p, options.workspace_fill), platform, staged_cfg))
+        staged = _staging.staged_problem(p, options.workspace_fill, scratch)
+        _launch(staged_kernel_call(staged, platform, staged_cfg))
+
+
+def workspace_bytes(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> int:
+    """Bytes of TritonAttentionOptions.workspace a call of `p` takes (0 where it needs none)."""
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return 0
+    launches, staged_cfg = _launches(p, platform, None, None, options)
+    return bytes_needed(call_arrays(p, launches, staged_cfg, _block_d(p), p.mode.per_token_head))
 
 
 def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS):
@@ -1274,20 +1317,36 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     launches, staged_cfg = _launches(p, platform, None, None, options)
     if staged_cfg is not None:
         return None
+    calls = [kernel_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
+    return bind_launches(p, calls, options.workspace)
+
+
+def bind_launches(p: Attention, calls: list[KernelCall], workspace: torch.Tensor | None):
+    """prepare()'s launch function for `calls` (the second, where there is one, a split's
+    merge after it): their BoundLaunches, and the split's partials per call from torch's
+    allocator, or bound once from the caller's workspace (scratch.py)."""
     bound, partials = [], ()
-    for cfg, per_seq, skip_decode in launches:
-        call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
+    for call in calls:
         bound.append(BoundLaunch(call.kernel, call.grid, call.args, {**call.constexprs, **call.options}, call.slots))
         if call.merge is not None:
             grid, args, constexprs = call.merge
             bound.append(BoundLaunch(_merge_splits_kernel, (*grid, 1), args, constexprs, call.merge_slots))
-            partials = tuple(tuple(t.shape) for t in args[:3])
+            partials = tuple(args[:3])
     if not partials:
         return functools.partial(relaunch_all, tuple(bound))
-    return functools.partial(_relaunch_split, tuple(bound), partials, p.query.device)
+    if workspace is not None:
+        # Checked here, as run() checks it: the caller's buffer holds the partials.
+        held = Scratch(p.query.device, workspace, [(tuple(t.shape), t.dtype) for t in partials], p)
+        views = tuple(held.take(tuple(t.shape), t.dtype) for t in partials)
+        return functools.partial(_relaunch_in_workspace, tuple(bound), views)
+    return functools.partial(_relaunch_split, tuple(bound), tuple(tuple(t.shape) for t in partials), p.query.device)
 
 
 def _relaunch_split(bound: tuple, partials: tuple, device: torch.device, operands: tuple) -> None:
     # Each call its own partials, from torch's stream-ordered allocator as run() takes them: a
     # buffer kept here would be shared by calls on different streams.
     relaunch_all(bound, (*operands, *(torch.empty(shape, dtype=torch.float32, device=device) for shape in partials)))
+
+
+def _relaunch_in_workspace(bound: tuple, partials: tuple, operands: tuple) -> None:
+    relaunch_all(bound, (*operands, *partials))

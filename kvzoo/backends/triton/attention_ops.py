@@ -7,8 +7,8 @@ implementations as unavailable, with the reason) on machines without triton.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...errors import fail
@@ -43,16 +43,26 @@ class TritonAttentionOptions:
     stage_max_bytes: the largest workspace a call may allocate; above it prefill stays direct.
     workspace_fill: a value the staged workspace is filled with before the gather (a test of
     what the gather writes and what the kernel reads); None leaves it uninitialised.
+    workspace: a contiguous 1-D uint8 CUDA tensor every call carves its own arrays from (split
+    partials, staged prefill's workspace; scratch.py) instead of allocating them, of at least
+    `workspace_bytes(problem)` bytes (a call refuses a smaller one before it writes anything).
+    It serves one call at a time: calls that may overlap (other streams) need their own.
     """
 
     prefill: Literal["auto", "direct"] = "auto"
     stage_max_bytes: int = 1 << 30
     workspace_fill: float | None = None
+    # Compared by identity: a tensor's == is elementwise.
+    workspace: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.prefill not in ("auto", "direct"):
             fail(f"prefill: expected 'auto' or 'direct', got {self.prefill!r}")
         int_scalar("stage_max_bytes", self.stage_max_bytes, -1)
+        if self.workspace is not None:
+            from .scratch import check_buffer
+
+            check_buffer(self.workspace)
 
 
 def _kernels(p: Attention):
@@ -80,6 +90,13 @@ def _preparer(platform_name: str):
     return prepare
 
 
+def _sizer(platform_name: str):
+    def workspace_bytes(p: Attention, options: TritonAttentionOptions | None = None) -> int:
+        return _kernels(p).workspace_bytes(p, platform_name, options=options or TritonAttentionOptions())
+
+    return workspace_bytes
+
+
 def register(registry: Registry) -> None:
     for name in platform.PLATFORMS:
         registry.add(
@@ -90,6 +107,7 @@ def register(registry: Registry) -> None:
                 modes=platform.PLATFORM_MODES[name],
                 run=_runner(name),
                 prepare=_preparer(name),
+                workspace_bytes=_sizer(name),
                 array_kind="torch",
                 # The kernels step through index tensors one element at a time (rows of
                 # block_tables by their stride).

@@ -59,7 +59,9 @@ from .attention_kernels import (
     _launch,
     _merge_splits_kernel,
     _num_sms,
-    _relaunch_split,
+    bind_launches,
+    call_arrays,
+    split_partials,
     staged_prefill_config,
 )
 from .attention_ops import TritonAttentionOptions
@@ -88,7 +90,8 @@ from .encode import (
     load_f32,
 )
 from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2
-from .launch import BoundLaunch, launch_nothing, relaunch_all
+from .launch import launch_nothing
+from .scratch import Scratch, bytes_needed
 
 # fp16 value of a code c under the nibble conversions, less c: 0x5400 | c << 4 is the fp16
 # 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it
@@ -720,9 +723,17 @@ def block_d(head_size: int) -> int:
     return max(2 * _MIN_DOT_K, _pow2(head_size))
 
 
-def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: bool, skip_decode: bool) -> KernelCall:
+def kernel_call(
+    p: Attention,
+    platform: str,
+    cfg: AttentionConfig,
+    *,
+    per_seq: bool,
+    skip_decode: bool,
+    scratch: Scratch | None = None,
+) -> KernelCall:
     """_int4_attention_kernel's launch of `p` under `cfg` (attention_kernels.kernel_call's
-    grid: one program per decode token, or per query block)."""
+    grid: one program per decode token, or per query block; a split's partials from scratch)."""
     group = p.num_q_heads // p.num_kv_heads
     g_pad = _pow2(group)
     width = block_d(p.head_size)
@@ -737,10 +748,8 @@ def kernel_call(p: Attention, platform: str, cfg: AttentionConfig, *, per_seq: b
     lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
     merge = None
     if split:
-        shape = (num_seqs, p.num_q_heads, num_splits)
-        part_m = torch.empty(shape, dtype=torch.float32, device=p.query.device)
-        part_l = torch.empty(shape, dtype=torch.float32, device=p.query.device)
-        part_acc = torch.empty(shape + (width,), dtype=torch.float32, device=p.query.device)
+        scratch = scratch or Scratch(p.query.device, None, ())
+        part_m, part_l, part_acc = (scratch.take(*a) for a in split_partials(p, cfg, width))
         merge = (
             (num_seqs, p.num_q_heads),
             (
@@ -855,10 +864,22 @@ def run(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = 
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, options)
+    scratch = Scratch(
+        p.query.device, options.workspace, call_arrays(p, launches, staged_cfg, block_d(p.head_size), True), p
+    )
     for cfg, per_seq, skip_decode in launches:
-        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode))
+        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
     if staged_cfg is not None:
-        _launch(int4_staging.staged_call(int4_staging.staged_problem(p, options.workspace_fill), platform, staged_cfg))
+        staged = int4_staging.staged_problem(p, options.workspace_fill, scratch)
+        _launch(int4_staging.staged_call(staged, platform, staged_cfg))
+
+
+def workspace_bytes(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> int:
+    """attention_kernels.workspace_bytes for an int4 problem `p`."""
+    if p.num_seqs == 0 or p.query.shape[0] == 0:
+        return 0
+    launches, staged_cfg = _launches(p, platform, options)
+    return bytes_needed(call_arrays(p, launches, staged_cfg, block_d(p.head_size), True))
 
 
 def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS):
@@ -869,14 +890,5 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     launches, staged_cfg = _launches(p, platform, options)
     if staged_cfg is not None:
         return None
-    bound, partials = [], ()
-    for cfg, per_seq, skip_decode in launches:
-        call = kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode)
-        bound.append(BoundLaunch(call.kernel, call.grid, call.args, {**call.constexprs, **call.options}, call.slots))
-        if call.merge is not None:
-            grid, args, constexprs = call.merge
-            bound.append(BoundLaunch(_merge_splits_kernel, (*grid, 1), args, constexprs, call.merge_slots))
-            partials = tuple(tuple(t.shape) for t in args[:3])
-    if not partials:
-        return functools.partial(relaunch_all, tuple(bound))
-    return functools.partial(_relaunch_split, tuple(bound), partials, p.query.device)
+    calls = [kernel_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
+    return bind_launches(p, calls, options.workspace)

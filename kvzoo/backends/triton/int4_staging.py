@@ -29,6 +29,7 @@ from .attention_tiles import attend, logit_scale, query_block, staged_tile, stor
 from .encode import SMALLEST_NORMAL, bf16_as_bits, load_f32
 from .int4_attention import ZP_MASK, query_factors, split_words, unrotate_rows
 from .int4_rotation import flip_signs, fwht, interleave, log2, unpack_nibbles
+from .scratch import Scratch
 
 
 @triton.jit
@@ -368,20 +369,17 @@ def _int4_staged_attention_kernel(
     )
 
 
-def staged_problem(p: Attention, fill: float | None = None) -> staging.Staged:
-    """staging.staged_problem for an int4 `p`: the problem over a fresh workspace of its
-    prefills' context (in the stored basis) and its query rows (rotated), with their undo
-    factors. staged_call launches it."""
+def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | None = None) -> staging.Staged:
+    """staging.staged_problem for an int4 `p`: the problem over a workspace (scratch's; fresh
+    by default) of its prefills' context (in the stored basis) and its query rows (rotated),
+    with their undo factors. staged_call launches it."""
     shape = staging.workspace_shape(p)
     pages, _, heads, dim = shape
     pages_per_seq = -(-p.max_seq_len // staging.STAGE_PAGE)
     slots = pages // pages_per_seq
-    device = p.query.device
-    ws_k = staging._allocate(shape, torch.float16, device, fill)
-    ws_v = staging._allocate(shape, torch.float16, device, fill)
-    page_scales = staging._allocate((2, pages, heads), torch.float32, device, fill)
-    seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
-    first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)
+    if scratch is None:
+        scratch = Scratch(p.query.device, None, ())
+    ws_k, ws_v, page_scales, seq_of_slot, first_page, ws_q, q_undo = staging.take_staged(p, True, scratch, fill)
     staging._slot_kernel[(1,)](
         p.query_start_loc,
         p.num_seqs,
@@ -422,8 +420,6 @@ def staged_problem(p: Attention, fill: float | None = None) -> staging.Staged:
         num_warps=staging.GATHER_WARPS,
     )
     tokens, q_heads = p.query.shape[0], p.num_q_heads
-    ws_q = staging._allocate((tokens, q_heads, dim), torch.float16, device, fill)
-    q_undo = staging._allocate((tokens, q_heads), torch.float32, device, fill)
     rotate = p.mode.rotation is not None
     _int4_stage_query_kernel[(tokens,)](
         bf16_as_bits(p.query),

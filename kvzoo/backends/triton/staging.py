@@ -39,6 +39,7 @@ from ...problem import Attention
 from . import platform as _platform
 from .encode import SMALLEST_NORMAL, bf16_as_bits, decode_codes, fp16_row_factors, load_f32
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
+from .scratch import Scratch
 
 # Keys per workspace page, and per scale: a multiple of every staged key tile (128 at most).
 STAGE_PAGE = 128
@@ -279,14 +280,6 @@ def _stage_query_kernel(
     tl.store(undo_ptr + row, undo, mask=h_ok)
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device, fill: float | None) -> torch.Tensor:
-    # fill (TritonAttentionOptions.workspace_fill) poisons the workspace, so a test can see
-    # what the gather writes and what the kernel reads.
-    if fill is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.full(shape, fill, dtype=dtype, device=device)
-
-
 def _pages_per_seq(p: Attention) -> int:
     return -(-p.max_seq_len // STAGE_PAGE)
 
@@ -324,25 +317,53 @@ class Staged(NamedTuple):
     q_undo: torch.Tensor
 
 
-def staged_problem(p: Attention, fill: float | None = None) -> Staged:
-    """Gathers the prefill sequences' context into a fresh workspace, and the query into fp16.
-    The problem's block_tables hold one column, each sequence's first workspace page: a slot's
-    pages are consecutive, and the staged kernel reads nothing else. Decode tokens still read
-    the codes, so callers run them on `p`."""
+def staged_arrays(p: Attention, page_scales: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of the arrays a staged run of `p` takes, in the order it takes them: K's
+    and V's workspaces, their page scales (page_scales), each slot's sequence and each
+    sequence's first page, the fp16 query and its rows' factors."""
+    shape = workspace_shape(p)
+    pages, _, heads, dim = shape
+    slots = pages // _pages_per_seq(p)
+    arrays = [(shape, torch.float16), (shape, torch.float16)]
+    if page_scales:
+        arrays.append(((2, pages, heads), torch.float32))
+    tokens = p.query.shape[0]
+    arrays += [
+        ((slots + 1,), torch.int32),
+        ((p.num_seqs,), torch.int32),
+        ((tokens, p.num_q_heads, dim), torch.float16),
+        ((tokens, p.num_q_heads), torch.float32),
+    ]
+    return arrays
+
+
+def take_staged(p: Attention, page_scales: bool, scratch: Scratch, fill: float | None) -> list[torch.Tensor]:
+    """staged_arrays(p, page_scales), taken from scratch; the workspaces filled with `fill`
+    (TritonAttentionOptions.workspace_fill), the index arrays left as they come."""
+    arrays = staged_arrays(p, page_scales)
+    index = {len(arrays) - 4, len(arrays) - 3}
+    return [scratch.take(shape, dtype, None if i in index else fill) for i, (shape, dtype) in enumerate(arrays)]
+
+
+def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | None = None) -> Staged:
+    """Gathers the prefill sequences' context into a workspace (scratch's; fresh by default),
+    and the query into fp16. The problem's block_tables hold one column, each sequence's first
+    workspace page: a slot's pages are consecutive, and the staged kernel reads nothing else.
+    Decode tokens still read the codes, so callers run them on `p`."""
     shape = workspace_shape(p)
     pages, _, heads, dim = shape
     pages_per_seq = _pages_per_seq(p)
     slots = pages // pages_per_seq
-    device = p.query.device
-    ws_k = _allocate(shape, torch.float16, device, fill)
-    ws_v = _allocate(shape, torch.float16, device, fill)
     per_token_head = p.mode.per_token_head
-    page_scales = _allocate((2, pages, heads), torch.float32, device, fill) if per_token_head else None
+    if scratch is None:
+        scratch = Scratch(p.query.device, None, ())
+    taken = take_staged(p, per_token_head, scratch, fill)
+    ws_k, ws_v = taken[:2]
+    page_scales = taken[2] if per_token_head else None
+    seq_of_slot, first_page, ws_q, q_undo = taken[-4:]
     # One launch places the prefills: a dozen small torch ops would each be a node of the
     # step's CUDA graph, and cost measurable time. The gather's grid runs over slots, not sequences: decodes
     # beside a few prefills would each launch a sequence's worth of empty programs.
-    seq_of_slot = torch.empty(slots + 1, dtype=torch.int32, device=device)
-    first_page = torch.empty(p.num_seqs, dtype=torch.int32, device=device)
     _slot_kernel[(1,)](
         p.query_start_loc, p.num_seqs, slots, pages_per_seq, seq_of_slot, first_page, BLOCK=SLOT_BLOCK, num_warps=4
     )
@@ -395,8 +416,6 @@ def staged_problem(p: Attention, fill: float | None = None) -> Staged:
             v_scale_cache=page_scales[1][:, None, :].expand(pages, STAGE_PAGE, heads),
         )
     tokens, q_heads = p.query.shape[0], p.num_q_heads
-    ws_q = _allocate((tokens, q_heads, dim), torch.float16, device, fill)
-    q_undo = _allocate((tokens, q_heads), torch.float32, device, fill)
     _stage_query_kernel[(tokens,)](
         bf16_as_bits(p.query),
         ws_q,
@@ -419,7 +438,9 @@ __all__ = [
     "STAGE_MIN_QUERY_LEN",
     "Staged",
     "stageable",
+    "staged_arrays",
     "staged_problem",
+    "take_staged",
     "workspace_bytes",
     "workspace_shape",
     "worth_staging",
