@@ -274,6 +274,54 @@ def test_write_through_every_input_path(layout):
     _check_written(mode, key, value, slots, caches, before, NB, BS)
 
 
+@pytest.mark.parametrize("mode", INT4)
+@pytest.mark.parametrize("stores", ["words", "bytes"])
+@pytest.mark.parametrize("tile", [None, (8, 4, 1), (4, 4, 2)])
+def test_write_through_each_store_and_tile(mode, stores, tile):
+    # The int32 word stores (where the cache's rows allow them) and the byte stores beside
+    # them, at the table's tile and at the others bench/int4_write_probe.py times; a strided
+    # cache view has no word path and must fall back to bytes.
+    rng = rng_for("int4 stores", mode, stores, tile)
+    T, H, D, NB, BS = 13, 4, 32, 6, 4
+    dtype = str(rng.choice(list(DTYPES)))
+    m = MODES[mode]
+    key = torch.from_numpy(make_rows(m, "specials", dtype, (T, H, D), rng)).to(DTYPES[dtype]).to(DEVICE)
+    value = torch.from_numpy(make_rows(m, "midpoints", dtype, (T, H, D), rng)).to(DTYPES[dtype]).to(DEVICE)
+    slots = torch.from_numpy(rng.permutation(NB * BS)[:T]).to(DEVICE)
+    slots[::4] = -1
+    caches = _poisoned_caches(rng, NB, BS, H, D)
+    p = _write_problem(mode, key, value, slots, caches)
+    assert (int4_write._as_words(p.key_cache) is not None) and int4_write._as_words(p.key_cache[..., 1:5]) is None
+    before = tuple(c.clone() for c in caches)
+    grid, args, kwargs, _ = int4_write._write_call(p, float(SCALE_FLOOR), tile=tile, pack_words=stores == "words")
+    assert kwargs["PACK_WORDS"] == (stores == "words")
+    if tile is not None:
+        assert (kwargs["BLOCK_T"], kwargs["BLOCK_H"], kwargs["num_warps"]) == tile
+    int4_write._int4_write_kernel[grid](*args, **kwargs)
+    _check_written(mode, key, value, slots, caches, before, NB, BS)
+
+
+def test_write_caps_a_code_that_rounds_to_16():
+    # A row of range [-0.5, 14.5] has scale 1 and zp R(0.5) = 1, so its largest element gives
+    # y = 15.5 and fl(y + 0.5) = 16: the cap at 15 (SPEC.md 12.3's R) is all that keeps it out
+    # of the next nibble of the packed word.
+    mode = "int4_per_token_head_norot"
+    rng = rng_for("int4 cap")
+    T, H, D, NB, BS = 5, 2, 16, 4, 4
+    rows = rng.uniform(-0.5, 14.5, (T, H, D)).astype(np.float32)
+    rows[..., 0], rows[..., 7] = -0.5, 14.5
+    key = torch.from_numpy(rows).to(DEVICE)
+    value = torch.from_numpy(rows[:, ::-1].copy()).to(DEVICE)
+    want = oracle.int4_reshape_and_cache(rows, rows, np.arange(T), num_blocks=NB, block_size=BS, mode_name=mode)
+    codes = np.concatenate([want[0].reshape(-1, D // 2) & 0xF, want[0].reshape(-1, D // 2) >> 4], 1)
+    assert (codes[: T * H] == 15).any()
+    slots = torch.from_numpy(rng.permutation(NB * BS)[:T]).to(DEVICE)
+    caches = _poisoned_caches(rng, NB, BS, H, D)
+    before = tuple(c.clone() for c in caches)
+    int4_write.reshape_and_cache(_write_problem(mode, key, value, slots, caches), float(SCALE_FLOOR))
+    _check_written(mode, key, value, slots, caches, before, NB, BS)
+
+
 def test_write_skips_slots_past_the_cache():
     # With validation off a slot past the end reaches the kernel: skipped like a negative one.
     mode = "int4_per_token_head"

@@ -6,7 +6,10 @@ reshape_and_cache: a program owns ROWS rows of K or of V (BLOCK_T tokens x BLOCK
 grid's second axis says which tensor), a memory path of its own beside write_kernels.py's: the
 rows are rotated in registers (int4_rotation.fwht), rounded back to the input dtype, quantized
 with an asymmetric scale and zero point, packed two codes a byte and stored with one scale word
-a row (the scale's top 28 bits, the zero point in the low 4).
+a row (the scale's top 28 bits, the zero point in the low 4). Where the cache's rows allow it the
+codes go out as int32 words of eight nibbles (pack_words), else as bytes. NARROW_HW says the
+launch is compiled CUDA, where inline PTX runs: the bf16 convert, the sign flip as a foldable
+negation, and cvt.rzi's NaN -> 0. What bounds the write on the H200: docs/int4_write_notes.md.
 
 dequantize: gathers the tokens of sequences through their block tables, decodes the codes in
 the stored basis and (rotated mode) un-rotates them in float32, bit for bit SPEC.md 12.3's
@@ -28,7 +31,7 @@ import triton.language as tl
 
 from ...problem import CacheWrite, Dequantize
 from .encode import CANONICAL_NAN_BITS, bf16_as_bits, bits_float, float_bits, load_f32
-from .int4_rotation import deinterleave, flip_signs, fwht, interleave, unpack_nibbles
+from .int4_rotation import deinterleave, flip_signs, fwht, interleave, sign_bits, unpack_nibbles
 from .launch import BoundLaunch, launch_nothing
 from .platform import interpreted
 
@@ -111,7 +114,7 @@ def round_code(v):
 
 
 @triton.jit
-def quantize_rows(r, SCALE_FLOOR: tl.constexpr):
+def quantize_rows(r, SCALE_FLOOR: tl.constexpr, NAN_TO_ZERO: tl.constexpr):
     """Rows r [ROWS, D] (rotated, or not: _norot) -> (codes [ROWS, D] int32, scale words [ROWS]
     int32), SPEC.md 12.3 and 12.5.
 
@@ -119,8 +122,11 @@ def quantize_rows(r, SCALE_FLOOR: tl.constexpr):
     row holds a NaN or an Inf or its range overflows: the poisoned rows of 12.5, which store
     codes 0 under the canonical NaN word. Such a row is quantized with zp 0 and inv 0, so its
     finite elements give y = 0 and code 0, and its NaN and Inf ones y = NaN, whose code is 0 on
-    a GPU (cvt.rzi gives 0) and INT_MIN under NumPy (which warns of the cast): either way its
-    low byte, and its nibble shifted up, are 0."""
+    a GPU (cvt.rzi gives 0) and INT_MIN under NumPy (which warns of the cast). pack_words'
+    sums need codes 0..15, so where NaN may not convert to 0 (NAN_TO_ZERO false: anything but
+    compiled CUDA) the codes are raised to 0; a GPU spends no instruction on it. (Clearing the
+    poisoned rows' words instead costs more: the row mask in the packed words' layout made the
+    compiler compute the rows' max and min twice, sm_90a SASS.)"""
     hi = tl.maximum(tl.reduce(r, 1, _max_nan), 0.0, propagate_nan=tl.PropagateNan.ALL)
     lo = tl.minimum(tl.reduce(r, 1, _min_nan), 0.0, propagate_nan=tl.PropagateNan.ALL)
     span = hi - lo
@@ -135,8 +141,45 @@ def quantize_rows(r, SCALE_FLOOR: tl.constexpr):
     # Two roundings (fusion is off for the launch): fl(fl(r * inv) + zp).
     y = r * inv[:, None] + zp.to(tl.float32)[:, None]
     codes = round_code(y)
+    if not NAN_TO_ZERO:
+        codes = tl.maximum(codes, 0)
     words = tl.where(poison, CANONICAL_NAN_BITS, (float_bits(scale) & SCALE_MASK) | zp)
     return codes, words
+
+
+@triton.jit
+def _neg_ptx(x):
+    return tl.inline_asm_elementwise(
+        asm="neg.f32 $0, $1;", constraints="=r,r", args=[x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def flip_signs_first(x, D: tl.constexpr, HW: tl.constexpr):
+    """int4_rotation.flip_signs for the rows the butterfly starts from. HW (compiled CUDA): a
+    PTX neg where the sign is -1, which ptxas folds into the first stage's adds as an operand's
+    sign; the XOR of the bits stays an instruction an element, and Triton's own `-x` is
+    fl(0 - x), an instruction too. Both flip the sign bit exactly (a NaN stays some NaN, in a
+    row that is poisoned anyway)."""
+    if HW:
+        d = tl.arange(0, D)[None, :]
+        return tl.where(sign_bits(d, D) != 0, _neg_ptx(x), x)
+    else:
+        return flip_signs(x, D)
+
+
+@triton.jit
+def pack_words(codes, ROWS: tl.constexpr, D: tl.constexpr):
+    """Codes [ROWS, D] (0..15) -> [ROWS, D / 8] int32 words of eight nibbles, element 8w + k in
+    bits 4k..4k+3 of word w: the bytes of SPEC.md 12.1 in little-endian order. Each step adds
+    one half shifted onto the other (one LEA or IMAD a value, where the byte path spent a shift
+    and an OR a byte and three PRMTs a word)."""
+    even, odd = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
+    b = even + odd * 16
+    lo, hi = tl.split(tl.reshape(b, [ROWS, D // 4, 2]))
+    h = lo + hi * 256
+    lo, hi = tl.split(tl.reshape(h, [ROWS, D // 8, 2]))
+    return lo + hi * 65536
 
 
 @triton.jit
@@ -191,6 +234,7 @@ def _write_rows(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     PAIRS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_T * BLOCK_H
     rows = tl.arange(0, ROWS)
@@ -200,10 +244,8 @@ def _write_rows(
     row = token.to(tl.int64) * s_t + head * s_h
     x = _load_row_tile(src_ptr, row, row_ok, s_d, IN_KIND, PAIRS, D)
     if ROTATE:
-        x = narrow(fwht(flip_signs(x, D), ROWS, D, D), IN_KIND, NARROW_HW)
-    codes, words = quantize_rows(x, SCALE_FLOOR)
-    even, odd = deinterleave(codes, ROWS, D)
-    packed = (even | (odd << 4)).to(tl.uint8)
+        x = narrow(fwht(flip_signs_first(x, D, NARROW_HW), ROWS, D, D), IN_KIND, NARROW_HW)
+    codes, words = quantize_rows(x, SCALE_FLOOR, NARROW_HW)
 
     slot = tl.load(slot_ptr + token, mask=row_ok, other=-1).to(tl.int64)
     # Past-the-end slots reach here only with validation off: skipped like negative ones, so
@@ -212,11 +254,22 @@ def _write_rows(
     slot = tl.maximum(slot, 0)
     block = slot // block_size
     offset = slot % block_size
-    BYTES: tl.constexpr = D // 2
-    VB: tl.constexpr = min(16, BYTES)
-    j = (tl.arange(0, BYTES // VB)[:, None] * VB + tl.arange(0, VB)[None, :])[None, :, :].to(tl.int64)
-    dst = cache_ptr + (block * s_cb + offset * s_cs + head * s_ch)[:, None, None] + j * s_cd
-    tl.store(dst, tl.reshape(packed, [ROWS, BYTES // VB, VB]), mask=keep[:, None, None])
+    dst_row = block * s_cb + offset * s_cs + head * s_ch
+    if PACK_WORDS:
+        # cache_ptr an int32 view (s_cd 1): a row's D / 8 words, four to a 16-byte store.
+        W: tl.constexpr = D // 8
+        VW: tl.constexpr = min(4, W)
+        j = (tl.arange(0, W // VW)[:, None] * VW + tl.arange(0, VW)[None, :])[None, :, :]
+        packed = tl.reshape(pack_words(codes, ROWS, D), [ROWS, W // VW, VW])
+        tl.store(cache_ptr + dst_row[:, None, None] + j, packed, mask=keep[:, None, None])
+    else:
+        even, odd = deinterleave(codes, ROWS, D)
+        packed = (even | (odd << 4)).to(tl.uint8)
+        BYTES: tl.constexpr = D // 2
+        VB: tl.constexpr = min(16, BYTES)
+        j = (tl.arange(0, BYTES // VB)[:, None] * VB + tl.arange(0, VB)[None, :])[None, :, :].to(tl.int64)
+        dst = cache_ptr + dst_row[:, None, None] + j * s_cd
+        tl.store(dst, tl.reshape(packed, [ROWS, BYTES // VB, VB]), mask=keep[:, None, None])
     # A column [ROWS, 1], not a vector: stored as a vector, the words took another layout than
     # the rows' max and min, and the compiler computed those twice to match it (sm_90a SASS).
     tl.store((words_ptr + block * s_wb + offset * s_ws + head * s_wh)[:, None], words[:, None], mask=keep[:, None])
@@ -263,6 +316,7 @@ def _int4_write_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     PAIRS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
 ):
     """Program (i, 0) writes the K rows of tokens [i * BLOCK_T, (i + 1) * BLOCK_T), (i, 1) V's."""
     first_token = tl.program_id(0) * BLOCK_T
@@ -295,6 +349,7 @@ def _int4_write_kernel(
             BLOCK_H,
             D,
             PAIRS,
+            PACK_WORDS,
         )
     else:
         _write_rows(
@@ -325,6 +380,7 @@ def _int4_write_kernel(
             BLOCK_H,
             D,
             PAIRS,
+            PACK_WORDS,
         )
 
 
@@ -432,13 +488,35 @@ def _as_pairs(t: torch.Tensor) -> torch.Tensor | None:
     return t.view(torch.int32)
 
 
-def _write_call(p: CacheWrite, scale_floor: float):
+def _as_words(cache: torch.Tensor) -> torch.Tensor | None:
+    """A uint8 cache [blocks, block_size, H, D / 2] as int32 words, where its rows allow it
+    (D / 2 a multiple of 4 bytes, contiguous along it, strides of whole words, 16-byte
+    aligned as _as_pairs says); else None."""
+    if cache.shape[-1] % 4 or cache.stride(3) != 1 or cache.data_ptr() % 16:
+        return None
+    if any(s % 4 for s in cache.stride()[:3]):
+        return None
+    return cache.view(torch.int32)
+
+
+def _write_call(
+    p: CacheWrite,
+    scale_floor: float,
+    tile: tuple[int, int, int] | None = None,
+    pack_words: bool = True,
+):
     """(grid, args, kwargs, slots) of the write kernel's launch for `p`; slots: the positions
-    of args each of CacheWrite.operand_names() fills."""
+    of args each of CacheWrite.operand_names() fills. tile: (BLOCK_T, BLOCK_H, warps) instead
+    of _write_tile's, and pack_words=False the byte stores (bench/int4_write_probe.py compares
+    them)."""
     num_tokens, num_heads, head_size = p.key.shape
-    block_t, block_h, warps = _write_tile(num_tokens, num_heads, head_size)
+    block_t, block_h, warps = tile or _write_tile(num_tokens, num_heads, head_size)
     k_words, v_words = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
     key_cache, value_cache = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
+    key_words, value_words = _as_words(key_cache), _as_words(value_cache)
+    words = pack_words and key_words is not None and value_words is not None
+    if words:
+        key_cache, value_cache = key_words, value_words
     key, value = _as_pairs(p.key), _as_pairs(p.value)
     pairs = key is not None and value is not None
     if not pairs:
@@ -471,6 +549,7 @@ def _write_call(p: CacheWrite, scale_floor: float):
         BLOCK_H=block_h,
         D=head_size,
         PAIRS=pairs,
+        PACK_WORDS=words,
         num_warps=warps,
         enable_fp_fusion=False,
     )
