@@ -218,3 +218,35 @@ def test_backends_without_a_workspace_leave_it_unused():
     want = _plan(spec, p, impl="numpy").attention(p.query, caches)
     assert torch.equal(plan.attention(p.query, caches).view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(buffer, before)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_cuda_graph_of_planned_layers_replays_in_the_workspace():
+    p = _problem("int8_per_token_head", "mixed")
+    spec = _spec(p)
+    caches = kvzoo.KVCacheTensors(p.key_cache, p.value_cache, p.k_scale_cache, p.v_scale_cache)
+    want = _plan(spec, p, impl="triton-cuda").attention(p.query, caches).clone()
+    need = _plan(spec, p, impl="triton-cuda").workspace_bytes
+    buffer = _random_buffer(need + GUARD, 4)
+    before = buffer.clone()
+    plan = _plan(
+        spec,
+        p,
+        impl="triton-cuda",
+        workspace=buffer[:need],
+        validate=False,
+        max_query_len=p.max_query_len,
+        max_seq_len=p.max_seq_len,
+        num_prefills=p.num_prefills,
+    )
+    out = torch.full_like(p.query, float("nan"))
+    plan.attention(p.query, caches, out=out)  # outside the capture: compiles and binds
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.attention(p.query, caches, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(buffer[need:], before[need:])
