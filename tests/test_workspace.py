@@ -226,19 +226,13 @@ def test_a_cuda_graph_of_planned_layers_replays_in_the_workspace():
     spec = _spec(p)
     caches = kvzoo.KVCacheTensors(p.key_cache, p.value_cache, p.k_scale_cache, p.v_scale_cache)
     want = _plan(spec, p, impl="triton-cuda").attention(p.query, caches).clone()
-    need = _plan(spec, p, impl="triton-cuda").workspace_bytes
+    # Unread metadata: sized for every row the bounds allow (num_seqs x max_query_len).
+    bounds = dict(validate=False, max_query_len=p.max_query_len, max_seq_len=p.max_seq_len, num_prefills=p.num_prefills)
+    need = _plan(spec, p, impl="triton-cuda", **bounds).workspace_bytes
+    assert need >= _impl().workspace_bytes(p)
     buffer = _random_buffer(need + GUARD, 4)
     before = buffer.clone()
-    plan = _plan(
-        spec,
-        p,
-        impl="triton-cuda",
-        workspace=buffer[:need],
-        validate=False,
-        max_query_len=p.max_query_len,
-        max_seq_len=p.max_seq_len,
-        num_prefills=p.num_prefills,
-    )
+    plan = _plan(spec, p, impl="triton-cuda", workspace=buffer[:need], **bounds)
     out = torch.full_like(p.query, float("nan"))
     plan.attention(p.query, caches, out=out)  # outside the capture: compiles and binds
     torch.cuda.synchronize()
