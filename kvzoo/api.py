@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import recall
+from . import memory, recall
 from . import registry as _registry
 from .arrays import as_numpy, as_torch, dtype_name, is_torch, same_kind_empty
 from .capabilities import shares_buffer
@@ -70,6 +70,11 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     """Check aliasing, choose, prepare (or recall both) and run; returns (the implementation
     chosen, its prepared launch or None, whether it took the problem's arrays as given)."""
     check_aliasing(problem)
+    workspace = _workspace_of(impl)
+    if workspace is not None:
+        # The caller's buffer is written by the call: it must meet none of the call's arrays
+        # (checked on every call, which is therefore never recalled).
+        memory.refuse_shared("workspace", workspace, problem)
     reg = _registry.default()
     # The object the entry was made for: a key's id() cannot be reused while it is held here.
     held = impl if isinstance(impl, _registry.Implementation) else reg
@@ -109,12 +114,19 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     return chosen, launch, problem is given
 
 
+def _workspace_of(impl: Any) -> Any:
+    """The workspace an Implementation was given with its options (TritonAttentionOptions)."""
+    if not isinstance(impl, _registry.Implementation):
+        return None
+    return getattr(impl.options, "workspace", None)
+
+
 def _recall_key(op: str, impl: Any, values: tuple) -> tuple[tuple | None, Any]:
     """(the key kvzoo.recall keeps this unvalidated call's resolution under, the object the
     entry is for: the Implementation asked for, else the registry)."""
     reg = _registry.default()
     held = impl if isinstance(impl, _registry.Implementation) else reg
-    key = recall.call_key(values)
+    key = recall.call_key(values) if _workspace_of(impl) is None else None
     if key is None:
         return None, held
     return (op, id(held), impl if isinstance(impl, str) else None, reg.generation, key), held

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .arrays import is_torch
+from .errors import fail
 
 # np.shares_memory solves a small integer program; layouts kvzoo meets (separate tensors,
 # inline pages, slices) take a few steps. Past this many, overlap is assumed, not proven away.
@@ -89,6 +90,14 @@ def overlap(a: Any, b: Any) -> bool:
         return bool(np.shares_memory(pa, pb, max_work=_MAX_OVERLAP_WORK))
     except np.exceptions.TooHardError:
         return True
+
+
+def refuse_shared(name: str, buffer: Any, problem: Any) -> None:
+    """Refuse a buffer the call writes for itself (a workspace) sharing a byte with any of the
+    problem's arrays."""
+    for other, x in zip(problem.operand_names(), problem.operands()):
+        if x is not None and overlap(buffer, x):
+            fail(f"{name}: shares memory with {other}; pass a buffer of its own")
 
 
 def self_overlap(x: Any) -> bool:

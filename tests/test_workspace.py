@@ -121,6 +121,28 @@ def test_prepared_and_recalled_calls_run_in_the_workspace():
         )
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(buffer[need:], before[need:])
+    # After calls of the same metadata, an output inside the workspace is still refused (such
+    # calls are never recalled: each checks the workspace against its arrays).
+    inside = buffer[: p.out.numel() * p.out.element_size()].view(p.out.dtype).view(p.out.shape)
+    before = buffer.clone()
+    with pytest.raises(KVZooInputError, match="workspace: shares memory with out"):
+        kvzoo.paged_attention(
+            p.query,
+            p.key_cache,
+            p.value_cache,
+            mode=p.mode,
+            block_tables=p.block_tables,
+            seq_lens=p.seq_lens,
+            query_start_loc=p.query_start_loc,
+            k_scale_cache=p.k_scale_cache,
+            v_scale_cache=p.v_scale_cache,
+            out=inside,
+            max_query_len=p.max_query_len,
+            max_seq_len=p.max_seq_len,
+            impl=impl,
+            validate=False,
+        )
+    assert torch.equal(buffer, before)
 
 
 def test_a_workspace_too_small_or_overlapping_is_refused_before_any_write():

@@ -49,14 +49,6 @@ def check_buffer(workspace: torch.Tensor) -> None:
         fail("workspace: requires_grad is set; the kernels write it")
 
 
-def refuse_overlap(workspace: torch.Tensor, problem) -> None:
-    """A workspace sharing a byte with any of the problem's arrays is refused: the kernels
-    write it while they read (or write) those."""
-    for name, x in zip(problem.operand_names(), problem.operands()):
-        if isinstance(x, torch.Tensor) and memory.overlap(workspace, x):
-            fail(f"workspace: shares memory with {name}; pass a buffer of its own")
-
-
 class Scratch:
     """Where one call's own arrays come from, in the order `take` is asked for them."""
 
@@ -70,7 +62,7 @@ class Scratch:
             if workspace.numel() < need:
                 fail(f"workspace: this call needs {need} bytes, the buffer holds {workspace.numel()}")
             if problem is not None:
-                refuse_overlap(workspace, problem)
+                memory.refuse_shared("workspace", workspace, problem)
         self.device, self.workspace, self.used = device, workspace, 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
@@ -87,4 +79,4 @@ class Scratch:
         return out
 
 
-__all__ = ["ALIGN", "Scratch", "bytes_needed", "check_buffer", "refuse_overlap"]
+__all__ = ["ALIGN", "Scratch", "bytes_needed", "check_buffer"]
