@@ -272,6 +272,12 @@ def functional_attention(query, c, meta, impl, sinks=None):
 
 @pytest.mark.parametrize("q_lens,seq_lens", [((5, 1, 4), (8, 13, 4)), ((1, 1, 1), (8, 13, 4))])
 def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
+    from kvzoo import api, recall
+
+    # The counts below assume no eviction: the prepared and recalled launches are cleared when
+    # full (256 entries), which the tests before this one in a process may bring it close to.
+    api._PREPARED.clear()
+    recall.forget()
     spec = spec_for("int8_per_token_head", "separate", DEVICE)
     meta = metadata(DEVICE, q_lens=q_lens, seq_lens=seq_lens)
     rng = rng_for("functional prepared", q_lens)
@@ -313,6 +319,7 @@ def test_functional_prepared_launches_follow_the_registry_and_let_caches_go():
 
     from kvzoo import api
 
+    api._PREPARED.clear()  # no eviction between the two calls (cleared when full)
     spec = spec_for("fp8_per_token_head", "separate", DEVICE)
     meta, rng = metadata(DEVICE), rng_for("functional registry")
     c = poisoned(spec, rng)
