@@ -82,6 +82,7 @@ from .validate import (
     require_no_negative_strides,
     require_same_device,
     require_sizes,
+    require_workspace,
     require_writable,
     static_scale,
     unit_index_strides,
@@ -1001,18 +1002,11 @@ def plan_step(
 
 
 def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
-    if torch is None or not isinstance(workspace, torch.Tensor):
-        fail(f"workspace: expected a torch.Tensor of dtype uint8, got {type(workspace).__name__}")
-    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
-        fail(
-            f"workspace: expected a contiguous 1-D uint8 tensor, got dtype {workspace.dtype} "
-            f"shape {tuple(workspace.shape)} strides {workspace.stride()}"
-        )
+    require_workspace(workspace)
     if _device_key(workspace) != device:
         fail(f"workspace: on {_device_key(workspace)}, the plan's tensors are on {device}")
     if workspace.numel() < need:
         fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
-    require_writable("workspace", workspace)
     _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")
 
 

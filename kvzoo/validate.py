@@ -36,6 +36,28 @@ INDEX_DTYPES = ("int32", "int64")
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+# Where a caller's workspace must start: the kernels' 16-byte vector accesses (torch's CUDA
+# allocations start at multiples of 512, its CPU ones of 64).
+WORKSPACE_ALIGN = 16
+
+
+def require_workspace(workspace: Any) -> None:
+    """A caller's workspace: a writable, contiguous 1-D uint8 torch tensor starting at a
+    WORKSPACE_ALIGN boundary, without requires_grad."""
+    if torch is None or not isinstance(workspace, torch.Tensor):
+        fail(f"workspace: expected a torch.Tensor of dtype uint8, got {type(workspace).__name__}")
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
+        fail(
+            f"workspace: expected a contiguous 1-D uint8 tensor, got dtype {workspace.dtype} "
+            f"shape {tuple(workspace.shape)} strides {workspace.stride()}"
+        )
+    if workspace.data_ptr() % WORKSPACE_ALIGN:
+        fail(f"workspace: must start at a multiple of {WORKSPACE_ALIGN} bytes (torch's allocations do)")
+    if workspace.requires_grad:
+        fail("workspace: requires_grad is set; the kernels write it")
+    require_writable("workspace", workspace)
+
+
 def require_array(name: str, x: Any) -> None:
     """A tensor or array kvzoo can address: on the CPU or a GPU, not tracking gradients, in
     native byte order (kvzoo_spec/SPEC.md section 11)."""

@@ -10,6 +10,7 @@ Refused calls (too small, overlapping an array of the call) write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -93,6 +94,26 @@ def test_a_call_in_a_workspace_gives_the_bytes_of_one_that_allocates(mode, batch
     assert torch.equal(buffer[need:], before[need:]), "the call wrote past what it asked for"
 
 
+def _functional(p: Attention, out: torch.Tensor, impl) -> None:
+    """kvzoo.paged_attention of p's arrays into out, unvalidated (so prepared and recalled)."""
+    kvzoo.paged_attention(
+        p.query,
+        p.key_cache,
+        p.value_cache,
+        mode=p.mode,
+        block_tables=p.block_tables,
+        seq_lens=p.seq_lens,
+        query_start_loc=p.query_start_loc,
+        k_scale_cache=p.k_scale_cache,
+        v_scale_cache=p.v_scale_cache,
+        out=out,
+        max_query_len=p.max_query_len,
+        max_seq_len=p.max_seq_len,
+        impl=impl,
+        validate=False,
+    )
+
+
 def test_prepared_and_recalled_calls_run_in_the_workspace():
     p = _problem("int8_per_token_head", "decode")
     need = _impl().workspace_bytes(p)
@@ -103,22 +124,7 @@ def test_prepared_and_recalled_calls_run_in_the_workspace():
     for _ in range(3):  # the first call prepares, the later ones relaunch what it bound
         before = buffer.clone()
         out = torch.full_like(p.out, float("nan"))
-        kvzoo.paged_attention(
-            p.query,
-            p.key_cache,
-            p.value_cache,
-            mode=p.mode,
-            block_tables=p.block_tables,
-            seq_lens=p.seq_lens,
-            query_start_loc=p.query_start_loc,
-            k_scale_cache=p.k_scale_cache,
-            v_scale_cache=p.v_scale_cache,
-            out=out,
-            max_query_len=p.max_query_len,
-            max_seq_len=p.max_seq_len,
-            impl=impl,
-            validate=False,
-        )
+        _functional(p, out, impl)
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(buffer[need:], before[need:])
     # After calls of the same metadata, an output inside the workspace is still refused (such
@@ -126,22 +132,7 @@ def test_prepared_and_recalled_calls_run_in_the_workspace():
     inside = buffer[: p.out.numel() * p.out.element_size()].view(p.out.dtype).view(p.out.shape)
     before = buffer.clone()
     with pytest.raises(KVZooInputError, match="workspace: shares memory with out"):
-        kvzoo.paged_attention(
-            p.query,
-            p.key_cache,
-            p.value_cache,
-            mode=p.mode,
-            block_tables=p.block_tables,
-            seq_lens=p.seq_lens,
-            query_start_loc=p.query_start_loc,
-            k_scale_cache=p.k_scale_cache,
-            v_scale_cache=p.v_scale_cache,
-            out=inside,
-            max_query_len=p.max_query_len,
-            max_seq_len=p.max_seq_len,
-            impl=impl,
-            validate=False,
-        )
+        _functional(p, inside, impl)
     assert torch.equal(buffer, before)
 
 
@@ -155,7 +146,7 @@ def test_a_workspace_too_small_or_overlapping_is_refused_before_any_write():
     assert torch.isnan(p.out).all() and torch.equal(buffer, before)
     # The output's own bytes as the workspace: the kernels would write it twice over.
     big = torch.full((need // 2 + 256, 4, 32), float("nan"), dtype=p.out.dtype, device=DEVICE)
-    q = dataclass_replace(p, out=big[: p.out.shape[0]])
+    q = dataclasses.replace(p, out=big[: p.out.shape[0]])
     with pytest.raises(KVZooInputError, match="workspace: shares memory with out"):
         _impl(workspace=big.view(torch.uint8).flatten()).run(q)
     assert torch.isnan(big).all()
@@ -166,12 +157,6 @@ def test_a_workspace_too_small_or_overlapping_is_refused_before_any_write():
     ):
         with pytest.raises(KVZooInputError, match=f"workspace: .*{why}"):
             _impl(workspace=bad)
-
-
-def dataclass_replace(p: Attention, **changes) -> Attention:
-    import dataclasses
-
-    return dataclasses.replace(p, **changes)
 
 
 def _plan(spec, p: Attention, **kwargs):

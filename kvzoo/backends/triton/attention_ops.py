@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...errors import fail
 from ...registry import Implementation, Registry
-from ...validate import int_scalar
+from ...validate import int_scalar, require_workspace
 from . import platform
 from .formats import packed_rows, platform_formats
 
@@ -60,9 +60,7 @@ class TritonAttentionOptions:
             fail(f"prefill: expected 'auto' or 'direct', got {self.prefill!r}")
         int_scalar("stage_max_bytes", self.stage_max_bytes, -1)
         if self.workspace is not None:
-            from .scratch import check_buffer
-
-            check_buffer(self.workspace)
+            require_workspace(self.workspace)
 
 
 def _kernels(p: Attention):

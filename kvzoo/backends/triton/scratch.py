@@ -15,12 +15,11 @@ import torch
 
 from ... import memory
 from ...errors import fail
+from ...validate import require_workspace
 
 # Each array starts this many bytes apart in the buffer, a multiple of what the buffer's own
-# start must be (START_ALIGN: the kernels' 16-byte vector accesses; torch's CUDA allocations
-# start at multiples of 512, its CPU ones of 64).
+# start must be (validate.WORKSPACE_ALIGN).
 ALIGN = 256
-START_ALIGN = 16
 
 Need = tuple[tuple[int, ...], torch.dtype]
 
@@ -34,21 +33,6 @@ def bytes_needed(arrays: Iterable[Need]) -> int:
     return sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in arrays)
 
 
-def check_buffer(workspace: torch.Tensor) -> None:
-    """A caller's workspace: a contiguous 1-D uint8 torch tensor starting at a START_ALIGN boundary."""
-    if not isinstance(workspace, torch.Tensor):
-        fail(f"workspace: expected a torch.Tensor of dtype uint8, got {type(workspace).__name__}")
-    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
-        fail(
-            f"workspace: expected a contiguous 1-D uint8 tensor, got dtype {workspace.dtype} "
-            f"shape {tuple(workspace.shape)} strides {workspace.stride()}"
-        )
-    if workspace.data_ptr() % START_ALIGN:
-        fail(f"workspace: must start at a multiple of {START_ALIGN} bytes (torch's allocations do)")
-    if workspace.requires_grad:
-        fail("workspace: requires_grad is set; the kernels write it")
-
-
 class Scratch:
     """Where one call's own arrays come from, in the order `take` is asked for them."""
 
@@ -56,7 +40,7 @@ class Scratch:
         # Checked before the call launches anything: a refused call writes nothing.
         need = bytes_needed(arrays)
         if workspace is not None and need:
-            check_buffer(workspace)
+            require_workspace(workspace)
             if workspace.device != device:
                 fail(f"workspace: on {workspace.device}, the call's tensors are on {device}")
             if workspace.numel() < need:
@@ -79,4 +63,4 @@ class Scratch:
         return out
 
 
-__all__ = ["ALIGN", "Scratch", "bytes_needed", "check_buffer"]
+__all__ = ["ALIGN", "Scratch", "bytes_needed"]
