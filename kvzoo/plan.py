@@ -39,6 +39,7 @@ What a plan promises, and what it leaves to the caller:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -385,6 +386,21 @@ def _impl_for(impl: ImplChoice, op: str) -> str | Implementation | None:
     return None
 
 
+def _refused_starts(span: tuple[int, int], extents: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Where an array of byte span `span` (offsets from its element 0) may not start, as sorted
+    boundaries [l0, r0, l1, r1, ...] of half-open address ranges: it meets extent [a, b) when
+    a - span[1] < start < b - span[0]. A start is refused when bisect_right puts it at an odd
+    index."""
+    ranges = sorted((a - span[1] + 1, b - span[0]) for a, b in extents)
+    merged: list[list[int]] = []
+    for low, high in ranges:
+        if merged and low <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    return tuple(bound for pair in merged for bound in pair)
+
+
 class StepPlan:
     """One engine step's checked metadata and chosen implementations; built by `plan_step`.
 
@@ -487,21 +503,27 @@ class StepPlan:
     # from its arguments to the prepared launch, checking only what the addresses decide: that
     # the arrays it writes meet none it reads, or none of the layer's caches it writes.
 
-    def _recall(self, recall_key: tuple | None, checked: Sequence[Array], against: Sequence[Any]) -> Any:
-        """The prepared launch kept for recall_key, when the arrays `checked` (None: skipped)
-        meet none of `against` ((name, array, extent) each) at their addresses now; else None."""
+    def _recall(self, recall_key: tuple | None, checked: Sequence[Array], others: Sequence[Array] = ()) -> Any:
+        """The prepared launch kept for recall_key, when the arrays `checked` meet, at their
+        addresses now, neither the fixed extents nor the arrays `others` the entry was kept
+        with (see _keep); else None. The hot path of every recalled call: one bisection per
+        checked array for the fixed extents, nothing recomputed from strides."""
         entry = self._recalled.get(recall_key) if recall_key is not None else None
         if entry is None:
             return None
-        launch, spans = entry
-        for x, span in zip(checked, spans):
-            if x is None or span is None:
+        launch, spans, other_spans, refused_starts = entry
+        for x, span, refused in zip(checked, spans, refused_starts):
+            if span is None:
                 continue
             start = recall.address(x)
+            if bisect.bisect_right(refused, start) & 1:
+                return None
             low, high = start + span[0], start + span[1]
-            for _, _, extent in against:
-                if extent is not None and low < extent[1] and extent[0] < high:
-                    return None
+            for other, other_span in zip(others, other_spans):
+                if other_span is not None:
+                    at = recall.address(other)
+                    if low < at + other_span[1] and at + other_span[0] < high:
+                        return None
         return launch
 
     def _launch(
@@ -513,19 +535,20 @@ class StepPlan:
         layer: _Layer,
         own: tuple,
         recall_key: tuple | None = None,
-        checked: Sequence[Array] = (),
+        recall_by: tuple = ((), (), ()),
     ) -> None:
         """Run one layer's call: through the launch `impl` prepared for operands of this
         signature (dtypes, strides, alignment) where it has one, else through run. own: the
         operands that are not the layer's caches (whose signature the layer keeps). recall_key:
         where the call's checks passed on arguments handed on as given, the key _recall keeps
-        the launch under, with the spans of the arrays `checked` at each call."""
+        the launch under; recall_by: what _keep checks later calls by (checked, against,
+        others)."""
         key = None
         if impl.prepare is not None:
             key = (op, layer.signatures[impl.array_kind], _registry.prepared_signature(own))
             launch = self._prepared.get(key)
             if launch is not None:
-                self._keep(recall_key, launch, checked)
+                self._keep(recall_key, launch, *recall_by)
                 launch(operands)
                 return
         problem = make_problem()
@@ -536,7 +559,7 @@ class StepPlan:
                 # impl does not prepare this problem, so later layers go straight to run.
                 launch = self._prepared[key] = impl.prepare(problem)
                 if launch is not None:
-                    self._keep(recall_key, launch, checked)
+                    self._keep(recall_key, launch, *recall_by)
                     launch(operands)
                     return
             impl.run(problem)
@@ -547,11 +570,26 @@ class StepPlan:
         # functional API's path picks another, as a plain call would.
         _run(op, problem, None)
 
-    def _keep(self, recall_key: tuple | None, launch: Any, checked: Sequence[Array]) -> None:
-        if recall_key is not None and recall_key not in self._recalled:
-            if len(self._recalled) >= _MAX_RECALLED:
-                self._recalled.clear()
-            self._recalled[recall_key] = (launch, tuple(None if x is None else recall.span(x) for x in checked))
+    def _keep(
+        self,
+        recall_key: tuple | None,
+        launch: Any,
+        checked: Sequence[Array],
+        against: Sequence[tuple] = (),
+        others: Sequence[Array] = (),
+    ) -> None:
+        """Keep `launch` for later calls of recall_key, with what _recall checks them by: the
+        spans of the arrays `checked` and `others`, and the extents of `against` ((name,
+        array, extent) each: the layer's and the plan's arrays, whose addresses do not change)."""
+        if recall_key is None or recall_key in self._recalled:
+            return
+        if len(self._recalled) >= _MAX_RECALLED:
+            self._recalled.clear()
+        spans = tuple(None if x is None else recall.span(x) for x in checked)
+        other_spans = tuple(None if x is None else recall.span(x) for x in others)
+        fixed = [extent for _, _, extent in against if extent is not None]
+        refused = tuple(() if span is None else _refused_starts(span, fixed) for span in spans)
+        self._recalled[recall_key] = (launch, spans, other_spans, refused)
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
         """Quantize key/value rows into their slots of this layer's cache (reshape_and_cache).
@@ -569,7 +607,7 @@ class StepPlan:
         recall_key = None
         if k_scale is None and v_scale is None and k_from is None and v_from is None:
             recall_key = ("w", id(layer), recall.call_key((key, value)))
-            launch = self._recall(recall_key, (key, value), layer.extents)
+            launch = self._recall(recall_key, (key, value))
             if launch is not None:
                 kc, vc, ksc, vsc = layer.views[impl.array_kind]
                 launch((key, value, kc, vc, self.slot_mapping, ksc, vsc, None, None))
@@ -614,7 +652,7 @@ class StepPlan:
             layer,
             own,
             recall_key,
-            (key, value),
+            ((key, value), layer.extents),
         )
 
     def attention(
@@ -645,9 +683,7 @@ class StepPlan:
         recall_key = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
             recall_key = ("a", id(layer), return_lse, recall.call_key((query, out)))
-            given = () if out is None else (out,)
-            reads = [("query", query, memory.byte_extent(query)), *layer.extents, *self._meta_extents] if given else ()
-            launch = self._recall(recall_key, given, reads)
+            launch = self._recall(recall_key, () if out is None else (out,), (query,))
             if launch is not None:
                 shape = tuple(query.shape)
                 if out is None:
@@ -772,8 +808,9 @@ class StepPlan:
         else:
             if sinks is not self.sinks or own[0] is not query or own[4] is not out or own[5] is not lse:
                 recall_key = None  # recalled calls hand their arguments on as given
-            checked = () if given_out is None else (given_out,)
-            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, checked)
+            # A given out is checked on recall against the query, the caches and the metadata.
+            recall_by = ((given_out,), (*layer.extents, *self._meta_extents), (query,)) if given_out is not None else ()
+            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, recall_by or ((), (), ()))
         return (out, lse) if return_lse else out
 
 

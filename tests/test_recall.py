@@ -9,6 +9,8 @@ byte order, storage sharing, aliasing at new addresses).
 
 from __future__ import annotations
 
+import bisect
+
 import pytest
 import torch
 
@@ -371,3 +373,24 @@ def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits)
     overlapping = flat[query.numel() // 2 : query.numel() // 2 + query.numel()].view(query.shape)
     with pytest.raises(KVZooInputError, match="out: shares memory with query"):
         plan.attention(flat[: query.numel()].view(query.shape), caches, out=overlapping)
+
+
+def test_the_plans_refused_starts_are_exactly_the_overlapping_ones():
+    # StepPlan._recall refuses a recalled array by bisecting its address into ranges built
+    # once from the fixed extents: every start must get the verdict of a direct comparison.
+    from kvzoo.plan import _refused_starts
+
+    rng = torch.Generator().manual_seed(SEED + 29)
+    for _ in range(200):
+        n = int(torch.randint(0, 6, (1,), generator=rng))
+        extents = []
+        for _ in range(n):
+            a = int(torch.randint(0, 200, (1,), generator=rng))
+            extents.append((a, a + int(torch.randint(1, 40, (1,), generator=rng))))
+        low = int(torch.randint(-20, 5, (1,), generator=rng))
+        span = (low, low + int(torch.randint(1, 50, (1,), generator=rng)))
+        refused = _refused_starts(span, extents)
+        assert list(refused) == sorted(refused)
+        for start in range(-80, 280):
+            meets = any(start + span[0] < b and a < start + span[1] for a, b in extents)
+            assert bool(bisect.bisect_right(refused, start) & 1) == meets, (span, extents, start)

@@ -42,6 +42,7 @@ class BoundLaunch:
         "_args",
         "_kwargs",
         "_slots",
+        "_swaps",
         "_views",
         "_values",
         "_compiled",
@@ -57,6 +58,8 @@ class BoundLaunch:
         self, kernel: Any, grid: tuple[int, int, int], args: Sequence[Any], kwargs: dict[str, Any], slots: Slots
     ) -> None:
         self._kernel, self._grid, self._slots = kernel, tuple(grid), slots
+        # The operands a relaunch swaps in (most slots of a launch are unused): (operand, positions).
+        self._swaps = tuple((k, positions) for k, positions in enumerate(slots) if positions)
         self._args, self._kwargs = list(args), dict(kwargs)
         # The interpreter reads a tensor through its dtype: an operand viewed for the kernel
         # (bf16 rows as int16 bits, fp8 codes as bytes) is viewed the same way on relaunch.
@@ -103,11 +106,10 @@ class BoundLaunch:
                     values[i] = x if x.dtype == dtype else x.view(dtype)
             self._kernel[self._grid](*values, **self._kwargs)
             return
-        for positions, x in zip(self._slots, operands):
-            if positions:
-                address = x.data_ptr()
-                for i in positions:
-                    values[i] = address
+        for k, positions in self._swaps:
+            address = operands[k].data_ptr()
+            for i in positions:
+                values[i] = address
         stream = self._stream(self._device())
         enter, leave = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
         # A profiler's enter hook wants the launch's metadata; without one it is not built.
