@@ -2,7 +2,7 @@
 its neighbours on this GPU? Issue 5's attention shapes, on one GPU; also the shared inputs,
 reference and ceilings of sustained.py, flash_bound.py, staging_sweep.py and kernel_facts.py.
 
-    python3 bench/attention_probe.py [--sections decode,split,prefill] [--quick]
+    python3 bench/attention_probe.py [--sections decode,split,prefill,short] [--quick]
     ncu --clock-control none --kernel-name regex:_attention_kernel --launch-skip 3 --launch-count 1 \
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section MemoryWorkloadAnalysis python3 bench/attention_probe.py --ncu int8_per_token_head
@@ -43,6 +43,18 @@ ROWS: list[str] = []
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Per launch, from a CUDA graph of `reps` launches: the kernel's own time, with no host
+    launch gap (do_bench's events time a kernel of a few microseconds with its launch)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / reps
 
 
 def ceilings() -> tuple[float, float]:
@@ -145,7 +157,7 @@ def decode_bytes(p: Attention) -> int:
     return b + 2 * p.query.numel() * p.query.element_size()
 
 
-def run_variant(name, p, launch, copy_bw, seqs, flops=None, mm=None):
+def run_variant(name, p, launch, copy_bw, seqs, flops=None, mm=None, timer=None):
     p.out.fill_(float("nan"))
     try:
         launch()
@@ -155,7 +167,7 @@ def run_variant(name, p, launch, copy_bw, seqs, flops=None, mm=None):
         return None
     nan = bool(torch.isnan(p.out).any())
     e = err(p, seqs)
-    ms = bench(launch)
+    ms = (timer or bench)(launch)
     if flops:
         row(name, ms, tflops=flops / ms / 1e9, mm=mm, e=e, note="UNWRITTEN" if nan else "")
     else:
@@ -253,6 +265,29 @@ def main():
             run_variant(f"{mode} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"), copy_bw, [1])
             del p, inv
             torch.cuda.empty_cache()
+
+    if "short" in sections:
+        # Small batches of short sequences: fewer programs than SMs and no split (the host_cost
+        # shape is 8 x 256); timed from CUDA graphs, the kernel alone.
+        for S, L in ((8, 256), (8, 1024), (4, 2000), (16, 512), (32, 256)):
+            for mode in ("int8_per_token_head", "fp8_per_token_head"):
+                p = make(S, 1, L, mode)
+                table = K.decode_config(p, False)
+                row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
+                run_variant(f"{mode[:4]} {S}x{L} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0], timer=graph_ms)
+                variants = [(32, 1, 5), (64, 2, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 4, 3)]
+                for bn, w, st in [] if quick else variants:
+                    cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=0)
+                    run_variant(
+                        f"{mode[:4]} {S}x{L} bn{bn} w{w} s{st}",
+                        p,
+                        lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+                        copy_bw,
+                        [S - 1],
+                        timer=graph_ms,
+                    )
+                del p
+                torch.cuda.empty_cache()
 
     if "split" in sections:
         S, L = 8, 65536

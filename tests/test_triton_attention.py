@@ -388,6 +388,28 @@ def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
     assert rocm.num_stages <= 2 < cuda.num_stages
 
 
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("extra", [dict(), dict(sliding_window=40, softcap=20.0, sinks=True)], ids=["plain", "options"])
+def test_a_decode_grid_under_one_wave_takes_the_wide_tile(mode, extra):
+    from kvzoo.backends.triton import attention_tables as tables
+
+    k = _kernels()
+    few = make_problem([1], [300], mode=mode, **extra)  # 1 sequence x 2 KV heads: under the SMs
+    codes = k._cache_codes(few)
+    wide, default = tables.ONE_WAVE_DECODE_TILES[64, codes], tables.DECODE_TILES[64, codes]
+    assert wide.block_n != default.block_n
+    cfg = k.decode_config(few, False)
+    assert (cfg.block_n, cfg.num_warps, cfg.split_keys) == (wide.block_n, wide.num_warps, 0)
+    check(few)  # 300 keys: two full wide tiles and a partial one
+    # A grid of at least one program per SM keeps the table's tile.
+    seqs = -(-k._num_sms(None if DEVICE == "cpu" else 0) // 2)
+    many = make_problem([1] * seqs, [300] * seqs, mode=mode)
+    assert k.decode_config(many, False).block_n == default.block_n
+    # So does a context long enough to split.
+    long = make_problem([1], [4096], mode=mode)
+    assert k.decode_config(long, False).split_keys > 0
+
+
 # ----------------------------------------------------------------------------------------
 # Staged prefill (staging.py): quantized context converted once into a workspace of fp16 operands.
 
@@ -501,7 +523,8 @@ def test_every_platform_format_has_tile_rows():
     for size in (64, 128, 256):
         assert all((size, operand) in tables.PREFILL_TILES for operand in tables.KOperand)
     # Every timed row names the command and the commit that chose it.
-    for row in (*tables.DECODE_TILES.values(), *tables.PREFILL_TILES.values(), *tables.SPLIT_RULES.values()):
+    rows = (tables.DECODE_TILES, tables.ONE_WAVE_DECODE_TILES, tables.PREFILL_TILES, tables.SPLIT_RULES)
+    for row in (row for table in rows for row in table.values()):
         assert row.chosen_by and all(run.settled for run in row.chosen_by)
         assert row.chosen_by is tables.NOT_TIMED or all(run.command and run.commit for run in row.chosen_by)
 

@@ -65,7 +65,15 @@ from .attention_constants import (
     offset_codes,
 )
 from .attention_ops import TritonAttentionOptions
-from .attention_tables import DECODE_TILES, PREFILL_TILES, SPLIT_RULES, CacheCodes, KOperand
+from .attention_tables import (
+    DECODE_TILES,
+    ONE_WAVE_DECODE_TILES,
+    PREFILL_TILES,
+    SPLIT_RULES,
+    CacheCodes,
+    DecodeTile,
+    KOperand,
+)
 from .attention_tiles import (
     attend,
     logit_scale,
@@ -759,15 +767,20 @@ def _fit_wide_cache(p: Attention, block_n: int, stages: int) -> tuple[int, int]:
     return block_n, stages
 
 
-def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
-    codes = _cache_codes(p)
-    tile = DECODE_TILES[_size_class(p.head_size), codes]
+def _decode_tile(p: Attention, tile: DecodeTile, platform: str) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of a decode table row for this problem and platform."""
     block_n, stages = _fit_wide_cache(p, tile.block_n, tile.num_stages)
-    warps = tile.num_warps
     if platform != "cuda":
         # The 5-stage depth answers CUDA's pipeliner (measured on NVIDIA only); ROCm's own
         # pipeliner keeps the 2 stages every decode tile had before it.
         stages = min(stages, 2)
+    return block_n, tile.num_warps, stages
+
+
+def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
+    codes = _cache_codes(p)
+    size = _size_class(p.head_size)
+    block_n, warps, stages = _decode_tile(p, DECODE_TILES[size, codes], platform)
     # Quantized tiles of the group's real rows run fewer instructions per key tile
     # (bench/offline_facts.py counts them) in less shared memory; the bf16 tile
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
@@ -787,6 +800,9 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
             split_keys = -(-split_keys // block_n) * block_n
+    one_wave = ONE_WAVE_DECODE_TILES.get((size, codes))
+    if split_keys == 0 and programs < sms and one_wave is not None:
+        block_n, warps, stages = _decode_tile(p, one_wave, platform)
     return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows)
 
 

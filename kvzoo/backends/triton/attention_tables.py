@@ -107,6 +107,24 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
     (256, CacheCodes.FP8): DecodeTile(64, 4, 2, NOT_TIMED),
 }
 
+# A decode grid of fewer programs than SMs whose context needs no split (a small batch of short
+# sequences: each program alone on its SM, a handful of tiles each): the 1-warp tile's
+# latency chain is then the whole kernel, and a wider tile on more warps runs it in fewer steps.
+_ONE_WAVE_DECODE = (
+    Run(
+        "python3 bench/attention_probe.py --sections short",
+        "40e02d9",
+        "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512 (run on "
+        "40e02d9 with this rule added)",
+    ),
+)
+ONE_WAVE_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
+    (64, CacheCodes.INT8): DecodeTile(128, 4, 3, NOT_TIMED),
+    (128, CacheCodes.INT8): DecodeTile(128, 4, 3, _ONE_WAVE_DECODE),
+    (64, CacheCodes.FP8): DecodeTile(128, 4, 3, NOT_TIMED),
+    (128, CacheCodes.FP8): DecodeTile(128, 4, 3, _ONE_WAVE_DECODE),
+}
+
 PREFILL_TILES: dict[tuple[int, KOperand], PrefillTile] = {
     (64, KOperand.AS_STORED): PrefillTile(128, 128, 8, 3, NOT_TIMED),
     (128, KOperand.AS_STORED): PrefillTile(128, 128, 8, 3, _BF16_PREFILL),
