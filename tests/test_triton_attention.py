@@ -686,7 +686,7 @@ def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():
 def test_row_align_is_what_every_cache_row_offset_divides_by():
     # The inline page's rows are head_size + 4 bytes apart: the kernel is told 4 (or 8), which
     # Triton's own integer specialisation (multiples of 16) cannot see; separate caches get 16.
-    from kvzoo.backends.triton.attention_kernels import row_align
+    from kvzoo.backends.triton.alignment import row_align
     from kvzoo.layout import allocate_inline, allocate_separate
 
     for head_size, want in ((128, 4), (64, 4), (36, 8), (60, 16)):

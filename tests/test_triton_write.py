@@ -468,7 +468,8 @@ for code, per_tensor, qmax, qmin, nan, infs, cache in (
                  k_scale_cache_ptr="*i32", v_scale_cache_ptr="*i32", k_scale_ptr="*fp32",
                  v_scale_ptr="*fp32", slot_ptr="*i64")
     consts = dict(CODE=code, PER_TENSOR=per_tensor, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
-                  INF_POS=infs[0], INF_NEG=infs[1], SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128)
+                  INF_POS=infs[0], INF_NEG=infs[1], SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128,
+                  ROW_ALIGN=4)  # the inline page's rows: the alignment hint compiles too
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})

@@ -44,6 +44,7 @@ from ...problem import Attention
 from . import encode as _encode
 from . import platform as _platform
 from . import staging as _staging
+from .alignment import row_align
 from .attention_constants import (
     CONVERT_BF16_BITS,
     CONVERT_CAST,
@@ -986,16 +987,6 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     }
     merge_slots = tuple(tuple(_MERGE_AT[a] for a in merge_fills.get(name, ())) for name in Attention.operand_names())
     return slots, merge_slots + tuple((_MERGE_AT[a],) for a in partials)
-
-
-def row_align(k: torch.Tensor, v: torch.Tensor) -> int:
-    """The largest power of two, up to 16, dividing the page, token and head strides of K and V
-    (in elements): what every row offset is a multiple of."""
-    align = 16
-    for stride in (*k.stride()[:3], *v.stride()[:3]):
-        while stride % align:
-            align //= 2
-    return align
 
 
 def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, *, per_seq: bool) -> bool:

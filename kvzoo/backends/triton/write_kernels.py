@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import int4_write
+from .alignment import row_align
 from .encode import (
     CODE_COPY,
     CODE_E4M3FN,
@@ -110,15 +111,16 @@ def _store_rows(
     INF_NEG: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
     TRUNC: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
-    """Quantize rows x (fp32; raw bits for mode none) and store codes and scales at the slot."""
-    dst = (
-        cache_ptr
-        + block * stride_cb
-        + offset * stride_cs
-        + offs_h.to(tl.int64)[:, None] * stride_ch
-        + offs_d.to(tl.int64)[None, :] * stride_cd
-    )
+    """Quantize rows x (fp32; raw bits for mode none) and store codes and scales at the slot.
+    ROW_ALIGN: elements every row offset is a multiple of (alignment.row_align)."""
+    rows = block * stride_cb + offset * stride_cs + offs_h.to(tl.int64) * stride_ch
+    if ROW_ALIGN > 1 and ROW_ALIGN < 16:
+        # The inline page's rows are 4-byte aligned, which Triton cannot see in their stride:
+        # without this every code is stored alone (st.global.b8).
+        rows = tl.multiple_of(rows, ROW_ALIGN)
+    dst = cache_ptr + rows[:, None] + offs_d.to(tl.int64)[None, :] * stride_cd
     if CODE == 0:
         tl.store(dst, x, mask=store_mask)  # mode none: a bit copy in the model dtype
     else:
@@ -184,6 +186,7 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -235,6 +238,7 @@ def _reshape_and_cache_kernel(
         INF_NEG,
         SCALE_FLOOR,
         TRUNC,
+        ROW_ALIGN,
     )
     _store_rows(
         xv,
@@ -263,6 +267,7 @@ def _reshape_and_cache_kernel(
         INF_NEG,
         SCALE_FLOOR,
         TRUNC,
+        ROW_ALIGN,
     )
 
 
@@ -439,6 +444,7 @@ def _write_call(p, scale_floor: float):
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         EVEN_D=(block_d == head_size),
+        ROW_ALIGN=row_align(key_cache, value_cache),
         num_warps=_write_warps(block_h * block_d, code, num_tokens),
         enable_fp_fusion=False,
     )
