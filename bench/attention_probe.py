@@ -238,8 +238,12 @@ def main():
         sdpa_decode(S, L, copy_bw)
         for mode, variants in (
             ("none", [(64, 4, 2), (128, 4, 2)]),
-            ("int8_per_token_head", [(128, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2), (64, 1, 3)]),
-            ("fp8_per_token_head", [(128, 4, 2), (64, 2, 2), (64, 1, 2)]),
+            # The deeper multi-warp tiles: the one-wave rows' (attention_tables.ONE_WAVE_DECODE_TILES) on a full grid.
+            (
+                "int8_per_token_head",
+                [(128, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2), (64, 1, 3), (64, 2, 4), (128, 4, 3)],
+            ),
+            ("fp8_per_token_head", [(128, 4, 2), (64, 2, 2), (64, 1, 2), (64, 2, 4), (128, 4, 3)]),
             # quantize_query: QK^T on int8 codes (err is against the unquantized query).
             ("int8_per_token_head+qq", [(128, 4, 2), (64, 4, 2), (64, 2, 2), (128, 2, 2), (32, 1, 2), (64, 1, 2)]),
         ):
@@ -302,6 +306,16 @@ def main():
                 cfg = dataclasses.replace(table, block_n=64, num_warps=1, split_keys=4096)
                 run_variant(
                     f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [0]
+                )
+            for bn, w, st in [] if quick or qq or mode == "none" else [(64, 2, 4), (128, 4, 3)]:
+                sk = -(-table.split_keys // bn) * bn
+                cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
+                run_variant(
+                    f"{mode[:4]} bn{bn} w{w} s{st} sk{sk}",
+                    p,
+                    lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+                    copy_bw,
+                    [0],
                 )
             del p
             torch.cuda.empty_cache()

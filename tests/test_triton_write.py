@@ -378,6 +378,17 @@ def test_fused_qkv_views_into_inline_pages():
         assert np.array_equal(got[0], want[0]), mode
 
 
+def test_only_16_byte_rows_drop_to_one_warp():
+    # One warp pays where each thread stores 16 bytes at a time; the inline page's rows, stored
+    # 4 bytes at a time, were faster on two (bench/archive/RESULTS-history.md).
+    from kvzoo.backends.triton import write_kernels as wk
+
+    many, few = wk.FP8_ONE_WARP_TOKENS, wk.FP8_ONE_WARP_TOKENS - 1
+    fp8, int8 = wk.code_of(MODES["fp8_per_token_head"]), wk.code_of(MODES["int8_per_token_head"])
+    assert [wk._write_warps(1024, fp8, many, align) for align in (16, 8, 4)] == [1, 2, 2]
+    assert wk._write_warps(1024, fp8, few) == wk._write_warps(1024, int8, many) == 2
+
+
 @needs_gpu
 @pytest.mark.parametrize("mode", ["fp8_per_token_head", "int8_per_token_head"])
 def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
@@ -389,6 +400,7 @@ def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
     tokens, heads, head_size, block_size = write_kernels.FP8_ONE_WARP_TOKENS + 3, 8, 128, 16
     code = write_kernels.code_of(MODES[mode])
     assert write_kernels._write_warps(heads * head_size, code, tokens) == (1 if mode.startswith("fp8") else 2)
+    assert write_kernels._write_warps(heads * head_size, code, tokens, 4) == 2  # the inline page's rows
     num_blocks = 2 * -(-tokens // block_size)
     caches = []
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):

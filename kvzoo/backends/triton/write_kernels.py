@@ -361,14 +361,15 @@ def _num_warps(elements: int) -> int:
 # From this many tokens fp8 writes run one warp per program. Their encode issues more
 # instructions per code than int8's, and once the grid is many waves deep the issue rate
 # decides; below it the shorter chain of two warps wins. int8 gains nothing from one warp.
-# (Timings: bench/archive/RESULTS-history.md.)
+# Rows stored 4 bytes at a time (the inline page) keep two warps: one was 0.81x the separate
+# layout's speed at 32768 tokens, two 0.90x. (Timings: bench/archive/RESULTS-history.md.)
 FP8_ONE_WARP_TOKENS = 16384
 
 
-def _write_warps(elements: int, code: int, num_tokens: int) -> int:
+def _write_warps(elements: int, code: int, num_tokens: int, row_align: int = 16) -> int:
     # A quantizing program spends per-warp instructions on the slot, addresses and each row's
     # scale; half the warps (16 codes a thread, one 16-byte store) issue fewer per token.
-    if code not in (CODE_COPY, CODE_INT8) and num_tokens >= FP8_ONE_WARP_TOKENS:
+    if code not in (CODE_COPY, CODE_INT8) and num_tokens >= FP8_ONE_WARP_TOKENS and row_align >= 16:
         return 1
     return _num_warps(elements if code == CODE_COPY else elements // 2)
 
@@ -408,6 +409,7 @@ def _write_call(p, scale_floor: float):
     k_s = p.k_scale if mode.per_tensor else None
     v_s = p.v_scale if mode.per_tensor else None
     dummy = key_cache
+    align = row_align(key_cache, value_cache)
     grid = (num_tokens, triton.cdiv(num_heads, block_h), 1)
     args = (
         key,
@@ -444,8 +446,8 @@ def _write_call(p, scale_floor: float):
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         EVEN_D=(block_d == head_size),
-        ROW_ALIGN=row_align(key_cache, value_cache),
-        num_warps=_write_warps(block_h * block_d, code, num_tokens),
+        ROW_ALIGN=align,
+        num_warps=_write_warps(block_h * block_d, code, num_tokens, align),
         enable_fp_fusion=False,
     )
     slots = (
