@@ -175,6 +175,22 @@ def run_variant(name, p, launch, copy_bw, seqs, flops=None, mm=None, timer=None)
     return ms
 
 
+def decode_tiles(label, p, table, tiles, copy_bw, seqs, timer=None, keep_split=True):
+    """One run_variant per (block_n, warps, stages) in tiles: the table's config with that tile,
+    its split (keep_split; rounded up to the tile) or none."""
+    for bn, w, st in tiles:
+        sk = -(-table.split_keys // bn) * bn if keep_split else 0
+        cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
+        run_variant(
+            f"{label} bn{bn} w{w} s{st}" + (f" sk{sk}" if keep_split else ""),
+            p,
+            lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
+            copy_bw,
+            seqs,
+            timer=timer,
+        )
+
+
 def sdpa_decode(num_seqs, seq_len, copy_bw):
     q = torch.randn(num_seqs, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(num_seqs, HKV, seq_len, D, device=DEV, dtype=torch.bfloat16)
@@ -255,16 +271,7 @@ def main():
             run_variant(f"{mode[:4]}{' qq' * qq} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0, S - 1])
             unsplit = dataclasses.replace(table, split_keys=0)
             run_variant(f"{mode} table unsplit", p, lambda c=unsplit, p=p: K.run(p, "cuda", decode=c), copy_bw, [0])
-            for bn, w, st in [] if quick else variants:
-                sk = -(-table.split_keys // bn) * bn
-                cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
-                run_variant(
-                    f"{mode[:4]}{' qq' * qq} bn{bn} w{w} s{st} sk{sk}",
-                    p,
-                    lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
-                    copy_bw,
-                    [S - 1],
-                )
+            decode_tiles(f"{mode[:4]}{' qq' * qq}", p, table, [] if quick else variants, copy_bw, [S - 1])
             inv = dataclasses.replace(p, batch_invariant=True)
             run_variant(f"{mode} batch_invariant (table)", inv, lambda inv=inv: K.run(inv, "cuda"), copy_bw, [1])
             del p, inv
@@ -280,16 +287,8 @@ def main():
                 row(f"-- decode {S}x{L} {mode}: table {table}", 0.0)
                 run_variant(f"{mode[:4]} {S}x{L} TABLE", p, lambda p=p: K.run(p, "cuda"), copy_bw, [0], timer=graph_ms)
                 variants = [(32, 1, 5), (64, 2, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 4, 3)]
-                for bn, w, st in [] if quick else variants:
-                    cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=0)
-                    run_variant(
-                        f"{mode[:4]} {S}x{L} bn{bn} w{w} s{st}",
-                        p,
-                        lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
-                        copy_bw,
-                        [S - 1],
-                        timer=graph_ms,
-                    )
+                label = f"{mode[:4]} {S}x{L}"
+                decode_tiles(label, p, table, [] if quick else variants, copy_bw, [S - 1], graph_ms, keep_split=False)
                 del p
                 torch.cuda.empty_cache()
 
@@ -307,16 +306,9 @@ def main():
                 run_variant(
                     f"{mode[:4]} bn64 w1 sk4096", p, lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg), copy_bw, [0]
                 )
-            for bn, w, st in [] if quick or qq or mode == "none" else [(64, 2, 4), (128, 4, 3)]:
-                sk = -(-table.split_keys // bn) * bn
-                cfg = dataclasses.replace(table, block_n=bn, num_warps=w, num_stages=st, split_keys=sk)
-                run_variant(
-                    f"{mode[:4]} bn{bn} w{w} s{st} sk{sk}",
-                    p,
-                    lambda cfg=cfg, p=p: K.run(p, "cuda", decode=cfg),
-                    copy_bw,
-                    [0],
-                )
+            decode_tiles(
+                mode[:4], p, table, [] if quick or qq or mode == "none" else [(64, 2, 4), (128, 4, 3)], copy_bw, [0]
+            )
             del p
             torch.cuda.empty_cache()
 
