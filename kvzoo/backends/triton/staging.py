@@ -339,10 +339,12 @@ def staged_arrays(p: Attention, page_scales: bool) -> list[tuple[tuple[int, ...]
 
 def take_staged(p: Attention, page_scales: bool, scratch: Scratch, fill: float | None) -> list[torch.Tensor]:
     """staged_arrays(p, page_scales), taken from scratch; the workspaces filled with `fill`
-    (TritonAttentionOptions.workspace_fill), the index arrays left as they come."""
-    arrays = staged_arrays(p, page_scales)
-    index = {len(arrays) - 4, len(arrays) - 3}
-    return [scratch.take(shape, dtype, None if i in index else fill) for i, (shape, dtype) in enumerate(arrays)]
+    (TritonAttentionOptions.workspace_fill), the index arrays (the int32 ones, which the slot
+    kernel writes whole) left as they come."""
+    return [
+        scratch.take(shape, dtype, None if dtype == torch.int32 else fill)
+        for shape, dtype in staged_arrays(p, page_scales)
+    ]
 
 
 def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | None = None) -> Staged:
