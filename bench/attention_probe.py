@@ -2,7 +2,7 @@
 its neighbours on this GPU? Issue 5's attention shapes, on one GPU; also the shared inputs,
 reference and ceilings of sustained.py, flash_bound.py, staging_sweep.py and kernel_facts.py.
 
-    python3 bench/attention_probe.py [--sections decode,split,prefill,short] [--quick]
+    python3 bench/attention_probe.py [--sections decode,split,prefill,short,int4] [--quick]
     ncu --clock-control none --kernel-name regex:_attention_kernel --launch-skip 3 --launch-count 1 \
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section MemoryWorkloadAnalysis python3 bench/attention_probe.py --ncu int8_per_token_head
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.backends.triton import attention_tables as AT  # noqa: E402
 from kvzoo.conformance.inputs import SEED, rng_for  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
@@ -289,6 +290,51 @@ def main():
                 variants = [(32, 1, 5), (64, 2, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 4, 3)]
                 label = f"{mode[:4]} {S}x{L}"
                 decode_tiles(label, p, table, [] if quick else variants, copy_bw, [S - 1], graph_ms, keep_split=False)
+                del p
+                torch.cuda.empty_cache()
+
+    if "int4" in sections:
+        # int4's decode tiles (int4_attention.TILES) were chosen offline from SASS: timed here,
+        # each against the table's output (err: relative to it, not to float64).
+        from kvzoo.backends.triton import int4_attention as I4
+
+        table_tiles = I4.TILES[128]
+        variants = [
+            ((32, 1, 5), None),
+            ((64, 1, 5), 168),
+            ((64, 2, 4), None),
+            ((64, 2, 4), 128),
+            ((32, 2, 5), 128),
+            ((128, 4, 3), None),
+            ((32, 1, 4), 168),
+            ((32, 1, 6), 168),
+        ]
+        for S, L in ((64, 16384), (8, 65536)):
+            for mode in ("int4_per_token_head", "int4_per_token_head_norot"):
+                p = make(S, 1, L, mode)
+                nbytes = 2 * S * L * HKV * (D // 2 + 4) + 2 * p.query.numel() * p.query.element_size()
+                row(f"-- decode {S}x{L} {mode}: table {I4.decode_config(p, False)}", 0.0)
+                I4.run(p)
+                want = p.out.double().clone()
+                ms = bench(lambda p=p: I4.run(p))
+                row(f"int4 {S}x{L} {mode[-5:]} TABLE", ms, gbs=nbytes / ms / 1e6, copy_bw=copy_bw)
+                for (bn, w, st), cap in [] if quick else variants:
+                    I4.TILES[128] = I4.Int4Tiles(AT.DecodeTile(bn, w, st, ()), table_tiles.prefill, cap)
+                    try:
+                        p.out.fill_(float("nan"))
+                        I4.run(p)
+                        e = float(torch.linalg.norm(p.out.double() - want) / torch.linalg.norm(want))
+                        ms = bench(lambda p=p: I4.run(p))
+                        name = f"int4 {S}x{L} {mode[-5:]} bn{bn} w{w} s{st} cap{cap}"
+                        row(name, ms, gbs=nbytes / ms / 1e6, copy_bw=copy_bw, e=e)
+                    except Exception as exc:  # one bad config must not cost the whole call
+                        row(
+                            f"int4 bn{bn} w{w} s{st} cap{cap}",
+                            0.0,
+                            note=f"FAILED {type(exc).__name__}: {str(exc)[:100]}",
+                        )
+                    finally:
+                        I4.TILES[128] = table_tiles
                 del p
                 torch.cuda.empty_cache()
 
