@@ -595,7 +595,7 @@ def _int4_attention_kernel(
 
 # ----------------------------------------------------------------------------------------
 # Tiles: fixed rows keyed by the head size's class, like attention_tables.py's (whose
-# docstring says what a row is); none of these has been timed yet.
+# docstring says what a row is); head 128's decode row is timed, the others are not.
 
 
 @dataclass(frozen=True)
@@ -614,15 +614,24 @@ _OFFLINE = (
     ),
 )
 # Decode, heads 64 and 128: int8's 1-warp tile of 32 keys (a 64-key tile on one warp spills;
-# on two warps it issues as many instructions per key in a third fewer registers, the first
-# variant to time). 256: int8's 4-warp tile. Decode is latency-bound (attention_tables.py), so
-# the register caps buy resident warps: left alone ptxas takes 255 registers for head 128 (8
-# warps an SM); capped at 168 (12 warps) it issues no more instructions per key tile and spills
-# nothing in the loop over whole tiles; 128 likewise for head 64 (16 warps against 13); at 256
-# a cap spills inside the loop. Direct prefill: 32-key tiles (64 spill on sm_90a).
+# on two warps it issues as many instructions per key in a third fewer registers). 256: int8's
+# 4-warp tile. Offline, a register cap looked like resident warps bought for free (head 128:
+# 255 registers, 8 warps an SM; capped at 168, 12 warps, no more instructions per key tile and
+# no spill in the loop), but on the H200 the capped head-128 tile was the slower one (64 x
+# 16384: 491 us capped, 459 us not; norot 521 against 450), so head 128 runs uncapped. Head
+# 64's cap of 128 (16 warps against 13) is untimed. At 256 a cap spills inside the loop.
+# Direct prefill: 32-key tiles (64 spill on sm_90a).
+_TIMED_DECODE = (
+    Run(
+        "python3 bench/attention_probe.py --sections int4",
+        "aa45772",
+        "32 keys on 1 warp, 5 stages, no register cap: 1.00-1.16x the capped tile; 64-key, 2- and "
+        "4-warp tiles and 4 or 6 stages were slower",
+    ),
+)
 TILES: dict[int, Int4Tiles] = {
     64: Int4Tiles(DecodeTile(32, 1, 5, _OFFLINE), PrefillTile(128, 32, 8, 2, _OFFLINE), 128),
-    128: Int4Tiles(DecodeTile(32, 1, 5, _OFFLINE), PrefillTile(128, 32, 8, 2, _OFFLINE), 168),
+    128: Int4Tiles(DecodeTile(32, 1, 5, _TIMED_DECODE), PrefillTile(128, 32, 8, 2, _OFFLINE)),
     256: Int4Tiles(DecodeTile(64, 4, 2, _OFFLINE), PrefillTile(64, 16, 8, 2, _OFFLINE)),
 }
 # The 1-warp decode tiles want as many programs per SM as int8's (attention_tables.SPLIT_RULES).
