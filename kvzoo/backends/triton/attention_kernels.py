@@ -74,6 +74,7 @@ from .attention_tables import (
     CacheCodes,
     DecodeTile,
     KOperand,
+    SplitRule,
 )
 from .attention_tiles import (
     attend,
@@ -781,19 +782,36 @@ def _decode_tile(p: Attention, tile: DecodeTile, platform: str) -> tuple[int, in
 def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
     codes = _cache_codes(p)
     size = _size_class(p.head_size)
-    block_n, warps, stages = _decode_tile(p, DECODE_TILES[size, codes], platform)
     # Quantized tiles of the group's real rows run fewer instructions per key tile
     # (bench/offline_facts.py counts them) in less shared memory; the bf16 tile
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and codes is not CacheCodes.MODEL_DTYPE else 16
+    tile, one_wave = DECODE_TILES[size, codes], ONE_WAVE_DECODE_TILES.get((size, codes))
+    return decode_config_of(p, invariant, platform, tile, SPLIT_RULES[codes], one_wave, min_rows=min_rows)
+
+
+def decode_config_of(
+    p: Attention,
+    invariant: bool,
+    platform: str,
+    tile: DecodeTile,
+    rule: SplitRule,
+    one_wave: DecodeTile | None = None,
+    *,
+    min_rows: int,
+    maxnreg: int | None = None,
+) -> AttentionConfig:
+    """A decode launch's config from a format's table rows (int4_attention.py has its own):
+    `tile`, split by `rule` where the grid leaves SMs idle over a long context, or `one_wave`
+    where the grid is under one program per SM and the context needs no split."""
+    block_n, warps, stages = _decode_tile(p, tile, platform)
     if invariant:
-        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, min_rows=min_rows)
+        return AttentionConfig(1, block_n, warps, stages, INVARIANT_SPLIT_KEYS, maxnreg=maxnreg, min_rows=min_rows)
     programs = p.num_seqs * p.num_kv_heads
     dev = p.query.device.index if p.query.device.type == "cuda" else None
     sms = _num_sms(dev)
     split_keys = 0
-    rule = SPLIT_RULES[codes]
     if programs < rule.below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
         want = rule.target * sms
         # Rounded down: one program over the target starts a ragged wave.
@@ -801,10 +819,9 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
             split_keys = -(-split_keys // block_n) * block_n
-    one_wave = ONE_WAVE_DECODE_TILES.get((size, codes))
     if split_keys == 0 and programs < sms and one_wave is not None:
         block_n, warps, stages = _decode_tile(p, one_wave, platform)
-    return AttentionConfig(1, block_n, warps, stages, split_keys, min_rows=min_rows)
+    return AttentionConfig(1, block_n, warps, stages, split_keys, maxnreg=maxnreg, min_rows=min_rows)
 
 
 def staged_prefill_config(p: Attention) -> StagedConfig:

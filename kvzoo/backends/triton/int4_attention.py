@@ -50,17 +50,14 @@ from .attention_constants import SCALE_TOKEN_HEAD
 # kernel's own: one definition each.
 from .attention_kernels import (
     _DEFAULT_OPTIONS,
-    _MAX_SPLITS,
-    _MIN_SPLIT_KEYS,
-    INVARIANT_SPLIT_KEYS,
     AttentionConfig,
     KernelCall,
     StagedConfig,
     _launch,
     _merge_splits_kernel,
-    _num_sms,
     bind_launches,
     call_arrays,
+    decode_config_of,
     split_partials,
     staged_prefill_config,
 )
@@ -649,26 +646,12 @@ def _tiles(p: Attention) -> Int4Tiles:
 def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> AttentionConfig:
     """attention_kernels.decode_config for int4 caches, from TILES and SPLIT."""
     tiles = _tiles(p)
-    tile = tiles.decode
-    stages = tile.num_stages if platform == "cuda" else min(tile.num_stages, 2)
     # The caps were read off CUDA's compiler; ROCm's registers are another file.
     maxnreg = tiles.decode_maxnreg if platform == "cuda" else None
     # Tiles of the group's real rows on CUDA (Triton pads the dot); ROCm's FMA fallback below
     # 16 rows is avoided as attention_kernels.decode_config does.
     min_rows = 1 if platform == "cuda" else 16
-    if invariant:
-        return AttentionConfig(
-            1, tile.block_n, tile.num_warps, stages, INVARIANT_SPLIT_KEYS, maxnreg=maxnreg, min_rows=min_rows
-        )
-    programs = p.num_seqs * p.num_kv_heads
-    sms = _num_sms(p.query.device.index if p.query.device.type == "cuda" else None)
-    split_keys = 0
-    if programs < SPLIT.below * sms and p.max_seq_len >= 2 * _MIN_SPLIT_KEYS:
-        splits = min(_MAX_SPLITS, SPLIT.target * sms // max(programs, 1), p.max_seq_len // _MIN_SPLIT_KEYS)
-        if splits > 1:
-            split_keys = -(-p.max_seq_len // splits)
-            split_keys = -(-split_keys // tile.block_n) * tile.block_n
-    return AttentionConfig(1, tile.block_n, tile.num_warps, stages, split_keys, maxnreg=maxnreg, min_rows=min_rows)
+    return decode_config_of(p, invariant, platform, tiles.decode, SPLIT, min_rows=min_rows, maxnreg=maxnreg)
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
