@@ -60,8 +60,8 @@ Array = Any
 # implementation asked for, the registry (and its generation), the problem's host fields and
 # its arrays' signature (dtypes, shapes, strides, devices, alignment). A call of a signature
 # met before skips the registry's selection and the implementation's per-call set-up
-# (Implementation.prepare); its arguments are still checked in full. Cleared when full: an
-# engine meets a handful of signatures per model.
+# (Implementation.prepare); its arguments are still checked in full. The oldest entry goes
+# when full (recall.put_bounded): an engine meets a handful of signatures per model.
 _PREPARED: dict[tuple, tuple[Any, _registry.Implementation, Any, bool]] = {}
 _MAX_PREPARED = 256
 
@@ -102,11 +102,9 @@ def _run(op: str, problem: Any, impl: str | _registry.Implementation | None) -> 
     given = problem
     problem = _for_chosen(chosen, problem)
     launch = chosen.prepare(problem) if chosen.prepare is not None else None
-    if len(_PREPARED) >= _MAX_PREPARED:
-        _PREPARED.clear()
     # as_given: the chosen implementation takes these arrays as they come (its array kind, unit
     # strides already), which the signature decides for every later call of the key.
-    _PREPARED[key] = (held, chosen, launch, problem is given)
+    recall.put_bounded(_PREPARED, key, (held, chosen, launch, problem is given), _MAX_PREPARED)
     if launch is not None:
         launch(problem.operands())
     else:

@@ -583,13 +583,11 @@ class StepPlan:
         array, extent) each: the layer's and the plan's arrays, whose addresses do not change)."""
         if recall_key is None or recall_key in self._recalled:
             return
-        if len(self._recalled) >= _MAX_RECALLED:
-            self._recalled.clear()
         spans = tuple(None if x is None else recall.span(x) for x in checked)
         other_spans = tuple(None if x is None else recall.span(x) for x in others)
         fixed = [extent for _, _, extent in against if extent is not None]
         refused = tuple(() if span is None else _refused_starts(span, fixed) for span in spans)
-        self._recalled[recall_key] = (launch, spans, other_spans, refused)
+        recall.put_bounded(self._recalled, recall_key, (launch, spans, other_spans, refused), _MAX_RECALLED)
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
         """Quantize key/value rows into their slots of this layer's cache (reshape_and_cache).

@@ -33,8 +33,18 @@ except ImportError:  # NumPy-only installs
 
 _TENSOR = None if torch is None else torch.Tensor
 
-# Kept per metadata; cleared when full (an engine meets a handful of shapes per model).
+# Kept per metadata, the oldest let go first (an engine meets a handful of shapes per model).
 _MAX_ENTRIES = 256
+
+
+def put_bounded(table: dict, key: Any, value: Any, limit: int) -> None:
+    """table[key] = value, first letting go of the oldest entries while the table is full: a
+    new signature costs one entry, not every launch prepared so far (a table cleared when full
+    made a later layer of an engine re-prepare all of its launches at once)."""
+    if key not in table:
+        while len(table) >= limit:
+            del table[next(iter(table))]
+    table[key] = value
 
 
 _SCALARS = (bool, int, float, str)
@@ -153,9 +163,7 @@ def remember(
                 starts[w] + spans[w][1] <= starts[o] + theirs[0] or starts[o] + theirs[1] <= starts[w] + spans[w][0]
             ):
                 meets[(w, o)] = starts[w] - starts[o]
-    if len(_ENTRIES) >= _MAX_ENTRIES:
-        _ENTRIES.clear()
-    _ENTRIES[key] = Resolved(held, chosen, launch, spans, tuple(written), meets, host)
+    put_bounded(_ENTRIES, key, Resolved(held, chosen, launch, spans, tuple(written), meets, host), _MAX_ENTRIES)
 
 
 def forget() -> None:

@@ -394,3 +394,17 @@ def test_the_plans_refused_starts_are_exactly_the_overlapping_ones():
         for start in range(-80, 280):
             meets = any(start + span[0] < b and a < start + span[1] for a, b in extents)
             assert bool(bisect.bisect_right(refused, start) & 1) == meets, (span, extents, start)
+
+
+def test_a_full_table_lets_go_of_its_oldest_entries_only():
+    # The prepared and recalled launches are kept in tables of bounded size: a new signature
+    # past the bound evicts the oldest entry, never the whole table (an engine's layers would
+    # re-prepare every launch at once); a key already there is replaced in place.
+    table: dict = {}
+    for n in range(5):
+        recall.put_bounded(table, n, str(n), 3)
+    assert list(table) == [2, 3, 4]
+    recall.put_bounded(table, 3, "again", 3)
+    assert table == {2: "2", 3: "again", 4: "4"}
+    recall.put_bounded(table, 9, "9", 2)  # a smaller bound than the table: down to it
+    assert list(table) == [4, 9]
