@@ -83,6 +83,7 @@ from .attention_tiles import (
     query_block,
     shifted_tile,
     staged_tile,
+    store_partials,
     store_rows,
     tile_rows,
     window_keep,
@@ -316,12 +317,10 @@ def _attention_kernel(
         tail_d = BLOCK_D + t - shift
         tail_ok = t < shift
         if SPLIT:
-            part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
-            tl.store(part_m_ptr + part, m_i, mask=row_ok)
-            tl.store(part_l_ptr + part, l_i, mask=row_ok)
-            part_row = part_acc_ptr + part[:, None] * BLOCK_D
-            tl.store(part_row + out_d[None, :], acc, mask=row_ok[:, None] & out_ok[None, :])
-            tl.store(part_row + tail_d[None, :], acc_tail, mask=row_ok[:, None] & tail_ok[None, :])
+            at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
+            store_partials(*at, acc, m_i, l_i, row_ok, out_d, row_ok[:, None] & out_ok[None, :], NUM_Q_HEADS, BLOCK_D)
+            tail_mask = row_ok[:, None] & tail_ok[None, :]
+            store_partials(*at, acc_tail, m_i, l_i, row_ok, tail_d, tail_mask, NUM_Q_HEADS, BLOCK_D, False)
         else:
             store_rows(
                 out_ptr,
@@ -433,11 +432,9 @@ def _attention_kernel(
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     if SPLIT:
-        # Decode: one token per sequence, partials indexed [seq, q head, split].
-        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        # Decode: one token per sequence.
+        at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
+        store_partials(*at, acc, m_i, l_i, row_ok, d, row_ok[:, None], NUM_Q_HEADS, BLOCK_D)
     else:
         store_rows(
             out_ptr,

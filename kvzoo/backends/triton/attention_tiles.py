@@ -900,6 +900,35 @@ def _initial_state(sinks_ptr, head, row_ok, BLOCK_M: tl.constexpr, WITH_SINK: tl
 
 
 @triton.jit
+def store_partials(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    seq,
+    head,
+    split,
+    num_splits,
+    acc,
+    m_i,
+    l_i,
+    row_ok,
+    cols,
+    acc_mask,
+    NUM_Q_HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WITH_STATS: tl.constexpr = True,
+):
+    """A split decode's partials for the merge, indexed [seq, q head, split]: acc at columns
+    `cols` of each row's BLOCK_D (where acc_mask), and the rows' running max and sum
+    (WITH_STATS: once per row, where a row's columns take more than one store)."""
+    part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+    if WITH_STATS:
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + cols[None, :], acc, mask=acc_mask)
+
+
+@triton.jit
 def store_rows(
     out_ptr,
     lse_ptr,
