@@ -806,9 +806,11 @@ class StepPlan:
         else:
             if sinks is not self.sinks or own[0] is not query or own[4] is not out or own[5] is not lse:
                 recall_key = None  # recalled calls hand their arguments on as given
-            # A given out is checked on recall against the query, the caches and the metadata.
-            recall_by = ((given_out,), (*layer.extents, *self._meta_extents), (query,)) if given_out is not None else ()
-            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, recall_by or ((), (), ()))
+            recall_by: tuple = ((), (), ())
+            if given_out is not None:
+                # A given out is checked on recall against the caches, the metadata and the query.
+                recall_by = ((given_out,), (*layer.extents, *self._meta_extents), (query,))
+            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, recall_by)
         return (out, lse) if return_lse else out
 
 

@@ -322,10 +322,8 @@ def plan_hits(monkeypatch):
     return counted
 
 
-def _prepared_plan(gen):
-    # The Triton backend: the plan recalls prepared launches (the CPU backends prepare none).
-    _usable("triton-cuda", "int8_per_token_head")
-    spec = kvzoo.CacheSpec(
+def _int8_spec():
+    return kvzoo.CacheSpec(
         "int8_per_token_head",
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
@@ -333,6 +331,12 @@ def _prepared_plan(gen):
         head_size=D,
         device=_where["device"],
     )
+
+
+def _prepared_plan(gen):
+    # The Triton backend: the plan recalls prepared launches (the CPU backends prepare none).
+    _usable("triton-cuda", "int8_per_token_head")
+    spec = _int8_spec()
     meta, bounds, tokens = _metadata()
     slots = _slots(gen, tokens)
     plan = kvzoo.plan_step(
@@ -373,6 +377,103 @@ def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits)
     overlapping = flat[query.numel() // 2 : query.numel() // 2 + query.numel()].view(query.shape)
     with pytest.raises(KVZooInputError, match="out: shares memory with query"):
         plan.attention(flat[: query.numel()].view(query.shape), caches, out=overlapping)
+
+
+def _plan_over(buf, at, **meta_views):
+    """A Triton plan whose caches (and any metadata tensor named in meta_views, by its byte
+    offset) are views of one byte buffer, from offset `at`: arrays the test places in the same
+    buffer can then sit exactly at, or across, their edges."""
+    spec = _int8_spec()
+    codes, scales = NUM_BLOCKS * BLOCK_SIZE * HKV * D, NUM_BLOCKS * BLOCK_SIZE * HKV * 4
+    shape = (NUM_BLOCKS, BLOCK_SIZE, HKV)
+    kc, vc = (buf[at + n * codes : at + (n + 1) * codes].view(torch.int8).view(*shape, D) for n in (0, 1))
+    ks, vs = (
+        buf[at + 2 * codes + n * scales : at + 2 * codes + (n + 1) * scales].view(torch.float32).view(shape)
+        for n in (0, 1)
+    )
+    caches = kvzoo.layout.KVCacheTensors(kc, vc, ks, vs)
+    meta, bounds, tokens = _metadata()
+    for name, offset in meta_views.items():
+        t = meta[name]
+        view = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        meta[name] = view.copy_(t)
+    gen = torch.Generator().manual_seed(SEED + 31)
+    plan = kvzoo.plan_step(
+        spec, **meta, slot_mapping=_slots(gen, tokens), num_q_heads=HQ, impl="triton-cuda", validate=False, **bounds
+    )
+    return plan, caches, tokens, gen, (at, at + 2 * codes + 2 * scales)
+
+
+def test_a_recalled_call_is_refused_one_granule_across_an_edge_and_taken_at_it(plan_hits):
+    # The recalled checks compare addresses against extents kept as ranges: a key or an out
+    # that ends where the caches begin, or begins where they end, is recalled; moved 16 bytes
+    # (one alignment step, so the recall key is the same) into them, it is refused with the
+    # caches' bytes unchanged.
+    _usable("triton-cuda", "int8_per_token_head")
+    buf = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).to(_where["device"])
+    plan, caches, tokens, gen, (low, high) = _plan_over(buf, 8192)
+    key, value = _rows(gen, tokens, HKV), _rows(gen, tokens, HKV)
+    for _ in range(2):
+        plan.write(key, value, caches)
+    assert plan_hits["hits"] == 1
+
+    def at(start, like):
+        return buf[start : start + like.numel() * 2].view(torch.bfloat16).view(like.shape)
+
+    def placed(start, like):  # outside the caches only: the copy would write into them
+        return at(start, like).copy_(like)
+
+    size = key.numel() * 2
+    for start in (low - size, high):
+        hits = plan_hits["hits"]
+        plan.write(placed(start, key), value, caches)
+        assert plan_hits["hits"] == hits + 1, start
+    for start in (low - size + 16, high - 16):
+        before, hits = _bytes(caches), plan_hits["hits"]
+        with pytest.raises(KVZooInputError, match="shares memory"):
+            plan.write(at(start, key), value, caches)
+        assert plan_hits["hits"] == hits and all(torch.equal(a, b) for a, b in zip(before, _bytes(caches)))
+
+    query = _rows(gen, tokens, HQ)
+    size = query.numel() * 2
+    plan.attention(query, caches, out=placed(40000, query))
+    hits = plan_hits["hits"]
+    for start in (low - size, high):
+        plan.attention(query, caches, out=at(start, query))
+    assert plan_hits["hits"] == hits + 2
+    for start in (low - size + 16, high - 16, low + 1024):
+        before = _bytes(caches)
+        with pytest.raises(KVZooInputError, match="shares memory"):
+            plan.attention(query, caches, out=at(start, query))
+        assert all(torch.equal(a, b) for a, b in zip(before, _bytes(caches)))
+    assert plan_hits["hits"] == hits + 2
+
+
+def test_a_recalled_out_over_the_plans_metadata_is_refused(plan_hits):
+    # The metadata the kernels read (here block_tables) is among the extents a recalled out is
+    # checked against: an out over it would overwrite the step's page tables.
+    _usable("triton-cuda", "int8_per_token_head")
+    buf = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).to(_where["device"])
+    tables_at = 20000
+    plan, caches, tokens, gen, _ = _plan_over(buf, 0, block_tables=tables_at)
+    tables = plan.block_tables
+    assert tables.data_ptr() == buf.data_ptr() + tables_at
+    query = _rows(gen, tokens, HQ)
+    size = query.numel() * 2
+
+    def out_at(start):
+        return buf[start : start + size].view(torch.bfloat16).view(query.shape)
+
+    plan.attention(query, caches, out=out_at(40000))
+    plan.attention(query, caches, out=out_at(40000 + size))
+    assert plan_hits["hits"] == 1
+    end = tables_at + tables.numel() * 4
+    for start in (tables_at - size + 16, end - 16 - end % 16):
+        before = tables.clone()
+        with pytest.raises(KVZooInputError, match="shares memory"):
+            plan.attention(query, caches, out=out_at(start - start % 16))
+        assert torch.equal(before, tables)
+    assert plan_hits["hits"] == 1
 
 
 def test_the_plans_refused_starts_are_exactly_the_overlapping_ones():

@@ -390,7 +390,7 @@ def test_rocm_decode_keeps_the_configs_it_was_checked_with(mode):
 
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
 @pytest.mark.parametrize("extra", [dict(), dict(sliding_window=40, softcap=20.0, sinks=True)], ids=["plain", "options"])
-def test_a_decode_grid_under_one_wave_takes_the_wide_tile(mode, extra):
+def test_a_decode_grid_under_one_wave_takes_the_wide_tile(mode, extra, monkeypatch):
     from kvzoo.backends.triton import attention_tables as tables
 
     k = _kernels()
@@ -405,9 +405,19 @@ def test_a_decode_grid_under_one_wave_takes_the_wide_tile(mode, extra):
     seqs = -(-k._num_sms(None if DEVICE == "cpu" else 0) // 2)
     many = make_problem([1] * seqs, [300] * seqs, mode=mode)
     assert k.decode_config(many, False).block_n == default.block_n
-    # So does a context long enough to split.
+    # So does a context long enough to split, a batch-invariant decode, and ROCm (timed on CUDA only).
     long = make_problem([1], [4096], mode=mode)
     assert k.decode_config(long, False).split_keys > 0
+    assert k.decode_config(few, True).block_n == default.block_n
+    assert k.decode_config(few, False, "rocm").block_n == default.block_n
+    # The inline page's aligned windows on the wide tile (4 KV heads: a grid under one wave of
+    # a GPU's SMs, not of the interpreter's 4).
+    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
+    inline, around = _inline_decode(mode, 4, 64, [300], **extra)
+    cfg = k.decode_config(inline, False)
+    assert cfg.block_n == wide.block_n and k.shifted_rows(inline, *_codes_as_loaded(inline), cfg, per_seq=True)
+    check(inline)
+    assert torch.isnan(around[..., :4]).all() and torch.isnan(around[..., 4 + 64 :]).all(), "wrote outside out"
 
 
 # ----------------------------------------------------------------------------------------

@@ -400,7 +400,6 @@ def test_large_writes_take_the_many_token_config_and_match_the_reference(mode):
     tokens, heads, head_size, block_size = write_kernels.FP8_ONE_WARP_TOKENS + 3, 8, 128, 16
     code = write_kernels.code_of(MODES[mode])
     assert write_kernels._write_warps(heads * head_size, code, tokens) == (1 if mode.startswith("fp8") else 2)
-    assert write_kernels._write_warps(heads * head_size, code, tokens, 4) == 2  # the inline page's rows
     num_blocks = 2 * -(-tokens // block_size)
     caches = []
     for impl, device in ((IMPL, DEVICE), ("numpy", "cpu")):
@@ -491,6 +490,21 @@ for code, per_tensor, qmax, qmin, nan, infs, cache in (
     out[f"{code}-{'tensor' if per_tensor else 'row'}"] = {name: len(re.findall(pat, ptx)) for name, pat in (
         ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
         ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
+# The inline page's rows (4-byte aligned, which no stride argument shows): with the alignment
+# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time.
+stores = {}
+for row_align in (4, 1):
+    consts = dict(CODE=1, PER_TENSOR=False, IN_KIND=2, QMAX=127.0, QMIN=-128.0, NAN_CODE=0, INF_POS=0x7F,
+                  INF_NEG=0x80, SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128, EVEN_D=True,
+                  ROW_ALIGN=row_align, s_kd=1, s_vd=1, s_kcd=1, s_vcd=1)  # unit strides: as Triton specialises
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
+    sig.update(key_cache_ptr="*i8", value_cache_ptr="*i8")
+    pointers = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
+    src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
+                    attrs=pointers)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"]
+    stores[row_align] = {w: len(re.findall(rf"st\.global\.{w}\b", ptx)) for w in ("b8", "b32")}
+out["inline-row stores"] = stores
 print(json.dumps(out))
 """
 
@@ -513,6 +527,10 @@ def test_ptx_exact_arithmetic():
     if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas to compile with")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for code, counts in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    stores = result.pop("inline-row stores")
+    assert stores["4"]["b8"] == 0 and stores["4"]["b32"] > 0, stores
+    assert stores["1"]["b8"] > 0, stores  # without the hint: the one-byte stores the hint removes
+    for code, counts in result.items():
         assert counts["fma_f32"] == 0 and counts["div_inexact"] == 0 and counts["ftz"] == 0, (code, counts)
         assert counts["div_rn"] > 0, (code, counts)

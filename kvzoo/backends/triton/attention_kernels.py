@@ -816,7 +816,8 @@ def decode_config_of(
         if splits > 1:
             split_keys = -(-p.max_seq_len // splits)
             split_keys = -(-split_keys // block_n) * block_n
-    if split_keys == 0 and programs < sms and one_wave is not None:
+    # Timed on CUDA only: ROCm keeps the table's tile.
+    if split_keys == 0 and programs < sms and one_wave is not None and platform == "cuda":
         block_n, warps, stages = _decode_tile(p, one_wave, platform)
     return AttentionConfig(1, block_n, warps, stages, split_keys, maxnreg=maxnreg, min_rows=min_rows)
 

@@ -361,8 +361,10 @@ def _num_warps(elements: int) -> int:
 # From this many tokens fp8 writes run one warp per program. Their encode issues more
 # instructions per code than int8's, and once the grid is many waves deep the issue rate
 # decides; below it the shorter chain of two warps wins. int8 gains nothing from one warp.
-# Rows stored 4 bytes at a time (the inline page) keep two warps: one was 0.81x the separate
-# layout's speed at 32768 tokens, two 0.90x. (Timings: bench/archive/RESULTS-history.md.)
+# Rows whose offsets are not all 16-byte multiples (the inline page's: 4-byte aligned, stored 4
+# bytes at a time) keep two warps: side by side at 32768 tokens one ran at 0.81x the separate
+# layout's speed, two at 0.90x (0.82x in the benchmark's own run, which rotates its inputs).
+# (Timings: bench/archive/RESULTS-history.md.)
 FP8_ONE_WARP_TOKENS = 16384
 
 
