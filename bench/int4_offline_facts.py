@@ -120,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     # As on the H200: its split choice, and the write's hardware bf16 narrowing (which the
     # host picks for CUDA tensors, not for these meta ones).
-    int4_attention._num_sms = lambda device_index: offline_facts.H200_SMS
+    attention_kernels._num_sms = lambda device_index: offline_facts.H200_SMS  # the shared decode rule reads it
     int4_write._narrow_hw = lambda t: True
     if args.check:
         check()
