@@ -116,7 +116,8 @@ _ONE_WAVE_DECODE = (
         "39f41c7",
         "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512 (run on "
         "40e02d9 with the rule added, the code 39f41c7 committed). 256 keys were up to 17% faster past 1024 "
-        "keys but take 3x the shared memory and were not run through the GPU tests: the next to try",
+        "keys but double the K/V buffers (192 KB against 96 KB at 3 stages, by arithmetic) and were not run "
+        "through the GPU tests: the next to try",
     ),
 )
 ONE_WAVE_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
