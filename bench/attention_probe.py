@@ -2,7 +2,7 @@
 its neighbours on this GPU? Issue 5's attention shapes, on one GPU; also the shared inputs,
 reference and ceilings of sustained.py, flash_bound.py, staging_sweep.py and kernel_facts.py.
 
-    python3 bench/attention_probe.py [--sections decode,split,prefill,short,int4] [--quick]
+    python3 bench/attention_probe.py [--sections decode,split,prefill,short,int4,fp8dots] [--quick]
     ncu --clock-control none --kernel-name regex:_attention_kernel --launch-skip 3 --launch-count 1 \
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section MemoryWorkloadAnalysis python3 bench/attention_probe.py --ncu int8_per_token_head
@@ -70,7 +70,7 @@ def ceilings() -> tuple[float, float]:
     return copy_bw, 2 * 8192**3 / ms / 1e9
 
 
-def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
+def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False, fp8_dots=False):
     """num_seqs sequences of seq_len keys whose last q_len tokens are queried, drawn on the GPU by
     kvzoo.samples (scattered pages, no spare ones); `seed` tells draws of one shape apart."""
     s = samples.paged_sample(
@@ -104,6 +104,7 @@ def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False):
         k_scale_cache=c.k_scale_cache,
         v_scale_cache=c.v_scale_cache,
         quantize_query=quantize_query,
+        fp8_dots=fp8_dots,
     )
 
 
@@ -389,6 +390,47 @@ def main():
                 )
             del p
             torch.cuda.empty_cache()
+
+    if "fp8dots" in sections:
+        # fp8_dots (SPEC.md 8.3): both dots on e4m3 operands, against SDPA bf16 and the default
+        # (staged fp16) path on the same fp8 cache; errors against the unquantized query.
+        S, L = 4, 4096
+        flops = prefill_flops(S, L)
+        sdpa_prefill(S, L, mm)
+        base = make(S, L, L, "fp8_per_token_head")
+        run_variant("fp8 default TABLE", base, lambda: K.run(base, "cuda"), copy_bw, [1, 3], flops=flops, mm=mm)
+        p = dataclasses.replace(base, fp8_dots=True)
+        row(f"-- prefill {S}x{L} fp8 fp8_dots: table {K.prefill_config(p)}", 0.0)
+        run_variant("fp8 fp8_dots TABLE", p, lambda: K.run(p, "cuda"), copy_bw, [1, 3], flops=flops, mm=mm)
+        for cfg in (
+            []
+            if quick
+            else (
+                C(16, 128, 4, 3, 0, True),
+                C(16, 128, 4, 2, 0, True),
+                C(32, 128, 8, 2, 0, True),
+                C(32, 64, 4, 3, 0, True),
+                C(16, 64, 4, 3, 0, True),
+                C(32, 128, 8, 3, 0, True),
+            )
+        ):
+            run_variant(
+                f"fp8_dots bq{cfg.block_q} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}",
+                p,
+                lambda cfg=cfg: K.run(p, "cuda", prefill=cfg),
+                copy_bw,
+                [1],
+                flops=flops,
+                mm=mm,
+            )
+        del base, p
+        torch.cuda.empty_cache()
+        base = make(64, 1, 16384, "fp8_per_token_head")
+        run_variant("decode 64x16384 fp8 default", base, lambda: K.run(base, "cuda"), copy_bw, [0, 63])
+        p = dataclasses.replace(base, fp8_dots=True)
+        run_variant("decode 64x16384 fp8 fp8_dots", p, lambda: K.run(p, "cuda"), copy_bw, [0, 63])
+        del base, p
+        torch.cuda.empty_cache()
 
     print("\n# summary")
     for line in ROWS:

@@ -64,6 +64,8 @@ MODES = ("none", "int8_per_token_head", "fp8_per_token_head")
 # modes with staging off ("variant" = mode[+qq][+direct]).
 QQ = "+qq"
 DIRECT = "+direct"
+# Prefill also runs the fp8 cache with fp8_dots (SPEC.md 8.3: both dots on e4m3 operands).
+FP8D = "+fp8dots"
 # Decode also reads the inline page (vLLM's engine layout: each row's scale after its codes).
 INLINE = "+inline"
 ATTN_VARIANTS = MODES + ("int8_per_token_head" + QQ,)
@@ -74,7 +76,13 @@ INT4_WRITE_TOKENS = 32768
 # The inline page is written at these sizes too (issue 20: at the separate layout's speed).
 INLINE_WRITE_TOKENS = (4096, 32768)
 DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE, INT4)
-PREFILL_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + DIRECT, "fp8_per_token_head" + DIRECT, INT4, INT4 + DIRECT)
+PREFILL_VARIANTS = ATTN_VARIANTS + (
+    "int8_per_token_head" + DIRECT,
+    "fp8_per_token_head" + DIRECT,
+    "fp8_per_token_head" + FP8D,
+    INT4,
+    INT4 + DIRECT,
+)
 SHORT = {
     "none": "none",
     "int8_per_token_head": "int8",
@@ -82,6 +90,7 @@ SHORT = {
     "int8_per_token_head" + QQ: "int8 qk-int8",
     "int8_per_token_head" + DIRECT: "int8 direct",
     "fp8_per_token_head" + DIRECT: "fp8 direct",
+    "fp8_per_token_head" + FP8D: "fp8 fp8-dots",
     "int8_per_token_head" + INLINE: "int8 inline",
     "fp8_per_token_head" + INLINE: "fp8 inline",
     INT4: "int4",
@@ -98,8 +107,8 @@ ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw qu
 
 
 def _variant(variant: str) -> tuple[str, bool]:
-    """(cache mode, quantize_query) of an attention variant name."""
-    return variant.removesuffix(DIRECT).removesuffix(INLINE).removesuffix(QQ), QQ in variant
+    """(cache mode, quantize_query) of an attention variant name (fp8_dots: FP8D in it)."""
+    return variant.removesuffix(DIRECT).removesuffix(INLINE).removesuffix(QQ).removesuffix(FP8D), QQ in variant
 
 
 @functools.cache
@@ -584,6 +593,7 @@ def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
         max_seq_len=s.max_s,
         num_prefills=s.num_prefills,
         quantize_query=quantize_query,
+        fp8_dots=FP8D in variant,
         impl=_impl_for(variant, impl),
         validate=False,
     )

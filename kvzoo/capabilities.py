@@ -20,6 +20,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "trunc_rounding": ("reshape_and_cache",),  # rounding="trunc" (int8 modes)
     "inline_layout": ("reshape_and_cache", "dequantize", "paged_attention"),  # codes and scales in one page buffer
     "quantize_query": ("paged_attention",),
+    "fp8_dots": ("paged_attention",),  # both dot products on fp8 operands (SPEC.md section 8.3)
     "batch_invariant": ("paged_attention",),
     "sinks": ("paged_attention",),
     "softcap": ("paged_attention",),
@@ -96,7 +97,7 @@ def required(problem: Any) -> Requirements:
     if rounding == "trunc":
         options.add("trunc_rounding")
     if hasattr(problem, "query"):
-        for name in ("quantize_query", "batch_invariant"):
+        for name in ("quantize_query", "fp8_dots", "batch_invariant"):
             if getattr(problem, name):
                 options.add(name)
         for name in ("sinks", "softcap", "sliding_window"):

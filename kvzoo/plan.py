@@ -65,7 +65,6 @@ from .api import (
 )
 from .arrays import as_numpy, as_torch, dtype_name, is_torch, numpy_dtype, same_kind_empty, torch, torch_dtype
 from .cache import PagedKVCache
-from .formats import INT8
 from .layout import SCALE_BYTES, KVCacheTensors, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import Attention, CacheWrite
@@ -75,6 +74,7 @@ from .validate import (
     INDEX_DTYPES,
     INT32_MAX,
     as_code_storage,
+    check_query_options,
     fail,
     int_scalar,
     require_array,
@@ -423,6 +423,7 @@ class StepPlan:
         "sinks",
         "batch_invariant",
         "quantize_query",
+        "fp8_dots",
         "max_query_len",
         "max_seq_len",
         "num_prefills",
@@ -792,6 +793,7 @@ class StepPlan:
                 sinks=sinks,
                 batch_invariant=self.batch_invariant,
                 quantize_query=self.quantize_query,
+                fp8_dots=self.fp8_dots,
                 num_prefills=self.num_prefills,
                 lse=own[5],
             )
@@ -838,6 +840,7 @@ def plan_step(
     sinks: Array | None = None,
     batch_invariant: bool = False,
     quantize_query: bool = False,
+    fp8_dots: bool = False,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_prefills: int | None = None,
@@ -855,7 +858,7 @@ def plan_step(
         K/V row, negative to skip; None for a plan that only attends.
     num_q_heads: query heads (a multiple of the spec's num_kv_heads).
     softmax_scale (default 1/sqrt(head_size)), sliding_window, softcap, sinks ([num_q_heads]
-    float32), batch_invariant, quantize_query: as kvzoo.paged_attention.
+    float32), batch_invariant, quantize_query, fp8_dots: as kvzoo.paged_attention.
     validate=True reads slot_mapping, block_tables, seq_lens and query_start_loc on the host
     (one synchronisation on a GPU) and refuses out-of-range slots and block ids, repeated slots,
     and inconsistent offsets and lengths; it computes max_query_len, max_seq_len, num_prefills
@@ -896,8 +899,7 @@ def plan_step(
         fail(f"cache_spec: expected a kvzoo.CacheSpec, got {type(cache_spec).__name__}")
     spec = cache_spec
     mode = spec.mode
-    if quantize_query and not (mode.format is INT8 and mode.per_token_head):
-        fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
+    check_query_options(mode, quantize_query, fp8_dots)
     num_q_heads = int_scalar("num_q_heads", num_q_heads, 1)
     if num_q_heads % spec.num_kv_heads:
         fail(f"num_q_heads: {num_q_heads} must be a multiple of the cache's num_kv_heads {spec.num_kv_heads}")
@@ -953,7 +955,11 @@ def plan_step(
     plan = object.__new__(StepPlan)
     plan.spec, plan.num_q_heads, plan._device = spec, num_q_heads, device
     plan.softmax_scale, plan.sliding_window, plan.softcap = softmax_scale, sliding_window, softcap
-    plan.batch_invariant, plan.quantize_query = bool(batch_invariant), bool(quantize_query)
+    plan.batch_invariant, plan.quantize_query, plan.fp8_dots = (
+        bool(batch_invariant),
+        bool(quantize_query),
+        bool(fp8_dots),
+    )
     plan.max_query_len, plan.max_seq_len, plan.num_prefills = max_query_len, max_seq_len, num_prefills
     plan.num_tokens = num_tokens
     plan._layers = {}
@@ -989,6 +995,7 @@ def plan_step(
         sinks=sinks,
         batch_invariant=plan.batch_invariant,
         quantize_query=plan.quantize_query,
+        fp8_dots=plan.fp8_dots,
         num_prefills=num_prefills,
     )
     plan.attention_impl = chosen = reg.select(stand_in, "paged_attention", _impl_for(impl, "paged_attention"))

@@ -201,6 +201,9 @@ class Attention(_Problem):
     # int8 caches only: each query row (token, head) is replaced by its int8 per-token-head
     # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
     quantize_query: bool = False
+    # fp8 e4m3 per-token-head caches only: the query rows and the probabilities quantized to
+    # e4m3, so both dot products can run on fp8 tensor cores (SPEC.md section 8.3).
+    fp8_dots: bool = False
     num_prefills: int | None = None
     lse: Array | None = None
 

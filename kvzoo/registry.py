@@ -104,6 +104,10 @@ class Implementation:
     # Largest ||out - ref|| / ||ref|| against a float64 reference on the same quantized cache
     # (attention only): reflects the precision of its dot products.
     attention_rtol: float = 1e-5
+    # fp8_dots (SPEC.md 8.3): the key tile its probabilities are rounded per, where that is one
+    # fixed tile; the conformance suite then also holds it to the oracle with that tile, at
+    # attention_rtol. None: it varies by launch (only the exact-probability bound applies).
+    probability_tile: int | None = None
     # How it reads index tensors (slot_mapping, block_tables, seq_lens, query_start_loc, sinks):
     # "any" through their strides; "unit" needs stride 1 along each 1-D tensor and along a
     # block-table row, and the API hands it contiguous copies of others (SPEC.md section 11).

@@ -37,8 +37,12 @@ Fill = Literal["host", "torch"]
 BATCH_KINDS = ("decode", "prefill", "mixed", "long")
 # The output dtype's own rounding, allowed on top of an implementation's attention_rtol.
 OUT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
-# SPEC.md 8.1: quantize_query replaces each query row by its int8 per-token-head round trip.
+# SPEC.md 8.1: quantize_query replaces each query row by its int8 per-token-head round trip
+# (fp8_dots by its two e4m3 terms, 8.3: oracle.fp8_dots_query).
 QUERY_ROUND_TRIP_MODE = "int8_per_token_head"
+# SPEC.md 8.3: fp8_dots' reference keeps the probabilities exact; their e4m3 rounding (3
+# mantissa bits, so up to 2^-4 relative per weight) is allowed on top of attention_rtol.
+FP8_DOTS_RTOL = 3e-2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,6 +482,8 @@ def oracle_attention(
     k_static: Any = None,
     v_static: Any = None,
     quantize_query: bool = False,
+    fp8_dots: bool = False,
+    probability_tile: int | None = None,
     softmax_scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
@@ -515,17 +521,29 @@ def oracle_attention(
         rows = oracle.widen_to_float32(q).reshape(-1, d)
         codes, scales = oracle.quantize_rows(rows, QUERY_ROUND_TRIP_MODE)
         q = oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
+    if fp8_dots:
+        q = oracle.fp8_dots_query(q.reshape(-1, q.shape[-1])).reshape(q.shape)
+        if probability_tile is not None:
+            # SPEC.md 8.3 in full: the weights rounded per tile too (the implementation's tile).
+            options["fp8_probabilities"] = (probability_tile, host_scales(v_scales))
     return oracle.attention_f64(q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc), **options)
 
 
-def attention_tolerance(impl: Any, out_dtype: str) -> float:
+def attention_tolerance(impl: Any, out_dtype: str, fp8_dots: bool = False) -> float:
     """Relative error per sequence an implementation is held to: its declared attention_rtol
-    plus the output dtype's rounding (bf16 keeps 8 significant bits)."""
-    return impl.attention_rtol + OUT_ROUNDOFF[out_dtype]
+    plus the output dtype's rounding (bf16 keeps 8 significant bits), plus the probabilities'
+    e4m3 rounding under fp8_dots."""
+    return impl.attention_rtol + OUT_ROUNDOFF[out_dtype] + (FP8_DOTS_RTOL if fp8_dots else 0.0)
 
 
 def assert_attention_close(
-    impl: Any, got: Any, ref: np.ndarray, query_start_loc: Any, out_dtype: str, what: str = ""
+    impl: Any,
+    got: Any,
+    ref: np.ndarray,
+    query_start_loc: Any,
+    out_dtype: str,
+    what: str = "",
+    fp8_dots: bool = False,
 ) -> None:
     """Output against the oracle (SPEC.md section 8): non-finite exactly where a poisoned key
     makes ref non-finite, and elsewhere a relative Frobenius error within
@@ -536,7 +554,7 @@ def assert_attention_close(
     unwritten = ~np.isfinite(got) & ~poisoned
     assert not unwritten.any(), f"{impl.name}{what}: {int(unwritten.sum())} output elements not finite/unwritten"
     got, ref = np.where(poisoned, 0.0, got), np.where(poisoned, 0.0, ref)
-    tol = attention_tolerance(impl, out_dtype)
+    tol = attention_tolerance(impl, out_dtype, fp8_dots)
     qsl = np.asarray(query_start_loc, np.int64)
     for s in range(len(qsl) - 1):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))
@@ -609,6 +627,8 @@ class PagedSample:
         self,
         *,
         quantize_query: bool = False,
+        fp8_dots: bool = False,
+        probability_tile: int | None = None,
         softmax_scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
@@ -631,6 +651,8 @@ class PagedSample:
             k_static=self.k_scale,
             v_static=self.v_scale,
             quantize_query=quantize_query,
+            fp8_dots=fp8_dots,
+            probability_tile=probability_tile,
             softmax_scale=softmax_scale,
             sliding_window=sliding_window,
             softcap=softcap,

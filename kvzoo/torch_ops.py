@@ -244,6 +244,7 @@ def _define_paged_attention() -> None:
         max_seq_len: int,
         batch_invariant: bool,
         quantize_query: bool,
+        fp8_dots: bool,
         lse: torch.Tensor | None,
         num_prefills: int | None = None,
         validate: bool = True,
@@ -271,6 +272,7 @@ def _define_paged_attention() -> None:
             num_prefills=num_prefills,
             batch_invariant=batch_invariant,
             quantize_query=quantize_query,
+            fp8_dots=fp8_dots,
             return_lse=lse is not None,
             lse=lse,
             impl=impl,
@@ -299,6 +301,7 @@ def _define_paged_attention() -> None:
         max_seq_len,
         batch_invariant,
         quantize_query,
+        fp8_dots,
         lse,
         num_prefills=None,
         validate=True,
@@ -424,6 +427,7 @@ def paged_attention(
     num_prefills: int | None = None,
     batch_invariant: bool = False,
     quantize_query: bool = False,
+    fp8_dots: bool = False,
     return_lse: bool = False,
     lse: torch.Tensor | None = None,
     validate: bool = True,
@@ -477,6 +481,9 @@ def paged_attention(
         Each row's result independent of the rest of the batch.
     quantize_query : bool
         int8 per-token-head caches: quantize the query rows to int8 and run QK^T on codes.
+    fp8_dots : bool
+        fp8_per_token_head caches: quantize the query rows and the probabilities to e4m3 and
+        run both dot products on the fp8 codes (SPEC.md section 8.3).
     return_lse : bool
         Also return the log-sum-exp of each row's logits (natural log, sinks included), the
         weight ``kvzoo.merge_attention_states`` combines partial attentions with.
@@ -538,6 +545,7 @@ def paged_attention(
         max_seq_len,
         batch_invariant,
         quantize_query,
+        fp8_dots,
         lse,
         num_prefills,
         validate,

@@ -27,6 +27,7 @@ from .arrays import (
     torch_dtype,
 )
 from .errors import fail
+from .formats import FLOAT8_E4M3FN, INT8
 from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")
@@ -222,6 +223,17 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
         if not (np.isfinite(s) and s > 0):  # a float32 already
             fail(f"{name}: expected a finite scale > 0, got {s}")
     return array
+
+
+def check_query_options(mode: QuantMode, quantize_query: bool, fp8_dots: bool) -> None:
+    """The options that quantize the query change what is computed, each for one format's caches
+    (SPEC.md 8.1, 8.3), and exclude each other."""
+    if quantize_query and fp8_dots:
+        fail("fp8_dots: cannot be combined with quantize_query (each defines the query's own rounding)")
+    if quantize_query and not (mode.format is INT8 and mode.per_token_head):
+        fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
+    if fp8_dots and not (mode.format is FLOAT8_E4M3FN and mode.per_token_head):
+        fail(f"fp8_dots: needs an fp8 e4m3fn per-token-head cache mode (fp8_per_token_head), got mode {mode.name!r}")
 
 
 def forbid(name: str, value: Any, mode: QuantMode, why: str) -> None:

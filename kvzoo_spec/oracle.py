@@ -301,6 +301,40 @@ def decode_rows(codes: np.ndarray, scales: np.ndarray, mode_name: str) -> np.nda
         return _code_values(codes, mode) * scales[..., None]
 
 
+def _fp8_weights(p: np.ndarray, v_scales: np.ndarray, tiles: np.ndarray) -> np.ndarray:
+    """SPEC.md 8.3's weights of one row, as multipliers of the decoded values: per tile, u =
+    p * vscale, w = max(max u, 2^-100), code = e4m3fn(u / w * 256) (from float32, as the
+    implementations round), the weight code * w / 256 / vscale."""
+    mode = _mode("fp8_per_token_head")
+    u = p * v_scales
+    out = np.empty_like(p)
+    for t in np.unique(tiles):
+        at = tiles == t
+        w = max(u[at].max(), 2.0**-100)
+        with np.errstate(all="ignore"):
+            codes = _encode_y((u[at] / w * 256.0).astype(np.float32), mode, "nearest")
+            out[at] = _code_values(codes, mode).astype(np.float64) * (w / 256.0) / v_scales[at]
+    return out
+
+
+def fp8_dots_query(x: np.ndarray) -> np.ndarray:
+    """SPEC.md 8.3's query rows x [N, D] (float32) as fp8_dots attends with them, in float64:
+    (hi + lo) * scale, hi the e4m3fn per-token-head codes of the row (section 3), lo the
+    e4m3fn rounding of y - hi with y = x * inv of section 3's step 5."""
+    mode = _mode("fp8_per_token_head")
+    x = widen_to_float32(x)
+    out = np.empty(x.shape, np.float64)
+    for n in range(x.shape[0]):
+        codes, scale = quantize_row(x[n], mode, "nearest")
+        with np.errstate(all="ignore"):
+            y = x[n] * np.float32(_ONE / scale)
+            hi = _code_values(codes, mode)
+            residual = y - hi  # exact in float32: a float minus its own rounding
+        lo = _code_values(_encode_y(residual, mode, "nearest"), mode)
+        out[n] = (hi.astype(np.float64) + lo.astype(np.float64)) * np.float64(scale)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # the paged cache
 
@@ -464,6 +498,7 @@ def attention_f64(
     softcap=None,
     sinks=None,
     return_lse=False,
+    fp8_probabilities=None,
 ):
     """Paged causal attention over decoded caches, in float64: [T, Hq, D].
 
@@ -471,6 +506,9 @@ def attention_f64(
     decoded caches (e.g. decode_cache's output). return_lse=True returns (out, lse) with lse
     float64 [T, Hq]: log(sum_k exp(l_k) + exp(sink_h)) over the row's attended logits
     (SPEC.md section 8.2), computed as m + log(denominator) with the m of the softmax.
+    fp8_probabilities=(tile, v_scales [NB, BS, Hkv]): the weights rounded to e4m3 per tile of
+    `tile` key positions as fp8_dots defines it (SPEC.md 8.3), for an implementation whose tile
+    is that one.
     """
     query = np.asarray(query)
     q = query.astype(np.float64) if query.dtype == np.float64 else widen_to_float32(query).astype(np.float64)
@@ -494,6 +532,9 @@ def attention_f64(
         blocks = [int(block_tables[s, i // BS]) for i in range(seq_len)]
         keys = np.array([k_deq[blocks[i], i % BS] for i in range(seq_len)]).reshape(seq_len, Hkv, D)
         vals = np.array([v_deq[blocks[i], i % BS] for i in range(seq_len)]).reshape(seq_len, Hkv, D)
+        if fp8_probabilities is not None:
+            tile, v_scales = fp8_probabilities
+            vsc = np.array([v_scales[blocks[i], i % BS] for i in range(seq_len)], np.float64).reshape(seq_len, Hkv)
         for j in range(q_len):
             t = qsl[s] + j
             p = seq_len - q_len + j
@@ -510,6 +551,8 @@ def attention_f64(
                 denominator = weights.sum()
                 if sinks is not None:
                     denominator += math.exp(float(sinks[h]) - m)
+                if fp8_probabilities is not None:
+                    weights = _fp8_weights(weights, vsc[lo : p + 1, kvh], np.arange(lo, p + 1) // tile)
                 out[t, h] = (weights @ vals[lo : p + 1, kvh]) / denominator
                 with np.errstate(all="ignore"):
                     lse[t, h] = m + np.log(denominator)

@@ -7,6 +7,7 @@ under this suite with no test edits. `kvzoo check` runs the same matrix outside 
 import pytest
 
 from kvzoo import registry
+from kvzoo.backends.triton import platform as triton_platform
 from kvzoo.capabilities import Capabilities
 from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.conformance.cases import attention_cases, dequant_cases, write_cases
@@ -82,16 +83,14 @@ def test_a_backend_declaring_nothing_it_can_run_fails_the_every_impl_check():
 
 # Cases the built-in backends leave out by declaration, and why; any other declared skip of an
 # available implementation (or one of these disappearing) fails here.
+_D512 = ("head_size 512 is over its largest", lambda case_id: "-D512-" in case_id)
+_FP8_DOTS = ("does not take fp8_dots", lambda case_id: "fp8dots" in case_id)
 EXPECTED_DECLINES = {
-    ("numba", "paged_attention"): ("does not take quantize_query", lambda case_id: "qint8" in case_id),
-    # int4 takes head sizes up to 512; the Triton attention tiles up to 256.
-    **{
-        (f"triton-{platform}", "paged_attention"): (
-            "head_size 512 is over its largest",
-            lambda case_id: "-D512-" in case_id,
-        )
-        for platform in ("cuda", "rocm")
-    },
+    ("numba", "paged_attention"): [("does not take quantize_query", lambda case_id: "qint8" in case_id), _FP8_DOTS],
+    # int4 takes head sizes up to 512; the Triton attention tiles up to 256. fp8_dots is not
+    # trusted to compiled CUDA kernels yet, nor to ROCm (attention_ops._untried_options).
+    ("triton-cuda", "paged_attention"): [_D512] + ([] if triton_platform.interpreted() else [_FP8_DOTS]),
+    ("triton-rocm", "paged_attention"): [_D512, _FP8_DOTS],
 }
 
 
@@ -100,13 +99,14 @@ def test_declared_skips_are_exactly_the_expected_ones(impl_name, op):
     impl = registry.default().get(op, impl_name)
     if impl.unavailable():
         pytest.skip("; ".join(impl.unavailable()))
-    reason, expected = EXPECTED_DECLINES.get((impl_name, op), ("", lambda case_id: False))
+    declines = EXPECTED_DECLINES.get((impl_name, op), [])
     cases = {"reshape_and_cache": write_cases, "dequantize": dequant_cases, "paged_attention": attention_cases}[op]()
     for case in cases:
         why = declared_reasons(impl, case.mode, case.requirements())
         if case.mode not in impl.modes:
             continue  # a mode the platform has no format for (formats test covers the table)
-        if expected(case.id):
-            assert why and reason in why[0], (case.id, why)
+        reasons = [reason for reason, expected in declines if expected(case.id)]
+        if reasons:
+            assert why and all(any(r in w for w in why) for r in reasons), (case.id, why)
         else:
             assert not why, (case.id, why)

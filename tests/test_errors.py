@@ -168,6 +168,11 @@ ATTENTION_ERRORS = {
         lambda a, k: k.update(mode="fp8_per_token_head", quantize_query=True),
         ["quantize_query", "int8", "fp8_per_token_head"],
     ),
+    "fp8_dots on int8": (lambda a, k: k.update(fp8_dots=True), ["fp8_dots", "e4m3fn", "int8_per_token_head"]),
+    "fp8_dots with quantize_query": (
+        lambda a, k: k.update(fp8_dots=True, quantize_query=True),
+        ["fp8_dots", "quantize_query"],
+    ),
 }
 
 

@@ -455,6 +455,11 @@ PLAN_ERRORS = {
         lambda a: a.update(quantize_query=True, spec=spec_for("fp8_per_token_head", "separate")),
         "quantize_query",
     ),
+    "fp8_dots on int8": (lambda a: a.update(fp8_dots=True), "fp8_dots"),
+    "fp8_dots with quantize_query": (
+        lambda a: a.update(fp8_dots=True, quantize_query=True, spec=spec_for("fp8_per_token_head", "separate")),
+        "fp8_dots",
+    ),
     "requires_grad": (lambda a: a.update(sinks=torch.zeros(HQ, requires_grad=True)), "sinks"),
     "unknown impl": (lambda a: a.update(impl="nope"), "impl"),
     "impl mapping of another op": (lambda a: a.update(impl={"dequantize": "numpy"}), "impl"),

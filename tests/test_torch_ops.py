@@ -268,6 +268,7 @@ def test_opcheck_paged_attention(mode):
         step.max_seq_len,
         False,
         False,
+        mode == "fp8_per_token_head",  # fp8_dots: its op path checked where its mode is
     )
     _opcheck(torch.ops.kvzoo.paged_attention.default, (*args, None), grad_arg=1)
     # With lse, the optional mutated argument (before the defaulted ones).
@@ -335,6 +336,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
                 3,
                 False,
                 False,
+                False,
                 None,
             )
         attend = (
@@ -355,6 +357,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
             None,
             3,
             3,
+            False,
             False,
             False,
         )
@@ -517,6 +520,8 @@ def _check_matches_api(mode: str, layout: str, device: str) -> None:
     ]
     if mode == "int8_per_token_head":
         variants.append(dict(quantize_query=True))
+    if mode == "fp8_per_token_head":
+        variants.append(dict(fp8_dots=True))
     for options in variants:
         query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), device)
         api_kwargs = dict(

@@ -173,6 +173,7 @@ class AttentionCase:
     # A NaN/Inf-poisoned key in sequence 0 (a decode in "decode" and "mixed" batches).
     poison: bool = False
     quantize_query: bool = False  # SPEC.md section 8.1 (int8 caches)
+    fp8_dots: bool = False  # SPEC.md section 8.3 (fp8 e4m3fn caches)
 
     @property
     def id(self) -> str:
@@ -197,6 +198,8 @@ class AttentionCase:
             parts.append("poison")
         if self.quantize_query:
             parts.append("qint8")
+        if self.fp8_dots:
+            parts.append("fp8dots")
         return "-".join(parts)
 
     def requirements(self) -> Requirements:
@@ -208,6 +211,7 @@ class AttentionCase:
                 ("sinks", self.sinks),
                 ("inline_layout", self.layout == "inline"),
                 ("quantize_query", self.quantize_query),
+                ("fp8_dots", self.fp8_dots),
             )
             if on
         }
@@ -269,23 +273,29 @@ def attention_cases() -> list[AttentionCase]:
             cases.append(AttentionCase(mode, "decode", num_q_heads=4, head_size=rule.highest, query_dtype="float32"))
             cases.append(AttentionCase(mode, "prefill", num_q_heads=2, head_size=rule.lowest, block_size=4))
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
-    for batch in ("decode", "prefill", "mixed"):
-        cases.append(AttentionCase("int8_per_token_head", batch, quantize_query=True))
-    cases.append(
-        AttentionCase(
-            "int8_per_token_head",
-            "mixed",
-            num_q_heads=16,
-            num_kv_heads=2,
-            head_size=96,
-            query_dtype="float32",
-            sliding_window=19,
-            softcap=30.0,
-            sinks=True,
-            quantize_query=True,
+    # The options that change what the dots take (SPEC.md 8.1, 8.3), each on its format's caches.
+    for mode, option, batches in (
+        ("int8_per_token_head", "quantize_query", ("decode", "prefill", "mixed")),
+        ("fp8_per_token_head", "fp8_dots", ("decode", "prefill", "mixed", "long")),
+    ):
+        on = {option: True}
+        cases += [AttentionCase(mode, batch, **on) for batch in batches]
+        cases.append(
+            AttentionCase(
+                mode,
+                "mixed",
+                num_q_heads=16,
+                num_kv_heads=2,
+                head_size=96,
+                query_dtype="float32",
+                sliding_window=19,
+                softcap=30.0,
+                sinks=True,
+                **on,
+            )
         )
-    )
-    cases.append(AttentionCase("int8_per_token_head", "decode", poison=True, quantize_query=True))
+        cases.append(AttentionCase(mode, "decode", poison=True, **on))
+    cases.append(AttentionCase("fp8_per_token_head", "mixed", head_size=128, layout="inline", fp8_dots=True))
     cases.append(AttentionCase("fp8_per_token_head", "prefill", head_size=67, block_size=1))
     cases.append(AttentionCase("none", "decode", head_size=67, sinks=True, query_dtype="float16"))
     return cases

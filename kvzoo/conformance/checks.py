@@ -249,10 +249,26 @@ def check_paged_attention(impl, case: AttentionCase):
         softcap=case.softcap,
         out=out,
         quantize_query=case.quantize_query,
+        fp8_dots=case.fp8_dots,
         impl=impl,
     )
-    ref = s.reference(quantize_query=case.quantize_query, sliding_window=case.sliding_window, softcap=case.softcap)
-    samples.assert_attention_close(impl, host_float32(out), ref, s.qsl, case.query_dtype)
+    ref = s.reference(
+        quantize_query=case.quantize_query,
+        fp8_dots=case.fp8_dots,
+        sliding_window=case.sliding_window,
+        softcap=case.softcap,
+    )
+    got = host_float32(out)
+    samples.assert_attention_close(impl, got, ref, s.qsl, case.query_dtype, fp8_dots=case.fp8_dots)
+    if case.fp8_dots and impl.probability_tile is not None:
+        # The probabilities' rounding at the implementation's own tile: attention_rtol again.
+        ref = s.reference(
+            fp8_dots=True,
+            probability_tile=impl.probability_tile,
+            sliding_window=case.sliding_window,
+            softcap=case.softcap,
+        )
+        samples.assert_attention_close(impl, got, ref, s.qsl, case.query_dtype, " (its probability tile)")
 
 
 # ---------------------------------------------------------------------------------------------

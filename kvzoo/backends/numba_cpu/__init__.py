@@ -396,7 +396,10 @@ def register(registry: Any) -> None:
             problem_reasons=attention_reasons,
             attention_rtol=ATTENTION_RTOL,
             notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",
-            # quantize_query is not implemented here: impl "numpy" runs it on the CPU.
-            **{**common, "capabilities": Capabilities(ALL_OPTIONS - {"quantize_query"}, formats=FORMAT_KINDS)},
+            # quantize_query and fp8_dots are not implemented here: impl "numpy" runs them on the CPU.
+            **{
+                **common,
+                "capabilities": Capabilities(ALL_OPTIONS - {"quantize_query", "fp8_dots"}, formats=FORMAT_KINDS),
+            },
         )
     )

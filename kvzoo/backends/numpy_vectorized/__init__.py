@@ -68,8 +68,9 @@ def _paged_attention(p: Attention) -> None:
         sliding_window=p.sliding_window,
         softcap=p.softcap,
         sinks=p.sinks,
-        query_codec=codec(p.mode) if p.quantize_query else None,
+        query_codec=codec(p.mode) if p.quantize_query or p.fp8_dots else None,
         lse=p.lse,
+        probability_tile=vectorized.PROBABILITY_TILE if p.fp8_dots else None,
     )
 
 
@@ -94,6 +95,7 @@ def register(registry: Registry) -> None:
                 devices=frozenset({"cpu"}),
                 priority=PRIORITY,
                 attention_rtol=1e-5,
+                probability_tile=vectorized.PROBABILITY_TILE,
                 capabilities=Capabilities(
                     ALL_OPTIONS, formats={f: enc.__name__ for f, enc in vectorized.ENCODERS.items()}
                 ),

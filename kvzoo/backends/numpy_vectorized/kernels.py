@@ -18,6 +18,9 @@ from ...modes import rht_signs
 _CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
 # Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
 _QUERY_CHUNK = 128
+# Key positions per tile of fp8_dots' probability scales (SPEC.md 8.3 leaves the tile to each
+# implementation, 16 to 256 keys): Triton's prefill tiles hold 64 or 128.
+PROBABILITY_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,44 @@ def _logit_operands(q, k_scales, sm_scale, codec):
     return q * sm_scale, undo * k_scales
 
 
+# SPEC.md 8.3: a tile's weights are divided by their largest, then multiplied by this power of
+# two (exact) before the e4m3 rounding, so the largest is the code 256 and none saturates.
+E4M3_WEIGHT_UNIT = np.float32(256.0)
+# The floor of a tile's largest weight (SPEC.md 8.3).
+E4M3_WEIGHT_FLOOR = np.float32(2.0**-100)
+
+
+_E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def fp8_query_terms(q: np.ndarray, codec: Codec) -> np.ndarray:
+    """Query rows [..., D] (float32) as fp8_dots attends with them (SPEC.md section 8.3):
+    (hi + lo) * scale, hi the codes of the row under `codec` (the e4m3fn per-token-head rule,
+    section 3), lo the e4m3 rounding of y - hi, y = q * inv of section 3."""
+    codes, scale = quantize_rows(q, codec)
+    one = np.float32(1.0)
+    with np.errstate(all="ignore"):
+        y = q * (one / scale)[..., None]
+        hi = decode(codes, one, codec)
+        lo = decode(encode(y - hi, codec), one, codec)
+        return (hi + lo) * scale[..., None]
+
+
+def e4m3_weights(weights: np.ndarray, tile: int) -> np.ndarray:
+    """weights [..., L] (p_k times the key's V scale, hidden keys 0) as the fp8 P . V operand
+    decodes them: per row and tile of `tile` positions, w = max(largest, 2^-100), and
+    each weight becomes e4m3(weight / w * 256) * (w / 256)."""
+    length = weights.shape[-1]
+    tiles = -(-length // tile)
+    padded = np.zeros(weights.shape[:-1] + (tiles * tile,), np.float32)
+    padded[..., :length] = weights
+    padded = padded.reshape(weights.shape[:-1] + (tiles, tile))
+    w = np.maximum(padded.max(axis=-1, keepdims=True), E4M3_WEIGHT_FLOOR)
+    codes = (padded * (np.float32(1.0) / w) * E4M3_WEIGHT_UNIT).astype(_E4M3)
+    deq = codes.astype(np.float32) * (w / E4M3_WEIGHT_UNIT)
+    return deq.reshape(weights.shape[:-1] + (tiles * tile,))[..., :length]
+
+
 def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     """Codes [L, H, D] as float32, per-key scales [L, H] (ones when not per-token-head) and
     per-key zero points [L, H] (None for formats without them)."""
@@ -312,12 +353,15 @@ def paged_attention(
     sinks=None,
     query_codec: Codec | None = None,
     lse=None,
+    probability_tile: int | None = None,
 ) -> None:
     """fp32 attention with dot products on the codes and scales applied per key.
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
-    rows instead (the quantize_query option). lse: float32 [T, Hq] to receive each row's
-    log-sum-exp (row max + log of the softmax denominator, the sink's term included).
+    rows instead (the quantize_query option). lse: float32 [T, Hq] to receive
+    each row's log-sum-exp (row max + log of the softmax denominator, the sink's term
+    included). probability_tile: the fp8_dots option (SPEC.md section 8.3): the query rows as
+    two e4m3 terms, each row's weights rounded to e4m3 per tile of that many key positions.
     """
     num_q_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -342,7 +386,9 @@ def paged_attention(
         for c0 in range(q_start, q_end, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, q_end)
             q = _widen(query[c0:c1])
-            if query_codec is not None:
+            if probability_tile is not None:
+                q = fp8_query_terms(q, query_codec)
+            elif query_codec is not None:
                 q = decode(*quantize_rows(q, query_codec), query_codec)
             q = q.reshape(c1 - c0, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
             q = q.reshape(num_kv_heads, (c1 - c0) * group, -1)
@@ -369,6 +415,8 @@ def paged_attention(
                 if sink is not None:
                     denom = denom + np.exp(row_sink - row_max)
                 weights = probs * v_scales
+                if probability_tile is not None:
+                    weights = e4m3_weights(weights, probability_tile)
                 acc = np.matmul(weights, v_codes)
                 if v_zero is not None:
                     acc = acc - (weights * v_zero).sum(axis=-1, keepdims=True)

@@ -78,6 +78,7 @@ from .attention_tables import (
 )
 from .attention_tiles import (
     attend,
+    fp8_query_terms,
     logit_scale,
     paged_tile,
     query_block,
@@ -95,10 +96,11 @@ from .scratch import Need, Scratch, bytes_needed
 _DEFAULT_OPTIONS = TritonAttentionOptions()
 
 # Smallest K of a tensor-core dot on NVIDIA GPUs (Triton's min_dot_size): 16 for 16-bit
-# operands, 32 for int8 (quantize_query's q . codes; Triton refuses to compile a smaller one).
+# operands, 32 for 8-bit ones (quantize_query's int8 q . codes, fp8_dots' e4m3 dots; Triton
+# refuses to compile a smaller one).
 # The head dimension is padded up to it with masked loads of zeros, which add nothing.
 _MIN_DOT_K = 16
-_MIN_DOT_K_INT8 = 32
+_MIN_DOT_K_8BIT = 32
 
 
 # ----------------------------------------------------------------------------------------
@@ -180,10 +182,13 @@ def _attention_kernel(
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
     SHIFTED_ROWS: tl.constexpr,
+    FP8_DOTS: tl.constexpr,
+    FP8_CODE: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
     merge) and direct prefill. SHIFTED_ROWS: decode reads rows through their aligned windows
-    (attention_tiles.shifted_tile; kernel_call says when)."""
+    (attention_tiles.shifted_tile; kernel_call says when). FP8_DOTS: both dots on e4m3
+    operands (fp8_dots, SPEC.md 8.3), e4m3 codes encoded with FP8_CODE."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PER_SEQ:
@@ -239,8 +244,12 @@ def _attention_kernel(
             tl.int8
         )
         row_scale = q_scale
+    elif FP8_DOTS:
+        q, q_lo, row_scale = fp8_query_terms(q, FP8_CODE, SCALE_FLOOR)
     else:
         q = q.to(DOT_DTYPE)
+    if not FP8_DOTS:
+        q_lo = q  # not read
     row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
     if offset_codes(CODE_CONVERT):
         # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
@@ -378,6 +387,7 @@ def _attention_kernel(
         paged_tile,
         (
             q,
+            q_lo,
             row_scale,
             q_offset,
             pos,
@@ -417,6 +427,8 @@ def _attention_kernel(
             QK_INT8,
             SAME_KV_STRIDES,
             ROW_ALIGN,
+            FP8_DOTS,
+            FP8_CODE,
         ),
         BLOCK_Q,
         BLOCK_M,
@@ -841,6 +853,8 @@ def direct_prefill_config(p: Attention) -> AttentionConfig:
     """Tiles over the cache itself (codes converted in every query tile)."""
     if p.quantize_query:
         k_operand = KOperand.INT8_CODES
+    elif p.fp8_dots:
+        k_operand = KOperand.FP8_CODES
     else:
         k_operand = KOperand.AS_STORED if p.mode.code_dtype is None else KOperand.CONVERTED
     tile = PREFILL_TILES[_size_class(p.head_size), k_operand]
@@ -889,6 +903,13 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig) -> _Operands:
         if same:
             return _Operands(k, v, None, _TORCH_TO_TL[k.dtype], "tf32", CONVERT_CAST, False)
         return _Operands(k, v, None, tl.float32, "ieee", CONVERT_CAST, False)
+    if p.fp8_dots:
+        # The codes are the dot operands; q is quantized in-kernel. Compiled kernels load them as
+        # e4m3 so that K's pipelined copy feeds the tensor cores as it lands (a reinterpreting
+        # cast after the load cost a pass through registers); the interpreter takes the bytes
+        # and reinterprets them (attention_tiles.as_e4m3).
+        dtype = torch.uint8 if interpreted else torch.float8_e4m3fn
+        return _Operands(k.view(dtype), v.view(dtype), None, tl.float8e4nv, "ieee", CONVERT_CAST, False)
     table = None
     convert = CONVERT_CAST
     code = code_of(p.mode)
@@ -1012,7 +1033,7 @@ def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionC
     multiple of 16 (at head size 128: 4 or 8 KV heads);
     where slots are not (fewer KV heads), each key's row has a shift of its own and the
     4-byte loads stay."""
-    if not (per_seq and p.mode.per_token_head and not p.quantize_query and not cfg.scale_in_codes):
+    if not (per_seq and p.mode.per_token_head and not (p.quantize_query or p.fp8_dots) and not cfg.scale_in_codes):
         return False
     if k.element_size() != 1 or p.head_size != _pow2(p.head_size) or p.head_size < _MIN_DOT_K:
         return False
@@ -1042,7 +1063,7 @@ def call_arrays(p: Attention, launches: list, staged_cfg: StagedConfig | None, w
 
 
 def _block_d(p: Attention) -> int:
-    return max(_MIN_DOT_K_INT8 if p.quantize_query else _MIN_DOT_K, _pow2(p.head_size))
+    return max(_MIN_DOT_K_8BIT if p.quantize_query or p.fp8_dots else _MIN_DOT_K, _pow2(p.head_size))
 
 
 def kernel_call(
@@ -1170,6 +1191,8 @@ def kernel_call(
         # The split path's rows are written by the merge: the split programs store partials only.
         HAS_LSE=p.lse is not None and not split,
         SHIFTED_ROWS=shifted_rows(p, ops.k, ops.v, cfg, per_seq=per_seq),
+        FP8_DOTS=p.fp8_dots,
+        FP8_CODE=_encode.encoder_code(CODE_E4M3FN, p.query),
     )
     slots, merge_slots = _slots(split, p.mode.per_token_head, p.mode.per_tensor, p.sinks is not None, p.lse is not None)
     return KernelCall(
@@ -1285,7 +1308,7 @@ def _launches(
     if isinstance(cfg, StagedConfig) and not _staging.stageable(p):
         raise ValueError(
             f"stage_kv: this problem cannot be staged (mode {p.mode.name}, "
-            f"quantize_query={p.quantize_query}, batch_invariant={p.batch_invariant})"
+            f"quantize_query={p.quantize_query}, fp8_dots={p.fp8_dots}, batch_invariant={p.batch_invariant})"
         )
     if p.batch_invariant:
         # 1-token sequences: fixed decode tiles and fixed split points; the rest: fixed

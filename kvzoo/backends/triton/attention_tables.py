@@ -33,6 +33,7 @@ class KOperand(enum.Enum):
     AS_STORED = "16-bit rows as stored"  # mode none's cache, and staged prefill's fp16 workspace
     CONVERTED = "codes converted to fp16"
     INT8_CODES = "int8 codes as loaded"  # quantize_query: q's int8 codes meet them in an int8 dot
+    FP8_CODES = "e4m3 codes as loaded"  # fp8_dots: q's and P's e4m3 codes meet them in fp8 dots
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ PREFILL_TILES: dict[tuple[int, KOperand], PrefillTile] = {
     (64, KOperand.INT8_CODES): PrefillTile(64, 128, 4, 3, NOT_TIMED),
     (128, KOperand.INT8_CODES): PrefillTile(64, 128, 4, 3, _INT8_DOT_PREFILL),
     (256, KOperand.INT8_CODES): PrefillTile(64, 32, 8, 2, NOT_TIMED),
+    (64, KOperand.FP8_CODES): PrefillTile(128, 128, 8, 3, NOT_TIMED),
+    (128, KOperand.FP8_CODES): PrefillTile(128, 128, 8, 3, NOT_TIMED),
+    (256, KOperand.FP8_CODES): PrefillTile(64, 64, 8, 2, NOT_TIMED),
 }
 
 # Staged prefill runs the AS_STORED tile on its workspace, its query blocks longest first: under

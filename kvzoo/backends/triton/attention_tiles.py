@@ -23,6 +23,12 @@ from .attention_constants import (
     CONVERT_I8_OFFSET,
     CONVERT_I8_OFFSET_CAST,
     CONVERT_TABLE,
+    FP8_CACHE_CODE,
+    FP8_CVT_CODE,
+    FP8_NAN_CODE,
+    FP8_QMAX,
+    FP8_WEIGHT_FLOOR,
+    FP8_WEIGHT_UNIT,
     I8_OFFSET,
     LN2,
     LOG2E,
@@ -308,6 +314,53 @@ def key_weights(p, vs, visible, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def as_e4m3(codes):
+    """e4m3 codes as loaded (uint8 bytes, or already e4m3) as the fp8 dot operand they are."""
+    if codes.dtype == tl.float8e4nv:
+        return codes
+    return codes.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def e4m3_of(y, FP8_CODE: tl.constexpr):
+    """The e4m3fn operand of fp32 y within +-448 (encode.encode_row_codes' rounding): the
+    hardware convert straight to the operand where FP8_CODE is CODE_E4M3FN_CVT (it keeps NaN,
+    and saturates nothing here), else the integer rounding's code bytes reinterpreted."""
+    if FP8_CODE == FP8_CVT_CODE:
+        return y.to(tl.float8e4nv)
+    return as_e4m3(_encode.encode_row_codes(y, FP8_CODE, FP8_NAN_CODE, False).to(tl.uint8))
+
+
+@triton.jit
+def fp8_query_terms(q, FP8_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """(hi, lo, scale) of query rows q [rows, D] (fp32) for fp8_dots (SPEC.md 8.3): hi the e4m3
+    codes of the e4m3fn cache format's row rule, lo the e4m3 rounding of y - hi (y = q * inv;
+    the residual is exact in fp32), so hi + lo carries about 7 bits of each large element."""
+    scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), FP8_QMAX, SCALE_FLOOR)
+    y = q * _encode.reciprocal(scale)[:, None]
+    hi = e4m3_of(y, FP8_CODE)
+    # The max (a no-op on every lane but NaN's, whose hi is NaN anyway) stands between q * inv
+    # and the subtraction, so they cannot contract into an FMA, which would skip y's rounding.
+    kept = tl.maximum(y, -3.4028234663852886e38)
+    hi_value = _encode.decode_codes(hi.to(tl.uint8, bitcast=True), FP8_CACHE_CODE)
+    lo = e4m3_of(kept - hi_value, FP8_CODE)
+    return hi, lo, scale
+
+
+@triton.jit
+def fp8_weights(p, vs, visible, FP8_CODE: tl.constexpr, MASKED: tl.constexpr):
+    """(codes, unit): the tile's weights p times each key's V scale as fp8_dots' e4m3 P operand
+    (SPEC.md 8.3): per row divided by their largest, w (floored at FP8_WEIGHT_FLOOR, so the
+    factor stays finite where a row sees no key of the tile), times FP8_WEIGHT_UNIT, rounded to
+    e4m3; `unit` = w / FP8_WEIGHT_UNIT undoes it."""
+    pv = p * vs[None, :]
+    if MASKED:
+        pv = tl.where(visible, pv, 0.0)
+    w = tl.maximum(tl.max(pv, axis=1), FP8_WEIGHT_FLOOR)
+    return e4m3_of(pv * ((1.0 / w) * FP8_WEIGHT_UNIT)[:, None], FP8_CODE), w * (1.0 / FP8_WEIGHT_UNIT)
+
+
+@triton.jit
 def pv_row_scales(p, v, acc, alpha, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, CODE_CONVERT: tl.constexpr):
     # Mode none and static scales (the static V scale multiplies acc once, at the end).
     p16 = p.to(DOT_DTYPE)
@@ -335,6 +388,7 @@ def paged_tile(
     v_unit,
     MASKED: tl.constexpr,
     q,
+    q_lo,
     row_scale,
     q_offset,
     pos,
@@ -374,12 +428,16 @@ def paged_tile(
     QK_INT8: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    FP8_DOTS: tl.constexpr,
+    FP8_CODE: tl.constexpr,
 ):
     """One key tile on the paged cache, its keys gathered through the sequence's block-table row
     (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
 
     SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (prefill; decode scales
-    logits and probabilities). QK_INT8: q holds int8 codes (quantize_query)."""
+    logits and probabilities). QK_INT8: q holds int8 codes (quantize_query). FP8_DOTS: q and
+    q_lo hold the query's two e4m3 terms (fp8_query_terms), and every dot takes fp8 operands,
+    the K and V codes as loaded (fp8_dots; P's codes encoded with FP8_CODE)."""
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
@@ -387,8 +445,8 @@ def paged_tile(
     in_page = keys % PAGE
     k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, ROW_ALIGN)
     kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    if QK_INT8:
-        tl.static_assert(SCALE_MODE == SCALE_TOKEN_HEAD, "quantize_query takes per-token-head scales")
+    if QK_INT8 or FP8_DOTS:
+        tl.static_assert(SCALE_MODE == SCALE_TOKEN_HEAD, "quantize_query and fp8_dots take per-token-head scales")
     if SCALE_MODE == SCALE_TOKEN_HEAD:
         ks = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
         if QK_INT8:
@@ -399,6 +457,14 @@ def paged_tile(
             # Inf there). Written here, not as a helper of its own: that compiled the quantize_query
             # prefill's loop to other SASS (the same instructions, scheduled otherwise).
             s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
+        elif FP8_DOTS:
+            # The query's two e4m3 terms (fp8_query_terms); e4m3 products are exact in fp32, and
+            # the size argument is QK_INT8's.
+            k8 = tl.trans(as_e4m3(kc))
+            # Two dots added, not one accumulating into the other: that form compiled to wrong
+            # numbers on sm_90a's wgmma (Triton 3.6, H200; right under mma.sync and the
+            # interpreter; bench/archive/RESULTS-history.md, fourteenth session).
+            s = (tl.dot(q, k8) + tl.dot(q_lo, k8)) * ks[None, :] * row_scale[:, None]
         elif SCALE_IN_CODES:
             s = logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION)
         else:
@@ -422,18 +488,23 @@ def paged_tile(
     else:
         v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, ROW_ALIGN)
         vc = load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
-    v = codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
     if SCALE_MODE == SCALE_TOKEN_HEAD:
         if SAME_KV_STRIDES:
             vs = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
         else:
             vs = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
-        if SCALE_IN_CODES:
-            acc = pv_folded_scales(p, v, vs, acc, alpha, DOT_DTYPE, DOT_PRECISION)
-        else:
-            acc = pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, MASKED)
+    if FP8_DOTS:
+        p8, unit = fp8_weights(p, vs, visible, FP8_CODE, MASKED)
+        acc = acc * alpha[:, None] + tl.dot(p8, as_e4m3(vc)) * unit[:, None]
     else:
-        acc = pv_row_scales(p, v, acc, alpha, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT)
+        v = codes_to_dot(vc, table_ptr, DOT_DTYPE, CODE_CONVERT, False)
+        if SCALE_MODE == SCALE_TOKEN_HEAD:
+            if SCALE_IN_CODES:
+                acc = pv_folded_scales(p, v, vs, acc, alpha, DOT_DTYPE, DOT_PRECISION)
+            else:
+                acc = pv_key_scales(p, v, vs, acc, alpha, visible, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT, MASKED)
+        else:
+            acc = pv_row_scales(p, v, acc, alpha, DOT_DTYPE, DOT_PRECISION, CODE_CONVERT)
     return m_i, l_i, acc, v_unit
 
 

@@ -20,6 +20,8 @@ kernel's fp-fusion setting (tests/test_triton_write.py reads the PTX with fusion
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,21 @@ def bits_float(b):
 def widen_bf16_bits(raw16):
     """bf16 bit patterns (int16) -> the exact fp32 values; bf16 is the top half of an fp32."""
     return bits_float(raw16.to(tl.int32) << 16)
+
+
+@functools.cache
+def _has_e4m3_cvt(device_index: int) -> bool:
+    # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once; earlier GPUs are not trusted with it
+    # (docs/hardware.md: the sm_89 claim is unsourced).
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def encoder_code(code: int, t: torch.Tensor) -> int:
+    """The CODE a kernel on t's device encodes `code` with: the hardware e4m3 convert where it is
+    exact."""
+    if code == CODE_E4M3FN and t.is_cuda and not _platform.interpreted() and _has_e4m3_cvt(t.device.index or 0):
+        return CODE_E4M3FN_CVT
+    return code
 
 
 def bf16_as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,6 @@ Launches pass enable_fp_fusion=False: the encode helpers are contraction-proof b
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -25,13 +23,12 @@ from . import int4_write
 from .alignment import row_align
 from .encode import (
     CODE_COPY,
-    CODE_E4M3FN,
-    CODE_E4M3FN_CVT,
     CODE_INT8,
     bits_float,
     decode_codes,
     encode_codes,
     encode_row_codes,
+    encoder_code,
     float_bits,
     reciprocal,
     row_absmax_bits,
@@ -40,7 +37,6 @@ from .encode import (
 )
 from .formats import code_of, packed_rows
 from .launch import BoundLaunch, launch_nothing
-from .platform import interpreted
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
 _TILE_ELEMENTS = 2048
@@ -376,20 +372,6 @@ def _write_warps(elements: int, code: int, num_tokens: int, row_align: int = 16)
     return _num_warps(elements if code == CODE_COPY else elements // 2)
 
 
-@functools.cache
-def _has_e4m3_cvt(device_index: int) -> bool:
-    # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once; earlier GPUs are not trusted with it
-    # (docs/hardware.md: the sm_89 claim is unsourced).
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def _encoder_code(code: int, t: torch.Tensor) -> int:
-    """The CODE the write kernel encodes with: the hardware e4m3 convert where it is exact."""
-    if code == CODE_E4M3FN and t.is_cuda and not interpreted() and _has_e4m3_cvt(t.device.index or 0):
-        return CODE_E4M3FN_CVT
-    return code
-
-
 def _write_call(p, scale_floor: float):
     """(grid, args, kwargs, slots) of the write kernel's launch for `p`; slots: the positions
     of args each of CacheWrite.operand_names() fills."""
@@ -435,7 +417,7 @@ def _write_call(p, scale_floor: float):
         *_strides(v_sc, 3),
     )
     kwargs = dict(
-        CODE=_encoder_code(code, p.key),
+        CODE=encoder_code(code, p.key),
         PER_TENSOR=mode.per_tensor,
         IN_KIND=_in_kind(p.key),
         QMAX=float(mode.qmax),
