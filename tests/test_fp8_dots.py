@@ -21,7 +21,7 @@ from kvzoo import registry, samples
 from kvzoo.backends.numpy_vectorized import codec
 from kvzoo.backends.numpy_vectorized import kernels as np_kernels
 from kvzoo.conformance.checks import declared_reasons
-from kvzoo.conformance.inputs import host_float32
+from kvzoo.conformance.inputs import device_for, host_float32
 from kvzoo.modes import get_kv_quant_mode
 from kvzoo.registry import NoImplementationError
 from kvzoo_spec import oracle
@@ -76,7 +76,7 @@ def test_the_two_term_query_keeps_about_seven_bits():
     assert err_one.max() > 16 * err_two.max()
 
 
-def _sample(rng, batch: str, query_dtype: str = "float32"):
+def _sample(rng, batch: str, query_dtype: str = "float32", device: str = "cpu"):
     return samples.paged_sample(
         rng,
         MODE,
@@ -86,7 +86,7 @@ def _sample(rng, batch: str, query_dtype: str = "float32"):
         num_kv_heads=2,
         head_size=64,
         query_dtype=query_dtype,
-        device="cpu",
+        device=device,
         static_scales="wide",
     )
 
@@ -107,7 +107,7 @@ def _seq_errors(got, ref, qsl):
 @pytest.mark.parametrize("batch", ["prefill", "mixed"])
 def test_fp8_dots_rounds_the_probabilities_and_stays_close(impl_name, batch):
     impl = _takes_fp8_dots(impl_name)
-    s = _sample(rng_for("fp8-dots", impl_name, batch), batch)
+    s = _sample(rng_for("fp8-dots", impl_name, batch), batch, device=device_for(impl))
     why = declared_reasons(impl, MODE, kvzoo.capabilities.Requirements(64, "float32", frozenset({"fp8_dots"})))
     if why:
         with pytest.raises(NoImplementationError, match="fp8_dots"):
