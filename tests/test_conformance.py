@@ -7,7 +7,6 @@ under this suite with no test edits. `kvzoo check` runs the same matrix outside 
 import pytest
 
 from kvzoo import registry
-from kvzoo.backends.triton import platform as triton_platform
 from kvzoo.capabilities import Capabilities
 from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.conformance.cases import attention_cases, dequant_cases, write_cases
@@ -88,8 +87,8 @@ _FP8_DOTS = ("does not take fp8_dots", lambda case_id: "fp8dots" in case_id)
 EXPECTED_DECLINES = {
     ("numba", "paged_attention"): [("does not take quantize_query", lambda case_id: "qint8" in case_id), _FP8_DOTS],
     # int4 takes head sizes up to 512; the Triton attention tiles up to 256. fp8_dots is not
-    # trusted to compiled CUDA kernels yet, nor to ROCm (attention_ops._untried_options).
-    ("triton-cuda", "paged_attention"): [_D512] + ([] if triton_platform.interpreted() else [_FP8_DOTS]),
+    # trusted to ROCm yet (attention_ops._untried_options).
+    ("triton-cuda", "paged_attention"): [_D512],
     ("triton-rocm", "paged_attention"): [_D512, _FP8_DOTS],
 }
 

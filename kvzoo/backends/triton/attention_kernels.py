@@ -245,7 +245,8 @@ def _attention_kernel(
         )
         row_scale = q_scale
     elif FP8_DOTS:
-        q, q_lo, row_scale = fp8_query_terms(q, FP8_CODE, SCALE_FLOOR)
+        q_hi, q_lo, row_scale = fp8_query_terms(q, FP8_CODE, SCALE_FLOOR)
+        q = tl.reshape(tl.join(q_hi, q_lo), [BLOCK_M, 2 * BLOCK_D])
     else:
         q = q.to(DOT_DTYPE)
     if not FP8_DOTS:

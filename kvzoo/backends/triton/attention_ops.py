@@ -95,14 +95,9 @@ def _sizer(platform_name: str):
     return workspace_bytes
 
 
-# Options a platform's kernels are not trusted with yet. fp8_dots: ROCm's fp8 dots are untried;
-# on CUDA it is declared under the interpreter only, until a compiled GPU run has held it to
-# the conformance suite (its first compiled prefill gave wrong numbers on an H200: the note
-# in attention_tiles.paged_tile).
+# Options a platform's kernels are not trusted with yet: ROCm's fp8 dots are untried.
 def _untried_options(name: str) -> frozenset[str]:
-    if name == "rocm" or not platform.interpreted():
-        return frozenset({"fp8_dots"})
-    return frozenset()
+    return frozenset({"fp8_dots"}) if name == "rocm" else frozenset()
 
 
 def register(registry: Registry) -> None:

@@ -458,13 +458,14 @@ def paged_tile(
             # prefill's loop to other SASS (the same instructions, scheduled otherwise).
             s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
         elif FP8_DOTS:
-            # The query's two e4m3 terms (fp8_query_terms); e4m3 products are exact in fp32, and
-            # the size argument is QK_INT8's.
-            k8 = tl.trans(as_e4m3(kc))
-            # Two dots added, not one accumulating into the other: that form compiled to wrong
-            # numbers on sm_90a's wgmma (Triton 3.6, H200; right under mma.sync and the
-            # interpreter; bench/archive/RESULTS-history.md, fourteenth session).
-            s = (tl.dot(q, k8) + tl.dot(q_lo, k8)) * ks[None, :] * row_scale[:, None]
+            # q holds the query's two e4m3 terms interleaved along the head dimension
+            # (fp8_query_terms, joined by the kernel), so one dot over 2 * BLOCK_D against each
+            # key element twice sums both. Two dots (added, or one accumulating into the other)
+            # compiled to wrong numbers on sm_90a's wgmma (Triton 3.6, H200; right under mma.sync
+            # and the interpreter; bench/archive/RESULTS-history.md, fourteenth session). e4m3
+            # products are exact in fp32; the size argument is QK_INT8's.
+            k2 = tl.reshape(tl.join(as_e4m3(kc), as_e4m3(kc)), [BLOCK_N, 2 * BLOCK_D])
+            s = tl.dot(q, tl.trans(k2)) * ks[None, :] * row_scale[:, None]
         elif SCALE_IN_CODES:
             s = logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION)
         else:
