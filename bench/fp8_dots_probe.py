@@ -2,11 +2,11 @@
 
     python3 bench/fp8_dots_probe.py
 
-Runs attention_kernels.run directly (the registry keeps fp8_dots from compiled CUDA kernels
-until this prints small errors: attention_ops._untried_options), on 2 prefills and a decode at
-head size 128, and prints each sequence's relative error against oracle.attention_f64 on the
-two-term query with exact probabilities (SPEC.md 8.3: about 1e-2 is right, ~1 or nan is a
-wrong kernel). Its times are attention_probe.py --sections fp8dots.
+Runs attention_kernels.run directly on 2 prefills and a decode at head size 128, under each
+listed tile, and prints each sequence's relative error against oracle.attention_f64 on the
+two-term query with exact probabilities (SPEC.md 8.3: about 1e-2 or less is right, ~1 or nan
+is a wrong kernel, as the first kernel gave on wgmma tiles). Its times are
+attention_probe.py --sections fp8dots.
 """
 
 from __future__ import annotations

@@ -22,6 +22,13 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "trunc")
 # float32(1e-6): keeps the scale of an all-zero (or nearly so) row finite and non-zero.
 SCALE_FLOOR = np.float32(1e-6)
 
+# fp8_dots (SPEC.md 8.3): a key tile's weights are divided by their largest (floored at
+# FP8_DOTS_WEIGHT_FLOOR, so the factor stays finite where a row sees no key of the tile) and
+# multiplied by FP8_DOTS_WEIGHT_UNIT (a power of two: exact) before their e4m3 rounding, so the
+# largest is the code 256 and none saturates.
+FP8_DOTS_WEIGHT_UNIT = 256.0
+FP8_DOTS_WEIGHT_FLOOR = 2.0**-100
+
 # Canonical float32 NaN stored as the scale of a row holding a NaN; hardware default NaNs
 # differ (x86 gives 0xFFC00000, NVIDIA 0x7FFFFFFF) and scales are compared as raw bytes.
 CANONICAL_NAN_BITS = 0x7FC00000

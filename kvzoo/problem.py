@@ -214,6 +214,12 @@ class Attention(_Problem):
         return self.query
 
     @property
+    def quantizes_query(self) -> bool:
+        """quantize_query or fp8_dots: the query meets the cache's codes as codes of its own
+        (SPEC.md 8.1, 8.3), so the dots take the codes as loaded, never fp16 operands."""
+        return self.quantize_query or self.fp8_dots
+
+    @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 

@@ -232,6 +232,12 @@ def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
 
 def quantize_row(xf: np.ndarray, mode: OracleMode, rounding: str) -> tuple[np.ndarray, np.float32]:
     """Per-token-head quantization of one float32 row: (codes uint8 [D], scale float32)."""
+    y, scale = _scaled_row(xf, mode)
+    return _encode_y(y, mode, rounding), scale
+
+
+def _scaled_row(xf: np.ndarray, mode: OracleMode) -> tuple[np.ndarray, np.float32]:
+    """(y, scale) of one float32 row: section 3's steps 2-5, y = xf * inv before its encoding."""
     assert xf.dtype == np.float32 and xf.ndim == 1
     with np.errstate(all="ignore"):
         if np.any(np.isnan(xf)):
@@ -245,7 +251,7 @@ def quantize_row(xf: np.ndarray, mode: OracleMode, rounding: str) -> tuple[np.nd
         scale = _F32_NAN if np.isnan(q) else (q if q > SCALE_FLOOR else SCALE_FLOOR)
         inv = np.float32(_ONE / scale)
         y = xf * inv
-    return _encode_y(y, mode, rounding), np.float32(scale)
+    return y, np.float32(scale)
 
 
 def quantize_row_static(xf: np.ndarray, mode: OracleMode, scale: np.float32) -> np.ndarray:
@@ -325,10 +331,9 @@ def fp8_dots_query(x: np.ndarray) -> np.ndarray:
     x = widen_to_float32(x)
     out = np.empty(x.shape, np.float64)
     for n in range(x.shape[0]):
-        codes, scale = quantize_row(x[n], mode, "nearest")
+        y, scale = _scaled_row(x[n], mode)
+        hi = _code_values(_encode_y(y, mode, "nearest"), mode)
         with np.errstate(all="ignore"):
-            y = x[n] * np.float32(_ONE / scale)
-            hi = _code_values(codes, mode)
             residual = y - hi  # exact in float32: a float minus its own rounding
         lo = _code_values(_encode_y(residual, mode, "nearest"), mode)
         out[n] = (hi.astype(np.float64) + lo.astype(np.float64)) * np.float64(scale)

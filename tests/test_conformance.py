@@ -87,7 +87,7 @@ _FP8_DOTS = ("does not take fp8_dots", lambda case_id: "fp8dots" in case_id)
 EXPECTED_DECLINES = {
     ("numba", "paged_attention"): [("does not take quantize_query", lambda case_id: "qint8" in case_id), _FP8_DOTS],
     # int4 takes head sizes up to 512; the Triton attention tiles up to 256. fp8_dots is not
-    # trusted to ROCm yet (attention_ops._untried_options).
+    # trusted to ROCm yet (attention_ops._UNTRIED_OPTIONS).
     ("triton-cuda", "paged_attention"): [_D512],
     ("triton-rocm", "paged_attention"): [_D512, _FP8_DOTS],
 }

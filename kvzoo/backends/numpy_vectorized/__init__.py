@@ -68,9 +68,9 @@ def _paged_attention(p: Attention) -> None:
         sliding_window=p.sliding_window,
         softcap=p.softcap,
         sinks=p.sinks,
-        query_codec=codec(p.mode) if p.quantize_query or p.fp8_dots else None,
+        query_codec=codec(p.mode) if p.quantizes_query else None,
         lse=p.lse,
-        probability_tile=vectorized.PROBABILITY_TILE if p.fp8_dots else None,
+        fp8_dots=p.fp8_dots,
     )
 
 

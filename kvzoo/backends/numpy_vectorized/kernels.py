@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from ...formats import CodeFormat
-from ...modes import rht_signs
+from ...modes import FP8_DOTS_WEIGHT_FLOOR, FP8_DOTS_WEIGHT_UNIT, rht_signs
 
 _CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
 # Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
@@ -114,16 +114,22 @@ def unrotate_rows(y: np.ndarray) -> np.ndarray:
         return _fwht(y) * rht_signs(d) / np.float32(d)
 
 
-def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
-    if codec.format.row_zero_point:
-        return _quantize_rows_with_zero_point(xf, codec)
+def _scaled_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
+    """(y, scales): SPEC.md section 3's steps 2-5 per row (last axis), y = xf * inv before its
+    encoding; a NaN row's scale canonical."""
     with np.errstate(all="ignore"):
         absmax = np.max(np.abs(xf), axis=-1)  # NaN propagates, as the spec requires
         scale = np.maximum(absmax / np.float32(codec.format.qmax), np.float32(codec.scale_floor))
         inv = np.float32(1.0) / scale
         y = xf * inv[..., None]
-    scale = np.where(np.isnan(scale), _CANONICAL_NAN, scale)
+    return y, np.where(np.isnan(scale), _CANONICAL_NAN, scale)
+
+
+def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
+    if codec.format.row_zero_point:
+        return _quantize_rows_with_zero_point(xf, codec)
+    y, scale = _scaled_rows(xf, codec)
     return encode(y, codec), scale
 
 
@@ -278,25 +284,18 @@ def _logit_operands(q, k_scales, sm_scale, codec):
     return q * sm_scale, undo * k_scales
 
 
-# SPEC.md 8.3: a tile's weights are divided by their largest, then multiplied by this power of
-# two (exact) before the e4m3 rounding, so the largest is the code 256 and none saturates.
-E4M3_WEIGHT_UNIT = np.float32(256.0)
-# The floor of a tile's largest weight (SPEC.md 8.3).
-E4M3_WEIGHT_FLOOR = np.float32(2.0**-100)
-
-
 _E4M3 = ml_dtypes.float8_e4m3fn
+_WEIGHT_UNIT, _WEIGHT_FLOOR = np.float32(FP8_DOTS_WEIGHT_UNIT), np.float32(FP8_DOTS_WEIGHT_FLOOR)
 
 
 def fp8_query_terms(q: np.ndarray, codec: Codec) -> np.ndarray:
     """Query rows [..., D] (float32) as fp8_dots attends with them (SPEC.md section 8.3):
     (hi + lo) * scale, hi the codes of the row under `codec` (the e4m3fn per-token-head rule,
     section 3), lo the e4m3 rounding of y - hi, y = q * inv of section 3."""
-    codes, scale = quantize_rows(q, codec)
+    y, scale = _scaled_rows(q, codec)
     one = np.float32(1.0)
     with np.errstate(all="ignore"):
-        y = q * (one / scale)[..., None]
-        hi = decode(codes, one, codec)
+        hi = decode(encode(y, codec), one, codec)
         lo = decode(encode(y - hi, codec), one, codec)
         return (hi + lo) * scale[..., None]
 
@@ -310,9 +309,9 @@ def e4m3_weights(weights: np.ndarray, tile: int) -> np.ndarray:
     padded = np.zeros(weights.shape[:-1] + (tiles * tile,), np.float32)
     padded[..., :length] = weights
     padded = padded.reshape(weights.shape[:-1] + (tiles, tile))
-    w = np.maximum(padded.max(axis=-1, keepdims=True), E4M3_WEIGHT_FLOOR)
-    codes = (padded * (np.float32(1.0) / w) * E4M3_WEIGHT_UNIT).astype(_E4M3)
-    deq = codes.astype(np.float32) * (w / E4M3_WEIGHT_UNIT)
+    w = np.maximum(padded.max(axis=-1, keepdims=True), _WEIGHT_FLOOR)
+    codes = (padded * (np.float32(1.0) / w) * _WEIGHT_UNIT).astype(_E4M3)
+    deq = codes.astype(np.float32) * (w / _WEIGHT_UNIT)
     return deq.reshape(weights.shape[:-1] + (tiles * tile,))[..., :length]
 
 
@@ -353,15 +352,15 @@ def paged_attention(
     sinks=None,
     query_codec: Codec | None = None,
     lse=None,
-    probability_tile: int | None = None,
+    fp8_dots: bool = False,
 ) -> None:
     """fp32 attention with dot products on the codes and scales applied per key.
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
     rows instead (the quantize_query option). lse: float32 [T, Hq] to receive
     each row's log-sum-exp (row max + log of the softmax denominator, the sink's term
-    included). probability_tile: the fp8_dots option (SPEC.md section 8.3): the query rows as
-    two e4m3 terms, each row's weights rounded to e4m3 per tile of that many key positions.
+    included). fp8_dots (SPEC.md section 8.3; query_codec the cache's): the query rows as two
+    e4m3 terms, each row's weights rounded to e4m3 per tile of PROBABILITY_TILE positions.
     """
     num_q_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -386,7 +385,7 @@ def paged_attention(
         for c0 in range(q_start, q_end, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, q_end)
             q = _widen(query[c0:c1])
-            if probability_tile is not None:
+            if fp8_dots:
                 q = fp8_query_terms(q, query_codec)
             elif query_codec is not None:
                 q = decode(*quantize_rows(q, query_codec), query_codec)
@@ -415,8 +414,8 @@ def paged_attention(
                 if sink is not None:
                     denom = denom + np.exp(row_sink - row_max)
                 weights = probs * v_scales
-                if probability_tile is not None:
-                    weights = e4m3_weights(weights, probability_tile)
+                if fp8_dots:
+                    weights = e4m3_weights(weights, PROBABILITY_TILE)
                 acc = np.matmul(weights, v_codes)
                 if v_zero is not None:
                     acc = acc - (weights * v_zero).sum(axis=-1, keepdims=True)

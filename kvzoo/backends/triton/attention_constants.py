@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ...formats import FLOAT8_E4M3FN, INT8
+from ...modes import FP8_DOTS_WEIGHT_FLOOR, FP8_DOTS_WEIGHT_UNIT
 from .formats import CODE_E4M3FN, CODE_E4M3FN_CVT, CODE_INT8
 
 # Where a mode's scales live (SCALE_MODE).
@@ -57,14 +58,10 @@ QUERY_QMAX = tl.constexpr(INT8.qmax)
 QUERY_NAN_CODE = tl.constexpr(INT8.nan_code)
 
 # fp8_dots (SPEC.md 8.3): a query row's high term follows the e4m3fn cache format's row rule,
-# its low term is the residual's e4m3 rounding; each tile's weights, divided by their largest,
-# are multiplied by FP8_WEIGHT_UNIT (a power of two: exact) before their e4m3 rounding, so the
-# largest is the code 256 and none saturates.
+# its low term is the residual's e4m3 rounding; the tiles' weights as kvzoo.modes says.
 FP8_QMAX = tl.constexpr(FLOAT8_E4M3FN.qmax)
 FP8_CACHE_CODE = tl.constexpr(CODE_E4M3FN)  # how the high term's codes decode
 FP8_CVT_CODE = tl.constexpr(CODE_E4M3FN_CVT)  # the hardware convert (encode.encoder_code)
 FP8_NAN_CODE = tl.constexpr(FLOAT8_E4M3FN.nan_code)
-FP8_WEIGHT_UNIT = tl.constexpr(256.0)
-# The floor of a tile's largest weight (2^-100): weights that small next to the row's largest
-# (1) add nothing, and the factor FP8_WEIGHT_UNIT / w stays finite where a row sees no key.
-FP8_WEIGHT_FLOOR = tl.constexpr(7.888609052210118e-31)
+FP8_WEIGHT_UNIT = tl.constexpr(FP8_DOTS_WEIGHT_UNIT)
+FP8_WEIGHT_FLOOR = tl.constexpr(FP8_DOTS_WEIGHT_FLOOR)

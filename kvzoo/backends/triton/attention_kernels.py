@@ -78,7 +78,7 @@ from .attention_tables import (
 )
 from .attention_tiles import (
     attend,
-    fp8_query_terms,
+    fp8_query_operand,
     logit_scale,
     paged_tile,
     query_block,
@@ -245,12 +245,9 @@ def _attention_kernel(
         )
         row_scale = q_scale
     elif FP8_DOTS:
-        q_hi, q_lo, row_scale = fp8_query_terms(q, FP8_CODE, SCALE_FLOOR)
-        q = tl.reshape(tl.join(q_hi, q_lo), [BLOCK_M, 2 * BLOCK_D])
+        q, row_scale = fp8_query_operand(q, FP8_CODE, SCALE_FLOOR)
     else:
         q = q.to(DOT_DTYPE)
-    if not FP8_DOTS:
-        q_lo = q  # not read
     row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
     if offset_codes(CODE_CONVERT):
         # Offset codes (I8_OFFSET + c) add I8_OFFSET * sum(q) to every logit of a row.
@@ -388,7 +385,6 @@ def _attention_kernel(
         paged_tile,
         (
             q,
-            q_lo,
             row_scale,
             q_offset,
             pos,
@@ -906,9 +902,9 @@ def _operands(p: Attention, platform: str, cfg: AttentionConfig) -> _Operands:
         return _Operands(k, v, None, tl.float32, "ieee", CONVERT_CAST, False)
     if p.fp8_dots:
         # The codes are the dot operands; q is quantized in-kernel. Compiled kernels load them as
-        # e4m3 so that K's pipelined copy feeds the tensor cores as it lands (a reinterpreting
-        # cast after the load cost a pass through registers); the interpreter takes the bytes
-        # and reinterprets them (attention_tiles.as_e4m3).
+        # e4m3 (a reinterpreting cast after a byte load added shared-memory stores in offline
+        # sm_90a SASS, before K's codes were doubled for the query's two terms); the interpreter
+        # takes the bytes and reinterprets them (attention_tiles.as_e4m3).
         dtype = torch.uint8 if interpreted else torch.float8_e4m3fn
         return _Operands(k.view(dtype), v.view(dtype), None, tl.float8e4nv, "ieee", CONVERT_CAST, False)
     table = None
@@ -1034,7 +1030,7 @@ def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionC
     multiple of 16 (at head size 128: 4 or 8 KV heads);
     where slots are not (fewer KV heads), each key's row has a shift of its own and the
     4-byte loads stay."""
-    if not (per_seq and p.mode.per_token_head and not (p.quantize_query or p.fp8_dots) and not cfg.scale_in_codes):
+    if not (per_seq and p.mode.per_token_head and not p.quantizes_query and not cfg.scale_in_codes):
         return False
     if k.element_size() != 1 or p.head_size != _pow2(p.head_size) or p.head_size < _MIN_DOT_K:
         return False
@@ -1064,7 +1060,7 @@ def call_arrays(p: Attention, launches: list, staged_cfg: StagedConfig | None, w
 
 
 def _block_d(p: Attention) -> int:
-    return max(_MIN_DOT_K_8BIT if p.quantize_query or p.fp8_dots else _MIN_DOT_K, _pow2(p.head_size))
+    return max(_MIN_DOT_K_8BIT if p.quantizes_query else _MIN_DOT_K, _pow2(p.head_size))
 
 
 def kernel_call(

@@ -96,8 +96,7 @@ def _sizer(platform_name: str):
 
 
 # Options a platform's kernels are not trusted with yet: ROCm's fp8 dots are untried.
-def _untried_options(name: str) -> frozenset[str]:
-    return frozenset({"fp8_dots"}) if name == "rocm" else frozenset()
+_UNTRIED_OPTIONS = {"rocm": frozenset({"fp8_dots"})}
 
 
 def register(registry: Registry) -> None:
@@ -119,7 +118,7 @@ def register(registry: Registry) -> None:
                 priority=platform.priority(),
                 unavailable=lambda name=name: list(platform.unavailable_reasons(name)),
                 capabilities=Capabilities(
-                    ALL_OPTIONS - _untried_options(name),
+                    ALL_OPTIONS - _UNTRIED_OPTIONS.get(name, frozenset()),
                     max_head_size=MAX_HEAD_SIZE,
                     formats=platform_formats(name),
                 ),

@@ -332,10 +332,21 @@ def e4m3_of(y, FP8_CODE: tl.constexpr):
 
 
 @triton.jit
-def fp8_query_terms(q, FP8_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr):
-    """(hi, lo, scale) of query rows q [rows, D] (fp32) for fp8_dots (SPEC.md 8.3): hi the e4m3
-    codes of the e4m3fn cache format's row rule, lo the e4m3 rounding of y - hi (y = q * inv;
-    the residual is exact in fp32), so hi + lo carries about 7 bits of each large element."""
+def twice_along_rows(x):
+    """x [rows, D] as [rows, 2 D], each element repeated in place (x0, x0, x1, x1, ...): what
+    meets fp8_query_operand's interleaved terms in one dot."""
+    return tl.reshape(tl.join(x, x), [x.shape[0], 2 * x.shape[1]])
+
+
+@triton.jit
+def fp8_query_operand(q, FP8_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """(operand, scale) of query rows q [rows, D] (fp32) for fp8_dots (SPEC.md 8.3): the row's
+    two e4m3 terms interleaved, [rows, 2 D] (hi0, lo0, hi1, lo1, ...), hi the codes of the e4m3fn
+    cache format's row rule, lo the e4m3 rounding of y - hi (y = q * inv; the residual is exact
+    in fp32), so hi + lo carries about 7 bits of each large element. Against twice_along_rows
+    of the K codes, one dot sums both terms: two dots (added, or one accumulating into the
+    other) compiled to wrong numbers on sm_90a's wgmma (Triton 3.6, H200; right under
+    mma.sync and the interpreter; bench/archive/RESULTS-history.md, fourteenth session)."""
     scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), FP8_QMAX, SCALE_FLOOR)
     y = q * _encode.reciprocal(scale)[:, None]
     hi = e4m3_of(y, FP8_CODE)
@@ -344,15 +355,14 @@ def fp8_query_terms(q, FP8_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr):
     kept = tl.maximum(y, -3.4028234663852886e38)
     hi_value = _encode.decode_codes(hi.to(tl.uint8, bitcast=True), FP8_CACHE_CODE)
     lo = e4m3_of(kept - hi_value, FP8_CODE)
-    return hi, lo, scale
+    return tl.reshape(tl.join(hi, lo), [q.shape[0], 2 * q.shape[1]]), scale
 
 
 @triton.jit
 def fp8_weights(p, vs, visible, FP8_CODE: tl.constexpr, MASKED: tl.constexpr):
     """(codes, unit): the tile's weights p times each key's V scale as fp8_dots' e4m3 P operand
-    (SPEC.md 8.3): per row divided by their largest, w (floored at FP8_WEIGHT_FLOOR, so the
-    factor stays finite where a row sees no key of the tile), times FP8_WEIGHT_UNIT, rounded to
-    e4m3; `unit` = w / FP8_WEIGHT_UNIT undoes it."""
+    (SPEC.md 8.3): per row divided by their largest, w (floored at FP8_WEIGHT_FLOOR), times
+    FP8_WEIGHT_UNIT, rounded to e4m3; `unit` = w / FP8_WEIGHT_UNIT undoes it."""
     pv = p * vs[None, :]
     if MASKED:
         pv = tl.where(visible, pv, 0.0)
@@ -388,7 +398,6 @@ def paged_tile(
     v_unit,
     MASKED: tl.constexpr,
     q,
-    q_lo,
     row_scale,
     q_offset,
     pos,
@@ -435,9 +444,9 @@ def paged_tile(
     (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
 
     SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (prefill; decode scales
-    logits and probabilities). QK_INT8: q holds int8 codes (quantize_query). FP8_DOTS: q and
-    q_lo hold the query's two e4m3 terms (fp8_query_terms), and every dot takes fp8 operands,
-    the K and V codes as loaded (fp8_dots; P's codes encoded with FP8_CODE)."""
+    logits and probabilities). QK_INT8: q holds int8 codes (quantize_query). FP8_DOTS: q holds
+    the query's two e4m3 terms (fp8_query_operand), and every dot takes fp8 operands, the K
+    and V codes as loaded (fp8_dots; P's codes encoded with FP8_CODE)."""
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
@@ -458,14 +467,9 @@ def paged_tile(
             # prefill's loop to other SASS (the same instructions, scheduled otherwise).
             s = tl.dot(q, tl.trans(kc), out_dtype=tl.int32).to(tl.float32) * ks[None, :] * row_scale[:, None]
         elif FP8_DOTS:
-            # q holds the query's two e4m3 terms interleaved along the head dimension
-            # (fp8_query_terms, joined by the kernel), so one dot over 2 * BLOCK_D against each
-            # key element twice sums both. Two dots (added, or one accumulating into the other)
-            # compiled to wrong numbers on sm_90a's wgmma (Triton 3.6, H200; right under mma.sync
-            # and the interpreter; bench/archive/RESULTS-history.md, fourteenth session). e4m3
-            # products are exact in fp32; the size argument is QK_INT8's.
-            k2 = tl.reshape(tl.join(as_e4m3(kc), as_e4m3(kc)), [BLOCK_N, 2 * BLOCK_D])
-            s = tl.dot(q, tl.trans(k2)) * ks[None, :] * row_scale[:, None]
+            # Both query terms in one dot (fp8_query_operand says why); e4m3 products are exact
+            # in fp32, and the size argument is QK_INT8's.
+            s = tl.dot(q, tl.trans(twice_along_rows(as_e4m3(kc)))) * ks[None, :] * row_scale[:, None]
         elif SCALE_IN_CODES:
             s = logits_folded_scales(q, kc, ks, row_scale, table_ptr, DOT_DTYPE, CODE_CONVERT, DOT_PRECISION)
         else:

@@ -302,8 +302,7 @@ def workspace_bytes(p: Attention) -> int:
 def stageable(p: Attention) -> bool:
     """Whether staging can take `p` with the direct kernel's semantics."""
     # batch_invariant: a sequence's path would depend on the batch (its bound decides staging).
-    # quantize_query, fp8_dots: their dots take the codes themselves, not fp16 operands.
-    return p.mode.code_dtype is not None and not (p.quantize_query or p.fp8_dots) and not p.batch_invariant
+    return p.mode.code_dtype is not None and not p.quantizes_query and not p.batch_invariant
 
 
 def worth_staging(p: Attention, max_bytes: int = STAGE_MAX_BYTES) -> bool:
