@@ -410,12 +410,12 @@ def test_a_decode_grid_under_one_wave_takes_the_wide_tile(mode, extra, monkeypat
     assert k.decode_config(long, False).split_keys > 0
     assert k.decode_config(few, True).block_n == default.block_n
     assert k.decode_config(few, False, "rocm").block_n == default.block_n
-    # The inline page's aligned windows on the wide tile (4 KV heads: a grid under one wave of
-    # a GPU's SMs, not of the interpreter's 4).
+    # The inline page's 4-byte rows on the wide tile (4 KV heads: a grid under one wave of a
+    # GPU's SMs, not of the interpreter's 4).
     monkeypatch.setattr(k, "_num_sms", lambda device: 132)
     inline, around = _inline_decode(mode, 4, 64, [300], **extra)
     cfg = k.decode_config(inline, False)
-    assert cfg.block_n == wide.block_n and k.shifted_rows(inline, *_codes_as_loaded(inline), cfg, per_seq=True)
+    assert cfg.block_n == wide.block_n
     check(inline)
     assert torch.isnan(around[..., :4]).all() and torch.isnan(around[..., 4 + 64 :]).all(), "wrote outside out"
 
@@ -745,47 +745,37 @@ def _inline_decode(mode, num_kv_heads, head_size, lens, seed=0, **extra):
     return p, around
 
 
-def _codes_as_loaded(p):
-    return _kernels()._operands(p, "cuda", _kernels().AttentionConfig(1, 32, 1, 2))[:2]
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
+def test_inline_decode_takes_the_unaligned_rows_tile(mode):
+    # The inline page's rows are 4-byte aligned; the separate layout's, 16-byte: each gets its
+    # own table row (a grid of at least a wave, context too short to split).
+    from kvzoo.backends.triton import attention_tables as tables
 
-
-def test_inline_decode_reads_aligned_windows_only_where_each_head_has_one_shift():
     k = _kernels()
-    cfg = k.AttentionConfig(1, 32, 1, 2)
-    for (heads, head_size), want in {
-        (4, 64): True,
-        (8, 128): True,
-        (8, 32): True,
-        (2, 36): False,
-        (2, 128): False,
-        (1, 64): False,
-    }.items():
-        p, _ = _inline_decode("int8_per_token_head", heads, head_size, [20, 3])
-        key, value = _codes_as_loaded(p)
-        assert k.shifted_rows(p, key, value, cfg, per_seq=True) is want, (heads, head_size)
-        assert not k.shifted_rows(p, key, value, cfg, per_seq=False), "prefill keeps its tiles"
-        assert not k.shifted_rows(dataclasses.replace(p, quantize_query=True), key, value, cfg, per_seq=True)
-    separate = make_problem([1, 1], [20, 3], num_kv_heads=4, head_size=64)
-    assert not k.shifted_rows(separate, separate.key_cache, separate.value_cache, cfg, per_seq=True)
+    lens = [40] * 200
+    inline, _ = _inline_decode(mode, 4, 64, lens)
+    separate = make_problem([1] * len(lens), lens, mode=mode, num_q_heads=8, num_kv_heads=4, head_size=64)
+    codes = k._cache_codes(inline)
+    for p, row in ((inline, tables.UNALIGNED_DECODE_TILES[64, codes]), (separate, tables.DECODE_TILES[64, codes])):
+        cfg = k.decode_config(p, False)
+        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.split_keys) == (
+            row.block_n,
+            row.num_warps,
+            row.num_stages,
+            0,
+        )
+    assert tables.UNALIGNED_DECODE_TILES[64, codes] != tables.DECODE_TILES[64, codes]
 
 
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
 @pytest.mark.parametrize("heads,head_size", [(4, 64), (8, 32)], ids=["H4-D64", "H8-D32"])
 @pytest.mark.parametrize("split_keys", [0, 64], ids=["single", "split"])
-def test_inline_decode_through_aligned_windows_against_float64(mode, heads, head_size, split_keys, monkeypatch):
-    # Every shift a KV head's rows can have (0, 4, 8, 12 bytes, at either shape), and
-    # in fp8 the neighbour bytes inside each window include NaN patterns (the scales' bytes),
-    # which must not reach the logits.
-    k = _kernels()
+def test_inline_decode_at_every_row_offset_against_float64(mode, heads, head_size, split_keys):
+    # Every offset from 16-byte alignment a KV head's rows can have (0, 4, 8, 12 bytes, at
+    # either shape); in fp8 the bytes beside each row include NaN patterns (the scales'
+    # bytes), which must not reach the logits.
     extra = dict(sliding_window=40, softcap=30.0, sinks=True) if split_keys else {}
     p, around = _inline_decode(mode, heads, head_size, [300, 129, 64, 1], **extra)
-    cfg = k.AttentionConfig(1, 32, 1, 2, split_keys)
-    assert k.shifted_rows(p, *_codes_as_loaded(p), cfg, per_seq=True)
+    cfg = _kernels().AttentionConfig(1, 32, 1, 2, split_keys)
     check(p, decode=cfg)
     assert torch.isnan(around[..., :4]).all() and torch.isnan(around[..., 4 + head_size :]).all(), "wrote outside out"
-    windows = p.out.clone()
-    monkeypatch.setattr(k, "shifted_rows", lambda *a, **kw: False)
-    p.out.fill_(float("nan"))
-    run(p, decode=cfg)
-    # The 4-byte path sums the same products in another grouping: close, not bitwise.
-    assert torch.allclose(windows.float(), p.out.float(), rtol=2e-2, atol=2e-3)

@@ -249,9 +249,8 @@ def attention_cases() -> list[AttentionCase]:
         )
         if _inline(mode):
             cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
-            # Slots a multiple of 16 bytes apart, so each KV head's rows share one shift from
-            # 16-byte alignment (0, 4, 8 and 12 bytes here): what Triton's decode reads through
-            # aligned windows (attention_kernels.shifted_rows).
+            # Slots a multiple of 16 bytes apart, so each KV head's rows share one offset from
+            # 16-byte alignment (0, 4, 8 and 12 bytes here): every offset a 4-byte row load meets.
             cases.append(
                 AttentionCase(
                     mode,

@@ -40,12 +40,6 @@ def offset_codes(convert):
     return convert == CONVERT_I8_OFFSET or convert == CONVERT_I8_OFFSET_CAST
 
 
-# Bytes past a row's 16-byte-aligned window that shifted rows read (attention_tiles.shifted_tile):
-# a row starting `shift` < 16 bytes past an aligned address ends inside the granule this tail
-# covers, so [row - shift, row - shift + head_size + ROW_TAIL) holds it whole, loaded in 16-byte
-# vectors, and touches no granule the row does not.
-ROW_TAIL = tl.constexpr(16)
-
 # exp2 and log2 carry the online softmax (one instruction each on a GPU): logits are kept in
 # log2 units, and lse leaves in natural ones.
 LOG2E = tl.constexpr(1.4426950408889634)

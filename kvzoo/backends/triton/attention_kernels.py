@@ -59,7 +59,6 @@ from .attention_constants import (
     QUERY_CODE,
     QUERY_NAN_CODE,
     QUERY_QMAX,
-    ROW_TAIL,
     SCALE_NONE,
     SCALE_TENSOR,
     SCALE_TOKEN_HEAD,
@@ -71,6 +70,7 @@ from .attention_tables import (
     ONE_WAVE_DECODE_TILES,
     PREFILL_TILES,
     SPLIT_RULES,
+    UNALIGNED_DECODE_TILES,
     CacheCodes,
     DecodeTile,
     KOperand,
@@ -82,12 +82,10 @@ from .attention_tiles import (
     logit_scale,
     paged_tile,
     query_block,
-    shifted_tile,
     staged_tile,
     store_partials,
     store_rows,
     tile_rows,
-    window_keep,
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .launch import BoundLaunch, launch_nothing, relaunch_all
@@ -181,13 +179,11 @@ def _attention_kernel(
     LONGEST_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
-    SHIFTED_ROWS: tl.constexpr,
     FP8_DOTS: tl.constexpr,
     FP8_CODE: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
-    merge) and direct prefill. SHIFTED_ROWS: decode reads rows through their aligned windows
-    (attention_tiles.shifted_tile; kernel_call says when). FP8_DOTS: both dots on e4m3
+    merge) and direct prefill. FP8_DOTS: both dots on e4m3
     operands (fp8_dots, SPEC.md 8.3), e4m3 codes encoded with FP8_CODE."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,27 +211,13 @@ def _attention_kernel(
     q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     q_ok = row_ok[:, None] & d_ok[None, :]
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if SHIFTED_ROWS:
-        tl.static_assert(PER_SEQ and SCALE_MODE == SCALE_TOKEN_HEAD and SAME_KV_STRIDES, "shifted rows: decode")
-        tl.static_assert(not QK_INT8 and not SCALE_IN_CODES and HEAD_D == BLOCK_D, "shifted rows: decode")
-        # This KV head's rows all start `shift` bytes past a 16-byte boundary (kernel_call
-        # checked that pages and slots are 16-byte multiples); q moves by as much.
-        shift = (kv_head * stride_kh) % ROW_TAIL
-        head_at = kv_head * stride_kh - shift
-        t = tl.arange(0, ROW_TAIL)
-        q = _encode.load_f32(q_rows + (d - shift)[None, :] * stride_qd, q_ok & (d >= shift)[None, :])
-        q_tail = _encode.load_f32(q_rows + (BLOCK_D + t - shift)[None, :] * stride_qd, row_ok[:, None] & (t < shift))
-        row_absmax = tl.maximum(tl.max(tl.abs(q), axis=1), tl.max(tl.abs(q_tail), axis=1))
-    else:
-        q = _encode.load_f32(q_rows + d[None, :] * stride_qd, q_ok)
-        row_absmax = tl.max(tl.abs(q), axis=1)
+    q = _encode.load_f32(q_rows + d[None, :] * stride_qd, q_ok)
+    row_absmax = tl.max(tl.abs(q), axis=1)
     if Q_RESCALE:
         # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow, and
         # q . codes has the same size whatever the row's (SPEC.md section 11).
         factor, undo = _encode.fp16_row_factors(row_absmax)
         q = q * factor[:, None]
-        if SHIFTED_ROWS:
-            q_tail = q_tail * factor[:, None]
         row_scale = undo
     if QK_INT8:
         # The cache's own int8 row rule (SPEC.md 8.1), so the codes match the reference's.
@@ -254,118 +236,6 @@ def _attention_kernel(
         q_offset = I8_OFFSET * tl.sum(q.to(tl.float32), axis=1)
     else:
         q_offset = tl.zeros([BLOCK_M], tl.float32)  # unused (and a raw sum could overflow)
-
-    if SHIFTED_ROWS:
-        q_tail = q_tail.to(DOT_DTYPE)
-        if offset_codes(CODE_CONVERT):
-            q_offset += I8_OFFSET * tl.sum(q_tail.to(tl.float32), axis=1)
-        m_i, l_i, acc, acc_tail = attend(
-            seq,
-            q_block,
-            q_len,
-            seq_len,
-            context,
-            block_tables_ptr,
-            stride_bt,
-            window,
-            split,
-            split_keys,
-            sinks_ptr,
-            head,
-            row_ok,
-            shifted_tile,
-            (
-                q,
-                q_tail,
-                row_scale,
-                q_offset,
-                pos,
-                window,
-                softcap,
-                kv_head,
-                shift,
-                head_at,
-                window_keep(d, shift, BLOCK_D),
-                window_keep(t, 0, shift),
-                k_ptr,
-                v_ptr,
-                ks_ptr,
-                vs_ptr,
-                table_ptr,
-                stride_kb,
-                stride_kt,
-                stride_ksb,
-                stride_kst,
-                stride_ksh,
-                BLOCK_N,
-                BLOCK_D,
-                PAGE,
-                CODE_CONVERT,
-                DOT_DTYPE,
-                DOT_PRECISION,
-                HAS_SOFTCAP,
-                HAS_WINDOW,
-                not offset_codes(CODE_CONVERT),
-            ),
-            BLOCK_Q,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            HAS_WINDOW,
-            SPLIT,
-            HAS_SINKS and not SPLIT,
-            INTERPRETED,
-            ROW_TAIL,
-        )
-        # Back to the output's columns: acc's column c is the row's c - shift, acc_tail's
-        # BLOCK_D + c - shift.
-        out_d = d - shift
-        out_ok = d >= shift
-        tail_d = BLOCK_D + t - shift
-        tail_ok = t < shift
-        if SPLIT:
-            at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
-            store_partials(*at, acc, m_i, l_i, row_ok, out_d, row_ok[:, None] & out_ok[None, :], NUM_Q_HEADS, BLOCK_D)
-            tail_mask = row_ok[:, None] & tail_ok[None, :]
-            store_partials(*at, acc_tail, m_i, l_i, row_ok, tail_d, tail_mask, NUM_Q_HEADS, BLOCK_D, False)
-        else:
-            store_rows(
-                out_ptr,
-                lse_ptr,
-                acc,
-                m_i,
-                l_i,
-                token,
-                head,
-                out_d,
-                row_ok,
-                out_ok,
-                stride_ot,
-                stride_oh,
-                stride_od,
-                stride_lt,
-                stride_lh,
-                HAS_LSE,
-            )
-            store_rows(
-                out_ptr,
-                lse_ptr,
-                acc_tail,
-                m_i,
-                l_i,
-                token,
-                head,
-                tail_d,
-                row_ok,
-                tail_ok,
-                stride_ot,
-                stride_oh,
-                stride_od,
-                stride_lt,
-                stride_lh,
-                False,
-            )
-        return
 
     # The split path's sink joins in the merge.
     m_i, l_i, acc, _ = attend(
@@ -435,7 +305,6 @@ def _attention_kernel(
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
-        0,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -592,7 +461,6 @@ def _staged_attention_kernel(
         False,
         HAS_SINKS,
         INTERPRETED,
-        0,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -794,6 +662,8 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and codes is not CacheCodes.MODEL_DTYPE else 16
     tile, one_wave = DECODE_TILES[size, codes], ONE_WAVE_DECODE_TILES.get((size, codes))
+    if row_align(p.key_cache, p.value_cache) * p.key_cache.element_size() < 16:
+        tile = UNALIGNED_DECODE_TILES.get((size, codes), tile)
     return decode_config_of(p, invariant, platform, tile, SPLIT_RULES[codes], one_wave, min_rows=min_rows)
 
 
@@ -1022,24 +892,6 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     return slots, merge_slots + tuple((_MERGE_AT[a],) for a in partials)
 
 
-def shifted_rows(p: Attention, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, *, per_seq: bool) -> bool:
-    """Whether a decode launch reads K and V through their rows' 16-byte windows
-    (attention_tiles.shifted_tile): 1-byte codes with per-token-head scales, a power-of-two head
-    size, rows not all 16-byte aligned (row_align) although pages and slots are, so each KV
-    head's rows share one shift. That is the inline page with num_kv_heads * (head_size + 4) a
-    multiple of 16 (at head size 128: 4 or 8 KV heads);
-    where slots are not (fewer KV heads), each key's row has a shift of its own and the
-    4-byte loads stay."""
-    if not (per_seq and p.mode.per_token_head and not p.quantizes_query and not cfg.scale_in_codes):
-        return False
-    if k.element_size() != 1 or p.head_size != _pow2(p.head_size) or p.head_size < _MIN_DOT_K:
-        return False
-    if not same_kv_strides(p) or k.stride(3) != 1 or row_align(k, v) >= ROW_TAIL.value:
-        return False
-    aligned = (k.stride(0), k.stride(1), k.data_ptr(), v.data_ptr())
-    return all(x % ROW_TAIL.value == 0 for x in aligned)
-
-
 def split_partials(p: Attention, cfg: AttentionConfig, width: int) -> list[Need]:
     """(shape, dtype) of a split decode's partials (max, sum, acc of `width` columns) per
     sequence, query head and split."""
@@ -1187,7 +1039,6 @@ def kernel_call(
         INTERPRETED=_platform.interpreted(),
         # The split path's rows are written by the merge: the split programs store partials only.
         HAS_LSE=p.lse is not None and not split,
-        SHIFTED_ROWS=shifted_rows(p, ops.k, ops.v, cfg, per_seq=per_seq),
         FP8_DOTS=p.fp8_dots,
         FP8_CODE=_encode.encoder_code(CODE_E4M3FN, p.query),
     )

@@ -108,6 +108,27 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
     (256, CacheCodes.FP8): DecodeTile(64, 4, 2, NOT_TIMED),
 }
 
+# Rows not 16-byte aligned (the inline page: each row head_size + 4 bytes after the last) load in
+# 4-byte copies, 3.5x as many copy instructions per key as aligned rows (ncu, int8 64 x 16384).
+# On 32-key tiles 2 stages ran them in 0.67x the time of the aligned rows' 5 (why was not
+# profiled), and faster than the 16-byte windows that shifted each row into alignment
+# (a8545db's attention_tiles.shifted_tile) at every tile timed.
+_UNALIGNED_DECODE = (
+    Run(
+        "python3 bench/inline_probe.py",
+        "a8545db",
+        "32-key tiles on 1 warp, 2 stages: int8 / fp8 0.85x / 0.86x of the separate layout's speed at "
+        "64 x 16384, 0.77x / 0.78x at 64 x 4096, 0.79x / 0.79x at 8 x 65536 (0.69-0.72x / 0.55-0.58x "
+        "before); 15 tiles of 16-128 keys, 1-4 warps, 1-7 stages on both read paths",
+    ),
+)
+UNALIGNED_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
+    (64, CacheCodes.INT8): DecodeTile(32, 1, 2, NOT_TIMED),
+    (128, CacheCodes.INT8): DecodeTile(32, 1, 2, _UNALIGNED_DECODE),
+    (64, CacheCodes.FP8): DecodeTile(32, 1, 2, NOT_TIMED),
+    (128, CacheCodes.FP8): DecodeTile(32, 1, 2, _UNALIGNED_DECODE),
+}
+
 # A decode grid of fewer programs than SMs whose context needs no split (a small batch of short
 # sequences: each program alone on its SM, a handful of tiles each): the 1-warp tile's
 # latency chain is then the whole kernel, and a wider tile on more warps runs it in fewer steps.

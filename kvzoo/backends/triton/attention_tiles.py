@@ -32,7 +32,6 @@ from .attention_constants import (
     I8_OFFSET,
     LN2,
     LOG2E,
-    ROW_TAIL,
     SCALE_TENSOR,
     SCALE_TOKEN_HEAD,
     offset_codes,
@@ -514,167 +513,6 @@ def paged_tile(
 
 
 @triton.jit
-def _e4m3x4_kept_to_fp16(x, keep, PURE: tl.constexpr):
-    # _e4m3x4_to_fp16 of x & keep: one and per four codes zeroes the bytes keep marks 0.
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t;
-        .reg .b16 lo, hi;
-        and.b32 t, $2, $3;
-        mov.b32 {lo, hi}, t;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }
-        """,
-        constraints="=r,=r,r,r",
-        args=[x, keep],
-        dtype=tl.float16,
-        is_pure=PURE,
-        pack=4,
-    )
-
-
-@triton.jit
-def window_codes(ptr, window_at, key_ok, shift, MASKED: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The 16-byte-aligned windows of rows starting `shift` bytes past window_at, as bytes:
-    (main, tail), [keys, BLOCK_D] and [keys, ROW_TAIL], the row's codes at main's columns from
-    shift on and tail's below it. The tail is read only where rows are shifted (shift > 0), so
-    no load leaves the granules the rows occupy."""
-    d = tl.arange(0, BLOCK_D)
-    t = tl.arange(0, ROW_TAIL)
-    # As bytes, whatever the codes' type (fp8 has no integer zero to mask with).
-    raw = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-    main_ptrs = raw + window_at[:, None] + d[None, :]
-    tail_ptrs = raw + window_at[:, None] + (BLOCK_D + t)[None, :]
-    tail_ok = key_ok[:, None] & (shift > 0)
-    if MASKED:
-        main = tl.load(main_ptrs, mask=key_ok[:, None], other=0)
-    else:
-        main = tl.load(main_ptrs)
-    tail = tl.load(tail_ptrs, mask=tail_ok, other=0)
-    return main, tail
-
-
-@triton.jit
-def window_keep(cols, lo, hi):
-    """Per column of a window, -1 (all bits) for the row's bytes [lo, hi) and 0 for the rest."""
-    return tl.where((cols >= lo) & (cols < hi), -1, 0).to(tl.int8)[None, :]
-
-
-@triton.jit
-def window_to_dot(
-    raw,
-    keep,
-    codes,
-    table_ptr,
-    DOT_DTYPE: tl.constexpr,
-    CODE_CONVERT: tl.constexpr,
-    PURE: tl.constexpr,
-    SANITIZE: tl.constexpr,
-):
-    """codes_to_dot of a window's bytes `raw`, read as `codes`. SANITIZE makes the bytes keep
-    marks 0 (a neighbour's, the row's scale) code 0 first: where a format has NaN codes those
-    bytes could be NaN, which the query's zeros in their columns would not cancel."""
-    if SANITIZE:
-        if CODE_CONVERT == CONVERT_E4M3_ASM:
-            return _e4m3x4_kept_to_fp16(raw, tl.broadcast_to(keep, raw.shape), PURE)
-        raw = raw & keep
-    return codes_to_dot(raw.to(codes, bitcast=True), table_ptr, DOT_DTYPE, CODE_CONVERT, PURE)
-
-
-@triton.jit
-def shifted_tile(
-    start,
-    kv_end,
-    bt_row,
-    m_i,
-    l_i,
-    acc,
-    acc_tail,
-    MASKED: tl.constexpr,
-    q,
-    q_tail,
-    row_scale,
-    q_offset,
-    pos,
-    window,
-    softcap,
-    kv_head,
-    shift,
-    head_at,
-    keep,
-    tail_keep,
-    k_ptr,
-    v_ptr,
-    ks_ptr,
-    vs_ptr,
-    table_ptr,
-    stride_kb,
-    stride_kt,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    CODE_CONVERT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SANITIZE: tl.constexpr,
-):
-    """paged_tile's decode on rows of 1-byte codes that start `shift` bytes past a 16-byte
-    boundary, the same for every key of this KV head (the inline page: rows head_size + 4
-    bytes apart, pages and slots 16-byte multiples). Each row is read as its aligned window
-    (window_codes) in 16-byte vectors, where the row's own alignment allows only 4-byte ones;
-    keep and tail_keep mark the row's bytes in each (window_keep). The query arrives shifted to match (q: columns [shift, BLOCK_D) hold its first
-    BLOCK_D - shift elements, q_tail's [0, shift) the rest, zeros elsewhere), and the output
-    leaves shifted back: acc holds output columns [0, BLOCK_D - shift) at [shift, BLOCK_D),
-    acc_tail the rest. Per-token-head scales, K and V laid out alike (SAME_KV_STRIDES)."""
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < kv_end
-    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-    in_page = keys % PAGE
-    window_at = tl.multiple_of(page * stride_kb + in_page * stride_kt + head_at, ROW_TAIL)
-    scale_at = page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh
-
-    codes = k_ptr.dtype.element_ty
-    kc, kc_tail = window_codes(k_ptr, window_at, key_ok, shift, MASKED, BLOCK_D)
-    ks = load_keys(ks_ptr + scale_at, key_ok, MASKED)
-    k = window_to_dot(kc, keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, True, SANITIZE)
-    k_tail = window_to_dot(kc_tail, tail_keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, True, SANITIZE)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PRECISION)
-    if offset_codes(CODE_CONVERT):
-        s = s - q_offset[:, None]
-    s = s * (row_scale[:, None] * ks[None, :])
-    if HAS_SOFTCAP:
-        s = softcap_logits(s, softcap)
-    visible = key_ok
-    if MASKED:
-        s, visible = mask_logits(s, keys, key_ok, pos, window, HAS_WINDOW)
-    m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
-
-    vc, vc_tail = window_codes(v_ptr, window_at, key_ok, shift, MASKED, BLOCK_D)
-    vs = load_keys(vs_ptr + scale_at, key_ok, MASKED)
-    pv, w = key_weights(p, vs, visible, DOT_DTYPE, MASKED)
-    # V's other columns may hold anything (NaN): they reach only acc columns no store reads.
-    v = window_to_dot(vc, keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, False, False)
-    v_tail = window_to_dot(vc_tail, tail_keep, codes, table_ptr, DOT_DTYPE, CODE_CONVERT, False, False)
-    pv_v = tl.dot(pv, v, input_precision=DOT_PRECISION)
-    pv_t = tl.dot(pv, v_tail, input_precision=DOT_PRECISION)
-    if offset_codes(CODE_CONVERT):
-        offset = I8_OFFSET * tl.sum(pv.to(tl.float32), axis=1)[:, None]
-        pv_v = pv_v - offset
-        pv_t = pv_t - offset
-    acc = acc * alpha[:, None] + pv_v * w[:, None]
-    acc_tail = acc_tail * alpha[:, None] + pv_t * w[:, None]
-    return m_i, l_i, acc, acc_tail
-
-
-@triton.jit
 def staged_tile(
     start,
     kv_end,
@@ -805,23 +643,17 @@ def attend(
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    CARRY_COLS: tl.constexpr,
 ):
     """The online softmax of a query tile over every key its rows see (within this program's
-    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, carry) after the last.
-    carry is what a tile keeps beside acc: staged_tile its V unit (a scalar, CARRY_COLS 0),
-    shifted_tile its tail columns ([BLOCK_M, CARRY_COLS]). Masked tiles come before the whole
-    ones (a window only), then the whole tiles without masks, then the masked tiles at the
-    causal edge."""
+    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
+    Masked tiles come before the whole ones (a window only), then the whole tiles without
+    masks, then the masked tiles at the causal edge."""
     kv_begin, kv_end, tile_first, tile_last = _key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CARRY_COLS > 0:
-        v_unit = tl.zeros([BLOCK_M, CARRY_COLS], tl.float32)
-    else:
-        v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
+    v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
     for phase in tl.static_range(3):
