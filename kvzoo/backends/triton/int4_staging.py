@@ -346,7 +346,6 @@ def _int4_staged_attention_kernel(
         False,
         HAS_SINKS,
         INTERPRETED,
-        0,
     )
     acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     store_rows(
