@@ -83,7 +83,9 @@ def main() -> int:
             base = min(first["us"], last["us"])
             print(f"{shape:>9} {mode:<22} separate          {first['us']:8.1f} / {last['us']:.1f} us  {first['check']}")
             for name, r in got:
-                rows.append(dict(shape=shape, mode=mode, variant=name, vs_separate=base / r["us"], separate_us=base, **r))
+                rows.append(
+                    dict(shape=shape, mode=mode, variant=name, vs_separate=base / r["us"], separate_us=base, **r)
+                )
                 print(
                     f"{shape:>9} {mode:<22} {name:<17} {r['us']:8.1f} us  {r['pct']:5.1f}% of copy  "
                     f"{base / r['us']:5.2f}x separate's speed  {r['check']}"

@@ -564,8 +564,17 @@ def _int4_write(run: Run):
     return (", ".join(f"{r.pct:.1f}% at {r.shape}" for r in rows), all(r.pct >= 80 for r in rows)) if rows else None
 
 
-# What the issues ask of these rows (figures the issues fix, not measurements). Issue 20's
-# fp8-prefill target needs rows gpu_bench.py does not time yet.
+def _fp8_dots_prefill(run: Run):
+    """fp8_dots prefill against torch SDPA bf16 at the largest prefill, with its error."""
+    big = run.largest("prefill")
+    f, sdpa = (run.find("prefill", big, v) if big else None for v in ("fp8 fp8-dots", "sdpa-bf16"))
+    if not (f and sdpa and f.error is not None):
+        return None
+    ratio = sdpa.time_us / f.time_us
+    return f"{ratio:.2f}x at {big}, error {f.error:.1e}", ratio >= 1.2 and f.error <= 3e-2
+
+
+# What the issues ask of these rows (figures the issues fix, not measurements).
 TARGETS = (
     Target(
         5,
@@ -593,6 +602,7 @@ TARGETS = (
     Target(20, "int8 decode >= 1.75x kvzoo bf16", _int8_vs_bf16(1.75)),
     Target(20, "decode on the inline page >= 0.95x the separate layout's speed", _inline_vs_separate),
     Target(20, "writes to the inline page >= 0.95x the separate layout's speed", _inline_writes),
+    Target(20, "fp8_dots prefill >= 1.2x torch SDPA bf16, error <= 3e-2", _fp8_dots_prefill),
     Target(
         19,
         f"int4 decode at 64x{DECODE_CONTEXT} >= 2.8x kvzoo bf16",
