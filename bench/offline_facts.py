@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402
+from kvzoo.layout import inline_views  # noqa: E402
 from kvzoo.modes import get_kv_quant_mode  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
@@ -82,6 +83,19 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
         k_scale_cache=scales[0],
         v_scale_cache=scales[1],
         quantize_query=quantize_query,
+    )
+
+
+def meta_inline(p: Attention) -> Attention:
+    """`p` on the inline page (each row's scale after its codes), in meta tensors."""
+    buffer = torch.empty((p.key_cache.shape[0], 2, BS, HKV, D + 4), dtype=torch.uint8, device="meta")
+    t = inline_views(buffer, D, p.mode)
+    return dataclasses.replace(
+        p,
+        key_cache=t.key_cache,
+        value_cache=t.value_cache,
+        k_scale_cache=t.k_scale_cache,
+        v_scale_cache=t.v_scale_cache,
     )
 
 
@@ -189,23 +203,28 @@ def main() -> None:
         cfg = K.decode_config(p, False) if decode else K.prefill_config(p)
         # Quantized decode also as it was before the third session's changes, one at a time:
         # 16 padded rows; and 2 stages on top (the second session's tile); V's addresses apart.
-        variants = [(cfg, True)]
+        variants = [(cfg, True, p)]
         if decode and cfg.min_rows == 1:
             padded = dataclasses.replace(cfg, min_rows=16)
-            variants += [(padded, True), (dataclasses.replace(padded, num_stages=2), True), (cfg, False)]
+            variants += [(padded, True, p), (dataclasses.replace(padded, num_stages=2), True, p), (cfg, False, p)]
+        if decode and p.mode.per_token_head and not qq:
+            # And on the inline page, at its own table row and at the separate layout's stages.
+            inline = meta_inline(p)
+            own = K.decode_config(inline, False)
+            variants += [(own, True, inline), (dataclasses.replace(own, num_stages=cfg.num_stages), True, inline)]
         if cfg.stage_kv:  # and the direct kernel it replaced
-            variants.append((K.direct_prefill_config(p), True))
-        for c, shared in variants:
+            variants.append((K.direct_prefill_config(p), True, p))
+        for c, shared, q in variants:
             if c.stage_kv:
-                call = K.staged_kernel_call(meta_staged(p), "cuda", c)
+                call = K.staged_kernel_call(meta_staged(q), "cuda", c)
             else:
-                call = K.kernel_call(p, "cuda", c, per_seq=decode, skip_decode=False)
+                call = K.kernel_call(q, "cuda", c, per_seq=decode, skip_decode=False)
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (
                 f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
                 f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
-                f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}"
+                f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}{' inline' if q is not p else ''}"
             )
             print(f"{label:70s} {facts(call)}", flush=True)
 

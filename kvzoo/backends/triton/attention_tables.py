@@ -109,10 +109,10 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
 }
 
 # Rows not 16-byte aligned (the inline page: each row head_size + 4 bytes after the last) load in
-# 4-byte copies, 3.5x as many copy instructions per key as aligned rows (ncu, int8 64 x 16384).
-# On 32-key tiles 2 stages ran them in 0.67x the time of the aligned rows' 5 (why was not
-# profiled), and faster than the 16-byte windows that shifted each row into alignment
-# (a8545db's attention_tiles.shifted_tile) at every tile timed.
+# 4-byte copies, each with its own address: 1.31x the aligned rows' instructions per 32-key tile
+# (int8, sm_90a SASS). At the aligned rows' 5 stages that tile spills (255 registers) and ran
+# 1.5x as long as at 2; 2 stages were also faster than the 16-byte windows that shifted each
+# row into alignment (a8545db's attention_tiles.shifted_tile) at every tile timed.
 _UNALIGNED_DECODE = (
     Run(
         "python3 bench/inline_probe.py",
