@@ -115,11 +115,11 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
 # row into alignment (a8545db's attention_tiles.shifted_tile) at every tile timed.
 _UNALIGNED_DECODE = (
     Run(
-        "python3 bench/inline_probe.py",
-        "a8545db",
-        "32-key tiles on 1 warp, 2 stages: int8 / fp8 0.85x / 0.86x of the separate layout's speed at "
-        "64 x 16384, 0.77x / 0.78x at 64 x 4096, 0.79x / 0.79x at 8 x 65536 (0.69-0.72x / 0.55-0.58x "
-        "before); 15 tiles of 16-128 keys, 1-4 warps, 1-7 stages on both read paths",
+        "bench/archive/RESULTS-history.md, sixteenth session, calls 3-5",
+        "dffca5d",
+        "32-key tiles on 1 warp, 2 stages, chosen at a8545db by two sweeps kept out of the tree (22 tiles of "
+        "16-128 keys, 1-4 warps, 1-7 stages, on 4-byte loads and on the windows); re-measured by "
+        "bench/inline_probe.py at dffca5d: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
     ),
 )
 UNALIGNED_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
