@@ -88,8 +88,9 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
 
 def meta_inline(p: Attention) -> Attention:
     """`p` on the inline page (each row's scale after its codes), in meta tensors."""
-    buffer = torch.empty((p.key_cache.shape[0], 2, BS, HKV, D + 4), dtype=torch.uint8, device="meta")
-    t = inline_views(buffer, D, p.mode)
+    blocks, block_size, heads, head_size = p.key_cache.shape
+    buffer = torch.empty((blocks, 2, block_size, heads, head_size + 4), dtype=torch.uint8, device="meta")
+    t = inline_views(buffer, head_size, p.mode)
     return dataclasses.replace(
         p,
         key_cache=t.key_cache,

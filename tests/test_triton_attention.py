@@ -772,8 +772,8 @@ def test_inline_decode_takes_the_unaligned_rows_tile(mode):
 @pytest.mark.parametrize("split_keys", [0, 64], ids=["single", "split"])
 def test_inline_decode_at_every_row_offset_against_float64(mode, heads, head_size, split_keys):
     # Every offset from 16-byte alignment a KV head's rows can have (0, 4, 8, 12 bytes, at
-    # either shape); in fp8 the bytes beside each row include NaN patterns (the scales'
-    # bytes), which must not reach the logits.
+    # either shape). In fp8 the scale bytes beside each row can read as NaN codes: a load that
+    # strayed past a row's codes would put them in the logits.
     extra = dict(sliding_window=40, softcap=30.0, sinks=True) if split_keys else {}
     p, around = _inline_decode(mode, heads, head_size, [300, 129, 64, 1], **extra)
     cfg = _kernels().AttentionConfig(1, 32, 1, 2, split_keys)

@@ -183,8 +183,8 @@ def _attention_kernel(
     FP8_CODE: tl.constexpr,
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
-    merge) and direct prefill. FP8_DOTS: both dots on e4m3
-    operands (fp8_dots, SPEC.md 8.3), e4m3 codes encoded with FP8_CODE."""
+    merge) and direct prefill. FP8_DOTS: both dots on e4m3 operands (fp8_dots, SPEC.md 8.3),
+    e4m3 codes encoded with FP8_CODE."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PER_SEQ:
@@ -312,7 +312,7 @@ def _attention_kernel(
     if SPLIT:
         # Decode: one token per sequence.
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
-        store_partials(*at, acc, m_i, l_i, row_ok, d, row_ok[:, None], NUM_Q_HEADS, BLOCK_D)
+        store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
         store_rows(
             out_ptr,

@@ -117,8 +117,8 @@ _UNALIGNED_DECODE = (
     Run(
         "bench/archive/RESULTS-history.md, sixteenth session, calls 3-5",
         "dffca5d",
-        "32-key tiles on 1 warp, 2 stages, chosen at a8545db by two sweeps kept out of the tree (22 tiles of "
-        "16-128 keys, 1-4 warps, 1-7 stages, on 4-byte loads and on the windows); re-measured by "
+        "32-key tiles on 1 warp, 2 stages, chosen at a8545db by two sweeps kept out of the tree (18 tiles of "
+        "16-128 keys, 1-4 warps, 1-7 stages; 29 tile and read-path pairs, 4-byte loads or the windows); re-measured by "
         "bench/inline_probe.py at dffca5d: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
     ),
 )

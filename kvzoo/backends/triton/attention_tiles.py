@@ -820,20 +820,16 @@ def store_partials(
     m_i,
     l_i,
     row_ok,
-    cols,
-    acc_mask,
     NUM_Q_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WITH_STATS: tl.constexpr = True,
 ):
-    """A split decode's partials for the merge, indexed [seq, q head, split]: acc at columns
-    `cols` of each row's BLOCK_D (where acc_mask), and the rows' running max and sum
-    (WITH_STATS: once per row, where a row's columns take more than one store)."""
+    """A split decode's partials for the merge, indexed [seq, q head, split]: each row's acc
+    (all BLOCK_D columns) and its running max and sum."""
     part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
-    if WITH_STATS:
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + cols[None, :], acc, mask=acc_mask)
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    cols = tl.arange(0, BLOCK_D)
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + cols[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
