@@ -605,7 +605,9 @@ class StepPlan:
         layer.check_written()
         recall_key = None
         if k_scale is None and v_scale is None and k_from is None and v_from is None:
-            recall_key = ("w", id(layer), recall.call_key((key, value)))
+            call = recall.call_key((key, value))
+            # A call call_key declines (a tensor subclass) is checked in full, and never kept.
+            recall_key = None if call is None else ("w", id(layer), call)
             launch = self._recall(recall_key, (key, value))
             if launch is not None:
                 kc, vc, ksc, vsc = layer.views[impl.array_kind]
@@ -681,7 +683,8 @@ class StepPlan:
             _refuse_overlap("query", query, memory.byte_extent(query), self._meta_extents[-1:], "write")
         recall_key = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
-            recall_key = ("a", id(layer), return_lse, recall.call_key((query, out)))
+            call = recall.call_key((query, out))
+            recall_key = None if call is None else ("a", id(layer), return_lse, call)
             launch = self._recall(recall_key, () if out is None else (out,), (query,))
             if launch is not None:
                 shape = tuple(query.shape)

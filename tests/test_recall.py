@@ -345,10 +345,14 @@ def _prepared_plan(gen):
     return spec, plan, spec.allocate(), tokens
 
 
+def _copy(caches):
+    return kvzoo.layout.KVCacheTensors(*(a.clone() for a in _cache_arrays(caches).values()))
+
+
 def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits):
     gen = torch.Generator().manual_seed(SEED + 17)
     spec, plan, caches, tokens = _prepared_plan(gen)
-    checked = kvzoo.layout.KVCacheTensors(*(a.clone() for a in _cache_arrays(caches).values()))
+    checked = _copy(caches)
     for _ in range(3):
         key, value = _rows(gen, tokens, HKV), _rows(gen, tokens, HKV)
         plan.write(key, value, caches)
@@ -377,6 +381,35 @@ def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits)
     overlapping = flat[query.numel() // 2 : query.numel() // 2 + query.numel()].view(query.shape)
     with pytest.raises(KVZooInputError, match="out: shares memory with query"):
         plan.attention(flat[: query.numel()].view(query.shape), caches, out=overlapping)
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass: recall.call_key cannot vouch for what its methods report."""
+
+
+def test_the_plan_checks_tensor_subclasses_in_full_every_call(plan_hits):
+    # Neither recalled nor kept: a kept entry would answer any later subclass call of the
+    # layer, whatever its shape.
+    gen = torch.Generator().manual_seed(SEED + 19)
+    _, plan, caches, tokens = _prepared_plan(gen)
+    checked = _copy(caches)  # written by the same plan, with plain tensors
+    for _ in range(2):
+        key, value = _rows(gen, tokens, HKV), _rows(gen, tokens, HKV)
+        plan.write(key.as_subclass(_Subclass), value.as_subclass(_Subclass), caches)
+        plan.write(key, value, checked)
+        for a, b in zip(_bytes(caches), _bytes(checked)):
+            assert torch.equal(a, b), "a plan write of tensor subclasses differs from one of tensors"
+        query = _rows(gen, tokens, HQ)
+        expected = plan.attention(query, checked)
+        given = torch.empty_like(query).as_subclass(_Subclass)
+        assert _same_bits(plan.attention(query.as_subclass(_Subclass), caches, out=given), expected)
+        assert _same_bits(plan.attention(query.as_subclass(_Subclass), caches), expected)
+    assert plan_hits["hits"] == 2  # the plain calls' second round only
+    narrow = _rows(gen, tokens, HKV)[..., : D // 2].as_subclass(_Subclass)
+    with pytest.raises(KVZooInputError, match="expected shape"):
+        plan.write(narrow, narrow, caches)
+    with pytest.raises(KVZooInputError, match="expected shape"):
+        plan.attention(_rows(gen, tokens, HQ)[..., : D // 2].as_subclass(_Subclass), caches)
 
 
 def _plan_over(buf, at, **meta_views):
