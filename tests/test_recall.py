@@ -412,6 +412,59 @@ def test_the_plan_checks_tensor_subclasses_in_full_every_call(plan_hits):
         plan.attention(_rows(gen, tokens, HQ)[..., : D // 2].as_subclass(_Subclass), caches)
 
 
+def _restrided(x):
+    """x's values with other strides (its last two dimensions laid out swapped), same shape."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _misaligned(x):
+    """x's values at an address one element past a 16-byte boundary, same shape and strides."""
+    return torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape).copy_(x)
+
+
+def test_the_plan_recalls_no_call_whose_metadata_differs(plan_hits):
+    # A recalled call skips the checks and launches what was prepared for the strides and
+    # alignment of the calls it was kept from: each thing the key reads, changed alone, takes
+    # the checked path (nothing recalled) and gives that path's result or refusal.
+    gen = torch.Generator().manual_seed(SEED + 23)
+    spec, plan, caches, tokens = _prepared_plan(gen)
+    checked = _copy(caches)
+    key, value = _rows(gen, tokens, HKV), _rows(gen, tokens, HKV)
+    for _ in range(2):
+        plan.write(key, value, caches)
+    query, out = _rows(gen, tokens, HQ), torch.empty(tokens, HQ, D, dtype=torch.bfloat16, device=_where["device"])
+    for _ in range(2):
+        plan.attention(query, caches, out=out)
+        plan.attention(query, caches)
+    assert plan_hits["hits"] == 3
+    assert _restrided(key).stride() != key.stride() and _misaligned(key).data_ptr() % 16
+    for k, v in ((_restrided(key), value), (key, _misaligned(value))):
+        plan.write(k, v, caches)
+        kvzoo.reshape_and_cache(
+            key, value, slot_mapping=plan.slot_mapping, mode=spec.mode, impl="triton-cuda", **_cache_arrays(checked)
+        )
+        for a, b in zip(_bytes(caches), _bytes(checked)):
+            assert torch.equal(a, b), "a write of other strides or alignment differs from a checked one"
+    expected = plan.attention(query, checked)
+    for q, o in (
+        (_restrided(query), None),
+        (_misaligned(query), out),
+        (query, _misaligned(out)),
+        (query, _restrided(out)),
+    ):
+        assert _same_bits(plan.attention(q, caches, out=o), expected)
+    for bad, name in (
+        (lambda: plan.write(key.clone().requires_grad_(), value, caches), "key: requires_grad"),
+        (lambda: plan.write(key, value.half(), caches), "value: expected dtype"),
+        (lambda: plan.attention(query.clone().requires_grad_(), caches, out=out), "query: requires_grad"),
+        (lambda: plan.attention(query, caches, out=out.half()), "out: expected dtype"),
+        (lambda: plan.attention(query[:, :, : D // 2], caches), "query: expected shape"),
+    ):
+        with pytest.raises(KVZooInputError, match=name):
+            bad()
+    assert plan_hits["hits"] == 3
+
+
 def _plan_over(buf, at, **meta_views):
     """A Triton plan whose caches (and any metadata tensor named in meta_views, by its byte
     offset) are views of one byte buffer, from offset `at`: arrays the test places in the same
