@@ -39,9 +39,10 @@ What a plan promises, and what it leaves to the caller:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
 import weakref
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -258,7 +259,7 @@ _CACHE_NAMES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 # Static scales remembered per caches object: a layer has two; a caller passing a new float on
 # every call must not grow the table without end.
 _MAX_STATICS = 16
-# Recalled per-layer calls a plan keeps (StepPlan._recall): a handful of argument shapes per layer.
+# Recalled per-layer calls a plan keeps (StepPlan._keep): a handful of argument shapes per layer.
 _MAX_RECALLED = 1024
 _LAYERS: dict[tuple[int, CacheSpec, str], _Layer] = {}
 
@@ -401,6 +402,36 @@ def _refused_starts(span: tuple[int, int], extents: Sequence[tuple[int, int]]) -
     return tuple(bound for pair in merged for bound in pair)
 
 
+class _Held:
+    """A layer as one plan holds it: the caches object (so its id stays its own), its checked
+    _Layer, and the recalled write and attention the layer's last calls went through (one
+    comparison finds them again, where the plan's table would hash the whole key)."""
+
+    __slots__ = ("layer", "tensors", "write", "attention")
+
+    def __init__(self, layer: _Layer, tensors: Any) -> None:
+        self.layer, self.tensors = layer, tensors
+        self.write: _Recalled | None = None
+        self.attention: _Recalled | None = None
+
+
+class _Recalled:
+    """What StepPlan._keep kept for later calls of one recall key (see there): call, the key
+    less its op and layer (what _Held's comparison reads); the launch; the operands it takes
+    beside the call's own arrays (fixed: after the first, tail: after out); per checked array,
+    the starts that the fixed extents refuse, and the differences (its address minus the other
+    array's) at which it meets the other array, as an open interval ((0, 0), empty, where
+    either has no span); and the shape of an allocated lse."""
+
+    __slots__ = ("call", "launch", "fixed", "tail", "refused", "apart", "lse_shape")
+
+    def __init__(
+        self, call: tuple, launch: Any, fixed: tuple, tail: tuple, refused: tuple, apart: tuple, lse_shape: Any
+    ) -> None:
+        self.call, self.launch, self.fixed, self.tail = call, launch, fixed, tail
+        self.refused, self.apart, self.lse_shape = refused, apart, lse_shape
+
+
 class StepPlan:
     """One engine step's checked metadata and chosen implementations; built by `plan_step`.
 
@@ -460,7 +491,7 @@ class StepPlan:
 
     # Per-layer checks: metadata only, and the fewest calls that give the functional API's errors.
 
-    def _layer(self, caches: Any) -> tuple[_Layer, Any, Any]:
+    def _layer(self, caches: Any) -> tuple[_Held, Any, Any]:
         tensors, k_scale, v_scale = caches, None, None
         if isinstance(caches, PagedKVCache):
             tensors, k_scale, v_scale = caches.tensors, caches.k_scale, caches.v_scale
@@ -473,8 +504,8 @@ class StepPlan:
                 ws = self.workspace
                 _refuse_overlap("workspace", ws, memory.byte_extent(ws), layer.extents, "read or write")
             # The plan holds the object beside its entry, so the id stays its own meanwhile.
-            held = self._layers[id(tensors)] = (layer, tensors)
-        return held[0], k_scale, v_scale
+            held = self._layers[id(tensors)] = _Held(layer, tensors)
+        return held, k_scale, v_scale
 
     def _operand(self, name: str, x: Array, shape: tuple[int, ...], layout: str) -> None:
         # The caller has run require_array(name, x).
@@ -502,30 +533,9 @@ class StepPlan:
     # A call whose own arguments have the metadata of one already checked for this layer
     # (recall.call_key: everything the per-layer checks read of them but their addresses) goes
     # from its arguments to the prepared launch, checking only what the addresses decide: that
-    # the arrays it writes meet none it reads, or none of the layer's caches it writes.
-
-    def _recall(self, recall_key: tuple | None, checked: Sequence[Array], others: Sequence[Array] = ()) -> Any:
-        """The prepared launch kept for recall_key, when the arrays `checked` meet, at their
-        addresses now, neither the fixed extents nor the arrays `others` the entry was kept
-        with (see _keep); else None. The hot path of every recalled call: one bisection per
-        checked array for the fixed extents, nothing recomputed from strides."""
-        entry = self._recalled.get(recall_key) if recall_key is not None else None
-        if entry is None:
-            return None
-        launch, spans, other_spans, refused_starts = entry
-        for x, span, refused in zip(checked, spans, refused_starts):
-            if span is None:
-                continue
-            start = recall.address(x)
-            if bisect.bisect_right(refused, start) & 1:
-                return None
-            low, high = start + span[0], start + span[1]
-            for other, other_span in zip(others, other_spans):
-                if other_span is not None:
-                    at = recall.address(other)
-                    if low < at + other_span[1] and at + other_span[0] < high:
-                        return None
-        return launch
+    # the arrays it writes meet none it reads, or none of the layer's caches it writes. That
+    # path is write's and attention's first lines, inlined: it is what every layer of every
+    # step runs, and each call or look-up it does not make is time the launch waits for.
 
     def _launch(
         self,
@@ -535,21 +545,20 @@ class StepPlan:
         make_problem: Callable[[], Any],
         layer: _Layer,
         own: tuple,
-        recall_key: tuple | None = None,
-        recall_by: tuple = ((), (), ()),
+        keep: Callable[[Any], None] | None = None,
     ) -> None:
         """Run one layer's call: through the launch `impl` prepared for operands of this
         signature (dtypes, strides, alignment) where it has one, else through run. own: the
-        operands that are not the layer's caches (whose signature the layer keeps). recall_key:
-        where the call's checks passed on arguments handed on as given, the key _recall keeps
-        the launch under; recall_by: what _keep checks later calls by (checked, against,
-        others)."""
+        operands that are not the layer's caches (whose signature the layer keeps). keep:
+        where the call's checks passed on arguments handed on as given, what keeps the launch
+        for later calls of its recall key (a partial of _keep)."""
         key = None
         if impl.prepare is not None:
             key = (op, layer.signatures[impl.array_kind], _registry.prepared_signature(own))
             launch = self._prepared.get(key)
             if launch is not None:
-                self._keep(recall_key, launch, *recall_by)
+                if keep is not None:
+                    keep(launch)
                 launch(operands)
                 return
         problem = make_problem()
@@ -560,7 +569,8 @@ class StepPlan:
                 # impl does not prepare this problem, so later layers go straight to run.
                 launch = self._prepared[key] = impl.prepare(problem)
                 if launch is not None:
-                    self._keep(recall_key, launch, *recall_by)
+                    if keep is not None:
+                        keep(launch)
                     launch(operands)
                     return
             impl.run(problem)
@@ -573,22 +583,36 @@ class StepPlan:
 
     def _keep(
         self,
-        recall_key: tuple | None,
-        launch: Any,
+        recall_key: tuple,
         checked: Sequence[Array],
-        against: Sequence[tuple] = (),
-        others: Sequence[Array] = (),
+        against: Sequence[tuple],
+        other: Array | None,
+        fixed: tuple,
+        tail: tuple,
+        lse_shape: tuple | None,
+        launch: Any,
     ) -> None:
-        """Keep `launch` for later calls of recall_key, with what _recall checks them by: the
-        spans of the arrays `checked` and `others`, and the extents of `against` ((name,
-        array, extent) each: the layer's and the plan's arrays, whose addresses do not change)."""
-        if recall_key is None or recall_key in self._recalled:
+        """Keep `launch` for later calls of recall_key, with what they are checked by: the
+        spans of the arrays `checked` (the call's written arrays) and of `other` (the one it
+        reads), and the extents of `against` ((name, array, extent) each: the layer's and the
+        plan's arrays, whose addresses do not change). fixed, tail: the launch's other
+        operands; lse_shape: that of the lse an attention call allocates (see _Recalled)."""
+        if recall_key in self._recalled:
             return
-        spans = tuple(None if x is None else recall.span(x) for x in checked)
-        other_spans = tuple(None if x is None else recall.span(x) for x in others)
-        fixed = [extent for _, _, extent in against if extent is not None]
-        refused = tuple(() if span is None else _refused_starts(span, fixed) for span in spans)
-        recall.put_bounded(self._recalled, recall_key, (launch, spans, other_spans, refused), _MAX_RECALLED)
+        if any(type(x) is not recall._TENSOR for x in (*checked, other) if x is not None):
+            # Only Triton prepares, and of torch tensors: recalled calls read data_ptr() as such.
+            return
+        spans = tuple(recall.span(x) for x in checked)
+        theirs = None if other is None else recall.span(other)
+        extents = [extent for _, _, extent in against if extent is not None]
+        refused = tuple(() if span is None else _refused_starts(span, extents) for span in spans)
+        # A checked array at address a meets the other at b when a + span[0] < b + theirs[1]
+        # and b + theirs[0] < a + span[1]: when a - b lies strictly between these two.
+        apart = tuple(
+            (0, 0) if span is None or theirs is None else (theirs[0] - span[1], theirs[1] - span[0]) for span in spans
+        )
+        entry = _Recalled(recall_key[-1], launch, fixed, tail, refused, apart, lse_shape)
+        recall.put_bounded(self._recalled, recall_key, entry, _MAX_RECALLED)
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
         """Quantize key/value rows into their slots of this layer's cache (reshape_and_cache).
@@ -601,18 +625,34 @@ class StepPlan:
         impl = self.write_impl
         if impl is None:
             fail("slot_mapping: this plan was built without slot_mapping, so it cannot write")
-        layer, k_from, v_from = self._layer(caches)
-        layer.check_written()
-        recall_key = None
+        # A caches object this plan holds is a KVCacheTensors (no static scales of its own);
+        # any other goes through _layer.
+        held = self._layers.get(id(caches))
+        k_from = v_from = None
+        if held is None:
+            held, k_from, v_from = self._layer(caches)
+        layer = held.layer
+        if not layer.write_checked:
+            layer.check_written()
+        call = None
         if k_scale is None and v_scale is None and k_from is None and v_from is None:
             call = recall.call_key((key, value))
             # A call call_key declines (a tensor subclass) is checked in full, and never kept.
-            recall_key = None if call is None else ("w", id(layer), call)
-            launch = self._recall(recall_key, (key, value))
-            if launch is not None:
-                kc, vc, ksc, vsc = layer.views[impl.array_kind]
-                launch((key, value, kc, vc, self.slot_mapping, ksc, vsc, None, None))
-                return
+            if call is not None:
+                entry = held.write
+                if entry is None or entry.call != call:
+                    entry = self._recalled.get(("w", id(layer), call))
+                if entry is not None:
+                    held.write = entry
+                    refused_key, refused_value = entry.refused
+                    # Read at these addresses, neither may meet the caches the call writes (a
+                    # refused start is at an odd index of its boundaries).
+                    if not (
+                        bisect_right(refused_key, key.data_ptr()) & 1
+                        or bisect_right(refused_value, value.data_ptr()) & 1
+                    ):
+                        entry.launch((key, value, *entry.fixed))
+                        return
         shape = self._key_shape
         require_array("key", key)
         self._operand("key", key, shape, "[num_tokens, num_kv_heads, head_size]")
@@ -631,8 +671,12 @@ class StepPlan:
         kc, vc, ksc, vsc = layer.for_kind(kind)
         own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
         operands = (own[0], own[1], kc, vc, self.slot_mapping, ksc, vsc, own[2], own[3])  # CacheWrite's order
-        if ks is not None or own[0] is not key or own[1] is not value:
-            recall_key = None  # recalled calls hand their arguments on as given
+        keep = None
+        if call is not None and ks is None and own[0] is key and own[1] is value:
+            # Recalled calls hand their arguments on as given.
+            fixed = (kc, vc, self.slot_mapping, ksc, vsc, None, None)
+            recall_key = ("w", id(layer), call)
+            keep = functools.partial(self._keep, recall_key, (key, value), layer.extents, None, fixed, (), None)
         self._launch(
             "reshape_and_cache",
             impl,
@@ -652,8 +696,7 @@ class StepPlan:
             ),
             layer,
             own,
-            recall_key,
-            ((key, value), layer.extents),
+            keep,
         )
 
     def attention(
@@ -676,25 +719,42 @@ class StepPlan:
         return_lse=True returns (out, lse), lse float32 [num_tokens, num_q_heads] as in
         kvzoo.paged_attention (allocated, or the writable array given as lse=).
         """
-        layer, k_from, v_from = self._layer(caches)
+        held = self._layers.get(id(caches))  # as in write
+        k_from = v_from = None
+        if held is None:
+            held, k_from, v_from = self._layer(caches)
+        layer = held.layer
         if self.workspace is not None:
             # The workspace is written by the call, the query read.
             require_array("query", query)
             _refuse_overlap("query", query, memory.byte_extent(query), self._meta_extents[-1:], "write")
-        recall_key = None
+        call = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
             call = recall.call_key((query, out))
-            recall_key = None if call is None else ("a", id(layer), return_lse, call)
-            launch = self._recall(recall_key, () if out is None else (out,), (query,))
-            if launch is not None:
-                shape = tuple(query.shape)
-                if out is None:
-                    out = same_kind_empty(query, shape, self.spec.model_dtype)
-                lse = same_kind_empty(query, shape[:2], "float32") if return_lse else None
-                kc, vc, ksc, vsc = layer.views[self.attention_impl.array_kind]
-                meta = (self.block_tables, self.seq_lens, self.query_start_loc)
-                launch((query, kc, vc, *meta, out, ksc, vsc, None, None, self.sinks, lse))
-                return (out, lse) if return_lse else out
+            if call is not None:
+                call = (return_lse, call)
+                entry = held.attention
+                if entry is None or entry.call != call:
+                    entry = self._recalled.get(("a", id(layer), call))
+                if entry is not None:
+                    held.attention = entry
+                    if out is None:  # then nothing the call is given is written
+                        # same_kind_empty's out (the query's shape, device and dtype, the
+                        # model's), without parsing them again.
+                        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+                        clear = True
+                    else:
+                        at = out.data_ptr()
+                        ((low, high),) = entry.apart
+                        clear = not (bisect_right(entry.refused[0], at) & 1 or low < at - query.data_ptr() < high)
+                    if clear:
+                        lse = (
+                            torch.empty(entry.lse_shape, dtype=torch.float32, device=query.device)
+                            if return_lse
+                            else None
+                        )
+                        entry.launch((query, *entry.fixed, out, *entry.tail, lse))
+                        return (out, lse) if return_lse else out
         require_array("query", query)
         num_tokens = self.num_tokens
         if num_tokens is None:  # planned without reading query_start_loc: rows as they come
@@ -809,13 +869,18 @@ class StepPlan:
                 )
             _run("paged_attention", problem(), None)
         else:
-            if sinks is not self.sinks or own[0] is not query or own[4] is not out or own[5] is not lse:
-                recall_key = None  # recalled calls hand their arguments on as given
-            recall_by: tuple = ((), (), ())
-            if given_out is not None:
-                # A given out is checked on recall against the caches, the metadata and the query.
-                recall_by = ((given_out,), (*layer.extents, *self._meta_extents), (query,))
-            self._launch("paged_attention", impl, operands, problem, layer, own, recall_key, recall_by)
+            keep = None
+            if call is not None and sinks is self.sinks and own[0] is query and own[4] is out and own[5] is lse:
+                # Recalled calls hand their arguments on as given. A given out is checked on
+                # recall against the caches, the metadata and the query.
+                checked, against = (
+                    ((given_out,), (*layer.extents, *self._meta_extents)) if given_out is not None else ((), ())
+                )
+                fixed = (kc, vc, self.block_tables, self.seq_lens, self.query_start_loc)
+                tail = (ksc, vsc, None, None, self.sinks)
+                recall_key = ("a", id(layer), call)
+                keep = functools.partial(self._keep, recall_key, checked, against, query, fixed, tail, shape[:2])
+            self._launch("paged_attention", impl, operands, problem, layer, own, keep)
         return (out, lse) if return_lse else out
 
 
@@ -967,7 +1032,7 @@ def plan_step(
     plan.num_tokens = num_tokens
     plan._layers = {}
     plan._prepared = {}  # (op, operand signature) -> the implementation's prepared launch, or None
-    plan._recalled = {}  # see StepPlan._recall
+    plan._recalled = {}  # see StepPlan._keep
     plan._forced = {op: _impl_for(impl, op) is not None for op in ("reshape_and_cache", "paged_attention")}
     plan._query_tail = (num_q_heads, spec.head_size)
 

@@ -305,20 +305,26 @@ def test_separate_tensors_with_the_inline_strides_choose_as_a_first_call(hits):
     assert hits["hits"] == 0
 
 
-# The plan's per-layer calls recall the same way (StepPlan._recall), per layer.
+# The plan's per-layer calls recall the same way (StepPlan._keep), per layer.
 
 
 @pytest.fixture
 def plan_hits(monkeypatch):
+    """Counts the plan's recalled launches: the launch StepPlan._keep keeps is run by recalled
+    calls only (the checked call that kept it runs its own)."""
     counted = {"hits": 0}
-    original = kvzoo.plan.StepPlan._recall
+    original = kvzoo.plan.StepPlan._keep
 
     def counting(self, *args):
-        launch = original(self, *args)
-        counted["hits"] += launch is not None
-        return launch
+        *kept_with, launch = args
 
-    monkeypatch.setattr(kvzoo.plan.StepPlan, "_recall", counting)
+        def counted_launch(operands):
+            counted["hits"] += 1
+            launch(operands)
+
+        original(self, *kept_with, counted_launch)
+
+    monkeypatch.setattr(kvzoo.plan.StepPlan, "_keep", counting)
     return counted
 
 
@@ -563,7 +569,7 @@ def test_a_recalled_out_over_the_plans_metadata_is_refused(plan_hits):
 
 
 def test_the_plans_refused_starts_are_exactly_the_overlapping_ones():
-    # StepPlan._recall refuses a recalled array by bisecting its address into ranges built
+    # StepPlan's recalled calls refuse an array by bisecting its address into ranges built
     # once from the fixed extents: every start must get the verdict of a direct comparison.
     from kvzoo.plan import _refused_starts
 
