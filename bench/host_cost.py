@@ -115,16 +115,18 @@ def bound_relaunch(plan, attr: str, call: Callable[[], None]) -> Callable[[], No
         launch = impl.prepare(problem, **kw)
         return None if launch is None else (lambda operands: seen.append((launch, operands)))
 
-    # The plan's tables of prepared and recalled launches are set aside, so the call prepares.
-    saved = plan._prepared.copy(), plan._recalled.copy()
-    plan._prepared.clear()
-    plan._recalled.clear()
+    # The plan's tables of prepared and recalled launches are set aside, so the call prepares
+    # (its layers too: each holds the launch its last recalled call went through).
+    tables = (plan._prepared, plan._recalled, plan._layers)
+    saved = [table.copy() for table in tables]
+    for table in tables:
+        table.clear()
     setattr(plan, attr, dataclasses.replace(impl, prepare=prepare))
     try:
         call()
     finally:
         setattr(plan, attr, impl)
-        for table, kept in zip((plan._prepared, plan._recalled), saved):
+        for table, kept in zip(tables, saved):
             table.clear()
             table.update(kept)
     if not seen:

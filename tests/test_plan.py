@@ -760,6 +760,29 @@ def test_host_cost_benchmark_quick():
         assert row in run.stdout, run.stdout
 
 
+def test_host_cost_sets_the_plans_recalled_launches_aside_for_its_bound_relaunch_rows():
+    # Its "bound relaunch" rows catch the launch the plan prepares for the call; a plan that
+    # recalled one instead (from its table, or the layer's last) would drop the rows silently.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import host_cost
+
+    device = "cuda" if CUDA else "cpu"
+    s = host_cost.build(host_cost.QUICK_SHAPE, "int8_per_token_head", device, "triton-cuda")
+    plan = kvzoo.plan_step(s["spec"], **s["plan_args"])
+
+    def write():
+        plan.write(s["key"], s["value"], s["caches"])
+
+    def attend():
+        plan.attention(s["query"], s["caches"], out=s["out"])
+
+    for _ in range(2):  # recalled from the second call on
+        write()
+        attend()
+    assert host_cost.bound_relaunch(plan, "write_impl", write) is not None
+    assert host_cost.bound_relaunch(plan, "attention_impl", attend) is not None
+
+
 # ------------------------------------------------------------------------------------------
 # CUDA graph (issue 16 item 5)
 
