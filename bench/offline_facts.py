@@ -57,7 +57,9 @@ _TRITON_TYPES = {
 }
 
 
-def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_query: bool = False) -> Attention:
+def meta_problem(
+    num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_query: bool = False, fp8_dots: bool = False
+) -> Attention:
     m = get_kv_quant_mode(mode)
     blocks = num_seqs * seq_len // BS
     code = torch.bfloat16 if m.code_dtype is None else torch.int8 if m.code_dtype == "int8" else torch.float8_e4m3fn
@@ -83,6 +85,7 @@ def meta_problem(num_seqs: int, q_len: int, seq_len: int, mode: str, quantize_qu
         k_scale_cache=scales[0],
         v_scale_cache=scales[1],
         quantize_query=quantize_query,
+        fp8_dots=fp8_dots,
     )
 
 
@@ -183,6 +186,7 @@ def main() -> None:
             ("int8_per_token_head", False),
             ("int8_per_token_head", True),
             ("fp8_per_token_head", False),
+            ("fp8_per_token_head", "fp8_dots"),
         )
     ]
     cases += [
@@ -192,6 +196,7 @@ def main() -> None:
             ("int8_per_token_head", False),
             ("int8_per_token_head", True),
             ("fp8_per_token_head", False),
+            ("fp8_per_token_head", "fp8_dots"),
         )
     ]
     print(
@@ -200,7 +205,8 @@ def main() -> None:
     )
     for kind, seqs, length, mode, qq in cases:
         decode = kind == "decode"
-        p = meta_problem(seqs, 1 if decode else length, length, mode, qq)
+        # qq: True for quantize_query, "fp8_dots" for that option.
+        p = meta_problem(seqs, 1 if decode else length, length, mode, qq is True, qq == "fp8_dots")
         cfg = K.decode_config(p, False) if decode else K.prefill_config(p)
         # Quantized decode also as it was before the third session's changes, one at a time:
         # 16 padded rows; and 2 stages on top (the second session's tile); V's addresses apart.
@@ -223,7 +229,7 @@ def main() -> None:
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (
-                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq else ''} rows {call.constexprs['BLOCK_M']} "
+                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq is True else ' fp8_dots' if qq else ''} rows {call.constexprs['BLOCK_M']} "
                 f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
                 f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}{' inline' if q is not p else ''}"
             )
