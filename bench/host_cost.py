@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,9 +104,12 @@ def bare_triton(impl, problem, module_name: str, kernel_names: tuple[str, ...]) 
     return launch
 
 
-def bound_relaunch(plan, attr: str, call: Callable[[], None]) -> Callable[[], None] | None:
-    """The launch the plan's implementation prepared for this call, with the call's operands:
-    kvzoo's relaunch and Triton's launcher alone (None where the implementation prepares none)."""
+def bound_relaunch(new_plan: Callable[[], Any], attr: str, call: Callable[[Any], None]) -> Callable[[], None] | None:
+    """The launch a fresh plan's implementation prepares for `call(plan)`, with the call's
+    operands: kvzoo's relaunch and Triton's launcher alone (None where the implementation
+    prepares none). A fresh plan, so its first call prepares: a plan that has run the call
+    already recalls its launch instead."""
+    plan = new_plan()
     impl = getattr(plan, attr)
     if impl.prepare is None:
         return None
@@ -115,20 +119,8 @@ def bound_relaunch(plan, attr: str, call: Callable[[], None]) -> Callable[[], No
         launch = impl.prepare(problem, **kw)
         return None if launch is None else (lambda operands: seen.append((launch, operands)))
 
-    # The plan's tables of prepared and recalled launches are set aside, so the call prepares
-    # (its layers too: each holds the launch its last recalled call went through).
-    tables = (plan._prepared, plan._recalled, plan._layers)
-    saved = [table.copy() for table in tables]
-    for table in tables:
-        table.clear()
     setattr(plan, attr, dataclasses.replace(impl, prepare=prepare))
-    try:
-        call()
-    finally:
-        setattr(plan, attr, impl)
-        for table, kept in zip(tables, saved):
-            table.clear()
-            table.update(kept)
+    call(plan)
     if not seen:
         return None
     launch, operands = seen[0]
@@ -206,6 +198,7 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     key, value, query, out, slots = s["key"], s["value"], s["query"], s["out"], s["slot_mapping"]
     mode = spec.mode
     plan = kvzoo.plan_step(spec, **s["plan_args"])
+    new_plan = lambda: kvzoo.plan_step(spec, **s["plan_args"])  # noqa: E731
     scales = dict(k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
 
     def write(validate):
@@ -236,7 +229,9 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     rows: dict[str, Callable[[], None] | None] = {
         "null op (torch.empty(0) + sync)": lambda: torch.empty(0, device=device),
         "write: CUDA-graph replay of the plan's call": graph_replay(plan_write, device),
-        "write: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "write_impl", plan_write),
+        "write: bound relaunch (kvzoo's prepared launch)": bound_relaunch(
+            new_plan, "write_impl", lambda p: p.write(key, value, c)
+        ),
         "write: Triton launch (kernel[grid](...))": bare_triton(
             w_impl, write_problem, "kvzoo.backends.triton.write_kernels", ("_reshape_and_cache_kernel",)
         ),
@@ -245,7 +240,9 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
         "write: reshape_and_cache validate=False": write(False),
         "write: reshape_and_cache validate=True": write(True),
         "attention: CUDA-graph replay of the plan's call": graph_replay(plan_attention, device),
-        "attention: bound relaunch (kvzoo's prepared launch)": bound_relaunch(plan, "attention_impl", plan_attention),
+        "attention: bound relaunch (kvzoo's prepared launch)": bound_relaunch(
+            new_plan, "attention_impl", lambda p: p.attention(query, c, out=out)
+        ),
         "attention: Triton launch (kernel[grid](...))": bare_triton(
             a_impl,
             attention_problem,

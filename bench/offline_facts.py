@@ -180,22 +180,22 @@ def facts(call: K.KernelCall) -> str:
 def main() -> None:
     K._num_sms = lambda device_index: H200_SMS  # the table's split choice as on the H200
     cases = [
-        ("decode", 64, 16384, mode, qq)
-        for mode, qq in (
-            ("none", False),
-            ("int8_per_token_head", False),
-            ("int8_per_token_head", True),
-            ("fp8_per_token_head", False),
+        ("decode", 64, 16384, mode, option)
+        for mode, option in (
+            ("none", None),
+            ("int8_per_token_head", None),
+            ("int8_per_token_head", "quantize_query"),
+            ("fp8_per_token_head", None),
             ("fp8_per_token_head", "fp8_dots"),
         )
     ]
     cases += [
-        ("prefill", 4, 4096, mode, qq)
-        for mode, qq in (
-            ("none", False),
-            ("int8_per_token_head", False),
-            ("int8_per_token_head", True),
-            ("fp8_per_token_head", False),
+        ("prefill", 4, 4096, mode, option)
+        for mode, option in (
+            ("none", None),
+            ("int8_per_token_head", None),
+            ("int8_per_token_head", "quantize_query"),
+            ("fp8_per_token_head", None),
             ("fp8_per_token_head", "fp8_dots"),
         )
     ]
@@ -203,10 +203,9 @@ def main() -> None:
         f"triton {triton.__version__}, target sm_90a. Spills in bytes (kernel_facts.py reports 4-byte words). "
         "Loops in code order: prefill's first is the sequence lookup; then whole tiles, masked tiles."
     )
-    for kind, seqs, length, mode, qq in cases:
+    for kind, seqs, length, mode, option in cases:
         decode = kind == "decode"
-        # qq: True for quantize_query, "fp8_dots" for that option.
-        p = meta_problem(seqs, 1 if decode else length, length, mode, qq is True, qq == "fp8_dots")
+        p = meta_problem(seqs, 1 if decode else length, length, mode, option == "quantize_query", option == "fp8_dots")
         cfg = K.decode_config(p, False) if decode else K.prefill_config(p)
         # Quantized decode also as it was before the third session's changes, one at a time:
         # 16 padded rows; and 2 stages on top (the second session's tile); V's addresses apart.
@@ -214,7 +213,7 @@ def main() -> None:
         if decode and cfg.min_rows == 1:
             padded = dataclasses.replace(cfg, min_rows=16)
             variants += [(padded, True, p), (dataclasses.replace(padded, num_stages=2), True, p), (cfg, False, p)]
-        if decode and p.mode.per_token_head and not qq:
+        if decode and p.mode.per_token_head and option is None:
             # And on the inline page, at its own table row and at the separate layout's stages.
             inline = meta_inline(p)
             own = K.decode_config(inline, False)
@@ -229,7 +228,7 @@ def main() -> None:
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (
-                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if qq is True else ' fp8_dots' if qq else ''} rows {call.constexprs['BLOCK_M']} "
+                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if option == 'quantize_query' else ' ' + option if option else ''} rows {call.constexprs['BLOCK_M']} "
                 f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
                 f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}{' inline' if q is not p else ''}"
             )

@@ -760,27 +760,24 @@ def test_host_cost_benchmark_quick():
         assert row in run.stdout, run.stdout
 
 
-def test_host_cost_sets_the_plans_recalled_launches_aside_for_its_bound_relaunch_rows():
-    # Its "bound relaunch" rows catch the launch the plan prepares for the call; a plan that
-    # recalled one instead (from its table, or the layer's last) would drop the rows silently.
+def test_host_cost_catches_the_prepared_launch_for_its_bound_relaunch_rows(monkeypatch):
+    # Its "bound relaunch" rows catch the launch a plan prepares for the call. On the H200 the
+    # graph-replay rows run the bench's plan first, after which that plan recalls the launch
+    # instead of preparing it: rows taken from it dropped out of a run silently. The CPU has
+    # no graphs, so the replay rows' calls are made here as the GPU makes them.
     sys.path.insert(0, str(ROOT / "bench"))
     import host_cost
 
+    def replay_as_on_a_gpu(call, device):
+        call()
+        call()
+
+    monkeypatch.setattr(host_cost, "graph_replay", replay_as_on_a_gpu)
     device = "cuda" if CUDA else "cpu"
     s = host_cost.build(host_cost.QUICK_SHAPE, "int8_per_token_head", device, "triton-cuda")
-    plan = kvzoo.plan_step(s["spec"], **s["plan_args"])
-
-    def write():
-        plan.write(s["key"], s["value"], s["caches"])
-
-    def attend():
-        plan.attention(s["query"], s["caches"], out=s["out"])
-
-    for _ in range(2):  # recalled from the second call on
-        write()
-        attend()
-    assert host_cost.bound_relaunch(plan, "write_impl", write) is not None
-    assert host_cost.bound_relaunch(plan, "attention_impl", attend) is not None
+    rows, _ = host_cost.calls(s, "triton-cuda", device)
+    assert rows["write: bound relaunch (kvzoo's prepared launch)"] is not None
+    assert rows["attention: bound relaunch (kvzoo's prepared launch)"] is not None
 
 
 # ------------------------------------------------------------------------------------------
