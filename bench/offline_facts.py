@@ -179,26 +179,15 @@ def facts(call: K.KernelCall) -> str:
 
 def main() -> None:
     K._num_sms = lambda device_index: H200_SMS  # the table's split choice as on the H200
-    cases = [
-        ("decode", 64, 16384, mode, option)
-        for mode, option in (
-            ("none", None),
-            ("int8_per_token_head", None),
-            ("int8_per_token_head", "quantize_query"),
-            ("fp8_per_token_head", None),
-            ("fp8_per_token_head", "fp8_dots"),
-        )
-    ]
-    cases += [
-        ("prefill", 4, 4096, mode, option)
-        for mode, option in (
-            ("none", None),
-            ("int8_per_token_head", None),
-            ("int8_per_token_head", "quantize_query"),
-            ("fp8_per_token_head", None),
-            ("fp8_per_token_head", "fp8_dots"),
-        )
-    ]
+    modes = (
+        ("none", None),
+        ("int8_per_token_head", None),
+        ("int8_per_token_head", "quantize_query"),
+        ("fp8_per_token_head", None),
+        ("fp8_per_token_head", "fp8_dots"),
+    )
+    cases = [("decode", 64, 16384, mode, option) for mode, option in modes]
+    cases += [("prefill", 4, 4096, mode, option) for mode, option in modes]
     print(
         f"triton {triton.__version__}, target sm_90a. Spills in bytes (kernel_facts.py reports 4-byte words). "
         "Loops in code order: prefill's first is the sequence lookup; then whole tiles, masked tiles."
