@@ -421,15 +421,13 @@ class _Recalled:
     beside the call's own arrays (fixed: after the first, tail: after out); per checked array,
     the starts that the fixed extents refuse, and the differences (its address minus the other
     array's) at which it meets the other array, as an open interval ((0, 0), empty, where
-    either has no span); and the shape of an allocated lse."""
+    either has no span)."""
 
-    __slots__ = ("call", "launch", "fixed", "tail", "refused", "apart", "lse_shape")
+    __slots__ = ("call", "launch", "fixed", "tail", "refused", "apart")
 
-    def __init__(
-        self, call: tuple, launch: Any, fixed: tuple, tail: tuple, refused: tuple, apart: tuple, lse_shape: Any
-    ) -> None:
+    def __init__(self, call: tuple, launch: Any, fixed: tuple, tail: tuple, refused: tuple, apart: tuple) -> None:
         self.call, self.launch, self.fixed, self.tail = call, launch, fixed, tail
-        self.refused, self.apart, self.lse_shape = refused, apart, lse_shape
+        self.refused, self.apart = refused, apart
 
 
 class StepPlan:
@@ -589,14 +587,13 @@ class StepPlan:
         other: Array | None,
         fixed: tuple,
         tail: tuple,
-        lse_shape: tuple | None,
         launch: Any,
     ) -> None:
         """Keep `launch` for later calls of recall_key, with what they are checked by: the
         spans of the arrays `checked` (the call's written arrays) and of `other` (the one it
         reads), and the extents of `against` ((name, array, extent) each: the layer's and the
         plan's arrays, whose addresses do not change). fixed, tail: the launch's other
-        operands; lse_shape: that of the lse an attention call allocates (see _Recalled)."""
+        operands (see _Recalled)."""
         if recall_key in self._recalled:
             return
         if any(type(x) is not recall._TENSOR for x in (*checked, other) if x is not None):
@@ -611,7 +608,7 @@ class StepPlan:
         apart = tuple(
             (0, 0) if span is None or theirs is None else (theirs[0] - span[1], theirs[1] - span[0]) for span in spans
         )
-        entry = _Recalled(recall_key[-1], launch, fixed, tail, refused, apart, lse_shape)
+        entry = _Recalled(recall_key[-1], launch, fixed, tail, refused, apart)
         recall.put_bounded(self._recalled, recall_key, entry, _MAX_RECALLED)
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
@@ -676,7 +673,7 @@ class StepPlan:
             # Recalled calls hand their arguments on as given.
             fixed = (kc, vc, self.slot_mapping, ksc, vsc, None, None)
             recall_key = ("w", id(layer), call)
-            keep = functools.partial(self._keep, recall_key, (key, value), layer.extents, None, fixed, (), None)
+            keep = functools.partial(self._keep, recall_key, (key, value), layer.extents, None, fixed, ())
         self._launch(
             "reshape_and_cache",
             impl,
@@ -749,7 +746,7 @@ class StepPlan:
                         clear = not (bisect_right(entry.refused[0], at) & 1 or low < at - query.data_ptr() < high)
                     if clear:
                         lse = (
-                            torch.empty(entry.lse_shape, dtype=torch.float32, device=query.device)
+                            torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
                             if return_lse
                             else None
                         )
@@ -879,7 +876,7 @@ class StepPlan:
                 fixed = (kc, vc, self.block_tables, self.seq_lens, self.query_start_loc)
                 tail = (ksc, vsc, None, None, self.sinks)
                 recall_key = ("a", id(layer), call)
-                keep = functools.partial(self._keep, recall_key, checked, against, query, fixed, tail, shape[:2])
+                keep = functools.partial(self._keep, recall_key, checked, against, query, fixed, tail)
             self._launch("paged_attention", impl, operands, problem, layer, own, keep)
         return (out, lse) if return_lse else out
 
