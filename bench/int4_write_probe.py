@@ -9,7 +9,8 @@ Correctness: every shape of CHECK_TOKENS x CHECK_HEAD_SIZES x dtype x int4 mode 
 32768-token rows in bf16 only, for the reference's time), the two-row tiles that
 int4_write.MIN_TILE_ROWS guards, and each timed variant at its own shape: caches of random
 bytes, slots at random with some skipped, every written row equal to the NumPy
-implementation's bytes and every other byte unchanged. Any difference stops the run (exit 1).
+implementation's bytes and every other byte unchanged. A difference in the table's launch stops the run
+(exit 1); a variant that differs is reported, left out of the timing, and the run exits 1.
 
 Timing (as bench/gpu_bench.py): CUDA-graph replays of the write over input sets rotated past
 the L2, median over REPS replays. Variants (VARIANTS, int4_write._write_call's options): the
@@ -73,6 +74,8 @@ VARIANTS = (
     ("64 rows w2", {"tile": (8, 8, 2)}),
     ("128 rows w4", {"tile": (16, 8, 4)}),
 )
+# Tried and not kept (branch int4-write-lanes, docs/int4_write_notes.md): a row over 2 or 4
+# lanes, and the rotated rows' max and min on bf16x2 words.
 ROTATE_BYTES = 256 << 20  # input sets per timing exceed this (H200 L2: 50 MB)
 MAX_SETS = 8
 REPS = 40
@@ -321,7 +324,9 @@ def same_bytes_copy(nbytes: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_checks(rng, device, smoke: bool, timed_variants, grid: bool = True) -> int:
+def run_checks(rng, device, smoke: bool, timed_variants, failed: set, grid: bool = True) -> int:
+    """Checks the table's launch on the grid of shapes (any difference raises) and each timed
+    variant at its own shape (a variant that differs is added to failed)."""
     launch = launcher(int4_write)
     tokens = (1, 3, 16, 37) if smoke else CHECK_TOKENS
     head_sizes = (64, 128) if smoke else CHECK_HEAD_SIZES
@@ -348,7 +353,12 @@ def run_checks(rng, device, smoke: bool, timed_variants, grid: bool = True) -> i
         for T, H, d, dtype in ((37, 3, 128, "bfloat16"),) if smoke else TIMED[:1]:
             for mode in INT4:
                 p = make_problem(rng, mode, T, H, d, dtype, device)
-                check(p, variant, f"variant {name}: {mode} T={T} {dtype}", max_tokens=2048)
+                try:
+                    check(p, variant, f"variant {name}: {mode} T={T} {dtype}", max_tokens=2048)
+                except AssertionError as e:
+                    # A wrong variant is reported and left out of the timing; the rest still run.
+                    print(f"FAILED {e}")
+                    failed.add(name)
                 n += 1
     return n
 
@@ -386,9 +396,14 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     t0 = time.perf_counter()
-    n = run_checks(rng, device, smoke or args.quick, variants, grid=not args.quick)
-    print(f"checks: {n} problems, every written byte the NumPy implementation's ({time.perf_counter() - t0:.0f} s)")
-    result = {"seed": seed, "checks": n, "rows": []}
+    failed: set[str] = set()
+    n = run_checks(rng, device, smoke or args.quick, variants, failed, grid=not args.quick)
+    variants = [(name, v) for name, v in variants if name not in failed]
+    print(
+        f"checks: {n} problems ({time.perf_counter() - t0:.0f} s): every written byte the NumPy implementation's"
+        + (f" but in variants {sorted(failed)}, left out of the timing" if failed else "")
+    )
+    result = {"seed": seed, "checks": n, "failed_variants": sorted(failed), "rows": []}
     if not smoke and not args.no_timing:
         result["copy_ceiling_GBps"] = ceil = copy_ceiling()
         print(f"copy ceiling {ceil:,.0f} GB/s (1 GiB, read + written)")
@@ -435,7 +450,7 @@ def main() -> int:
     out = os.environ.get("OUT")
     if out:
         Path(out, "int4_write_probe.json").write_text(json.dumps(result, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
