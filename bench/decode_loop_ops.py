@@ -9,9 +9,7 @@ as bench/offline_facts.py compiles them (no GPU).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # Compiled, never interpreted: @triton.jit reads this when the kernels module is imported.
@@ -32,14 +30,7 @@ SHOWN = 24  # opcodes, the int4 tile's most frequent first
 
 def whole_tile_ops(call: attention_kernels.KernelCall):
     """Opcode counts of the call's whole-tile loop (the shortest: masked tiles add the masks)."""
-    compiled = offline_facts.compile_call(call)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        subprocess.run([offline_facts.BIN / "ptxas", "--gpu-name", "sm_90a", ptx, "-o", cubin], check=True)
-        sass = subprocess.run(
-            [offline_facts.BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
+    _, _, sass = offline_facts.assemble(call)
     return min(offline_facts.loop_bodies(sass), key=lambda ops: sum(ops.values()))
 
 
@@ -54,7 +45,7 @@ def main() -> None:
     print(f"decode {SEQS} x {CONTEXT}, whole-tile loop, SASS instructions per thread")
     print(f"{'opcode':10s}" + "".join(f"{name:>8s}" for name in columns))
     print(f"{'all':10s}" + "".join(f"{sum(ops.values()):8d}" for ops in columns.values()))
-    order = sorted(set().union(*columns.values()), key=lambda op: -columns["int4"].get(op, 0))
+    order = sorted(set().union(*columns.values()), key=lambda op: (-columns["int4"].get(op, 0), op))
     for op in order[:SHOWN]:
         print(f"{op:10s}" + "".join(f"{ops.get(op, 0):8d}" for ops in columns.values()))
 

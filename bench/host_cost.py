@@ -197,8 +197,8 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     spec, c, meta = s["spec"], s["caches"], s["meta"]
     key, value, query, out, slots = s["key"], s["value"], s["query"], s["out"], s["slot_mapping"]
     mode = spec.mode
-    plan = kvzoo.plan_step(spec, **s["plan_args"])
     new_plan = lambda: kvzoo.plan_step(spec, **s["plan_args"])  # noqa: E731
+    plan = new_plan()
     scales = dict(k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
 
     def write(validate):

@@ -324,9 +324,10 @@ def same_bytes_copy(nbytes: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_checks(rng, device, smoke: bool, timed_variants, failed: set, grid: bool = True) -> int:
+def run_checks(rng, device, smoke: bool, timed_variants, grid: bool = True) -> tuple[int, set[str]]:
     """Checks the table's launch on the grid of shapes (any difference raises) and each timed
-    variant at its own shape (a variant that differs is added to failed)."""
+    variant at its own shape: (problems checked, the names of the variants that differed)."""
+    failed: set[str] = set()
     launch = launcher(int4_write)
     tokens = (1, 3, 16, 37) if smoke else CHECK_TOKENS
     head_sizes = (64, 128) if smoke else CHECK_HEAD_SIZES
@@ -360,7 +361,7 @@ def run_checks(rng, device, smoke: bool, timed_variants, failed: set, grid: bool
                     print(f"FAILED {e}")
                     failed.add(name)
                 n += 1
-    return n
+    return n, failed
 
 
 def main() -> int:
@@ -396,8 +397,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     t0 = time.perf_counter()
-    failed: set[str] = set()
-    n = run_checks(rng, device, smoke or args.quick, variants, failed, grid=not args.quick)
+    n, failed = run_checks(rng, device, smoke or args.quick, variants, grid=not args.quick)
     variants = [(name, v) for name, v in variants if name not in failed]
     print(
         f"checks: {n} problems ({time.perf_counter() - t0:.0f} s): every written byte the NumPy implementation's"

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # Compiled, never interpreted: @triton.jit reads this when the kernels module is imported.
 os.environ.pop("TRITON_INTERPRET", None)
@@ -157,7 +158,8 @@ def loop_bodies(sass: str) -> list[collections.Counter]:
     return loops
 
 
-def facts(call: K.KernelCall) -> str:
+def assemble(call: K.KernelCall) -> tuple[Any, str, str]:
+    """(the compiled kernel, ptxas -v's report, the SASS) of a launch, for sm_90a."""
     ck = compile_call(call)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
@@ -166,6 +168,11 @@ def facts(call: K.KernelCall) -> str:
             [BIN / "ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin], capture_output=True, text=True, check=True
         ).stderr
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return ck, ptxas, sass
+
+
+def facts(call: K.KernelCall) -> str:
+    ck, ptxas, sass = assemble(call)
     regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", ptxas).group(1))
     buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:i8|bf16|f16|f8E4M3FN)", ck.asm["ttgir"])})
@@ -175,6 +182,10 @@ def facts(call: K.KernelCall) -> str:
         f"regs {regs:3d} spills {spills:3d} smem {ck.metadata.shared // 1024:3d} KB "
         f"K/V buffers {buffers} {mma:8s} instructions per loop [{loops}]"
     )
+
+
+# How each case's option reads in its label.
+OPTION_LABEL = {None: "", "quantize_query": " qq", "fp8_dots": " fp8_dots"}
 
 
 def main() -> None:
@@ -217,7 +228,7 @@ def main() -> None:
             if not shared:
                 call.constexprs["SAME_KV_STRIDES"] = False
             label = (
-                f"{kind} {seqs}x{length} {mode[:4]}{' qq' if option == 'quantize_query' else ' ' + option if option else ''} rows {call.constexprs['BLOCK_M']} "
+                f"{kind} {seqs}x{length} {mode[:4]}{OPTION_LABEL[option]} rows {call.constexprs['BLOCK_M']} "
                 f"keys {c.block_n} w{c.num_warps} s{c.num_stages} split {c.split_keys}"
                 f"{'' if shared else ' V apart'}{' staged' if c.stage_kv else ''}{' inline' if q is not p else ''}"
             )
