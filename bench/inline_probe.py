@@ -1,9 +1,11 @@
-"""Decode on the inline page against the separate layout, side by side in one process, on
-gpu_bench.py's decode shapes and checks: the inline page at its table row
+"""Decode and writes on the inline page against the separate layout, side by side in one
+process, on gpu_bench.py's shapes and checks: decode on the inline page at its table row
 (attention_tables.UNALIGNED_DECODE_TILES) and at the other tiles timed for that row, the
-separate layout at its own (DECODE_TILES).
+separate layout at its own (DECODE_TILES); writes with and without wide_rows' wide copies, and
+at one warp a program.
 
     PYTHONPATH=. python3 bench/inline_probe.py [--shapes 64x16384,8x65536] [--tiles 32:1:2,64:1:1]
+        [--write-tokens 4096,32768]
     OUT=DIR ...                                                    (also DIR/inline_probe.json)
     PYTHONPATH=. python bench/inline_probe.py --dry-run            (CPU, Triton interpreter: checks the script)
 
@@ -15,6 +17,7 @@ the power cap shows as a difference between its two figures; ratios use the fast
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,11 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench as gb  # noqa: E402
 
 from kvzoo import api, recall  # noqa: E402
-from kvzoo.backends.triton import attention_kernels  # noqa: E402
+from kvzoo.backends.triton import attention_kernels, wide_rows, write_kernels  # noqa: E402
 from kvzoo.backends.triton.attention_tables import NOT_TIMED, DecodeTile  # noqa: E402
 
 # The tiles the table row was chosen from besides its own (block_n:warps:stages).
 OTHER_TILES = "32:1:5,32:1:1,32:1:3,16:1:2,64:1:1,64:1:2,128:4:1"
+
+
+def _forget() -> None:
+    # Tiles, warps and wide copies are chosen at launch preparation: forget prepared and
+    # recalled launches so they are chosen again.
+    recall.forget()
+    api._PREPARED.clear()
 
 
 def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, ceil) -> dict:
@@ -37,10 +47,7 @@ def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, cei
     if tile is not None:
         for key in table:
             table[key] = DecodeTile(*tile, NOT_TIMED)
-    # The tile is chosen at launch preparation: forget prepared and recalled launches so it is
-    # chosen again.
-    recall.forget()
-    api._PREPARED.clear()
+    _forget()
     try:
         rng = gb.rng_for("inline_probe", variant, len(seq_lens))
         nbytes = gb._attn_bytes(variant, q_lens, seq_lens)
@@ -56,6 +63,54 @@ def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, cei
     return {"us": t * 1e6, "pct": pct, "check": check, "how": how}
 
 
+def _time_write(mode: str, tokens: int, ceil, wide: bool = True, warps: int | None = None) -> dict:
+    """A write of `tokens` rows as gpu_bench times it; warps: every program's, instead of the
+    kernel's rule."""
+    rule = write_kernels._write_warps
+    wide_rows.ENABLED = wide
+    if warps is not None:
+        write_kernels._write_warps = lambda *a, **k: warps
+    _forget()
+    try:
+        nbytes = gb._write_bytes(tokens, mode)
+        rng = gb.rng_for("inline_probe", "write", tokens, mode)
+        sets = [gb._write_set(tokens, mode, rng) for _ in range(gb.n_sets_for(nbytes))]
+        check = gb._check_write(sets[0])
+        t, how = gb.measure(lambda i: gb._write_call(sets[i]), len(sets), 50)
+        sets.clear()
+        gb.free()
+    finally:
+        write_kernels._write_warps = rule
+        wide_rows.ENABLED = True
+    return {"us": t * 1e6, "pct": 100 * nbytes / t / 1e9 / ceil["copy_GBps"], "check": check, "how": how}
+
+
+def _side_by_side(shape: str, mode: str, time_separate, variants, rows: list) -> None:
+    """Time the separate layout, each inline variant (name, its timing call), and the separate
+    layout again; print them and add them to rows."""
+    first = time_separate()
+    got = [(name, timed()) for name, timed in variants]
+    last = time_separate()
+    base = min(first["us"], last["us"])
+    print(f"{shape:>9} {mode:<22} separate             {first['us']:8.1f} / {last['us']:.1f} us  {first['check']}")
+    for name, r in got:
+        rows.append(dict(shape=shape, mode=mode, variant=name, vs_separate=base / r["us"], separate_us=base, **r))
+        print(
+            f"{shape:>9} {mode:<22} {name:<20} {r['us']:8.1f} us  {r['pct']:5.1f}% of copy  "
+            f"{base / r['us']:5.2f}x separate's speed  {r['check']}"
+        )
+
+
+def _writes(tokens_list, modes, ceil, rows: list) -> None:
+    options = (("inline write", {}), ("inline write, narrow", {"wide": False}), ("inline write, 1 warp", {"warps": 1}))
+    for tokens in tokens_list:
+        for mode in modes:
+            variants = [
+                (name, functools.partial(_time_write, mode + gb.INLINE, tokens, ceil, **kw)) for name, kw in options
+            ]
+            _side_by_side(f"T={tokens}", mode, functools.partial(_time_write, mode, tokens, ceil), variants, rows)
+
+
 def _tiles(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in t.split(":")) for t in text.split(",") if t]
 
@@ -65,10 +120,11 @@ def main() -> int:
     ap.add_argument("--shapes", default="64x4096,64x16384,8x65536")
     ap.add_argument("--modes", default="int8_per_token_head,fp8_per_token_head")
     ap.add_argument("--tiles", default=OTHER_TILES, help="other inline tiles, block_n:warps:stages, comma list")
+    ap.add_argument("--write-tokens", default="4096,32768", help="write sizes, comma list (empty: none)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (gpu_bench reads the flag)")
     args = ap.parse_args()
     if args.dry_run:
-        args.shapes, args.tiles = "2x40", "64:1:1"
+        args.shapes, args.tiles, args.write_tokens = "2x40", "64:1:1", "40"
     ceil = gb.ceilings(quick=True)
     print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s; commit {gb._commit()}")
     rows = []
@@ -76,20 +132,12 @@ def main() -> int:
         batch, ctx = map(int, shape.split("x"))
         q_lens, seq_lens = [1] * batch, [ctx] * batch
         for mode in args.modes.split(","):
-            first = _time(mode, None, q_lens, seq_lens, ceil)
             inline = [("inline, table row", None)] + [(f"inline {t}", t) for t in _tiles(args.tiles)]
-            got = [(name, _time(mode + gb.INLINE, t, q_lens, seq_lens, ceil)) for name, t in inline]
-            last = _time(mode, None, q_lens, seq_lens, ceil)
-            base = min(first["us"], last["us"])
-            print(f"{shape:>9} {mode:<22} separate          {first['us']:8.1f} / {last['us']:.1f} us  {first['check']}")
-            for name, r in got:
-                rows.append(
-                    dict(shape=shape, mode=mode, variant=name, vs_separate=base / r["us"], separate_us=base, **r)
-                )
-                print(
-                    f"{shape:>9} {mode:<22} {name:<17} {r['us']:8.1f} us  {r['pct']:5.1f}% of copy  "
-                    f"{base / r['us']:5.2f}x separate's speed  {r['check']}"
-                )
+            variants = [
+                (name, functools.partial(_time, mode + gb.INLINE, t, q_lens, seq_lens, ceil)) for name, t in inline
+            ]
+            _side_by_side(shape, mode, functools.partial(_time, mode, None, q_lens, seq_lens, ceil), variants, rows)
+    _writes([int(t) for t in args.write_tokens.split(",") if t], args.modes.split(","), ceil, rows)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

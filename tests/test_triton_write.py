@@ -478,7 +478,7 @@ for code, per_tensor, qmax, qmin, nan, infs, cache in (
                  v_scale_ptr="*fp32", slot_ptr="*i64")
     consts = dict(CODE=code, PER_TENSOR=per_tensor, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
                   INF_POS=infs[0], INF_NEG=infs[1], SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128,
-                  ROW_ALIGN=4)  # the inline page's rows: the alignment hint compiles too
+                  ROW_ALIGN=4, WIDE_ROW_COPIES=True)  # the inline page's rows: the hints compile too
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
@@ -489,19 +489,24 @@ for code, per_tensor, qmax, qmin, nan, infs, cache in (
         ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
         ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
 # The inline page's rows (4-byte aligned, which no stride argument shows): with the alignment
-# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time.
+# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time; with the wide
+# copies (wide_rows) 16 codes a thread in one run, without them 4.
 stores = {}
-for row_align in (4, 1):
+for row_align, wide in ((4, True), (4, False), (1, False)):
     consts = dict(CODE=1, PER_TENSOR=False, IN_KIND=2, QMAX=127.0, QMIN=-128.0, NAN_CODE=0, INF_POS=0x7F,
                   INF_NEG=0x80, SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128, EVEN_D=True,
-                  ROW_ALIGN=row_align, s_kd=1, s_vd=1, s_kcd=1, s_vcd=1)  # unit strides: as Triton specialises
+                  ROW_ALIGN=row_align, WIDE_ROW_COPIES=wide,
+                  s_kd=1, s_vd=1, s_kcd=1, s_vcd=1)  # unit strides: as Triton specialises
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     sig.update(key_cache_ptr="*i8", value_cache_ptr="*i8")
     pointers = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
                     attrs=pointers)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"]
-    stores[row_align] = {w: len(re.findall(rf"st\.global\.{w}\b", ptx)) for w in ("b8", "b32")}
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm
+    counts = {w: len(re.findall(rf"st\.global\.{w}\b", asm["ptx"])) for w in ("b8", "b32")}
+    # The widest per-thread run of any [rows, D] layout: the store's (it is the widest allowed).
+    counts["per_thread"] = max(int(n) for n in re.findall(r"sizePerThread = \[1, (\d+)\]", asm["ttgir"]))
+    stores[f"{row_align}{' wide' if wide else ''}"] = counts
 out["inline-row stores"] = stores
 print(json.dumps(out))
 """
@@ -529,6 +534,8 @@ def test_ptx_exact_arithmetic():
     stores = result.pop("inline-row stores")
     assert stores["4"]["b8"] == 0 and stores["4"]["b32"] > 0, stores
     assert stores["1"]["b8"] > 0, stores  # without the hint: the one-byte stores the hint removes
+    assert stores["4 wide"]["b8"] == 0 and stores["4 wide"]["b32"] == stores["4"]["b32"], stores
+    assert stores["4 wide"]["per_thread"] == 16 and stores["4"]["per_thread"] == 4, stores
     for code, counts in result.items():
         assert counts["fma_f32"] == 0 and counts["div_inexact"] == 0 and counts["ftz"] == 0, (code, counts)
         assert counts["div_rn"] > 0, (code, counts)

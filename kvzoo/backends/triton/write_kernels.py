@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import int4_write
+from . import int4_write, wide_rows
 from .alignment import row_align
 from .encode import (
     CODE_COPY,
@@ -37,6 +37,7 @@ from .encode import (
 )
 from .formats import code_of, packed_rows
 from .launch import BoundLaunch, launch_nothing
+from .wide_rows import widen_row_copies
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
 _TILE_ELEMENTS = 2048
@@ -183,7 +184,10 @@ def _reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    WIDE_ROW_COPIES: tl.constexpr,
 ):
+    if WIDE_ROW_COPIES:
+        widen_row_copies(key_cache_ptr, key_cache_ptr, BLOCK_H, BLOCK_D)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -431,6 +435,7 @@ def _write_call(p, scale_floor: float):
         BLOCK_D=block_d,
         EVEN_D=(block_d == head_size),
         ROW_ALIGN=align,
+        WIDE_ROW_COPIES=wide_rows.wanted(align * key_cache.element_size(), "rocm" if torch.version.hip else "cuda"),
         num_warps=_write_warps(block_h * block_d, code, num_tokens, align),
         enable_fp_fusion=False,
     )
