@@ -489,8 +489,8 @@ for code, per_tensor, qmax, qmin, nan, infs, cache in (
         ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
         ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
 # The inline page's rows (4-byte aligned, which no stride argument shows): with the alignment
-# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time; with the wide
-# copies (wide_rows) 16 codes a thread in one run, without them 4.
+# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time. With wide_rows'
+# hint the loads and the encoding run 16 elements a thread (the stores keep 4 bytes), without it 4.
 stores = {}
 for row_align, wide in ((4, True), (4, False), (1, False)):
     consts = dict(CODE=1, PER_TENSOR=False, IN_KIND=2, QMAX=127.0, QMIN=-128.0, NAN_CODE=0, INF_POS=0x7F,
@@ -504,7 +504,7 @@ for row_align, wide in ((4, True), (4, False), (1, False)):
                     attrs=pointers)
     asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm
     counts = {w: len(re.findall(rf"st\.global\.{w}\b", asm["ptx"])) for w in ("b8", "b32")}
-    # The widest per-thread run of any [rows, D] layout: the store's (it is the widest allowed).
+    # The widest per-thread run of any [rows, D] layout: the input loads' (stores keep their own).
     counts["per_thread"] = max(int(n) for n in re.findall(r"sizePerThread = \[1, (\d+)\]", asm["ttgir"]))
     stores[f"{row_align}{' wide' if wide else ''}"] = counts
 out["inline-row stores"] = stores
