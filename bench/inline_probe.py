@@ -63,11 +63,14 @@ def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, cei
     return {"us": t * 1e6, "pct": pct, "check": check, "how": how}
 
 
-def _time_write(mode: str, tokens: int, ceil, wide: bool = True, warps: int | None = None) -> dict:
+def _time_write(
+    mode: str, tokens: int, ceil, wide: bool = True, warps: int | None = None, tile_elements: int | None = None
+) -> dict:
     """A write of `tokens` rows as gpu_bench times it; warps: every program's, instead of the
-    kernel's rule."""
-    rule = write_kernels._write_warps
+    kernel's rule; tile_elements: write_kernels._TILE_ELEMENTS (fewer heads a program)."""
+    rule, tile = write_kernels._write_warps, write_kernels._TILE_ELEMENTS
     wide_rows.ENABLED = wide
+    write_kernels._TILE_ELEMENTS = tile_elements or tile
     if warps is not None:
         write_kernels._write_warps = lambda *a, **k: warps
     _forget()
@@ -80,7 +83,7 @@ def _time_write(mode: str, tokens: int, ceil, wide: bool = True, warps: int | No
         sets.clear()
         gb.free()
     finally:
-        write_kernels._write_warps = rule
+        write_kernels._write_warps, write_kernels._TILE_ELEMENTS = rule, tile
         wide_rows.ENABLED = True
     return {"us": t * 1e6, "pct": 100 * nbytes / t / 1e9 / ceil["copy_GBps"], "check": check, "how": how}
 
@@ -102,7 +105,12 @@ def _side_by_side(shape: str, mode: str, time_separate, variants, rows: list) ->
 
 
 def _writes(tokens_list, modes, ceil, rows: list) -> None:
-    options = (("inline write", {}), ("inline write, narrow", {"wide": False}), ("inline write, 1 warp", {"warps": 1}))
+    options = (
+        ("inline write", {}),
+        ("inline write, narrow", {"wide": False}),
+        ("inline write, 1 warp", {"warps": 1}),
+        ("inline write, 4 heads a program", {"tile_elements": 512}),
+    )
     for tokens in tokens_list:
         for mode in modes:
             variants = [
@@ -128,7 +136,7 @@ def main() -> int:
     ceil = gb.ceilings(quick=True)
     print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s; commit {gb._commit()}")
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in [s for s in args.shapes.split(",") if s]:
         batch, ctx = map(int, shape.split("x"))
         q_lens, seq_lens = [1] * batch, [ctx] * batch
         for mode in args.modes.split(","):
