@@ -68,7 +68,7 @@ def _time_write(
 ) -> dict:
     """A write of `tokens` rows as gpu_bench times it; warps: every program's, instead of the
     kernel's rule; tile_elements: write_kernels._TILE_ELEMENTS (fewer heads a program)."""
-    rule, tile = write_kernels._write_warps, write_kernels._TILE_ELEMENTS
+    rule, tile, enabled = write_kernels._write_warps, write_kernels._TILE_ELEMENTS, wide_rows.ENABLED
     wide_rows.ENABLED = wide
     write_kernels._TILE_ELEMENTS = tile_elements or tile
     if warps is not None:
@@ -84,7 +84,7 @@ def _time_write(
         gb.free()
     finally:
         write_kernels._write_warps, write_kernels._TILE_ELEMENTS = rule, tile
-        wide_rows.ENABLED = True
+        wide_rows.ENABLED = enabled
     return {"us": t * 1e6, "pct": 100 * nbytes / t / 1e9 / ceil["copy_GBps"], "check": check, "how": how}
 
 

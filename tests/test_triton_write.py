@@ -469,47 +469,90 @@ k = wk._reshape_and_cache_kernel
 out = {}
 # (CODE, PER_TENSOR, QMAX, QMIN, NaN code, Inf codes, cache type): each format's row encoder, and
 # the static-scale encoder of every format a per-tensor mode uses.
-for code, per_tensor, qmax, qmin, nan, infs, cache in (
-        (1, False, 127.0, -128.0, 0, (0x7F, 0x80), "*i8"), (2, False, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8"),
-        (3, False, 224.0, -224.0, 0x80, (0x80, 0x80), "*u8"), (1, True, 127.0, -128.0, 0, (0x7F, 0x80), "*i8"),
-        (2, True, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8"), (5, True, 57344.0, -57344.0, 0x7F, (0x7C, 0xFC), "*u8")):
+# The e4m3 row encoder twice: wide_rows' layout on (the inline page on CUDA) and off (ROCm).
+for code, per_tensor, qmax, qmin, nan, infs, cache, wide in (
+        (1, False, 127.0, -128.0, 0, (0x7F, 0x80), "*i8", True), (2, False, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8", True),
+        (2, False, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8", False),
+        (3, False, 224.0, -224.0, 0x80, (0x80, 0x80), "*u8", True), (1, True, 127.0, -128.0, 0, (0x7F, 0x80), "*i8", True),
+        (2, True, 448.0, -448.0, 0x7F, (0x7F, 0x7F), "*u8", True), (5, True, 57344.0, -57344.0, 0x7F, (0x7C, 0xFC), "*u8", True)):
     types = dict(key_ptr="*i16", value_ptr="*i16", key_cache_ptr=cache, value_cache_ptr=cache,
                  k_scale_cache_ptr="*i32", v_scale_cache_ptr="*i32", k_scale_ptr="*fp32",
                  v_scale_ptr="*fp32", slot_ptr="*i64")
     consts = dict(CODE=code, PER_TENSOR=per_tensor, IN_KIND=2, QMAX=qmax, QMIN=qmin, NAN_CODE=nan,
                   INF_POS=infs[0], INF_NEG=infs[1], SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128,
-                  ROW_ALIGN=4, WIDE_ROW_COPIES=True)  # the inline page's rows: the hints compile too
+                  ROW_ALIGN=4, WIDE_TILE_LAYOUT=wide)  # the inline page's rows: the hints compile too
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
     # Fusion on: the helpers must be contraction-proof without the launch flag.
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(enable_fp_fusion=True)).asm["ptx"]
-    out[f"{code}-{'tensor' if per_tensor else 'row'}"] = {name: len(re.findall(pat, ptx)) for name, pat in (
+    out[f"{code}-{'tensor' if per_tensor else 'row'}{'' if wide else '-narrow'}"] = {name: len(re.findall(pat, ptx)) for name, pat in (
         ("fma_f32", r"\bfma\.[a-z.]*f32"), ("div_rn", r"\bdiv\.rn\.f32"),
         ("div_inexact", r"\bdiv\.(full|approx)"), ("ftz", r"\.ftz\b"))}
 # The inline page's rows (4-byte aligned, which no stride argument shows): with the alignment
-# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time. With wide_rows'
-# hint the loads and the encoding run 16 elements a thread (the stores keep 4 bytes), without it 4.
+# asserted the int8 codes go out 4 bytes at a time, without it one byte at a time. With
+# wide_rows' layout the bf16 input loads (and the encoding on them) take 16 elements a thread,
+# without it 8; the stores keep their 4 bytes either way. Integers divisible by 16 are marked so,
+# as a launch on the inline page (8 heads of 128) specialises them; its head strides (132
+# bytes, 33 scale words) are not.
+launch_multiples_of_16 = ("num_slots", "head_size", "block_size", "s_kt", "s_kh", "s_vt", "s_vh",
+                          "s_kcb", "s_kcs", "s_vcb", "s_vcs")
 stores = {}
 for row_align, wide in ((4, True), (4, False), (1, False)):
     consts = dict(CODE=1, PER_TENSOR=False, IN_KIND=2, QMAX=127.0, QMIN=-128.0, NAN_CODE=0, INF_POS=0x7F,
                   INF_NEG=0x80, SCALE_FLOOR=1e-6, TRUNC=False, BLOCK_H=8, BLOCK_D=128, EVEN_D=True,
-                  ROW_ALIGN=row_align, WIDE_ROW_COPIES=wide,
+                  ROW_ALIGN=row_align, WIDE_TILE_LAYOUT=wide,
                   s_kd=1, s_vd=1, s_kcd=1, s_vcd=1)  # unit strides: as Triton specialises
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
     sig.update(key_cache_ptr="*i8", value_cache_ptr="*i8")
-    pointers = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
+    marked = [n for n in sig if sig[n].startswith("*") or n in launch_multiples_of_16]
+    attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in marked}
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
-                    attrs=pointers)
+                    attrs=attrs)
     asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm
     counts = {w: len(re.findall(rf"st\.global\.{w}\b", asm["ptx"])) for w in ("b8", "b32")}
-    # The widest per-thread run of any [rows, D] layout: the input loads' (stores keep their own).
-    counts["per_thread"] = max(int(n) for n in re.findall(r"sizePerThread = \[1, (\d+)\]", asm["ttgir"]))
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[1, (\d+)\]", asm["ttgir"], re.M))
+    input_loads = re.findall(r"tt\.load .*tensor<8x128x!tt\.ptr<i16>, (#blocked\d*)>", asm["ttgir"])
+    counts["input_per_thread"] = sorted({int(layouts[name]) for name in input_loads})
     stores[f"{row_align}{' wide' if wide else ''}"] = counts
 out["inline-row stores"] = stores
 print(json.dumps(out))
 """
+
+
+def test_wide_tile_layout_is_taken_by_one_byte_codes_in_rows_4_to_15_bytes_aligned():
+    # wide_rows.py was timed on the inline page's int8 and fp8 writes (whole power-of-two rows)
+    # on CUDA; everything else keeps the layout it had.
+    from kvzoo.backends.triton import wide_rows
+    from kvzoo.backends.triton import write_kernels as wk
+    from kvzoo.problem import CacheWrite
+
+    assert all(wide_rows.wanted(a, 1, "cuda") for a in (4, 8, 12))
+    assert not any(wide_rows.wanted(a, 1, "cuda") for a in (1, 2, 16))
+    assert not wide_rows.wanted(4, 2, "cuda") and not wide_rows.wanted(4, 1, "rocm")
+
+    def takes_it(mode, layout, head_size):
+        alloc = kvzoo.allocate_inline if layout == "inline" else kvzoo.allocate_separate
+        extra = {} if layout == "inline" else {"model_dtype": "bfloat16"}
+        c = alloc(2, 16, 8, head_size, mode, device="cpu", **extra)
+        rows = torch.zeros(3, 8, head_size, dtype=torch.bfloat16)
+        p = CacheWrite(
+            mode=kvzoo.get_kv_quant_mode(mode),
+            key=rows,
+            value=rows,
+            key_cache=c.key_cache,
+            value_cache=c.value_cache,
+            slot_mapping=torch.arange(3),
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+        )
+        return wk._write_call(p, float(SCALE_FLOOR))[2]["WIDE_TILE_LAYOUT"]
+
+    assert takes_it("int8_per_token_head", "inline", 128) and takes_it("fp8_per_token_head", "inline", 128)
+    assert not takes_it("int8_per_token_head", "inline", 68)  # rows masked to 68 of 128 columns
+    assert not takes_it("int8_per_token_head", "separate", 128)  # 16-byte rows
+    assert not takes_it("none", "separate", 68)  # bf16 copies, 8-byte rows
 
 
 def test_ptx_exact_arithmetic():
@@ -535,7 +578,7 @@ def test_ptx_exact_arithmetic():
     assert stores["4"]["b8"] == 0 and stores["4"]["b32"] > 0, stores
     assert stores["1"]["b8"] > 0, stores  # without the hint: the one-byte stores the hint removes
     assert stores["4 wide"]["b8"] == 0 and stores["4 wide"]["b32"] == stores["4"]["b32"], stores
-    assert stores["4 wide"]["per_thread"] == 16 and stores["4"]["per_thread"] == 4, stores
+    assert stores["4 wide"]["input_per_thread"] == [16] and stores["4"]["input_per_thread"] == [8], stores
     for code, counts in result.items():
         assert counts["fma_f32"] == 0 and counts["div_inexact"] == 0 and counts["ftz"] == 0, (code, counts)
         assert counts["div_rn"] > 0, (code, counts)

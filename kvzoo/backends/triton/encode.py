@@ -59,7 +59,7 @@ def widen_bf16_bits(raw16):
 def _has_e4m3_cvt(device_index: int) -> bool:
     # Hopper's cvt.rn.satfinite.e4m3x2.f32 rounds once; earlier GPUs are not trusted with it
     # (docs/hardware.md: the sm_89 claim is unsourced).
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return _platform.build_target() == "cuda" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def encoder_code(code: int, t: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ from ...problem import CacheWrite, Dequantize
 from .encode import CANONICAL_NAN_BITS, bf16_as_bits, bits_float, float_bits, load_f32
 from .int4_rotation import deinterleave, flip_signs, fwht, interleave, sign_bits, unpack_nibbles
 from .launch import BoundLaunch, launch_nothing
-from .platform import interpreted
+from .platform import build_target, interpreted
 
 # Input dtypes (constexpr IN_KIND): what a rotated row is rounded back to (SPEC.md 12.2 step 3).
 IN_F32, IN_F16, IN_BF16 = 0, 1, 2
@@ -457,7 +457,7 @@ def _in_kind(t: torch.Tensor) -> int:
 def _narrow_hw(t: torch.Tensor) -> bool:
     # CUDA's bf16 convert is IEEE RNE; the interpreter's casts through bf16 are not trusted
     # (encode.py), and ROCm's lowering is not checked here.
-    return t.is_cuda and torch.version.hip is None and not interpreted()
+    return t.is_cuda and build_target() == "cuda" and not interpreted()
 
 
 # On the H200 (Triton 3.6), a tile of two 16-bit rows at head size 64 gave those rows a wrong

@@ -20,6 +20,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def build_target() -> str:
+    """The GPU platform this process's torch builds for: "rocm" under a ROCm torch, else "cuda"
+    (the interpreter included, which runs the kernels a CUDA build compiles)."""
+    import torch
+
+    return "rocm" if torch.version.hip is not None else "cuda"
+
+
 @functools.cache
 def unavailable_reasons(platform: str) -> tuple[str, ...]:
     try:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import int4_write, wide_rows
+from . import platform as _platform
 from .alignment import row_align
 from .encode import (
     CODE_COPY,
@@ -37,7 +38,7 @@ from .encode import (
 )
 from .formats import code_of, packed_rows
 from .launch import BoundLaunch, launch_nothing
-from .wide_rows import widen_row_copies
+from .wide_rows import widen_tile_layout
 
 # Elements of one head-group tile (heads x padded head size) a program holds in registers.
 _TILE_ELEMENTS = 2048
@@ -184,10 +185,11 @@ def _reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
-    WIDE_ROW_COPIES: tl.constexpr,
+    WIDE_TILE_LAYOUT: tl.constexpr,
 ):
-    if WIDE_ROW_COPIES:
-        widen_row_copies(key_cache_ptr, key_cache_ptr, BLOCK_H, BLOCK_D)
+    if WIDE_TILE_LAYOUT:
+        # The key cache: 16-byte aligned (an allocation's start), of the 1-byte codes written.
+        widen_tile_layout(key_cache_ptr, key_cache_ptr, BLOCK_H, BLOCK_D)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -362,9 +364,10 @@ def _num_warps(elements: int) -> int:
 # instructions per code than int8's, and once the grid is many waves deep the issue rate
 # decides; below it the shorter chain of two warps wins. int8 gains nothing from one warp.
 # Rows whose offsets are not all 16-byte multiples (the inline page's: 4-byte aligned, stored 4
-# bytes at a time) keep two warps: side by side at 32768 tokens one ran at 0.81x the separate
-# layout's speed, two at 0.90x (0.82x in the benchmark's own run, which rotates its inputs).
-# (Timings: bench/archive/RESULTS-history.md.)
+# bytes at a time) keep two warps: one gains nothing there (with wide_rows' layout, at 32768
+# tokens, 0.91-0.92x the separate layout's speed against two warps' 0.91x; 0.90x against 0.93x
+# for int8) and loses at 4096 tokens (0.90-0.92x against 0.96-0.97x).
+# (Timings: bench/archive/RESULTS-history.md, 2026-12-04.)
 FP8_ONE_WARP_TOKENS = 16384
 
 
@@ -435,7 +438,10 @@ def _write_call(p, scale_floor: float):
         BLOCK_D=block_d,
         EVEN_D=(block_d == head_size),
         ROW_ALIGN=align,
-        WIDE_ROW_COPIES=wide_rows.wanted(align * key_cache.element_size(), "rocm" if torch.version.hip else "cuda"),
+        # Timed on whole rows of quantized codes only.
+        WIDE_TILE_LAYOUT=code != CODE_COPY
+        and block_d == head_size
+        and wide_rows.wanted(align * key_cache.element_size(), key_cache.element_size(), _platform.build_target()),
         num_warps=_write_warps(block_h * block_d, code, num_tokens, align),
         enable_fp_fusion=False,
     )
