@@ -1,11 +1,11 @@
 """Decode and writes on the inline page against the separate layout, side by side in one
 process, on gpu_bench.py's shapes and checks: decode on the inline page at its table row
 (attention_tables.UNALIGNED_DECODE_TILES) and at the other tiles timed for that row, the
-separate layout at its own (DECODE_TILES); writes with and without wide_rows' wide copies, and
-at one warp a program.
+separate layout at its own (DECODE_TILES); writes with and without wide_rows' layout, at one
+warp a program, and at four heads a program.
 
     PYTHONPATH=. python3 bench/inline_probe.py [--shapes 64x16384,8x65536] [--tiles 32:1:2,64:1:1]
-        [--write-tokens 4096,32768]
+        [--write-tokens 4096,32768]                 (--shapes "": writes only; --write-tokens "": decode only)
     OUT=DIR ...                                                    (also DIR/inline_probe.json)
     PYTHONPATH=. python bench/inline_probe.py --dry-run            (CPU, Triton interpreter: checks the script)
 

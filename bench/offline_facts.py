@@ -3,6 +3,8 @@ GPU? Registers, spills, shared memory, MMA kind, K/V buffers of the software pip
 instructions per key tile in the main loops (SASS).
 
     python bench/offline_facts.py                 (CPU: the table configs of issue 5's shapes)
+    python bench/offline_facts.py write           (CPU: the write of 32768 tokens, inline page and
+                                                   separate, with and without wide_rows' layout)
 
 kernel_facts.py measures the same kernels on the GPU, with their time.
 
@@ -23,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402
 from kvzoo.layout import inline_views  # noqa: E402
-from kvzoo.modes import get_kv_quant_mode  # noqa: E402
-from kvzoo.problem import Attention  # noqa: E402
+from kvzoo.modes import SCALE_FLOOR, get_kv_quant_mode  # noqa: E402
+from kvzoo.problem import Attention, CacheWrite  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
@@ -51,6 +54,7 @@ _TRITON_TYPES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
     torch.int8: "i8",
+    torch.int16: "i16",
     torch.uint8: "u8",
     torch.int32: "i32",
     torch.int64: "i64",
@@ -235,5 +239,50 @@ def main() -> None:
             print(f"{label:70s} {facts(call)}", flush=True)
 
 
+def write_main(tokens: int = 32768) -> None:
+    """The write kernel's registers and SASS instructions (it has no loop: the whole kernel),
+    as _write_call launches it for each layout."""
+    from kvzoo.backends.triton import wide_rows, write_kernels
+
+    blocks = tokens // BS
+
+    def t(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    for mode in ("int8_per_token_head", "fp8_per_token_head"):
+        m = get_kv_quant_mode(mode)
+        views = inline_views(t((blocks, 2, BS, HKV, D + 4), torch.uint8), D, m)
+        inline = (views.key_cache, views.value_cache, views.k_scale_cache, views.v_scale_cache)
+        code = torch.int8 if m.code_dtype == "int8" else torch.float8_e4m3fn
+        separate = (t((blocks, BS, HKV, D), code), t((blocks, BS, HKV, D), code))
+        separate += (t((blocks, BS, HKV), torch.float32), t((blocks, BS, HKV), torch.float32))
+        layouts = (("inline", inline, True), ("inline", inline, False), ("separate", separate, False))
+        for name, (kc, vc, ks, vs), wide in layouts:
+            wide_rows.ENABLED = wide
+            rows = t((tokens, HKV, D), torch.bfloat16)
+            p = CacheWrite(
+                mode=m,
+                key=rows,
+                value=rows,
+                key_cache=kc,
+                value_cache=vc,
+                slot_mapping=t((tokens,), torch.int64),
+                k_scale_cache=ks,
+                v_scale_cache=vs,
+            )
+            _, args, kwargs, _ = write_kernels._write_call(p, float(SCALE_FLOOR))
+            options = {k: kwargs.pop(k) for k in ("num_warps", "enable_fp_fusion")}
+            # What compile_call reads of a launch (the write has no KernelCall).
+            call = types.SimpleNamespace(
+                kernel=write_kernels._reshape_and_cache_kernel, args=args, constexprs=kwargs, options=options
+            )
+            _, ptxas, sass = assemble(call)
+            regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
+            instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass))
+            label = f"write {tokens} {mode[:4]} {name}{' wide' if kwargs['WIDE_TILE_LAYOUT'] else ''}"
+            print(f"{label:40s} warps {options['num_warps']} regs {regs:3d} instructions {instructions}", flush=True)
+        wide_rows.ENABLED = True
+
+
 if __name__ == "__main__":
-    main()
+    write_main() if sys.argv[1:] == ["write"] else main()

@@ -528,9 +528,14 @@ def test_wide_tile_layout_is_taken_by_one_byte_codes_in_rows_4_to_15_bytes_align
     from kvzoo.backends.triton import write_kernels as wk
     from kvzoo.problem import CacheWrite
 
-    assert all(wide_rows.wanted(a, 1, "cuda") for a in (4, 8, 12))
-    assert not any(wide_rows.wanted(a, 1, "cuda") for a in (1, 2, 16))
-    assert not wide_rows.wanted(4, 2, "cuda") and not wide_rows.wanted(4, 1, "rocm")
+    def wanted(row_align, element_size=1, platform="cuda"):
+        return wide_rows.wanted(
+            quantized=True, whole_rows=True, element_size=element_size, row_align=row_align, platform=platform
+        )
+
+    assert all(wanted(a) for a in (4, 8, 12))
+    assert not any(wanted(a) for a in (1, 2, 16))
+    assert not wanted(4, 2) and not wanted(4, 1, "rocm")
 
     def takes_it(mode, layout, head_size):
         alloc = kvzoo.allocate_inline if layout == "inline" else kvzoo.allocate_separate

@@ -20,6 +20,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
 def build_target() -> str:
     """The GPU platform this process's torch builds for: "rocm" under a ROCm torch, else "cuda"
     (the interpreter included, which runs the kernels a CUDA build compiles)."""
@@ -37,9 +38,7 @@ def unavailable_reasons(platform: str) -> tuple[str, ...]:
         return (f"triton-{platform}: {exc.name} is not installed (pip install triton torch)",)
     if interpreted():
         return ()
-    gpu = torch.cuda.is_available()
-    on_rocm = torch.version.hip is not None
-    if gpu and (platform == "rocm") == on_rocm:
+    if torch.cuda.is_available() and platform == build_target():
         return ()
     what = "ROCm" if platform == "rocm" else "CUDA"
     return (

@@ -7,7 +7,8 @@ left alone, the write ran its bf16 input loads, row scales and encoding 8 elemen
 (a 16-byte load of bf16), against the separate layout's 16, where the 16-byte code stores
 allow that. A load of the same shape that Triton can see is 16-byte aligned, in a branch no
 program takes, puts them at 16 as on the separate layout; either way the codes reach the
-4-byte store layout through shared memory. 9-11% fewer instructions (sm_90a).
+4-byte store layout through shared memory. 9-11% fewer instructions (sm_90a: `python
+bench/offline_facts.py write`).
 
 Measured on the H200 (bench/inline_probe.py; bench/archive/RESULTS-history.md, 2026-12-04):
 the inline write at 32768 tokens ran at 0.82-0.87x the separate layout's speed without,
@@ -44,8 +45,9 @@ def widen_tile_layout(aligned_ptr, sink_ptr, ROWS: tl.constexpr, COLS: tl.conste
         tl.store(sink_ptr, tl.sum(tl.sum(tile.to(tl.float32), axis=1), axis=0), mask=never)
 
 
-def wanted(row_align_bytes: int, element_size: int, platform: str) -> bool:
-    """Whether a write over rows row_align_bytes aligned, of codes element_size bytes wide,
-    takes widen_tile_layout: 1-byte codes in rows 4 to 15 bytes aligned (the inline page's), on
-    CUDA, where it was measured; 16-byte rows are wide already."""
-    return ENABLED and platform == "cuda" and element_size == 1 and 4 <= row_align_bytes < 16
+def wanted(*, quantized: bool, whole_rows: bool, element_size: int, row_align: int, platform: str) -> bool:
+    """Whether a write takes widen_tile_layout: quantized 1-byte codes in whole power-of-two
+    rows (no column mask), rows row_align elements apart that are 4 to 15 bytes aligned (the
+    inline page's; 16-byte rows are wide already), on CUDA. What was timed, and nothing else."""
+    aligned = row_align * element_size
+    return ENABLED and quantized and whole_rows and element_size == 1 and 4 <= aligned < 16 and platform == "cuda"

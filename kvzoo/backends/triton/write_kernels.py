@@ -401,6 +401,7 @@ def _write_call(p, scale_floor: float):
     v_s = p.v_scale if mode.per_tensor else None
     dummy = key_cache
     align = row_align(key_cache, value_cache)
+    even_d = block_d == head_size
     grid = (num_tokens, triton.cdiv(num_heads, block_h), 1)
     args = (
         key,
@@ -436,12 +437,15 @@ def _write_call(p, scale_floor: float):
         TRUNC=(p.rounding == "trunc"),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        EVEN_D=(block_d == head_size),
+        EVEN_D=even_d,
         ROW_ALIGN=align,
-        # Timed on whole rows of quantized codes only.
-        WIDE_TILE_LAYOUT=code != CODE_COPY
-        and block_d == head_size
-        and wide_rows.wanted(align * key_cache.element_size(), key_cache.element_size(), _platform.build_target()),
+        WIDE_TILE_LAYOUT=wide_rows.wanted(
+            quantized=code != CODE_COPY,
+            whole_rows=even_d,
+            element_size=key_cache.element_size(),
+            row_align=align,
+            platform=_platform.build_target(),
+        ),
         num_warps=_write_warps(block_h * block_d, code, num_tokens, align),
         enable_fp_fusion=False,
     )
