@@ -34,6 +34,7 @@ error is bench/gpu_bench.py's to report.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -314,6 +315,124 @@ def _int4_tile(
 
 
 @triton.jit
+def _int4_tile_keys_as_rows(
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    v_off,
+    MASKED: tl.constexpr,
+    q_e,
+    q_o,
+    q_sum,
+    row_scale,
+    pos,
+    window,
+    softcap,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE: tl.constexpr,
+    CONVERT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+):
+    """_int4_tile with both dots transposed (decode): the keys are the MMA's rows and the
+    group's query rows its columns, s^T = K q'^T and acc^T += V^T p^T, so a group of 4 pads to
+    the MMA's 8 columns, not its 16 rows. The same arithmetic per (row, key) in the same order;
+    acc_e and acc_o are [HALF, rows]."""
+    j = tl.arange(0, HALF)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_end
+    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
+    in_page = keys % PAGE
+    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, 1)
+    kc = _load_bytes(k_ptr + k_row[:, None] + j[None, :] * stride_kd, key_ok, j, MASKED, HEAD_D // 2, HALF)
+    k_words = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    k_scale, k_zp = split_words(k_words)
+    k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
+    s = tl.dot(k_lo, tl.trans(q_e))
+    s = tl.dot(k_hi, tl.trans(q_o), s)
+    s = (s - k_zp[:, None] * q_sum[None, :]) * (k_scale[:, None] * row_scale[None, :])
+    if HAS_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    if MASKED:
+        visible = key_ok[:, None] & (keys[:, None] <= pos[None, :])
+        if HAS_WINDOW:
+            visible = visible & (keys[:, None] > pos[None, :] - window)
+        s = tl.where(visible, s, float("-inf"))
+    # attention_tiles.online_softmax along the keys' axis.
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    if SAME_KV_STRIDES:
+        v_rows = v_ptr + k_row[:, None] + j[None, :] * stride_kd
+        v_words = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    else:
+        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, 1)
+        v_rows = v_ptr + v_row[:, None] + j[None, :] * stride_vd
+        v_words = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
+    vc = _load_bytes(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
+    v_scale, v_zp = split_words(v_words)
+    v_lo, v_hi = nibbles_to_dot(vc, CONVERT, False)
+    pv = p * v_scale[:, None]
+    if MASKED:
+        pv = tl.where(visible, pv, 0.0)
+    w = tl.maximum(tl.max(pv, axis=0), SMALLEST_NORMAL)
+    pv16 = (pv * (1.0 / w)[None, :]).to(tl.float16)
+    acc_e = acc_e * alpha[None, :] + tl.dot(tl.trans(v_lo), pv16) * w[None, :]
+    acc_o = acc_o * alpha[None, :] + tl.dot(tl.trans(v_hi), pv16) * w[None, :]
+    v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0) * w
+    return m_new, l_i, acc_e, acc_o, v_off
+
+
+@triton.jit
+def _tile(
+    start,
+    kv_end,
+    bt_row,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    v_off,
+    tile_args,
+    MASKED: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+):
+    if KEYS_AS_ROWS:
+        return _int4_tile_keys_as_rows(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args)
+    else:
+        return _int4_tile(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args)
+
+
+@triton.jit
 def _tile_range(
     lo,
     hi,
@@ -327,21 +446,22 @@ def _tile_range(
     tile_args,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """_int4_tile on the key tiles starting at lo, lo + BLOCK_N, ... below hi (the interpreter
-    takes a while loop: attention_tiles._attend_range says why)."""
+    """_int4_tile (or its transpose) on the key tiles starting at lo, lo + BLOCK_N, ... below
+    hi (the interpreter takes a while loop: attention_tiles._attend_range says why)."""
     if INTERPRETED:
         start = lo
         while start < hi:
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
+            m_i, l_i, acc_e, acc_o, v_off = _tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, MASKED, KEYS_AS_ROWS
             )
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
+            m_i, l_i, acc_e, acc_o, v_off = _tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, MASKED, KEYS_AS_ROWS
             )
     return m_i, l_i, acc_e, acc_o, v_off
 
@@ -369,6 +489,7 @@ def attend_int4(
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
@@ -379,8 +500,12 @@ def attend_int4(
         context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
-    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
+    if KEYS_AS_ROWS:
+        acc_e = tl.zeros([HALF, BLOCK_M], tl.float32)
+        acc_o = tl.zeros([HALF, BLOCK_M], tl.float32)
+    else:
+        acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     v_off = tl.zeros([BLOCK_M], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
@@ -396,8 +521,24 @@ def attend_int4(
             hi = kv_end
         if HAS_WINDOW or phase != 0:
             m_i, l_i, acc_e, acc_o, v_off = _tile_range(
-                lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
+                lo,
+                hi,
+                kv_end,
+                bt_row,
+                m_i,
+                l_i,
+                acc_e,
+                acc_o,
+                v_off,
+                tile_args,
+                phase != 1,
+                BLOCK_N,
+                KEYS_AS_ROWS,
+                INTERPRETED,
             )
+    if KEYS_AS_ROWS:
+        acc_e = tl.trans(acc_e)
+        acc_o = tl.trans(acc_o)
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, l_i, acc
 
@@ -470,6 +611,7 @@ def _int4_attention_kernel(
     SKIP_DECODE: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
@@ -559,6 +701,7 @@ def _int4_attention_kernel(
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
+        KEYS_AS_ROWS,
         INTERPRETED,
     )
     # The rotation is linear, so un-rotating acc before the division by l (or before the
@@ -651,7 +794,8 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     # Tiles of the group's real rows on CUDA (Triton pads the dot); ROCm's FMA fallback below
     # 16 rows is avoided as attention_kernels.decode_config does.
     min_rows = 1 if platform == "cuda" else 16
-    return decode_config_of(p, invariant, platform, tiles.decode, SPLIT, min_rows=min_rows, maxnreg=maxnreg)
+    cfg = decode_config_of(p, invariant, platform, tiles.decode, SPLIT, min_rows=min_rows, maxnreg=maxnreg)
+    return dataclasses.replace(cfg, keys_as_rows=platform == "cuda")
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
@@ -819,6 +963,7 @@ def kernel_call(
         SKIP_DECODE=skip_decode,
         SAME_KV_STRIDES=same_kv_strides(p),
         LONGEST_FIRST=cfg.longest_first and not per_seq,
+        KEYS_AS_ROWS=cfg.keys_as_rows and per_seq,
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
     )

@@ -1,0 +1,132 @@
+"""Which int4 decode tile is fastest on this GPU (issue 19: 2.8x kvzoo bf16 and 80% of the copy
+ceiling at 64 x 16384)? The query rows as the MMA's rows (the tile before 2026-12-05) against
+the keys as its rows (int4_attention._int4_tile_keys_as_rows), each at a few depths and register
+caps, side by side in one run, with kvzoo's bf16 decode of the same shape as the baseline.
+
+    python3 bench/int4_decode_probe.py [--shapes 64x16384,8x65536,64x4096]       (a CUDA GPU)
+
+Every variant is first checked against float64 attention on the dequantized cache (kvzoo's
+dequantize, byte-exact to the oracle; a few sequences) and against the previous tile's output,
+then timed with CUDA events (triton.testing.do_bench, median). Bytes counted: K/V codes (D / 2
+a row), the scale words, query and output; ceiling: a device-to-device copy in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_probe import HKV, HQ, D, bench, ceilings, decode_bytes, make  # noqa: E402
+
+import kvzoo  # noqa: E402
+from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
+from kvzoo.backends.triton import int4_attention as I4  # noqa: E402
+
+# (label, changes to the table's config); None: the table as it is now.
+VARIANTS = (
+    ("query rows as MMA rows (before)", dict(keys_as_rows=False)),
+    ("keys as MMA rows (table)", None),
+    ("keys as rows, 3 stages", dict(num_stages=3)),
+    ("keys as rows, cap 168", dict(maxnreg=168)),
+    ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168)),
+    ("keys as rows, cap 128", dict(maxnreg=128)),
+    ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2)),
+)
+
+
+def launch(p, cfg):
+    K._launch(I4.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False))
+
+
+def reference(p, seqs) -> dict[int, torch.Tensor]:
+    """float64 attention of each decode sequence in seqs on the dequantized (model-basis) cache."""
+    out = {}
+    for s in seqs:
+        bt, sl = p.block_tables[s : s + 1], p.seq_lens[s : s + 1]
+        k = kvzoo.dequantize(p.key_cache, p.k_scale_cache, mode=p.mode, block_tables=bt, seq_lens=sl)
+        v = kvzoo.dequantize(p.value_cache, p.v_scale_cache, mode=p.mode, block_tables=bt, seq_lens=sl)
+        k = k.to(torch.float64).repeat_interleave(HQ // HKV, dim=1)
+        v = v.to(torch.float64).repeat_interleave(HQ // HKV, dim=1)
+        q = p.query[s].to(torch.float64)  # [HQ, D]
+        w = torch.softmax(torch.einsum("hd,khd->hk", q, k) * p.softmax_scale, dim=-1)
+        out[s] = torch.einsum("hk,khd->hd", w, v)
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="64x16384,8x65536,64x4096")
+    args = ap.parse_args()
+    copy_bw, _ = ceilings()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"copy ceiling {copy_bw:.0f} GB/s")
+    failed = []
+    rows = []
+    for shape in args.shapes.split(","):
+        S, L = (int(x) for x in shape.split("x"))
+        bf = make(S, 1, L, "none")
+        bf_ms = bench(lambda bf=bf: K.run(bf, "cuda"))
+        rows.append((f"{shape} bf16 (kvzoo)", bf_ms, decode_bytes(bf) / bf_ms / 1e6, None, None))
+        del bf
+        torch.cuda.empty_cache()
+        for mode in ("int4_per_token_head", "int4_per_token_head_norot"):
+            p = make(S, 1, L, mode)
+            nbytes = 2 * S * L * HKV * (D // 2 + 4) + 2 * p.query.numel() * p.query.element_size()
+            seqs = [0, S - 1]
+            ref = reference(p, seqs)
+            table = I4.decode_config(p, False)
+            before = None
+            for label, change in VARIANTS:
+                cfg = dataclasses.replace(table, **change) if change else table
+                p.out.fill_(float("nan"))
+                try:
+                    launch(p, cfg)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # one bad config must not cost the call
+                    print(f"{shape} {mode} {label}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    failed.append(f"{shape} {mode} {label}")
+                    continue
+                e = max(rel(p.out[s], ref[s]) for s in seqs)
+                unwritten = bool(torch.isnan(p.out).any())
+                if before is None:
+                    before = p.out.clone()
+                d_before = rel(p.out, before)
+                # The kernel's own tolerance plus the bf16 output's rounding.
+                if unwritten or not e < I4.ATTENTION_RTOL + 2**-8 or not math.isfinite(e):
+                    failed.append(f"{shape} {mode} {label}: err {e:.1e} unwritten {unwritten}")
+                ms = bench(lambda p=p, cfg=cfg: launch(p, cfg))
+                tag = "rot" if mode == "int4_per_token_head" else "norot"
+                rows.append((f"{shape} {tag} {label}", ms, nbytes / ms / 1e6, e, d_before))
+                print(f"{rows[-1][0]:58s} {ms * 1e3:8.1f} us  err {e:.1e}  vs before {d_before:.1e}", flush=True)
+            del p, before
+            torch.cuda.empty_cache()
+    print()
+    print(f"{'case':58s} {'us':>8s} {'GB/s':>6s} {'% copy':>6s} {'err':>8s}")
+    base = {}
+    for name, ms, gbs, e, _ in rows:
+        shape = name.split()[0]
+        if "bf16" in name:
+            base[shape] = ms
+        speed = f"{base[shape] / ms:5.2f}x bf16" if shape in base and "bf16" not in name else ""
+        es = f"{e:.1e}" if e is not None else ""
+        print(f"{name:58s} {ms * 1e3:8.1f} {gbs:6.0f} {100 * gbs / copy_bw:6.1f} {es:>8s} {speed}")
+    if failed:
+        print("FAILED:", *failed, sep="\n  ")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
