@@ -4,6 +4,8 @@ the keys as its rows (int4_attention._int4_tile_keys_as_rows), each at a few dep
 caps, side by side in one run, with kvzoo's bf16 decode of the same shape as the baseline.
 
     python3 bench/int4_decode_probe.py [--shapes 64x16384,8x65536,64x4096]       (a CUDA GPU)
+    ncu --clock-control none --kernel-name regex:_int4_attention_kernel --launch-skip 3 --launch-count 1 \
+        --section WarpStateStats --section SchedulerStats --section Occupancy python3 bench/int4_decode_probe.py --ncu I
 
 Every variant is first checked against float64 attention on the dequantized cache (kvzoo's
 dequantize, byte-exact to the oracle; a few sequences) and against the previous tile's output,
@@ -69,7 +71,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="64x16384,8x65536,64x4096")
+    ap.add_argument("--ncu", type=int, metavar="I", help="only launch VARIANTS[I] at 64 x 16384 four times")
     args = ap.parse_args()
+    if args.ncu is not None:
+        p = make(64, 1, 16384, "int4_per_token_head")
+        table = I4.decode_config(p, False)
+        label, change = VARIANTS[args.ncu]
+        cfg = dataclasses.replace(table, **change) if change else table
+        print(label, cfg)
+        for _ in range(4):
+            launch(p, cfg)
+        torch.cuda.synchronize()
+        return
     copy_bw, _ = ceilings()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"copy ceiling {copy_bw:.0f} GB/s")
