@@ -33,15 +33,16 @@ import kvzoo  # noqa: E402
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import int4_attention as I4  # noqa: E402
 
-# (label, changes to the table's config); None: the table as it is now.
+# (label, changes to the table's config, int4_attention.FOLD_WEIGHTS); None: the table as it is.
 VARIANTS = (
-    ("query rows as MMA rows (before)", dict(keys_as_rows=False)),
-    ("keys as MMA rows (table)", None),
-    ("keys as rows, 3 stages", dict(num_stages=3)),
-    ("keys as rows, cap 168", dict(maxnreg=168)),
-    ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168)),
-    ("keys as rows, cap 128", dict(maxnreg=128)),
-    ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2)),
+    ("query rows as MMA rows (before)", dict(keys_as_rows=False), True),
+    ("keys as rows, weights unfolded", None, False),
+    ("keys as rows (table)", None, True),
+    ("keys as rows, 3 stages", dict(num_stages=3), True),
+    ("keys as rows, cap 168", dict(maxnreg=168), True),
+    ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168), True),
+    ("keys as rows, cap 128", dict(maxnreg=128), True),
+    ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2), True),
 )
 
 
@@ -76,7 +77,7 @@ def main() -> None:
     if args.ncu is not None:
         p = make(64, 1, 16384, "int4_per_token_head")
         table = I4.decode_config(p, False)
-        label, change = VARIANTS[args.ncu]
+        label, change, I4.FOLD_WEIGHTS = VARIANTS[args.ncu]
         cfg = dataclasses.replace(table, **change) if change else table
         print(label, cfg)
         for _ in range(4):
@@ -102,7 +103,7 @@ def main() -> None:
             ref = reference(p, seqs)
             table = I4.decode_config(p, False)
             before = None
-            for label, change in VARIANTS:
+            for label, change, I4.FOLD_WEIGHTS in VARIANTS:
                 cfg = dataclasses.replace(table, **change) if change else table
                 p.out.fill_(float("nan"))
                 try:
@@ -124,6 +125,7 @@ def main() -> None:
                 tag = "rot" if mode == "int4_per_token_head" else "norot"
                 rows.append((f"{shape} {tag} {label}", ms, nbytes / ms / 1e6, e, d_before))
                 print(f"{rows[-1][0]:58s} {ms * 1e3:8.1f} us  err {e:.1e}  vs before {d_before:.1e}", flush=True)
+            I4.FOLD_WEIGHTS = True
             del p, before
             torch.cuda.empty_cache()
     print()

@@ -103,6 +103,10 @@ SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0
 ZP_MASK = tl.constexpr(0xF)
 OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
 
+# Keys-as-rows decode keeps P . V in units of the largest weight so far and lets the dots add
+# into it (_int4_tile_keys_as_rows); False rescales and adds after each dot, as _int4_tile does.
+FOLD_WEIGHTS = True
+
 # Attention tolerance (the module docstring says where it comes from).
 ATTENTION_RTOL = 5e-3
 # Smallest K of a tensor-core dot on fp16 operands: the half rows (D / 2 bytes, one nibble
@@ -231,6 +235,7 @@ def _int4_tile(
     acc_e,
     acc_o,
     v_off,
+    unit,
     MASKED: tl.constexpr,
     q_e,
     q_o,
@@ -266,6 +271,7 @@ def _int4_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    FOLD_WEIGHTS: tl.constexpr,
 ):
     """Keys [start, start + BLOCK_N) below kv_end: the online softmax's (m, l) and the two
     accumulators of P . (CODE_OFFSET + codes) (even and odd elements) after them, and v_off, the
@@ -311,7 +317,7 @@ def _int4_tile(
     acc_e = acc_e * alpha[:, None] + tl.dot(pv16, v_lo) * w[:, None]
     acc_o = acc_o * alpha[:, None] + tl.dot(pv16, v_hi) * w[:, None]
     v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[None, :], axis=1) * w
-    return m_i, l_i, acc_e, acc_o, v_off
+    return m_i, l_i, acc_e, acc_o, v_off, unit
 
 
 @triton.jit
@@ -324,6 +330,7 @@ def _int4_tile_keys_as_rows(
     acc_e,
     acc_o,
     v_off,
+    unit,
     MASKED: tl.constexpr,
     q_e,
     q_o,
@@ -359,6 +366,7 @@ def _int4_tile_keys_as_rows(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    FOLD_WEIGHTS: tl.constexpr,
 ):
     """_int4_tile with both dots transposed (decode): the keys are the MMA's rows and the
     group's query rows its columns, s^T = K q'^T and acc^T += V^T p^T, so a group of 4 pads to
@@ -405,11 +413,23 @@ def _int4_tile_keys_as_rows(
     if MASKED:
         pv = tl.where(visible, pv, 0.0)
     w = tl.maximum(tl.max(pv, axis=0), SMALLEST_NORMAL)
-    pv16 = (pv * (1.0 / w)[None, :]).to(tl.float16)
-    acc_e = acc_e * alpha[None, :] + tl.dot(tl.trans(v_lo), pv16) * w[None, :]
-    acc_o = acc_o * alpha[None, :] + tl.dot(tl.trans(v_hi), pv16) * w[None, :]
-    v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0) * w
-    return m_new, l_i, acc_e, acc_o, v_off
+    if FOLD_WEIGHTS:
+        # acc_e, acc_o and v_off are kept in units of `unit` per row, the largest weight so far
+        # (moved by alpha): what came before is rescaled by at most 1 and the dots add into it,
+        # so a tile costs one multiply per accumulator element instead of two.
+        moved = unit * alpha
+        unit = tl.maximum(w, moved)
+        carry = moved / unit
+        pv16 = (pv * (1.0 / unit)[None, :]).to(tl.float16)
+        acc_e = tl.dot(tl.trans(v_lo), pv16, acc_e * carry[None, :])
+        acc_o = tl.dot(tl.trans(v_hi), pv16, acc_o * carry[None, :])
+        v_off = v_off * carry + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0)
+    else:
+        pv16 = (pv * (1.0 / w)[None, :]).to(tl.float16)
+        acc_e = acc_e * alpha[None, :] + tl.dot(tl.trans(v_lo), pv16) * w[None, :]
+        acc_o = acc_o * alpha[None, :] + tl.dot(tl.trans(v_hi), pv16) * w[None, :]
+        v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0) * w
+    return m_new, l_i, acc_e, acc_o, v_off, unit
 
 
 @triton.jit
@@ -422,14 +442,15 @@ def _tile(
     acc_e,
     acc_o,
     v_off,
+    unit,
     tile_args,
     MASKED: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
 ):
     if KEYS_AS_ROWS:
-        return _int4_tile_keys_as_rows(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args)
+        return _int4_tile_keys_as_rows(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, MASKED, *tile_args)
     else:
-        return _int4_tile(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args)
+        return _int4_tile(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, MASKED, *tile_args)
 
 
 @triton.jit
@@ -443,6 +464,7 @@ def _tile_range(
     acc_e,
     acc_o,
     v_off,
+    unit,
     tile_args,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -454,16 +476,16 @@ def _tile_range(
     if INTERPRETED:
         start = lo
         while start < hi:
-            m_i, l_i, acc_e, acc_o, v_off = _tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, MASKED, KEYS_AS_ROWS
+            m_i, l_i, acc_e, acc_o, v_off, unit = _tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, tile_args, MASKED, KEYS_AS_ROWS
             )
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc_e, acc_o, v_off = _tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, MASKED, KEYS_AS_ROWS
+            m_i, l_i, acc_e, acc_o, v_off, unit = _tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, tile_args, MASKED, KEYS_AS_ROWS
             )
-    return m_i, l_i, acc_e, acc_o, v_off
+    return m_i, l_i, acc_e, acc_o, v_off, unit
 
 
 @triton.jit
@@ -490,6 +512,7 @@ def attend_int4(
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    FOLD_WEIGHTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
@@ -507,6 +530,7 @@ def attend_int4(
         acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
         acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     v_off = tl.zeros([BLOCK_M], tl.float32)
+    unit = tl.full([BLOCK_M], SMALLEST_NORMAL, tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
     for phase in tl.static_range(3):
@@ -520,7 +544,7 @@ def attend_int4(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc_e, acc_o, v_off = _tile_range(
+            m_i, l_i, acc_e, acc_o, v_off, unit = _tile_range(
                 lo,
                 hi,
                 kv_end,
@@ -530,6 +554,7 @@ def attend_int4(
                 acc_e,
                 acc_o,
                 v_off,
+                unit,
                 tile_args,
                 phase != 1,
                 BLOCK_N,
@@ -539,6 +564,10 @@ def attend_int4(
     if KEYS_AS_ROWS:
         acc_e = tl.trans(acc_e)
         acc_o = tl.trans(acc_o)
+        if FOLD_WEIGHTS:
+            acc_e = acc_e * unit[:, None]
+            acc_o = acc_o * unit[:, None]
+            v_off = v_off * unit
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, l_i, acc
 
@@ -612,6 +641,7 @@ def _int4_attention_kernel(
     SAME_KV_STRIDES: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    FOLD_WEIGHTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
@@ -693,6 +723,7 @@ def _int4_attention_kernel(
             HAS_SOFTCAP,
             HAS_WINDOW,
             SAME_KV_STRIDES,
+            KEYS_AS_ROWS and FOLD_WEIGHTS,
         ),
         BLOCK_Q,
         BLOCK_M,
@@ -702,6 +733,7 @@ def _int4_attention_kernel(
         SPLIT,
         HAS_SINKS and not SPLIT,
         KEYS_AS_ROWS,
+        KEYS_AS_ROWS and FOLD_WEIGHTS,
         INTERPRETED,
     )
     # The rotation is linear, so un-rotating acc before the division by l (or before the
@@ -964,6 +996,7 @@ def kernel_call(
         SAME_KV_STRIDES=same_kv_strides(p),
         LONGEST_FIRST=cfg.longest_first and not per_seq,
         KEYS_AS_ROWS=cfg.keys_as_rows and per_seq,
+        FOLD_WEIGHTS=FOLD_WEIGHTS,
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
     )
