@@ -19,7 +19,11 @@ attention_tiles.py (rows, key range, masks, online softmax, stores) and its own 
    or before a split's partial is stored (the merge, attention_kernels._merge_splits_kernel,
    is linear in the partials).
 
-Prefill with long query runs stages the context instead (int4_staging.py).
+Decode on CUDA runs steps 2-3 transposed (_int4_tile_keys_as_rows: s^T = K q'^T, acc^T +=
+V^T p^T): the group's few query rows are then the MMA's columns, which pad to 8, not its rows,
+which pad to 16 and, replicated by Triton, cost a register copy per operand quad. Its P . V is
+kept in units of the largest weight so far (FOLD_WEIGHTS), so the dots add into it. Prefill
+with long query runs stages the context instead (int4_staging.py).
 
 Tolerance (ATTENTION_RTOL): the dots take fp16 operands with fp32 accumulation. The codes are
 exact in fp16; what rounds is q' (fp16, 2^-11 relative per element, against 2^-12 for an fp32
