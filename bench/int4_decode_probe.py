@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,14 +36,12 @@ from kvzoo.backends.triton import int4_attention as I4  # noqa: E402
 
 # (label, changes to the table's config, int4_attention.FOLD_WEIGHTS); None: the table as it is.
 VARIANTS = (
-    ("query rows as MMA rows (before)", dict(keys_as_rows=False), True),
-    ("keys as rows, weights unfolded", None, False),
-    ("keys as rows (table)", None, True),
-    ("keys as rows, 3 stages", dict(num_stages=3), True),
-    ("keys as rows, cap 168", dict(maxnreg=168), True),
-    ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168), True),
-    ("keys as rows, cap 128", dict(maxnreg=128), True),
-    ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2), True),
+    ("query rows as MMA rows (before)", dict(keys_as_rows=False), False),
+    ("keys as rows (table)", None, False),
+    ("keys as rows, 3 stages", dict(num_stages=3), False),
+    ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168), False),
+    ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2), False),
+    ("keys as rows, weights folded", None, True),
 )
 
 
@@ -72,6 +71,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="64x16384,8x65536,64x4096")
+    ap.add_argument("--only", help="comma list of VARIANTS indices (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants round-robin this many times")
     ap.add_argument("--ncu", type=int, metavar="I", help="only launch VARIANTS[I] at 64 x 16384 four times")
     args = ap.parse_args()
     if args.ncu is not None:
@@ -87,6 +88,7 @@ def main() -> None:
     copy_bw, _ = ceilings()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"copy ceiling {copy_bw:.0f} GB/s")
+    chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(VARIANTS))
     failed = []
     rows = []
     for shape in args.shapes.split(","):
@@ -103,7 +105,9 @@ def main() -> None:
             ref = reference(p, seqs)
             table = I4.decode_config(p, False)
             before = None
-            for label, change, I4.FOLD_WEIGHTS in VARIANTS:
+            checked = []
+            for index in chosen:
+                label, change, I4.FOLD_WEIGHTS = VARIANTS[index]
                 cfg = dataclasses.replace(table, **change) if change else table
                 p.out.fill_(float("nan"))
                 try:
@@ -117,15 +121,25 @@ def main() -> None:
                 unwritten = bool(torch.isnan(p.out).any())
                 if before is None:
                     before = p.out.clone()
-                d_before = rel(p.out, before)
                 # The kernel's own tolerance plus the bf16 output's rounding.
                 if unwritten or not e < I4.ATTENTION_RTOL + 2**-8 or not math.isfinite(e):
                     failed.append(f"{shape} {mode} {label}: err {e:.1e} unwritten {unwritten}")
-                ms = bench(lambda p=p, cfg=cfg: launch(p, cfg))
-                tag = "rot" if mode == "int4_per_token_head" else "norot"
+                checked.append((label, cfg, I4.FOLD_WEIGHTS, e, rel(p.out, before)))
+            # Round-robin, so a change of the board's clock or power state falls on every variant.
+            times = {label: [] for label, *_ in checked}
+            for _ in range(args.rounds):
+                for label, cfg, I4.FOLD_WEIGHTS, _, _ in checked:
+                    times[label].append(bench(lambda p=p, cfg=cfg: launch(p, cfg)))
+            tag = "rot" if mode == "int4_per_token_head" else "norot"
+            for label, _, _, e, d_before in checked:
+                ms = statistics.median(times[label])
+                spread = f"{min(times[label]) * 1e3:.1f}-{max(times[label]) * 1e3:.1f}"
                 rows.append((f"{shape} {tag} {label}", ms, nbytes / ms / 1e6, e, d_before))
-                print(f"{rows[-1][0]:58s} {ms * 1e3:8.1f} us  err {e:.1e}  vs before {d_before:.1e}", flush=True)
-            I4.FOLD_WEIGHTS = True
+                print(
+                    f"{rows[-1][0]:58s} {ms * 1e3:8.1f} us ({spread})  err {e:.1e}  vs before {d_before:.1e}",
+                    flush=True,
+                )
+            I4.FOLD_WEIGHTS = False
             del p, before
             torch.cuda.empty_cache()
     print()

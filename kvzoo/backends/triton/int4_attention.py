@@ -109,7 +109,9 @@ OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
 
 # Keys-as-rows decode keeps P . V in units of the largest weight so far and lets the dots add
 # into it (_int4_tile_keys_as_rows); False rescales and adds after each dot, as _int4_tile does.
-FOLD_WEIGHTS = True
+# Off: on the H200 the dots' own fp32 accumulation over a long context drifted to 1.1e-2 of
+# float64 at 64 x 16384 (1.7e-3 unfolded); the interpreter's exact sums cannot show it.
+FOLD_WEIGHTS = False
 
 # Attention tolerance (the module docstring says where it comes from).
 ATTENTION_RTOL = 5e-3
