@@ -42,6 +42,10 @@ VARIANTS = (
     ("keys as rows, 3 stages, cap 168", dict(num_stages=3, maxnreg=168), False),
     ("keys as rows, 64 keys, 2 warps", dict(block_n=64, num_warps=2), False),
     ("keys as rows, weights folded", None, True),
+    ("query rows, 16 keys", dict(keys_as_rows=False, block_n=16), False),
+    ("keys as rows, 16 keys", dict(block_n=16), False),
+    ("keys as rows, 16 keys, cap 128", dict(block_n=16, maxnreg=128), False),
+    ("keys as rows, 16 keys, 8 stages, cap 128", dict(block_n=16, num_stages=8, maxnreg=128), False),
 )
 
 
@@ -109,6 +113,8 @@ def main() -> None:
             for index in chosen:
                 label, change, I4.FOLD_WEIGHTS = VARIANTS[index]
                 cfg = dataclasses.replace(table, **change) if change else table
+                # A split holds whole tiles (AttentionConfig.split_keys).
+                cfg = dataclasses.replace(cfg, split_keys=-(-cfg.split_keys // cfg.block_n) * cfg.block_n)
                 p.out.fill_(float("nan"))
                 try:
                     launch(p, cfg)
