@@ -536,14 +536,12 @@ def test_every_query_dtype_and_group(mode, group):
 
 
 @pytest.mark.parametrize("mode", INT4)
-@pytest.mark.parametrize("keys_as_rows", [True, False])
 @pytest.mark.parametrize("order", ["rising", "falling", "random"])
-def test_decode_over_value_scales_far_apart(mode, keys_as_rows, order):
+def test_decode_over_value_scales_far_apart(mode, order):
     # The V scales of one context span 2^-60..2^60 (exact: the words' exponents moved, the
     # zero points kept): the weights of P . V change by far more than fp16 holds from tile to
-    # tile, which the keys-as-rows tile's running unit (FOLD_WEIGHTS) and the per-tile
-    # normalisation of the other tile must both carry. Rising: each tile outweighs what came
-    # before; falling: each is negligible against it.
+    # tile, which each tile's own normalisation must carry. Rising: each tile outweighs what
+    # came before; falling: each is negligible against it.
     seq_len = 200
     p = _attention_problem(mode, [1, 1], [seq_len, 90], head_size=64, seed=7)
     rng = np.random.default_rng(len(order))
@@ -559,9 +557,9 @@ def test_decode_over_value_scales_far_apart(mode, keys_as_rows, order):
         for pos in range(int(p.seq_lens[seq])):
             row = words[int(tables[seq, pos // bs]), pos % bs]
             row += int(shift[pos]) << 23
-    cfg = dataclasses.replace(int4_attention.decode_config(p, False), keys_as_rows=keys_as_rows, split_keys=0)
+    cfg = dataclasses.replace(int4_attention.decode_config(p, False), split_keys=0)
     int4_attention._launch(int4_attention.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False))
-    _check_attention(p, f" (V scales {order}, keys_as_rows={keys_as_rows})")
+    _check_attention(p, f" (V scales {order})")
 
 
 @pytest.mark.parametrize("mode", INT4)

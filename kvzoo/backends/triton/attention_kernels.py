@@ -572,9 +572,6 @@ class AttentionConfig:
     min_rows: int = 16
     # Prefill only: start the grid's query blocks in reverse order (StagedConfig's note).
     longest_first: bool = False
-    # Decode only, int4: the dots transposed, keys as the MMA's rows
-    # (int4_attention._int4_tile_keys_as_rows).
-    keys_as_rows: bool = False
     # Whether a config is staged prefill's (a StagedConfig): launches and tables tell the two
     # apart by type; this reads the same on either.
     stage_kv: ClassVar[bool] = False

@@ -19,11 +19,7 @@ attention_tiles.py (rows, key range, masks, online softmax, stores) and its own 
    or before a split's partial is stored (the merge, attention_kernels._merge_splits_kernel,
    is linear in the partials).
 
-Decode on CUDA runs steps 2-3 transposed (_int4_tile_keys_as_rows: s^T = K q'^T, acc^T +=
-V^T p^T): the group's few query rows are then the MMA's columns, which pad to 8, not its rows,
-which pad to 16 and, replicated by Triton, cost a register copy per operand quad. Its P . V is
-kept in units of the largest weight so far (FOLD_WEIGHTS), so the dots add into it. Prefill
-with long query runs stages the context instead (int4_staging.py).
+Prefill with long query runs stages the context instead (int4_staging.py).
 
 Tolerance (ATTENTION_RTOL): the dots take fp16 operands with fp32 accumulation. The codes are
 exact in fp16; what rounds is q' (fp16, 2^-11 relative per element, against 2^-12 for an fp32
@@ -38,7 +34,6 @@ error is bench/gpu_bench.py's to report.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -106,12 +101,6 @@ CONVERT_CAST = tl.constexpr(1)  # the same values through integer ops, a cast an
 SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0
 ZP_MASK = tl.constexpr(0xF)
 OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
-
-# Keys-as-rows decode keeps P . V in units of the largest weight so far and lets the dots add
-# into it (_int4_tile_keys_as_rows); False rescales and adds after each dot, as _int4_tile does.
-# Off: on the H200 the dots' own fp32 accumulation over a long context drifted to 1.1e-2 of
-# float64 at 64 x 16384 (1.7e-3 unfolded); the interpreter's exact sums cannot show it.
-FOLD_WEIGHTS = False
 
 # Attention tolerance (the module docstring says where it comes from).
 ATTENTION_RTOL = 5e-3
@@ -241,7 +230,6 @@ def _int4_tile(
     acc_e,
     acc_o,
     v_off,
-    unit,
     MASKED: tl.constexpr,
     q_e,
     q_o,
@@ -277,7 +265,6 @@ def _int4_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
-    FOLD_WEIGHTS: tl.constexpr,
 ):
     """Keys [start, start + BLOCK_N) below kv_end: the online softmax's (m, l) and the two
     accumulators of P . (CODE_OFFSET + codes) (even and odd elements) after them, and v_off, the
@@ -323,140 +310,7 @@ def _int4_tile(
     acc_e = acc_e * alpha[:, None] + tl.dot(pv16, v_lo) * w[:, None]
     acc_o = acc_o * alpha[:, None] + tl.dot(pv16, v_hi) * w[:, None]
     v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[None, :], axis=1) * w
-    return m_i, l_i, acc_e, acc_o, v_off, unit
-
-
-@triton.jit
-def _int4_tile_keys_as_rows(
-    start,
-    kv_end,
-    bt_row,
-    m_i,
-    l_i,
-    acc_e,
-    acc_o,
-    v_off,
-    unit,
-    MASKED: tl.constexpr,
-    q_e,
-    q_o,
-    q_sum,
-    row_scale,
-    pos,
-    window,
-    softcap,
-    kv_head,
-    k_ptr,
-    v_ptr,
-    ks_ptr,
-    vs_ptr,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    HALF: tl.constexpr,
-    PAGE: tl.constexpr,
-    CONVERT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SAME_KV_STRIDES: tl.constexpr,
-    FOLD_WEIGHTS: tl.constexpr,
-):
-    """_int4_tile with both dots transposed (decode): the keys are the MMA's rows and the
-    group's query rows its columns, s^T = K q'^T and acc^T += V^T p^T, so a group of 4 pads to
-    the MMA's 8 columns, not its 16 rows. The same arithmetic per (row, key) in the same order;
-    acc_e and acc_o are [HALF, rows]."""
-    j = tl.arange(0, HALF)
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < kv_end
-    page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
-    in_page = keys % PAGE
-    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, 1)
-    kc = _load_bytes(k_ptr + k_row[:, None] + j[None, :] * stride_kd, key_ok, j, MASKED, HEAD_D // 2, HALF)
-    k_words = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
-    k_scale, k_zp = split_words(k_words)
-    k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
-    s = tl.dot(k_lo, tl.trans(q_e))
-    s = tl.dot(k_hi, tl.trans(q_o), s)
-    s = (s - k_zp[:, None] * q_sum[None, :]) * (k_scale[:, None] * row_scale[None, :])
-    if HAS_SOFTCAP:
-        s = softcap_logits(s, softcap)
-    if MASKED:
-        visible = key_ok[:, None] & (keys[:, None] <= pos[None, :])
-        if HAS_WINDOW:
-            visible = visible & (keys[:, None] > pos[None, :] - window)
-        s = tl.where(visible, s, float("-inf"))
-    # attention_tiles.online_softmax along the keys' axis.
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(s - m_use[None, :])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-
-    if SAME_KV_STRIDES:
-        v_rows = v_ptr + k_row[:, None] + j[None, :] * stride_kd
-        v_words = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
-    else:
-        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, 1)
-        v_rows = v_ptr + v_row[:, None] + j[None, :] * stride_vd
-        v_words = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
-    vc = _load_bytes(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
-    v_scale, v_zp = split_words(v_words)
-    v_lo, v_hi = nibbles_to_dot(vc, CONVERT, False)
-    pv = p * v_scale[:, None]
-    if MASKED:
-        pv = tl.where(visible, pv, 0.0)
-    w = tl.maximum(tl.max(pv, axis=0), SMALLEST_NORMAL)
-    if FOLD_WEIGHTS:
-        # acc_e, acc_o and v_off are kept in units of `unit` per row, the largest weight so far
-        # (moved by alpha): what came before is rescaled by at most 1 and the dots add into it,
-        # so a tile costs one multiply per accumulator element instead of two.
-        moved = unit * alpha
-        unit = tl.maximum(w, moved)
-        carry = moved / unit
-        pv16 = (pv * (1.0 / unit)[None, :]).to(tl.float16)
-        acc_e = tl.dot(tl.trans(v_lo), pv16, acc_e * carry[None, :])
-        acc_o = tl.dot(tl.trans(v_hi), pv16, acc_o * carry[None, :])
-        v_off = v_off * carry + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0)
-    else:
-        pv16 = (pv * (1.0 / w)[None, :]).to(tl.float16)
-        acc_e = acc_e * alpha[None, :] + tl.dot(tl.trans(v_lo), pv16) * w[None, :]
-        acc_o = acc_o * alpha[None, :] + tl.dot(tl.trans(v_hi), pv16) * w[None, :]
-        v_off = v_off * alpha + tl.sum(pv16.to(tl.float32) * v_zp[:, None], axis=0) * w
-    return m_new, l_i, acc_e, acc_o, v_off, unit
-
-
-@triton.jit
-def _tile(
-    start,
-    kv_end,
-    bt_row,
-    m_i,
-    l_i,
-    acc_e,
-    acc_o,
-    v_off,
-    unit,
-    tile_args,
-    MASKED: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
-):
-    if KEYS_AS_ROWS:
-        return _int4_tile_keys_as_rows(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, MASKED, *tile_args)
-    else:
-        return _int4_tile(start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, MASKED, *tile_args)
+    return m_i, l_i, acc_e, acc_o, v_off
 
 
 @triton.jit
@@ -470,28 +324,26 @@ def _tile_range(
     acc_e,
     acc_o,
     v_off,
-    unit,
     tile_args,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """_int4_tile (or its transpose) on the key tiles starting at lo, lo + BLOCK_N, ... below
-    hi (the interpreter takes a while loop: attention_tiles._attend_range says why)."""
+    """_int4_tile on the key tiles starting at lo, lo + BLOCK_N, ... below hi (the interpreter
+    takes a while loop: attention_tiles._attend_range says why)."""
     if INTERPRETED:
         start = lo
         while start < hi:
-            m_i, l_i, acc_e, acc_o, v_off, unit = _tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, tile_args, MASKED, KEYS_AS_ROWS
+            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
             )
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc_e, acc_o, v_off, unit = _tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, unit, tile_args, MASKED, KEYS_AS_ROWS
+            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
+                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
             )
-    return m_i, l_i, acc_e, acc_o, v_off, unit
+    return m_i, l_i, acc_e, acc_o, v_off
 
 
 @triton.jit
@@ -517,8 +369,6 @@ def attend_int4(
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
-    FOLD_WEIGHTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
@@ -529,14 +379,9 @@ def attend_int4(
         context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
-    if KEYS_AS_ROWS:
-        acc_e = tl.zeros([HALF, BLOCK_M], tl.float32)
-        acc_o = tl.zeros([HALF, BLOCK_M], tl.float32)
-    else:
-        acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     v_off = tl.zeros([BLOCK_M], tl.float32)
-    unit = tl.full([BLOCK_M], SMALLEST_NORMAL, tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
     for phase in tl.static_range(3):
@@ -550,30 +395,9 @@ def attend_int4(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc_e, acc_o, v_off, unit = _tile_range(
-                lo,
-                hi,
-                kv_end,
-                bt_row,
-                m_i,
-                l_i,
-                acc_e,
-                acc_o,
-                v_off,
-                unit,
-                tile_args,
-                phase != 1,
-                BLOCK_N,
-                KEYS_AS_ROWS,
-                INTERPRETED,
+            m_i, l_i, acc_e, acc_o, v_off = _tile_range(
+                lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
             )
-    if KEYS_AS_ROWS:
-        acc_e = tl.trans(acc_e)
-        acc_o = tl.trans(acc_o)
-        if FOLD_WEIGHTS:
-            acc_e = acc_e * unit[:, None]
-            acc_o = acc_o * unit[:, None]
-            v_off = v_off * unit
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, l_i, acc
 
@@ -646,8 +470,6 @@ def _int4_attention_kernel(
     SKIP_DECODE: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
-    FOLD_WEIGHTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
@@ -729,7 +551,6 @@ def _int4_attention_kernel(
             HAS_SOFTCAP,
             HAS_WINDOW,
             SAME_KV_STRIDES,
-            KEYS_AS_ROWS and FOLD_WEIGHTS,
         ),
         BLOCK_Q,
         BLOCK_M,
@@ -738,8 +559,6 @@ def _int4_attention_kernel(
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
-        KEYS_AS_ROWS,
-        KEYS_AS_ROWS and FOLD_WEIGHTS,
         INTERPRETED,
     )
     # The rotation is linear, so un-rotating acc before the division by l (or before the
@@ -832,8 +651,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     # Tiles of the group's real rows on CUDA (Triton pads the dot); ROCm's FMA fallback below
     # 16 rows is avoided as attention_kernels.decode_config does.
     min_rows = 1 if platform == "cuda" else 16
-    cfg = decode_config_of(p, invariant, platform, tiles.decode, SPLIT, min_rows=min_rows, maxnreg=maxnreg)
-    return dataclasses.replace(cfg, keys_as_rows=platform == "cuda")
+    return decode_config_of(p, invariant, platform, tiles.decode, SPLIT, min_rows=min_rows, maxnreg=maxnreg)
 
 
 def prefill_config(p: Attention) -> AttentionConfig:
@@ -1001,8 +819,6 @@ def kernel_call(
         SKIP_DECODE=skip_decode,
         SAME_KV_STRIDES=same_kv_strides(p),
         LONGEST_FIRST=cfg.longest_first and not per_seq,
-        KEYS_AS_ROWS=cfg.keys_as_rows and per_seq,
-        FOLD_WEIGHTS=FOLD_WEIGHTS,
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
     )
