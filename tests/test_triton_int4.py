@@ -544,19 +544,17 @@ def test_decode_over_value_scales_far_apart(mode, order):
     # came before; falling: each is negligible against it.
     seq_len = 200
     p = _attention_problem(mode, [1, 1], [seq_len, 90], head_size=64, seed=7)
-    rng = np.random.default_rng(len(order))
     shift = {
         "rising": np.linspace(-60, 60, seq_len),
         "falling": np.linspace(60, -60, seq_len),
-        "random": rng.uniform(-60, 60, seq_len),
-    }[order].astype(np.int64)
-    tables = p.block_tables.cpu().numpy()
+        "random": rng_for("int4 value scales", mode).uniform(-60, 60, seq_len),
+    }[order].astype(np.int32)
     words = p.v_scale_cache.view(torch.int32)
-    bs = p.block_size
     for seq in range(2):
-        for pos in range(int(p.seq_lens[seq])):
-            row = words[int(tables[seq, pos // bs]), pos % bs]
-            row += int(shift[pos]) << 23
+        pos = torch.arange(int(p.seq_lens[seq]), device=DEVICE)
+        block = p.block_tables[seq, pos // p.block_size].long()
+        words[block, pos % p.block_size] += torch.from_numpy(shift[: len(pos), None] << 23).to(DEVICE)
+    # One pass over every tile (no split), so each tile's weights meet all that came before.
     cfg = dataclasses.replace(int4_attention.decode_config(p, False), split_keys=0)
     int4_attention._launch(int4_attention.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False))
     _check_attention(p, f" (V scales {order})")
