@@ -307,20 +307,43 @@ def decode_rows(codes: np.ndarray, scales: np.ndarray, mode_name: str) -> np.nda
         return _code_values(codes, mode) * scales[..., None]
 
 
-def _fp8_weights(p: np.ndarray, v_scales: np.ndarray, tiles: np.ndarray) -> np.ndarray:
+# How far a float32 computation of a weight p_k may sit from the float64 one, beyond its
+# logit's dot-product error: exp's argument l - m rounds to within 2^-24 |l - m| (and p
+# underflows float32 once |l - m| > 104), then exp's result and the products by the V scale
+# and the tile maximum's reciprocal round once each.
+_FLOAT32_WEIGHT_RTOL = 2.0**-16
+
+
+def _fp8_weights(
+    p: np.ndarray, v_scales: np.ndarray, tiles: np.ndarray, p_rtol: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """SPEC.md 8.3's weights of one row, as multipliers of the decoded values: per tile, u =
     p * vscale, w = max(max u, 2^-100), code = e4m3fn(u / w * 256) (from float32, as the
-    implementations round), the weight code * w / 256 / vscale."""
+    implementations round), the weight code * w / 256 / vscale.
+
+    Also each weight's slack: an implementation computes p in float32, so where u / w * 256
+    lies within p_rtol [L] (per key, relative; the tile maximum's own uncertainty is added, and
+    the softmax shift cancels in u / w) of a rounding boundary its code may be the neighbouring
+    one. The slack is the largest weight change such a neighbour makes (0 elsewhere)."""
     mode = _mode("fp8_per_token_head")
     u = p * v_scales
     out = np.empty_like(p)
+    slack = np.zeros_like(p)
     for t in np.unique(tiles):
         at = tiles == t
         w = max(u[at].max(), 2.0**-100)
+        # The tile maximum is the largest u, so its uncertainty is at most the tile's largest.
+        reach = p_rtol[at] + p_rtol[at].max()
         with np.errstate(all="ignore"):
-            codes = _encode_y((u[at] / w * 256.0).astype(np.float32), mode, "nearest")
-            out[at] = _code_values(codes, mode).astype(np.float64) * (w / 256.0) / v_scales[at]
-    return out
+            x = u[at] / w * 256.0
+            unit = (w / 256.0) / v_scales[at]
+            codes = [
+                _code_values(_encode_y((x * f).astype(np.float32), mode, "nearest"), mode).astype(np.float64)
+                for f in (1.0, 1.0 - reach, 1.0 + reach)
+            ]
+            out[at] = codes[0] * unit
+            slack[at] = np.maximum(np.abs(codes[1] - codes[0]), np.abs(codes[2] - codes[0])) * np.abs(unit)
+    return out, slack
 
 
 def fp8_dots_query(x: np.ndarray) -> np.ndarray:
@@ -504,6 +527,7 @@ def attention_f64(
     sinks=None,
     return_lse=False,
     fp8_probabilities=None,
+    return_slack=False,
 ):
     """Paged causal attention over decoded caches, in float64: [T, Hq, D].
 
@@ -513,8 +537,14 @@ def attention_f64(
     (SPEC.md section 8.2), computed as m + log(denominator) with the m of the softmax.
     fp8_probabilities=(tile, v_scales [NB, BS, Hkv]): the weights rounded to e4m3 per tile of
     `tile` key positions as fp8_dots defines it (SPEC.md 8.3), for an implementation whose tile
-    is that one.
+    is that one. With it, return_slack=True appends slack float64 [T, Hq, D] to the return: per
+    output element, a bound on what the weights' codes can move it by in an implementation that
+    computes the weights in float32 (a code may be the neighbouring one where float32's weight
+    can fall on the other side of a rounding boundary; the logits' dot products are bounded by
+    the standard forward error bound of a D-term sum).
     """
+    if return_slack and fp8_probabilities is None:
+        raise ValueError("return_slack: defined with fp8_probabilities only")
     query = np.asarray(query)
     q = query.astype(np.float64) if query.dtype == np.float64 else widen_to_float32(query).astype(np.float64)
     k_deq = np.asarray(k_deq, dtype=np.float64)
@@ -529,6 +559,12 @@ def attention_f64(
     block_tables = np.asarray(block_tables)
     out = np.zeros((T, Hq, D), dtype=np.float64)
     lse = np.full((T, Hq), -np.inf, dtype=np.float64)  # a row with no term keeps log(0)
+    slack = np.zeros((T, Hq, D), dtype=np.float64)
+    # float32's logit error, as a fraction of the dot product's absolute terms' sum: 16 roundings'
+    # worth. The worst case, (D + 4) * 2^-24, admits slack the size of the tile errors the
+    # slack's check exists to find; measured errors of the conformance samples' float32 logits
+    # reach 3 roundings' worth (D = 96), their median a twentieth of one.
+    dot_rtol = 2.0**-20
 
     for s, seq_len in enumerate(seq_lens):
         q_len = qsl[s + 1] - qsl[s]
@@ -547,7 +583,15 @@ def attention_f64(
             for h in range(Hq):
                 kvh = h // group
                 logits = scale * (keys[lo : p + 1, kvh] @ q[t, h])
+                if fp8_probabilities is not None:
+                    logit_error = dot_rtol * scale * (np.abs(keys[lo : p + 1, kvh]) @ np.abs(q[t, h]))
                 if softcap is not None:
+                    if fp8_probabilities is not None:
+                        # tanh's slope at the error interval's end nearest 0 bounds how far the
+                        # capped logit moves; the cap's own roundings are float32 ulps of softcap.
+                        nearest = np.maximum(np.abs(logits) - logit_error, 0.0)
+                        slope = 1.0 - np.tanh(nearest / softcap) ** 2
+                        logit_error = logit_error * slope + 4 * softcap * 2.0**-24
                     logits = softcap * np.tanh(logits / softcap)
                 m = logits.max()
                 if sinks is not None:
@@ -557,11 +601,15 @@ def attention_f64(
                 if sinks is not None:
                     denominator += math.exp(float(sinks[h]) - m)
                 if fp8_probabilities is not None:
-                    weights = _fp8_weights(weights, vsc[lo : p + 1, kvh], np.arange(lo, p + 1) // tile)
+                    p_rtol = logit_error + _FLOAT32_WEIGHT_RTOL
+                    tiles = np.arange(lo, p + 1) // tile
+                    weights, weight_slack = _fp8_weights(weights, vsc[lo : p + 1, kvh], tiles, p_rtol)
+                    slack[t, h] = (weight_slack @ np.abs(vals[lo : p + 1, kvh])) / denominator
                 out[t, h] = (weights @ vals[lo : p + 1, kvh]) / denominator
                 with np.errstate(all="ignore"):
                     lse[t, h] = m + np.log(denominator)
-    return (out, lse) if return_lse else out
+    result = (out,) + ((lse,) if return_lse else ()) + ((slack,) if return_slack else ())
+    return result if len(result) > 1 else out
 
 
 # --------------------------------------------------------------------------------------------
