@@ -529,8 +529,6 @@ def oracle_attention(
             # SPEC.md 8.3 in full: the weights rounded per tile too (the implementation's tile).
             options["fp8_probabilities"] = (probability_tile, host_scales(v_scales))
     if return_slack:
-        if "fp8_probabilities" not in options:
-            raise ValueError("return_slack: defined with fp8_dots and a probability_tile only")
         options["return_slack"] = True
     return oracle.attention_f64(q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc), **options)
 
@@ -576,9 +574,7 @@ def assert_attention_close(
         allowed = tol + np.linalg.norm(slack[rows]) / scale
         assert math.isfinite(err) and err <= allowed, (
             f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {allowed:.1e}"
-            f" ({tol:.1e} + {allowed - tol:.1e} for undecidable roundings) (seed {SEED})"
-            if allowed > tol
-            else f"{impl.name}{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})"
+            f" ({tol:.1e}, {allowed - tol:.1e} of it the oracle's slack) (seed {SEED})"
         )
 
 

@@ -307,42 +307,77 @@ def decode_rows(codes: np.ndarray, scales: np.ndarray, mode_name: str) -> np.nda
         return _code_values(codes, mode) * scales[..., None]
 
 
-# How far a float32 computation of a weight p_k may sit from the float64 one, beyond its
-# logit's dot-product error: exp's argument l - m rounds to within 2^-24 |l - m| (and p
-# underflows float32 once |l - m| > 104), then exp's result and the products by the V scale
-# and the tile maximum's reciprocal round once each.
-_FLOAT32_WEIGHT_RTOL = 2.0**-16
+# float32's error in a weight p_k = exp(l_k - m), relative to p_k, as SPEC.md 8.3's check at an
+# implementation's own tile allows for it. The model is NumPy's float32 path
+# (backends/numpy_vectorized), the one implementation that declares a probability tile:
+# - the logit's dot product: _LOGIT_DOT_RTOL of its terms' absolute sum. NumPy measures up to
+#   about 7 roundings of 2^-24 at D = 64-128 (tests/test_fp8_dots.py holds it under the 16 this
+#   allows); the worst-case bound, (D + 4) roundings, would admit slack as large as the tile
+#   errors the check exists to find;
+# - a softcap's tanh: the logit error times tanh's largest slope over it, plus
+#   _SOFTCAP_ROUNDINGS of the cap;
+# - exp's argument l - m rounds to within |l - m| roundings of p; exp itself (about 3) and the
+#   products by the V scale, by the tile maximum's reciprocal and by 256: _WEIGHT_ROUNDINGS;
+# - a p below float32's normal range keeps only 2^-149 absolutely.
+_F32_ROUNDING = 2.0**-24
+_F32_SMALLEST = 2.0**-149
+_LOGIT_DOT_RTOL = 16 * _F32_ROUNDING
+_SOFTCAP_ROUNDINGS = 4
+_WEIGHT_ROUNDINGS = 8
+_WEIGHT_FLOOR = 2.0**-100  # SPEC.md 8.3's floor of a tile's largest u
+
+
+def _float32_logit_error(abs_terms: np.ndarray, logits: np.ndarray, softcap: float | None) -> np.ndarray:
+    """Each logit's float32 error [L], absolute: abs_terms [L] is softmax_scale * |k| . |q|;
+    logits [L] the float64 logits before the softcap."""
+    error = _LOGIT_DOT_RTOL * abs_terms
+    if softcap is not None:
+        # tanh's slope is largest at the error interval's end nearest 0.
+        nearest = np.maximum(np.abs(logits) - error, 0.0)
+        error = error * (1.0 - np.tanh(nearest / softcap) ** 2) + _SOFTCAP_ROUNDINGS * softcap * _F32_ROUNDING
+    return error
+
+
+def _float32_weight_rtol(logit_error: np.ndarray, shifted: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Each p_k's float32 error relative to it [L], the shift m's error left out (it cancels in
+    u / w unless w is at its floor): logit_error from _float32_logit_error, shifted = l - m."""
+    with np.errstate(divide="ignore"):
+        return logit_error + _F32_ROUNDING * (np.abs(shifted) + _WEIGHT_ROUNDINGS) + _F32_SMALLEST / p
 
 
 def _fp8_weights(
-    p: np.ndarray, v_scales: np.ndarray, tiles: np.ndarray, p_rtol: np.ndarray
+    p: np.ndarray, v_scales: np.ndarray, tiles: np.ndarray, p_rtol: np.ndarray, shift_rtol: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """SPEC.md 8.3's weights of one row, as multipliers of the decoded values: per tile, u =
     p * vscale, w = max(max u, 2^-100), code = e4m3fn(u / w * 256) (from float32, as the
     implementations round), the weight code * w / 256 / vscale.
 
-    Also each weight's slack: an implementation computes p in float32, so where u / w * 256
-    lies within p_rtol [L] (per key, relative; the tile maximum's own uncertainty is added, and
-    the softmax shift cancels in u / w) of a rounding boundary its code may be the neighbouring
-    one. The slack is the largest weight change such a neighbour makes (0 elsewhere)."""
+    Also each weight's slack: where float32 could put u / w * 256 on the other side of a
+    rounding boundary, the largest weight change the other code makes (0 elsewhere). u / w's
+    relative error is p_k's (p_rtol [L]) plus the tile maximum's (at most the tile's largest
+    p_rtol); with w at its floor, the maximum's is replaced by the shift's (shift_rtol)."""
     mode = _mode("fp8_per_token_head")
     u = p * v_scales
     out = np.empty_like(p)
     slack = np.zeros_like(p)
+
+    def code_values(x):
+        return _code_values(_encode_y(x.astype(np.float32), mode, "nearest"), mode).astype(np.float64)
+
     for t in np.unique(tiles):
         at = tiles == t
-        w = max(u[at].max(), 2.0**-100)
-        # The tile maximum is the largest u, so its uncertainty is at most the tile's largest.
-        reach = p_rtol[at] + p_rtol[at].max()
+        w = max(u[at].max(), _WEIGHT_FLOOR)
+        reach = p_rtol[at] + (p_rtol[at].max() if w > _WEIGHT_FLOOR else shift_rtol)
         with np.errstate(all="ignore"):
             x = u[at] / w * 256.0
             unit = (w / 256.0) / v_scales[at]
-            codes = [
-                _code_values(_encode_y((x * f).astype(np.float32), mode, "nearest"), mode).astype(np.float64)
-                for f in (1.0, 1.0 - reach, 1.0 + reach)
-            ]
-            out[at] = codes[0] * unit
-            slack[at] = np.maximum(np.abs(codes[1] - codes[0]), np.abs(codes[2] - codes[0])) * np.abs(unit)
+            # Rounding is monotone, so the codes at the interval's ends bound every code within.
+            # No u exceeds w, so nothing in float32 passes 256.
+            low = x * np.exp(-np.minimum(reach, 700.0))
+            high = np.where(x > 0, np.minimum(x * np.exp(np.minimum(reach, 700.0)), 256.0), 0.0)
+            codes, low_codes, high_codes = code_values(x), code_values(low), code_values(high)
+            out[at] = codes * unit
+            slack[at] = np.maximum(codes - low_codes, high_codes - codes) * np.abs(unit)
     return out, slack
 
 
@@ -538,10 +573,9 @@ def attention_f64(
     fp8_probabilities=(tile, v_scales [NB, BS, Hkv]): the weights rounded to e4m3 per tile of
     `tile` key positions as fp8_dots defines it (SPEC.md 8.3), for an implementation whose tile
     is that one. With it, return_slack=True appends slack float64 [T, Hq, D] to the return: per
-    output element, a bound on what the weights' codes can move it by in an implementation that
-    computes the weights in float32 (a code may be the neighbouring one where float32's weight
-    can fall on the other side of a rounding boundary; the logits' dot products are bounded by
-    the standard forward error bound of a D-term sum).
+    output element, how far the weights' codes can move it in an implementation that computes
+    the weights in float32 (a code may be a neighbour where float32's weight can fall on the
+    other side of a rounding boundary; _float32_weight_rtol's error model, not a worst-case bound).
     """
     if return_slack and fp8_probabilities is None:
         raise ValueError("return_slack: defined with fp8_probabilities only")
@@ -560,11 +594,6 @@ def attention_f64(
     out = np.zeros((T, Hq, D), dtype=np.float64)
     lse = np.full((T, Hq), -np.inf, dtype=np.float64)  # a row with no term keeps log(0)
     slack = np.zeros((T, Hq, D), dtype=np.float64)
-    # float32's logit error, as a fraction of the dot product's absolute terms' sum: 16 roundings'
-    # worth. The worst case, (D + 4) * 2^-24, admits slack the size of the tile errors the
-    # slack's check exists to find; measured errors of the conformance samples' float32 logits
-    # reach 3 roundings' worth (D = 96), their median a twentieth of one.
-    dot_rtol = 2.0**-20
 
     for s, seq_len in enumerate(seq_lens):
         q_len = qsl[s + 1] - qsl[s]
@@ -584,14 +613,9 @@ def attention_f64(
                 kvh = h // group
                 logits = scale * (keys[lo : p + 1, kvh] @ q[t, h])
                 if fp8_probabilities is not None:
-                    logit_error = dot_rtol * scale * (np.abs(keys[lo : p + 1, kvh]) @ np.abs(q[t, h]))
+                    abs_terms = scale * (np.abs(keys[lo : p + 1, kvh]) @ np.abs(q[t, h]))
+                    logit_error = _float32_logit_error(abs_terms, logits, softcap)
                 if softcap is not None:
-                    if fp8_probabilities is not None:
-                        # tanh's slope at the error interval's end nearest 0 bounds how far the
-                        # capped logit moves; the cap's own roundings are float32 ulps of softcap.
-                        nearest = np.maximum(np.abs(logits) - logit_error, 0.0)
-                        slope = 1.0 - np.tanh(nearest / softcap) ** 2
-                        logit_error = logit_error * slope + 4 * softcap * 2.0**-24
                     logits = softcap * np.tanh(logits / softcap)
                 m = logits.max()
                 if sinks is not None:
@@ -601,9 +625,11 @@ def attention_f64(
                 if sinks is not None:
                     denominator += math.exp(float(sinks[h]) - m)
                 if fp8_probabilities is not None:
-                    p_rtol = logit_error + _FLOAT32_WEIGHT_RTOL
+                    p_rtol = _float32_weight_rtol(logit_error, logits - m, weights)
+                    # m is the largest logit or the sink (exact): it moves by the largest error.
+                    shift_rtol = float(logit_error.max())
                     tiles = np.arange(lo, p + 1) // tile
-                    weights, weight_slack = _fp8_weights(weights, vsc[lo : p + 1, kvh], tiles, p_rtol)
+                    weights, weight_slack = _fp8_weights(weights, vsc[lo : p + 1, kvh], tiles, p_rtol, shift_rtol)
                     slack[t, h] = (weight_slack @ np.abs(vals[lo : p + 1, kvh])) / denominator
                 out[t, h] = (weights @ vals[lo : p + 1, kvh]) / denominator
                 with np.errstate(all="ignore"):

@@ -153,7 +153,7 @@ def test_the_oracles_slack_is_one_code_step_where_float32_could_round_a_weight_e
     tiles = np.zeros(3, np.int64)
     want = np.array([256.0, 144.0, 80.0]) * top / 256 / v_scales
     for p_rtol, key_1_slack in ((2.0**-21, 0.0), (2.0**-15, 16.0)):
-        weights, slack = oracle._fp8_weights(p, v_scales, tiles, np.full(3, p_rtol))
+        weights, slack = oracle._fp8_weights(p, v_scales, tiles, np.full(3, p_rtol), shift_rtol=1.0)
         np.testing.assert_allclose(weights, want, rtol=1e-12)
         np.testing.assert_allclose(slack, np.array([0.0, key_1_slack, 0.0]) * top / 256 / v_scales[1], rtol=1e-12)
 
@@ -177,23 +177,51 @@ def test_the_probability_tile_check_admits_a_rounding_float32_cannot_decide(seed
         real_compare(*args, **{**kwargs, "slack": None})
 
 
+# float32 output (no bf16 rounding to hide in) over 128+ keys a sequence: several tiles.
+_LONG_FLOAT32 = cases.AttentionCase(
+    MODE, "long", num_q_heads=2, num_kv_heads=1, head_size=32, query_dtype="float32", fp8_dots=True
+)
+
+
 @pytest.mark.parametrize("declared", [16, 32, 128])
 def test_the_probability_tile_check_fails_an_implementation_declaring_another_tile(declared):
-    # float32 output (no bf16 rounding to hide in) over 128+ keys a sequence: several tiles.
-    case = cases.AttentionCase(
-        MODE, "long", num_q_heads=2, num_kv_heads=1, head_size=32, query_dtype="float32", fp8_dots=True
-    )
     impl = registry.default().get("paged_attention", "numpy")
     assert impl.probability_tile == 64 and declared != 64
     with pytest.raises(AssertionError, match=r"\(its probability tile\)"):
-        checks.check_paged_attention(dataclasses.replace(impl, probability_tile=declared), case)
+        checks.check_paged_attention(dataclasses.replace(impl, probability_tile=declared), _LONG_FLOAT32)
+
+
+def test_the_probability_tile_check_fails_weights_left_unrounded(monkeypatch):
+    monkeypatch.setattr(np_kernels, "e4m3_weights", lambda weights, tile: weights)
+    with pytest.raises(AssertionError, match=r"\(its probability tile\)"):
+        checks.check_paged_attention(registry.default().get("paged_attention", "numpy"), _LONG_FLOAT32)
 
 
 def test_the_probability_tile_check_passes_the_numpy_tile_on_many_tiles():
-    case = cases.AttentionCase(
-        MODE, "long", num_q_heads=2, num_kv_heads=1, head_size=32, query_dtype="float32", fp8_dots=True
+    checks.check_paged_attention(registry.default().get("paged_attention", "numpy"), _LONG_FLOAT32)
+
+
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+def test_numpys_float32_logits_stay_within_the_oracles_allowance(head_size):
+    # The oracle's slack models NumPy's logit error as at most oracle._LOGIT_DOT_RTOL of the dot
+    # product's absolute terms' sum (16 roundings); this measures it on NumPy's own operands.
+    rng = rng_for("fp8-dots-logit-error", head_size)
+    the_codec = codec(get_kv_quant_mode(MODE))
+    queries = _rows(rng, 64, head_size)[3:]
+    keys = rng.standard_normal((512, head_size)).astype(np.float32) * np.exp(rng.uniform(-4, 4, (512, 1)))
+    key_codes, key_scales = oracle.quantize_rows(keys.astype(np.float32), MODE)
+    key_values = oracle.decode_rows(key_codes, np.ones(512, np.float32), MODE)
+    sm_scale = np.float32(head_size**-0.5)
+    operand, logit_scales = np_kernels._logit_operands(
+        np_kernels.fp8_query_terms(queries, the_codec)[None], key_scales[None, None, :], sm_scale, the_codec
     )
-    checks.check_paged_attention(registry.default().get("paged_attention", "numpy"), case)
+    got = (np.matmul(operand, key_values.T[None]) * logit_scales)[0].astype(np.float64)
+    exact_keys = key_values.astype(np.float64) * key_scales[:, None]
+    exact_query = oracle.fp8_dots_query(queries)
+    want = float(sm_scale) * exact_query @ exact_keys.T
+    abs_terms = float(sm_scale) * np.abs(exact_query) @ np.abs(exact_keys).T
+    roundings = np.abs(got - want) / abs_terms / 2.0**-24
+    assert roundings.max() <= oracle._LOGIT_DOT_RTOL / 2.0**-24, roundings.max()
 
 
 @pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor"])
