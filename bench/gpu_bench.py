@@ -76,6 +76,12 @@ INT4_WRITE_TOKENS = 32768
 # The inline page is written at these sizes too (issue 20: at the separate layout's speed).
 INLINE_WRITE_TOKENS = (4096, 32768)
 DECODE_VARIANTS = ATTN_VARIANTS + ("int8_per_token_head" + INLINE, "fp8_per_token_head" + INLINE, INT4)
+# The per-tensor modes (one static scale a cache, as vLLM's int8_per_tensor and fp8/fp8_e5m2
+# kv-cache dtypes): written at 32768 tokens and read at 64 x 16384 only.
+PER_TENSOR = ("int8_per_tensor", "fp8_per_tensor", "fp8_e5m2_per_tensor")
+PER_TENSOR_WRITE_TOKENS, PER_TENSOR_DECODE_CONTEXT = 32768, 16384
+# Their static scales: not 1, so no product by the scale can be skipped unseen.
+STATIC_SCALES = (0.0857, 0.0347)
 PREFILL_VARIANTS = ATTN_VARIANTS + (
     "int8_per_token_head" + DIRECT,
     "fp8_per_token_head" + DIRECT,
@@ -95,6 +101,9 @@ SHORT = {
     "fp8_per_token_head" + INLINE: "fp8 inline",
     INT4: "int4",
     INT4 + DIRECT: "int4 direct",
+    "int8_per_tensor": "int8 per-tensor",
+    "fp8_per_tensor": "fp8 per-tensor",
+    "fp8_e5m2_per_tensor": "fp8-e5m2 per-tensor",
 }
 # Input sets per timed unit are sized so together they exceed this (H200 L2 is 50 MB).
 ROTATE_BYTES = 256 << 20
@@ -295,11 +304,13 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
         slot_order="paged",
         num_blocks=2 * -(-tokens // BLOCK),
         poison=False,
+        static_scale=STATIC_SCALES[0],
     )
     caches = w.caches
     if mode.endswith(INLINE):
         caches = kvzoo.allocate_inline(*w.caches.key_cache.shape[:3], D, _variant(mode)[0], device=DEVICE)
-    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=caches, mode=_variant(mode)[0])
+    static = None if w.static_scale is None else float(w.static_scale)
+    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=caches, mode=_variant(mode)[0], static=static)
 
 
 def _write_call(s, impl=IMPL):
@@ -313,6 +324,8 @@ def _write_call(s, impl=IMPL):
         mode=s["mode"],
         k_scale_cache=c.k_scale_cache,
         v_scale_cache=c.v_scale_cache,
+        k_scale=s["static"],
+        v_scale=s["static"],
         impl=impl,
         validate=False,
     )
@@ -338,6 +351,8 @@ def _check_write(s) -> str:
         mode=s["mode"],
         k_scale_cache=ref.k_scale_cache,
         v_scale_cache=ref.v_scale_cache,
+        k_scale=s["static"],
+        v_scale=s["static"],
         impl="numpy",
     )
     slots = s["slots"][:n]
@@ -453,6 +468,7 @@ def bench_write(ceil, quick: bool) -> None:
         times: dict[str, float] = {}
         rows: dict[str, Row] = {}
         extra = (INT4,) if tokens == INT4_WRITE_TOKENS or DRY else ()
+        extra += PER_TENSOR if tokens == PER_TENSOR_WRITE_TOKENS or DRY else ()
         if tokens in INLINE_WRITE_TOKENS or DRY:
             extra += tuple(m + INLINE for m in MODES if m != "none")
         for mode in MODES + extra:
@@ -473,9 +489,9 @@ def bench_write(ceil, quick: bool) -> None:
 # attention: inputs from kvzoo.samples, and a float32 torch reference
 
 
-def _decoded(cache, scales, mode, table_row, n):
+def _decoded(cache, scales, mode, table_row, n, static=None):
     """float32 [n, Hkv, D] of one sequence's first n tokens, decoded with torch (int4: float64,
-    in the model's basis)."""
+    in the model's basis); static: a per-tensor mode's scale."""
     pos = torch.arange(n, device=DEVICE)
     blk = table_row[pos // BLOCK].long()
     off = pos % BLOCK
@@ -486,6 +502,8 @@ def _decoded(cache, scales, mode, table_row, n):
     x = raw.float()
     if m.per_token_head:
         x = x * scales[blk, off][..., None]
+    if static is not None:
+        x = x * static
     return x
 
 
@@ -534,6 +552,8 @@ class AttnSet:
     max_q: int
     max_s: int
     num_prefills: int
+    k_scale: float | None  # a per-tensor mode's static scales
+    v_scale: float | None
 
 
 def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
@@ -552,6 +572,7 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
         spare_blocks=0,
         spare_columns=0,
         fill="torch",
+        static_scales=STATIC_SCALES,
     )
     b = s.batch
     caches = s.caches
@@ -571,6 +592,8 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
         b.max_query_len,
         b.max_seq_len,
         b.num_prefills,
+        None if s.k_scale is None else float(s.k_scale),
+        None if s.v_scale is None else float(s.v_scale),
     )
 
 
@@ -587,6 +610,8 @@ def _attn_call(s: AttnSet, variant: str, impl: str = IMPL):
         query_start_loc=s.qsl,
         k_scale_cache=c.k_scale_cache,
         v_scale_cache=c.v_scale_cache,
+        k_scale=s.k_scale,
+        v_scale=s.v_scale,
         softmax_scale=1 / math.sqrt(D),
         out=s.out,
         max_query_len=s.max_q,
@@ -610,8 +635,8 @@ def _check_attention(s: AttnSet, variant: str, q_lens, seq_lens, max_rows: int =
     starts = np.concatenate([[0], np.cumsum(q_lens)])
     for seq in sorted({0, len(seq_lens) - 1}):
         n, ql = seq_lens[seq], q_lens[seq]
-        k = _decoded(s.cache.key_cache, s.cache.k_scale_cache, mode, s.table[seq], n)
-        v = _decoded(s.cache.value_cache, s.cache.v_scale_cache, mode, s.table[seq], n)
+        k = _decoded(s.cache.key_cache, s.cache.k_scale_cache, mode, s.table[seq], n, s.k_scale)
+        v = _decoded(s.cache.value_cache, s.cache.v_scale_cache, mode, s.table[seq], n, s.v_scale)
         rows = min(ql, max_rows)
         q0 = int(starts[seq]) + ql - rows
         q = s.query[q0 : q0 + rows].to(k.dtype)  # int4's rows come decoded in float64
@@ -772,7 +797,7 @@ def bench_decode(ceil, quick: bool) -> None:
             reps,
             "bw",
             lambda b=batch, c=ctx: _sdpa_decode(b, c, reps),
-            DECODE_VARIANTS,
+            DECODE_VARIANTS + (PER_TENSOR if ctx == PER_TENSOR_DECODE_CONTEXT or DRY else ()),
         )
     if not DRY:
         attempt("decode 8x256 int8", IMPL + " (eager)", _decode_eager, ceil)

@@ -41,7 +41,13 @@ VARIANT_LABEL = {
     "fp8 inline": "fp8 inline page",
     "int4": "int4 (rotated)",
     "int4 direct": "int4 direct kernel",
+    "int8 per-tensor": "int8 per-tensor",
+    "fp8 per-tensor": "fp8 per-tensor",
+    "fp8-e5m2 per-tensor": "fp8 e5m2 per-tensor",
 }
+# gpu_bench.py's per-tensor variants (one static scale a cache), reported in a line of their own,
+# by the name each gets there.
+PER_TENSOR = {"int8 per-tensor": "int8", "fp8 per-tensor": "fp8 e4m3", "fp8-e5m2 per-tensor": "fp8 e5m2"}
 # Issue 5's smallest write size with a bandwidth target; smaller writes are launch-bound.
 WRITE_TARGET_TOKENS = 4096
 # Issue 5's decode contexts: the main shape's, and the split-KV shape's (few long sequences).
@@ -404,6 +410,26 @@ def _quantize_query(run: Run) -> str | None:
     )
 
 
+def _per_tensor(run: Run) -> str | None:
+    parts = []
+    for op in ("write", "decode"):
+        shapes = [s for s in run.shapes(op) if any(run.kvzoo(op, s, v) for v in PER_TENSOR)]
+        if not shapes:
+            continue
+        shape = shapes[-1]  # the largest: gpu_bench.py times them at one shape an op
+        rows = [r for v in PER_TENSOR if (r := run.kvzoo(op, shape, v))]
+        figures = ", ".join(f"{PER_TENSOR[r.variant]} {us(r.time_us)} ({_pct(r)}%)" for r in rows)
+        per_token = run.kvzoo(op, shape, "int8")
+        versus_int8 = f"; per-token-head int8 {us(per_token.time_us)}" if per_token else ""
+        parts.append(f"{label(op, shape)}: {figures}{versus_int8}")
+    if not parts:
+        return None
+    return (
+        "**Per-tensor modes** (one static scale a cache: vLLM's int8_per_tensor and its fp8 e4m3 and e5m2 "
+        "kv-cache dtypes), time and % of the copy ceiling: " + "; ".join(parts) + "."
+    )
+
+
 def _host(run: Run) -> str | None:
     eager = run.eager_decode()
     if not eager:
@@ -416,7 +442,7 @@ def _host(run: Run) -> str | None:
 
 
 def prose(run: Run) -> list[str]:
-    return [f"- {p}" for p in (f(run) for f in (_writes, _decode, _prefill, _quantize_query, _host)) if p]
+    return [f"- {p}" for p in (f(run) for f in (_writes, _decode, _prefill, _quantize_query, _per_tensor, _host)) if p]
 
 
 def accuracy(run: Run) -> str | None:

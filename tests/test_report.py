@@ -280,6 +280,25 @@ def test_no_plots_needs_no_matplotlib_and_writes_none(report, tmp_path):
     assert not plots.exists() and "](plots/" not in out.read_text()
 
 
+def test_the_per_tensor_modes_get_a_line_beside_per_token_head_int8(report, tmp_path):
+    run = json.loads(json.dumps(HAND_BUILT))
+    run["rows"] += [
+        _row("write T=32768 int8 per-tensor", K, 40.0, 95.0, metric=3800.0, check="bytes ok"),
+        _row("write T=32768 fp8-e5m2 per-tensor", K, 41.0, 92.5, metric=3700.0, check="bytes ok"),
+        _row("decode 64x16384 fp8 per-tensor", K, 450.0, 96.0, metric=3840.0, check="err 1.9e-03"),
+    ]
+    (tmp_path / "bench.json").write_text(json.dumps(run))
+    text = _page(report, tmp_path)
+    assert (
+        "- **Per-tensor modes** (one static scale a cache: vLLM's int8_per_tensor and its fp8 e4m3 and e5m2 "
+        "kv-cache dtypes), time and % of the copy ceiling: write 32768 tokens: int8 40.0 us (95.0%), fp8 e5m2 "
+        "41.0 us (92.5%); per-token-head int8 50.0 us; decode 64 x 16384: fp8 e4m3 450.0 us (96.0%); "
+        "per-token-head int8 500.0 us." in text
+    )
+    (tmp_path / "bench.json").write_text(json.dumps(HAND_BUILT))
+    assert "Per-tensor modes" not in _page(report, tmp_path)
+
+
 def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
     """The benchmark and the report agree on the JSON today, not only on the stored file (the write
     cases only: about 20 s on two cores under the Triton interpreter)."""
