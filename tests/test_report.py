@@ -301,7 +301,7 @@ def test_the_per_tensor_modes_get_a_line_beside_per_token_head_int8(report, tmp_
 
 def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
     """The benchmark and the report agree on the JSON today, not only on the stored file (the write
-    cases only: about 20 s on two cores under the Triton interpreter)."""
+    cases only: about 75 s on two busy cores under the Triton interpreter, one input set a case)."""
     env = dict(os.environ, OUT=str(tmp_path))
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--dry-run", "--cases", "write"],
