@@ -345,19 +345,24 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     if not validate or num_seqs == 0:
         return
     lens = host_ints(seq_lens).astype(np.int64)
-    if lens.min() < 0:
-        fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
-    if lens.max() > max_blocks * block_size:
-        fail(
-            f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
-            f"block_tables x block_size {block_size}"
-        )
+    check_seq_lens_values(lens, max_blocks, block_size)
     table = host_ints(block_tables).astype(np.int64)
     used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)
     ids = table[used]
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         fail(f"block_tables: block id {bad} is out of range [0, {num_blocks}) for the blocks a sequence uses")
+
+
+def check_seq_lens_values(lens: np.ndarray, max_blocks: int, block_size: int) -> None:
+    """seq_lens as read on the host (int64): lengths the block tables' rows hold."""
+    if lens.size and lens.min() < 0:
+        fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
+    if lens.size and lens.max() > max_blocks * block_size:
+        fail(
+            f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
+            f"block_tables x block_size {block_size}"
+        )
 
 
 def dequantize(
@@ -411,6 +416,9 @@ def dequantize(
     )
     check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     lens = host_ints(seq_lens).astype(np.int64)
+    # Read to size out whatever validate says, so checked whatever it says: a negative length
+    # would place a sequence's rows before out's first.
+    check_seq_lens_values(lens, int(block_tables.shape[1]), block_size)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])
     out = same_kind_empty(cache, (total, num_heads, head_size), "float32")
@@ -481,41 +489,60 @@ def attention_bounds(
     max_query_len: Any = None,
     max_seq_len: Any = None,
     num_prefills: Any = None,
+    *,
+    table: tuple[int, int],
+    keep_given: bool = False,
 ) -> tuple[int, int, int | None, int | None]:
     """(max_query_len, max_seq_len, num_prefills, num_tokens): the kernels' host-side bounds.
 
-    Read from the device values (one synchronisation) when validating or when a bound is not
-    given; otherwise the given ints, checked as scalars. num_tokens None takes the number of
-    query tokens from query_start_loc[-1] when the values are read (None when they are not)."""
+    Given bounds are checked as scalars. The device values are read (one synchronisation) when
+    validating or when max_query_len or max_seq_len is not given, and values read are checked
+    whatever validate says: the read is paid for, and a bad offset or length would put rows out
+    of bounds. A given bound must then cover what was read; the bounds returned are the ones
+    read, or with keep_given the given ones where given (a plan's CUDA graph replays under them
+    after in-place updates). table: (max_blocks_per_seq, block_size), what a length may
+    reach. num_tokens None takes the number of query tokens from query_start_loc[-1] when the
+    values are read (None when they are not)."""
     num_seqs = int(seq_lens.shape[0])
-    if validate or max_query_len is None or max_seq_len is None:
-        qsl = host_ints(query_start_loc).astype(np.int64)
-        lens = host_ints(seq_lens).astype(np.int64)
-        q_lens = np.diff(qsl)
-        if validate:
-            expected = int(qsl[-1]) if num_tokens is None else num_tokens
-            if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
-                fail(
-                    f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
-                    f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}"
-                )
-            if (q_lens > lens).any():
-                s = int(np.argmax(q_lens > lens))
-                fail(
-                    f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
-                    f"{int(lens[s])}; the context includes this step's tokens"
-                )
-        if num_tokens is None:
-            num_tokens = int(qsl[-1])
-        max_query_len = int(q_lens.max()) if num_seqs else 0
-        max_seq_len = int(lens.max()) if num_seqs else 0
-        num_prefills = int((q_lens > 1).sum())
-    else:
-        max_query_len = int_scalar("max_query_len", max_query_len, 0, INT32_MAX)
-        max_seq_len = int_scalar("max_seq_len", max_seq_len, 0, INT32_MAX)
-        if num_prefills is not None:
-            num_prefills = int_scalar("num_prefills", num_prefills, 0, num_seqs, "num_seqs")
-    return max_query_len, max_seq_len, num_prefills, num_tokens
+    given = {}
+    for name, bound, high, high_name in (
+        ("max_query_len", max_query_len, INT32_MAX, ""),
+        ("max_seq_len", max_seq_len, INT32_MAX, ""),
+        ("num_prefills", num_prefills, num_seqs, "num_seqs"),
+    ):
+        if bound is not None:
+            given[name] = int_scalar(name, bound, 0, high, high_name)
+    if not validate and max_query_len is not None and max_seq_len is not None:
+        return given["max_query_len"], given["max_seq_len"], given.get("num_prefills"), num_tokens
+    qsl = host_ints(query_start_loc).astype(np.int64)
+    lens = host_ints(seq_lens).astype(np.int64)
+    q_lens = np.diff(qsl)
+    expected = int(qsl[-1]) if num_tokens is None else num_tokens
+    if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
+        fail(
+            f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
+            f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}"
+        )
+    check_seq_lens_values(lens, *table)
+    if (q_lens > lens).any():
+        s = int(np.argmax(q_lens > lens))
+        fail(
+            f"seq_lens: sequence {s} has {int(q_lens[s])} query tokens but seq_lens[{s}]="
+            f"{int(lens[s])}; the context includes this step's tokens"
+        )
+    read = {
+        "max_query_len": int(q_lens.max()) if num_seqs else 0,
+        "max_seq_len": int(lens.max()) if num_seqs else 0,
+        "num_prefills": int((q_lens > 1).sum()),
+    }
+    for name, bound in given.items():
+        if bound < read[name]:
+            fail(
+                f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a given bound must cover it"
+            )
+    if keep_given:
+        read.update(given)
+    return read["max_query_len"], read["max_seq_len"], read["num_prefills"], expected
 
 
 def paged_attention(
@@ -656,7 +683,14 @@ def paged_attention(
     )
     check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     max_query_len, max_seq_len, num_prefills, _ = attention_bounds(
-        query_start_loc, seq_lens, num_tokens, validate, max_query_len, max_seq_len, num_prefills
+        query_start_loc,
+        seq_lens,
+        num_tokens,
+        validate,
+        max_query_len,
+        max_seq_len,
+        num_prefills,
+        table=(int(block_tables.shape[1]), block_size),
     )
     problem = Attention(
         mode=mode,

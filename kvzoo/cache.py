@@ -60,6 +60,7 @@ class PagedKVCache:
         )
 
     def write(self, key: Any, value: Any, slot_mapping: Any, **options: Any) -> None:
+        _refuse_own(options, _WRITE_OWN)
         api.reshape_and_cache(
             key,
             value,
@@ -78,11 +79,28 @@ class PagedKVCache:
         t = self.tensors
         cache, scale_cache = (t.key_cache, t.k_scale_cache) if which == "key" else (t.value_cache, t.v_scale_cache)
         scale = self.k_scale if which == "key" else self.v_scale
+        _refuse_own(options, _READ_OWN)
         return api.dequantize(
             cache, scale_cache, mode=self.mode, scale=scale, block_tables=block_tables, seq_lens=seq_lens, **options
         )
 
     def attention(self, query: Any, **kwargs: Any) -> Any:
+        _refuse_own(kwargs, _ATTENTION_OWN)
         return api.paged_attention(
             query, self.tensors.key_cache, self.tensors.value_cache, mode=self.mode, **self._scales(), **kwargs
         )
+
+
+# What a PagedKVCache passes itself: given again per call, Python would raise a bare TypeError.
+_WRITE_OWN = ("mode", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
+_ATTENTION_OWN = _WRITE_OWN
+_READ_OWN = ("mode", "cache", "scale_cache", "scale")
+
+
+def _refuse_own(options: dict[str, Any], own: tuple[str, ...]) -> None:
+    for name in own:
+        if name in options:
+            fail(
+                f"{name}: a PagedKVCache passes its own (mode, caches and static scales are fixed when it "
+                "is built); leave it out of the call"
+            )

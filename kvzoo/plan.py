@@ -73,7 +73,6 @@ from .registry import Implementation, NoImplementationError
 from .validate import (
     FLOAT_INPUTS,
     INDEX_DTYPES,
-    INT32_MAX,
     as_code_storage,
     check_query_options,
     fail,
@@ -758,19 +757,22 @@ class StepPlan:
             num_tokens = int(query.shape[0]) if len(query.shape) else 0
         shape = (num_tokens, *self._query_tail)
         self._operand("query", query, shape, "[num_tokens, num_q_heads, head_size]")
-        reads = [("query", query, memory.byte_extent(query)), *layer.extents, *self._meta_extents]
+        own_reads = []  # what the call brings besides the query: the plan checked its own
         if sinks is None:
             sinks = self.sinks
         else:
             check_sinks(sinks, self.num_q_heads)
             if _device_key(sinks) != self._device:
                 fail(f"sinks: on {_device_key(sinks)}, the plan's tensors are on {self._device}")
-            reads.append(("sinks", sinks, memory.byte_extent(sinks)))
+            own_reads.append(("sinks", sinks, memory.byte_extent(sinks)))
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
         if ks is not None:
-            reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
+            own_reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
+        if self.workspace is not None:
+            _refuse_overlap("workspace", self.workspace, self._meta_extents[-1][2], own_reads, "read")
+        reads = [("query", query, memory.byte_extent(query)), *layer.extents, *self._meta_extents, *own_reads]
         given_out = out
         if out is None:
             out = same_kind_empty(query, shape, self.spec.model_dtype)
@@ -996,26 +998,17 @@ def plan_step(
     check_block_tables(block_tables, seq_lens, spec.num_blocks, spec.block_size, validate)
     if validate and slot_mapping is not None:
         check_slot_values(slot_mapping, spec.num_blocks, spec.block_size)
-    given = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "num_prefills": num_prefills}
     max_query_len, max_seq_len, num_prefills, num_tokens = attention_bounds(
-        query_start_loc, seq_lens, None, validate, max_query_len, max_seq_len, num_prefills
+        query_start_loc,
+        seq_lens,
+        None,
+        validate,
+        max_query_len,
+        max_seq_len,
+        num_prefills,
+        table=(int(block_tables.shape[1]), spec.block_size),
+        keep_given=True,
     )
-    if validate:
-        # Bounds given beside validation are kept once checked to cover this step's values: a
-        # CUDA graph captured with this plan replays under them after in-place updates.
-        read = {"max_query_len": max_query_len, "max_seq_len": max_seq_len, "num_prefills": num_prefills}
-        for name, bound in given.items():
-            if bound is None:
-                continue
-            high, high_name = (num_seqs, "num_seqs") if name == "num_prefills" else (INT32_MAX, "")
-            bound = int_scalar(name, bound, 0, high, high_name)
-            if bound < read[name]:
-                fail(
-                    f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a bound "
-                    "given with validate=True must cover it"
-                )
-            read[name] = bound
-        max_query_len, max_seq_len, num_prefills = read["max_query_len"], read["max_seq_len"], read["num_prefills"]
 
     plan = object.__new__(StepPlan)
     plan.spec, plan.num_q_heads, plan._device = spec, num_q_heads, device

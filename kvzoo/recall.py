@@ -58,7 +58,12 @@ def call_key(values: Sequence[Any]) -> tuple | None:
     for x in values:
         t = type(x)
         if t is _TENSOR:
-            keys.append((x.dtype, x.shape, x.stride(), x.device, x.requires_grad, x.data_ptr() & 15 == 0))
+            try:
+                aligned = x.data_ptr() & 15 == 0
+            except RuntimeError:  # no storage (a sparse tensor): the checked path refuses it by name
+                return None
+            # is_neg: a lazily negated view's memory is not its values (validate.require_array).
+            keys.append((x.dtype, x.shape, x.stride(), x.device, x.requires_grad, aligned, x.is_neg()))
         elif x is None:
             keys.append(None)
         elif t in _SCALARS:

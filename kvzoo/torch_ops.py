@@ -59,6 +59,7 @@ from .errors import fail
 from .layout import KVCacheTensors
 from .modes import QuantMode
 from .plan import StepPlan
+from .validate import float32_scalar
 
 __all__ = [
     "DEFAULT_PLAN",
@@ -321,12 +322,30 @@ def _mode_name(kv_cache_dtype: str | QuantMode) -> str:
     return kv_cache_dtype.name if isinstance(kv_cache_dtype, QuantMode) else kv_cache_dtype
 
 
-def _static_scale(scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
+def _require_query(query: object) -> None:
+    # query's shape sizes out and lse before the op, which checks the rest, is called. Only
+    # what torch.compile traces: the op's own checks run outside the graph.
+    if not isinstance(query, torch.Tensor):
+        fail(f"query: expected a torch.Tensor [num_tokens, num_q_heads, head_size], got {type(query).__name__}")
+    if query.dim() != 3:
+        fail(f"query: expected 3 dimensions [num_tokens, num_q_heads, head_size], got shape {tuple(query.shape)}")
+
+
+def _static_scale(name: str, scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
     # The schema carries a static scale as a tensor (an engine keeps it on the device); a
-    # Python float is accepted here for convenience and becomes a float32 [1] tensor.
+    # Python float is accepted here for convenience and becomes a float32 [1] tensor, checked
+    # first as the functional API checks a float on every call (a tensor's value is read only
+    # under validate=True).
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
-    return torch.tensor([scale], dtype=torch.float32, device=like.device)
+    return torch.tensor([_checked_float(name, scale)], dtype=torch.float32, device=like.device)
+
+
+@torch.compiler.assume_constant_result
+def _checked_float(name: str, scale: float) -> float:
+    # Run, not traced, by torch.compile (a float argument is a constant of the graph): NumPy's
+    # float32 inside is not traceable.
+    return float32_scalar(name, scale)
 
 
 def reshape_and_cache(
@@ -395,8 +414,8 @@ def reshape_and_cache(
         slot_mapping,
         k_scale_cache,
         v_scale_cache,
-        _static_scale(k_scale, key_cache),
-        _static_scale(v_scale, key_cache),
+        _static_scale("k_scale", k_scale, key_cache),
+        _static_scale("v_scale", v_scale, key_cache),
         _mode_name(kv_cache_dtype),
         rounding,
         validate,
@@ -517,6 +536,7 @@ def paged_attention(
     >>> lse.shape, lse.dtype
     (torch.Size([20, 8]), torch.float32)
     """
+    _require_query(query)
     if out is None:
         out = torch.empty_like(query)
     # The op writes lse exactly when it is given one, so return_lse is settled here.
@@ -534,8 +554,8 @@ def paged_attention(
         query_start_loc,
         k_scale_cache,
         v_scale_cache,
-        _static_scale(k_scale, key_cache),
-        _static_scale(v_scale, key_cache),
+        _static_scale("k_scale", k_scale, key_cache),
+        _static_scale("v_scale", v_scale, key_cache),
         sinks,
         _mode_name(kv_cache_dtype),
         softmax_scale,
@@ -801,8 +821,8 @@ def step_write(
         k_scale_cache,
         v_scale_cache,
         plan_name,
-        _static_scale(k_scale, key_cache),
-        _static_scale(v_scale, key_cache),
+        _static_scale("k_scale", k_scale, key_cache),
+        _static_scale("v_scale", v_scale, key_cache),
     )
 
 
@@ -871,6 +891,7 @@ def step_attention(
     >>> tuple(out.shape), tuple(lse.shape), lse.dtype
     ((20, 4, 64), (20, 4), torch.float32)
     """
+    _require_query(query)
     if out is None:
         out = torch.empty_like(query)
     # The op writes lse exactly when it is given one, so return_lse is settled here.
@@ -884,8 +905,8 @@ def step_attention(
         v_scale_cache,
         plan_name,
         lse,
-        _static_scale(k_scale, key_cache),
-        _static_scale(v_scale, key_cache),
+        _static_scale("k_scale", k_scale, key_cache),
+        _static_scale("v_scale", v_scale, key_cache),
         sinks,
     )
     return (out, lse) if return_lse else out

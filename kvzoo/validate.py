@@ -73,6 +73,15 @@ def require_array(name: str, x: Any) -> None:
                 f"{name}: requires_grad=True; kvzoo's operations are not differentiable "
                 f"(pass {name}.detach(), or call under torch.no_grad())"
             )
+        if x.layout != torch.strided:
+            fail(f"{name}: layout {x.layout}; kvzoo addresses strided tensors (pass {name}.to_dense())")
+        # Lazy views (conj().imag, torch._neg_view) whose values are not their memory's: a
+        # kernel reads the memory.
+        if x.is_neg() or x.is_conj():
+            fail(
+                f"{name}: a lazily negated or conjugated view (is_neg() or is_conj()); its values are "
+                f"not its memory's, which the kernels read (pass {name}.resolve_neg().resolve_conj())"
+            )
     elif isinstance(x, np.ndarray):
         if not x.dtype.isnative:
             fail(
@@ -159,7 +168,10 @@ def _real(name: str, value: Any, expected: str) -> float:
     # bool is an int to Python, never a scale or a length to a caller.
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         fail(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        fail(f"{name}: expected {expected}, got an int of {int(value).bit_length()} bits, beyond any float")
 
 
 def float32_scalar(name: str, value: Any, *, smallest: float = 0.0) -> float:
@@ -211,8 +223,8 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
         if int(np.prod(value.shape)) != 1:
             fail(f"{name}: expected one element, got shape {tuple(value.shape)}")
         require_dtype(name, value, ("float32",))
-        if device_type(value) != device_type(like):
-            fail(f"{name}: on {device_type(value)}, expected {device_type(like)} like the cache")
+        if _device_key(value) != _device_key(like):
+            fail(f"{name}: on {_device_key(value)}, expected {_device_key(like)} like the cache")
         array = value.reshape(1)
     else:
         number = float32_scalar(name, value)

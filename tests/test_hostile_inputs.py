@@ -1504,8 +1504,16 @@ def test_attention_none_cache_dtype_other_than_query_accepted(impl, model_dtype)
 # 7. scalars
 
 
-BAD_SOFTMAX_SCALE = [float("nan"), float("inf"), float("-inf"), 1e39, 1e-46, 0.0, -0.5, "abc", True]
-BAD_SOFTCAP = [1e-50, 1e-38, 1e39, float("nan"), float("inf"), 0.0, -1.0, "30"]
+# An int beyond any float: float() raises OverflowError, which must not leak past the checks.
+BEYOND_FLOAT = 10**400
+
+
+def scalar_id(value) -> str:
+    return "beyond-float-int" if value is BEYOND_FLOAT else repr(value)
+
+
+BAD_SOFTMAX_SCALE = [float("nan"), float("inf"), float("-inf"), 1e39, 1e-46, 0.0, -0.5, "abc", True, BEYOND_FLOAT]
+BAD_SOFTCAP = [1e-50, 1e-38, 1e39, float("nan"), float("inf"), 0.0, -1.0, "30", BEYOND_FLOAT]
 BAD_WINDOW = [float("nan"), float("inf"), 0, -1, 1.5, 3.0, True, "3"]
 HUGE_WINDOW = [2**63, 2**64 + 5, 10**30]
 
@@ -1518,7 +1526,7 @@ def _attention_for_scalars(impl, key):
     return a, bt, sl, qsl, guards
 
 
-@pytest.mark.parametrize("value", BAD_SOFTMAX_SCALE, ids=repr)
+@pytest.mark.parametrize("value", BAD_SOFTMAX_SCALE, ids=scalar_id)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_softmax_scale_refused(impl, value):
     a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("scale", repr(value)))
@@ -1527,7 +1535,7 @@ def test_softmax_scale_refused(impl, value):
     )
 
 
-@pytest.mark.parametrize("value", BAD_SOFTCAP, ids=repr)
+@pytest.mark.parametrize("value", BAD_SOFTCAP, ids=scalar_id)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_softcap_refused(impl, value):
     a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("cap", repr(value)))
@@ -1586,11 +1594,11 @@ def test_valid_scalars_accepted(impl, name, value):
     a.run_accepted(impl, bt, sl, qsl, guards=guards, **kw)
 
 
-BAD_STATIC = [1e39, float("inf"), float("nan"), 0.0, -1.0, "abc"]
+BAD_STATIC = [1e39, float("inf"), float("nan"), 0.0, -1.0, "abc", BEYOND_FLOAT]
 
 
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])
-@pytest.mark.parametrize("value", BAD_STATIC, ids=repr)
+@pytest.mark.parametrize("value", BAD_STATIC, ids=scalar_id)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_static_scale_refused(impl, value, which):
     mode = pick_mode(impl, "static-write", repr(value), which, candidates=PER_TENSOR)
@@ -1831,6 +1839,113 @@ def test_max_lens_out_of_range_refused(impl, name, value):
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **kw), [name], a.caches.regions + [a.out])
 
 
+@pytest.mark.parametrize(
+    "name,value", BAD_MAX + [("max_query_len", "3"), ("num_prefills", 10**6)], ids=lambda v: repr(v)
+)
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_given_bounds_checked_when_the_values_are_read(impl, name, value):
+    """validate=True reads the bounds from the metadata; a bound given beside it is still an
+    argument, checked as one (it was ignored, whatever it held)."""
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max-read", name, repr(value)))
+    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **{name: value}), [name], a.caches.regions + [a.out])
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "novalidate"])
+@pytest.mark.parametrize("name", ["max_query_len", "max_seq_len", "num_prefills"])
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_given_bound_below_the_values_read_refused(impl, name, validate):
+    """Where the values are read (validate=True, or a max_* bound missing), a given bound
+    below them is refused: under it a kernel would skip rows or positions."""
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max-below", name, validate))
+    q_lens, seq_lens = a.batch.q_lens, a.batch.seq_lens
+    read = {
+        "max_query_len": int(q_lens.max()),
+        "max_seq_len": int(seq_lens.max()),
+        "num_prefills": int((q_lens > 1).sum()),
+    }
+    assert read[name] > 0, "the batch must give the bound something to fall below"
+    # Alone, so with validate=False the missing max_* bound makes kvzoo read the values.
+    kw = {name: read[name] - 1}
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, validate=validate, **kw), [name], a.caches.regions + [a.out]
+    )
+
+
+READ_FAULTS = [
+    "qsl-start",
+    "qsl-past-the-query",
+    "qsl-decreasing",
+    "seq-shorter-than-query",
+    "seq-negative",
+    "seq-past-the-table",
+]
+
+
+@pytest.mark.parametrize("fault", READ_FAULTS)
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_attention_values_read_without_validation_are_checked(impl, fault):
+    """validate=False without max_query_len and max_seq_len reads query_start_loc and seq_lens
+    to find them, and checks what it read: an offset past the query's rows would put rows of
+    out past its end (numba and triton wrote 1152 floats there), a context shorter than its
+    query would read before the sequence's first block, one past its table row's blocks would
+    read block ids from beyond the row."""
+    require_usable(impl, "int8_per_token_head")
+    rng = rng_for("hostile-read-values", impl.name, fault)
+    a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
+    bt = a.index_tensors("torch", "int32", rng)[0]
+    q_lens, seq_lens = a.batch.q_lens, a.batch.seq_lens.copy()
+    assert len(q_lens) >= 2 and q_lens.max() > 1, "the faults below need two sequences and a prefill"
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    if fault == "qsl-start":
+        qsl = qsl + 1
+    elif fault == "qsl-past-the-query":
+        qsl[-1] += 16
+    elif fault == "qsl-decreasing":
+        qsl[1] = qsl[2] + 1
+    elif fault == "seq-shorter-than-query":
+        s = int(np.argmax(q_lens))
+        seq_lens[s] = q_lens[s] - 1
+    elif fault == "seq-negative":
+        seq_lens[-1] = -3
+    else:
+        seq_lens[0] = int(bt.shape[1]) * a.batch.block_size + 1
+    t = lambda v: case_tensor(torch.as_tensor(np.asarray(v, dtype=np.int32)), impl)  # noqa: E731
+    call_refused(
+        impl,
+        lambda impl: a.call(impl, bt, t(seq_lens), t(qsl), validate=False),
+        ["query_start_loc" if fault.startswith("qsl") else "seq_lens"],
+        a.caches.regions + [a.out, a.query],
+    )
+
+
+@pytest.mark.parametrize("fault", ["negative", "past-the-table"])
+@pytest.mark.parametrize("impl", impl_params("dequantize"))
+def test_dequantize_lengths_checked_without_validation(impl, fault):
+    """dequantize reads seq_lens to size the out it allocates, validate or not, so it checks
+    them either way: a negative length put a sequence's rows before out's first (triton wrote
+    160 floats there; numba wrapped them around)."""
+    require_usable(impl, "int8_per_token_head")
+    rng = rng_for("hostile-deq-lengths", impl.name, fault)
+    caches = make_caches(rng, "int8_per_token_head", (4, BS, H, D), "torch", impl=impl)
+    tables = np.array([[0, 1], [2, 3]], dtype=np.int32)
+    lens = np.array([-5 if fault == "negative" else 3, 2 * BS + (1 if fault == "past-the-table" else 0)], np.int32)
+    t = lambda v: case_tensor(torch.as_tensor(v), impl)  # noqa: E731
+    call_refused(
+        impl,
+        lambda impl: kvzoo.dequantize(
+            caches.key.array,
+            caches.k_scale.array,
+            mode="int8_per_token_head",
+            block_tables=t(tables),
+            seq_lens=t(lens),
+            validate=False,
+            impl=impl,
+        ),
+        ["seq_lens"],
+        caches.regions,
+    )
+
+
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_positions_over_int32_refused(impl):
     """SPEC 11 'positions': max_blocks_per_seq * block_size at most 2^31 - 1. The caches are read
@@ -1957,6 +2072,104 @@ def test_dequantize_requires_grad_refused(impl):
         caches.regions,
         words=["grad"],
     )
+
+
+def negated_view(x: torch.Tensor) -> torch.Tensor:
+    """A float32 view whose values are -x's and whose memory holds x's: the imaginary part of a
+    lazily conjugated complex tensor (is_neg() True), on x's device."""
+    return torch.complex(torch.zeros_like(x), x).conj().imag
+
+
+@pytest.mark.parametrize("arg", ["key", "value"])
+@pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
+def test_write_negated_view_refused(impl, arg):
+    """Triton read the view's memory and stored the rows negated; NumPy and Numba raised
+    torch's RuntimeError."""
+    require_usable(impl, "int8_per_token_head")
+    rng = rng_for("hostile-neg-write", impl.name, arg)
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=5, dtype="float32", impl=impl)
+    args = list(w.args(case_tensor(w.valid_slots(rng), impl)))
+    at = 0 if arg == "key" else 1
+    args[at] = negated_view(args[at])
+    call_refused(impl, kvzoo.reshape_and_cache, [arg], w.guards(), *args, words=["negated"], **w.caches.api_kwargs())
+
+
+@pytest.mark.parametrize("arg", ["query", "sinks", "out"])
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_attention_negated_view_refused(impl, arg):
+    require_usable(impl, "int8_per_token_head")
+    rng = rng_for("hostile-neg-attn", impl.name, arg)
+    a = AttentionSetup(
+        rng,
+        "int8_per_token_head",
+        "torch",
+        make_batch(rng, "mixed"),
+        qdtype="float32",
+        model_dtype="float32",
+        impl=impl,
+    )
+    bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
+    extra = {"sinks": a.sinks("torch", "contiguous", rng)[0]}
+    if arg == "query":
+        extra["query"] = negated_view(a.query.array)
+    elif arg == "sinks":
+        extra["sinks"] = negated_view(extra["sinks"])
+    else:
+        # A fresh tensor: a view of the guarded region's bytes would be written through.
+        extra["out"] = negated_view(case_tensor(torch.zeros(a.out.shape), impl))
+    call_refused(
+        impl, lambda impl: a.call(impl, bt, sl, qsl, **extra), [arg], a.caches.regions + [a.out], words=["negated"]
+    )
+
+
+@pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
+def test_write_negated_view_refused_after_an_unvalidated_call(impl):
+    """An unvalidated call goes straight to the launch a checked call of the same metadata
+    (dtype, shape, strides, alignment) prepared: a negated view of that metadata is refused
+    there too, not run as the plain view was."""
+    require_usable(impl, "int8_per_token_head")
+    T = 5
+    t = lambda x: case_tensor(x, impl)  # noqa: E731
+    caches = kvzoo.allocate_separate(4, BS, H, D, "int8_per_token_head", device=case_device(impl))
+    kw = dict(mode="int8_per_token_head", k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache)
+    slots = t(torch.randperm(4 * BS)[:T])
+    value = t(torch.randn(T, H, D))
+    # Odd elements of [T, H, 2D]: the strides and the 4-byte offset of a complex tensor's imag.
+    plain = t(torch.randn(T, H, 2 * D))[..., 1::2]
+    kvzoo.reshape_and_cache(
+        plain, value, caches.key_cache, caches.value_cache, slots, impl=impl.name, validate=False, **kw
+    )
+    negated = negated_view(t(torch.randn(T, H, D)))
+    assert (negated.stride(), negated.data_ptr() % 16 == 0) == (plain.stride(), plain.data_ptr() % 16 == 0)
+    written = [guard_of(n, getattr(caches, n)) for n in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")]
+    call_refused(
+        impl,
+        lambda impl: kvzoo.reshape_and_cache(
+            negated, value, caches.key_cache, caches.value_cache, slots, impl=impl, validate=False, **kw
+        ),
+        ["key"],
+        written,
+    )
+
+
+@pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
+def test_write_sparse_key_refused(impl):
+    require_usable(impl, "int8_per_token_head")
+    rng = rng_for("hostile-sparse-write", impl.name)
+    w = WriteSetup(rng, "int8_per_token_head", "torch", T=5, dtype="float32", impl=impl)
+    args = list(w.args(case_tensor(w.valid_slots(rng), impl)))
+    args[0] = args[0].to_sparse()
+    for validate in (True, False):
+        call_refused(
+            impl,
+            kvzoo.reshape_and_cache,
+            ["key"],
+            w.guards(),
+            *args,
+            words=["layout"],
+            validate=validate,
+            **w.caches.api_kwargs(),
+        )
 
 
 WRITE_NAMES = ["key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale_cache", "v_scale_cache"]
@@ -2112,6 +2325,38 @@ def test_paged_kv_cache_refused(case):
         pytest.fail(f"raised {type(e).__name__} instead of KVZooInputError: {e}")
     else:
         pytest.fail(f"PagedKVCache({kw}) accepted")
+
+
+@pytest.mark.parametrize(
+    "method,name",
+    [("write", n) for n in ("mode", "key_cache", "k_scale_cache", "v_scale")]
+    + [("read", n) for n in ("mode", "scale_cache")]
+    + [("attention", n) for n in ("mode", "value_cache", "k_scale")],
+)
+def test_paged_kv_cache_refuses_what_it_passes_itself(method, name):
+    """A PagedKVCache passes its mode, caches and scales itself; given again per call they were
+    a bare TypeError (a keyword given twice)."""
+    rng = rng_for("hostile-paged-own", method, name)
+    cache = kvzoo.PagedKVCache(4, BS, H, D, "int8_per_token_head")
+    rows = torch.from_numpy(rng.standard_normal((3, H, D)).astype(np.float32))
+    cache.write(rows, rows, torch.arange(3))
+    before = [x.clone() for x in (cache.tensors.key_cache, cache.tensors.k_scale_cache)]
+    extra = {name: cache.tensors.key_cache if name.endswith("cache") else 0.5}
+    index = dict(dtype=torch.int32)
+    calls = {
+        "write": lambda: cache.write(rows, rows, torch.arange(3), **extra),
+        "read": lambda: cache.read("key", **extra),
+        "attention": lambda: cache.attention(
+            torch.from_numpy(rng.standard_normal((1, HQ, D)).astype(np.float32)),
+            block_tables=torch.zeros(1, 1, **index),
+            seq_lens=torch.tensor([3], **index),
+            query_start_loc=torch.tensor([0, 1], **index),
+            **extra,
+        ),
+    }
+    with pytest.raises(KVZooInputError, match=f"^{name}: a PagedKVCache passes its own"):
+        calls[method]()
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.tensors.key_cache, cache.tensors.k_scale_cache)))
 
 
 # ---------------------------------------------------------------------------------------------

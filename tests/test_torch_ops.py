@@ -291,6 +291,114 @@ def test_ops_refuse_inputs_that_require_grad():
         )
 
 
+def _two_prefills(mode: str, g: Geometry, rng: np.random.Generator):
+    """A poisoned CPU cache, a copy of it, a step of two prefills (5 and 7 tokens) and its key
+    and query rows."""
+    t = _poisoned_cache(mode, "separate", g, "cpu", rng)
+    before = _copy(t, mode, g)
+    step = Plan(rng, g, [5, 7], "cpu").step([0, 0], [5, 7])
+    key = _floats(rng, (step.num_tokens, g.num_kv_heads, g.head_size), "cpu")
+    query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
+    return t, before, step, key, query
+
+
+@pytest.mark.parametrize(
+    "scale", [0.0, -1.0, float("nan"), float("inf"), 1e39, True, 10**400], ids=lambda v: str(v)[:12]
+)
+def test_ops_check_a_float_static_scale_on_every_call(scale):
+    """A float k_scale becomes a tensor for the schema, whose value is read only under
+    validate=True; so the float is checked before it becomes one, as kvzoo.reshape_and_cache
+    checks it on every call (unchecked, 0 and NaN stored saturated codes)."""
+    mode, g = "fp8_per_tensor", SMALL
+    rng = rng_for("torch-ops-float-scale", str(scale))
+    t, before, step, key, query = _two_prefills(mode, g, rng)
+    ops = dict(kv_cache_dtype=mode, validate=False)
+    scales = dict(k_scale=scale, v_scale=0.05)
+    calls = {
+        "reshape_and_cache": lambda: kv_ops.reshape_and_cache(
+            key, key, t.key_cache, t.value_cache, step.slot_mapping, **ops, **scales
+        ),
+        "paged_attention": lambda: kv_ops.paged_attention(
+            query,
+            t.key_cache,
+            t.value_cache,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            **ops,
+            **scales,
+        ),
+        "step_write": lambda: kv_ops.step_write(key, key, t.key_cache, t.value_cache, **scales),
+        "step_attention": lambda: kv_ops.step_attention(query, t.key_cache, t.value_cache, **scales),
+    }
+    with kv_ops.step_plans(default=_plan_for(_spec(mode, g, "cpu"), step, g, validate=False)):
+        for name, call in calls.items():
+            with pytest.raises(kvzoo.KVZooInputError, match="^k_scale: expected a finite float"):
+                call()
+            _assert_same_cache(t, before, f"caches after the refused {name}")
+
+
+def test_compiled_ops_check_a_float_static_scale_when_tracing():
+    """Under torch.compile a float scale is a constant of the graph: checked once, while the
+    graph is traced (torch wraps the KVZooInputError it raises), and a good one compiles into a
+    graph that writes the bytes of the eager call."""
+    mode, g = "fp8_per_tensor", SMALL
+    rng = rng_for("torch-ops-compiled-float-scale")
+    key = _floats(rng, (5, g.num_kv_heads, g.head_size), "cpu")
+    slots = torch.from_numpy(rng.permutation(g.num_blocks * g.block_size)[:5].astype(np.int64))
+    caches = {}
+    for scale in (0.05, float("nan")):
+
+        def write(k, kc, vc, s, scale=scale):
+            kv_ops.reshape_and_cache(k, k, kc, vc, s, kv_cache_dtype=mode, k_scale=scale, v_scale=0.07, validate=False)
+            return kc
+
+        for how in ("eager", "compiled"):
+            t = _poisoned_cache(mode, "separate", g, "cpu", np.random.default_rng(7))
+            before = _copy(t, mode, g)
+            torch._dynamo.reset()
+            fn = write if how == "eager" else torch.compile(write, backend="aot_eager", fullgraph=True)
+            try:
+                with torch.no_grad():
+                    fn(key, t.key_cache, t.value_cache, slots)
+            except Exception as e:  # noqa: BLE001 - torch's wrapper under compile
+                chain = []
+                while e is not None:
+                    chain.append(e)
+                    e = e.__cause__ or e.__context__
+                refusal = [c for c in chain if isinstance(c, kvzoo.KVZooInputError)]
+                assert refusal and str(refusal[0]).startswith("k_scale: expected a finite float"), chain
+                assert scale != scale, f"a good scale was refused {how}: {chain}"
+                _assert_same_cache(t, before, f"caches after the refused {how} write")
+                continue
+            assert scale == scale, f"NaN accepted {how}"
+            caches[how] = t
+    torch._dynamo.reset()
+    _assert_same_cache(caches["compiled"], caches["eager"], "the compiled write against the eager one")
+
+
+def test_attention_ops_refuse_a_query_that_is_not_a_tensor_by_name():
+    g = SMALL
+    t = kvzoo.allocate_separate(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, "int8_per_token_head")
+    index = dict(dtype=torch.int32)
+    meta = dict(
+        block_tables=torch.zeros(1, 1, **index),
+        seq_lens=torch.ones(1, **index),
+        query_start_loc=torch.tensor([0, 1], **index),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    for query in ([[0.5]], np.zeros((1, g.num_q_heads, g.head_size), np.float32)):
+        with pytest.raises(kvzoo.KVZooInputError, match="^query: expected a torch.Tensor"):
+            kv_ops.paged_attention(
+                query, t.key_cache, t.value_cache, kv_cache_dtype="int8_per_token_head", **meta, **_cache_kwargs(t)
+            )
+        with pytest.raises(kvzoo.KVZooInputError, match="^query: expected a torch.Tensor"):
+            kv_ops.step_attention(query, t.key_cache, t.value_cache, **_cache_kwargs(t))
+
+
 def test_fake_kernels_refuse_mismatched_shapes_without_data():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -892,12 +1000,7 @@ def test_step_ops_match_plan_calls(mode):
 def test_step_ops_refuse_a_missing_plan_before_writing():
     mode, g = "int8_per_token_head", SMALL
     rng = rng_for("torch-ops-step-missing")
-    t = _poisoned_cache(mode, "separate", g, "cpu", rng)
-    before = _copy(t, mode, g)
-    blocks = Plan(rng, g, [5, 7], "cpu")
-    step = blocks.step([0, 0], [5, 7])
-    key = _floats(rng, (step.num_tokens, g.num_kv_heads, g.head_size), "cpu")
-    query = _floats(rng, (step.num_tokens, g.num_q_heads, g.head_size), "cpu")
+    t, before, step, key, query = _two_prefills(mode, g, rng)
     out = torch.empty_like(query)
     _fill_random_bytes(out, rng)
     out_before = out.clone()

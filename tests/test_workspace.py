@@ -212,6 +212,34 @@ def test_plan_sizes_the_workspace_and_its_layers_run_in_it():
         _plan(spec, p, impl="triton-cuda", workspace=query[:need]).attention(q_view, caches)
 
 
+@pytest.mark.parametrize("arg", ["sinks", "k_scale", "v_scale"])
+def test_a_layers_own_sinks_or_scale_inside_the_workspace_is_refused(arg):
+    """A layer's call may bring its own sinks, or a per-tensor mode's static scales; inside the
+    plan's workspace the partials would overwrite them (the caller's sinks [3, 2] became
+    [3.71, 2.30]). Refused after the first layer prepared the launch, as before it."""
+    mode = "int8_per_tensor" if arg != "sinks" else "int8_per_token_head"
+    p = _problem("int8_per_token_head", "decode")
+    spec = dataclasses.replace(_spec(p), mode=kvzoo.get_kv_quant_mode(mode))
+    caches = spec.allocate()
+    need = _plan(spec, p, impl="triton-cuda").workspace_bytes
+    assert need > 0, "the decode must be split, or the workspace is not written"
+    buffer = _random_buffer(need + GUARD, 4)
+    plan = _plan(spec, p, impl="triton-cuda", workspace=buffer[:need])
+    rng = np.random.default_rng(5)
+    own = {"sinks": torch.from_numpy(rng.standard_normal(4).astype(np.float32)).to(DEVICE)}
+    if arg != "sinks":
+        own = {"k_scale": 0.07, "v_scale": 0.05}
+    plan.attention(p.query, caches, **own)  # the first layer: prepares the launch
+    inside = buffer[:16].view(torch.float32)
+    inside[: own[arg].numel() if arg == "sinks" else 1] = torch.as_tensor(own[arg], dtype=torch.float32)
+    own[arg] = inside[: 4 if arg == "sinks" else 1]
+    before = buffer.clone()
+    keys = caches.key_cache.clone()
+    with pytest.raises(KVZooInputError, match=f"workspace: shares memory with {arg}"):
+        plan.attention(p.query, caches, **own)
+    assert torch.equal(buffer, before) and torch.equal(caches.key_cache, keys)
+
+
 def test_backends_without_a_workspace_leave_it_unused():
     p = _problem("int8_per_token_head", "decode")
     spec = _spec(p)
