@@ -330,7 +330,9 @@ def reshape_and_cache(
         _remember(memo, held, resolved, problem, given)
 
 
-def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> None:
+def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate) -> np.ndarray | None:
+    """Shapes and dtypes; with validate the values too. Returns seq_lens as read (int64), or
+    None where they were not read."""
     require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     require_dtype("block_tables", block_tables, INDEX_DTYPES)
     require_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
@@ -343,7 +345,7 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
             f"the kernels' int32 ({INT32_MAX})"
         )
     if not validate or num_seqs == 0:
-        return
+        return None
     lens = host_ints(seq_lens).astype(np.int64)
     check_seq_lens_values(lens, max_blocks, block_size)
     table = host_ints(block_tables).astype(np.int64)
@@ -352,6 +354,7 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         fail(f"block_tables: block id {bad} is out of range [0, {num_blocks}) for the blocks a sequence uses")
+    return lens
 
 
 def check_seq_lens_values(lens: np.ndarray, max_blocks: int, block_size: int) -> None:
@@ -414,11 +417,12 @@ def dequantize(
     require_same_device(
         {"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     )
-    check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
-    lens = host_ints(seq_lens).astype(np.int64)
-    # Read to size out whatever validate says, so checked whatever it says: a negative length
-    # would place a sequence's rows before out's first.
-    check_seq_lens_values(lens, int(block_tables.shape[1]), block_size)
+    lens = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    if lens is None:
+        # Read to size out whatever validate says, so checked whatever it says: a negative
+        # length would place a sequence's rows before out's first.
+        lens = host_ints(seq_lens).astype(np.int64)
+        check_seq_lens_values(lens, int(block_tables.shape[1]), block_size)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])
     out = same_kind_empty(cache, (total, num_heads, head_size), "float32")
@@ -498,10 +502,10 @@ def attention_bounds(
     Given bounds are checked as scalars. The device values are read (one synchronisation) when
     validating or when max_query_len or max_seq_len is not given, and values read are checked
     whatever validate says: the read is paid for, and a bad offset or length would put rows out
-    of bounds. A given bound must then cover what was read; the bounds returned are the ones
-    read, or with keep_given the given ones where given (a plan's CUDA graph replays under them
-    after in-place updates). table: (max_blocks_per_seq, block_size), what a length may
-    reach. num_tokens None takes the number of query tokens from query_start_loc[-1] when the
+    of bounds. The bounds returned are then the ones read, or with keep_given the given ones
+    where given, each checked to cover what was read (a plan keeps them: its CUDA graph replays
+    under them after in-place updates). table: (max_blocks_per_seq, block_size), what a length
+    may reach. num_tokens None takes the number of query tokens from query_start_loc[-1] when the
     values are read (None when they are not)."""
     num_seqs = int(seq_lens.shape[0])
     given = {}
@@ -535,12 +539,13 @@ def attention_bounds(
         "max_seq_len": int(lens.max()) if num_seqs else 0,
         "num_prefills": int((q_lens > 1).sum()),
     }
-    for name, bound in given.items():
-        if bound < read[name]:
-            fail(
-                f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a given bound must cover it"
-            )
     if keep_given:
+        for name, bound in given.items():
+            if bound < read[name]:
+                fail(
+                    f"{name}: {bound} is below this step's {read[name]} (read from the metadata); a bound the "
+                    "plan keeps must cover it"
+                )
         read.update(given)
     return read["max_query_len"], read["max_seq_len"], read["num_prefills"], expected
 

@@ -930,9 +930,10 @@ def plan_step(
     (one synchronisation on a GPU) and refuses out-of-range slots and block ids, repeated slots,
     and inconsistent offsets and lengths; it computes max_query_len, max_seq_len, num_prefills
     from the values, or keeps those given once checked to be at least the values (so a plan
-    for a CUDA graph can be validated now and bound the steps it will replay). validate=False with max_query_len and
-    max_seq_len given reads nothing at all (num_prefills, if given, bounds the GPU's staged
-    prefill workspace). impl: an implementation name for both operations, an Implementation
+    for a CUDA graph can be validated now and bound the steps it will replay). validate=False
+    with max_query_len and max_seq_len given reads nothing at all (num_prefills, if given,
+    bounds the GPU's staged prefill workspace); with either missing it reads query_start_loc
+    and seq_lens, checks them, computes the missing bounds and keeps a given one as above. impl: an implementation name for both operations, an Implementation
     (for its own operation), or a mapping {"reshape_and_cache": ..., "paged_attention": ...};
     None lets the registry choose. workspace: a contiguous 1-D uint8 tensor on the plan's
     device, of at least `StepPlan.workspace_bytes`, that the attention's calls carve their own

@@ -334,18 +334,25 @@ def _require_query(query: object) -> None:
 def _static_scale(name: str, scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
     # The schema carries a static scale as a tensor (an engine keeps it on the device); a
     # Python float is accepted here for convenience and becomes a float32 [1] tensor, checked
-    # first as the functional API checks a float on every call (a tensor's value is read only
+    # first, as the functional API checks a float on every call (a tensor's value is read only
     # under validate=True).
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
-    return torch.tensor([_checked_float(name, scale)], dtype=torch.float32, device=like.device)
+    if torch.compiler.is_compiling():
+        # Traced, a float argument is a graph input once torch makes it dynamic (a SymFloat,
+        # which NumPy cannot take): float32_scalar's rule as comparisons torch checks.
+        torch._check(
+            _FLOAT32_UNDERFLOW < scale < _FLOAT32_OVERFLOW,
+            lambda: f"{name}: expected a finite float > 0 in float32 (the precision the kernels use)",
+        )
+    else:
+        scale = float32_scalar(name, scale)
+    return torch.tensor([scale], dtype=torch.float32, device=getattr(like, "device", None))
 
 
-@torch.compiler.assume_constant_result
-def _checked_float(name: str, scale: float) -> float:
-    # Run, not traced, by torch.compile (a float argument is a constant of the graph): NumPy's
-    # float32 inside is not traceable.
-    return float32_scalar(name, scale)
+# The least real number float32 rounds to +Inf (ties to even), and the largest it rounds to 0.
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+_FLOAT32_UNDERFLOW = 2.0**-150
 
 
 def reshape_and_cache(

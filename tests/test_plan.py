@@ -401,6 +401,12 @@ def test_bounds_given_with_validation_are_kept_and_checked():
         kvzoo.plan_step(spec, **index, num_q_heads=HQ, max_seq_len=12)
     with pytest.raises(KVZooInputError, match="num_prefills"):
         kvzoo.plan_step(spec, **index, num_q_heads=HQ, num_prefills=4)
+    # Without validation the values are read when a max_* bound is missing; the plan keeps
+    # the one given, so it is held to them as well.
+    plan = kvzoo.plan_step(spec, **index, num_q_heads=HQ, max_seq_len=40, validate=False)
+    assert (plan.max_query_len, plan.max_seq_len) == (int(np.diff(meta["query_start_loc"]).max()), 40)
+    with pytest.raises(KVZooInputError, match="max_seq_len: 12 is below"):
+        kvzoo.plan_step(spec, **index, num_q_heads=HQ, max_seq_len=12, validate=False)
 
 
 # ------------------------------------------------------------------------------------------

@@ -341,42 +341,45 @@ def test_ops_check_a_float_static_scale_on_every_call(scale):
 
 
 def test_compiled_ops_check_a_float_static_scale_when_tracing():
-    """Under torch.compile a float scale is a constant of the graph: checked once, while the
-    graph is traced (torch wraps the KVZooInputError it raises), and a good one compiles into a
-    graph that writes the bytes of the eager call."""
+    """One compiled function, called with changing float scales: torch makes the float a graph
+    input (a SymFloat) after the first, where NumPy's float32 check cannot go, so the compiled
+    call checks it with torch._check. Good scales write the bytes of the eager call; a bad one
+    is refused (torch wraps the message, which names k_scale) with the caches untouched."""
     mode, g = "fp8_per_tensor", SMALL
     rng = rng_for("torch-ops-compiled-float-scale")
     key = _floats(rng, (5, g.num_kv_heads, g.head_size), "cpu")
     slots = torch.from_numpy(rng.permutation(g.num_blocks * g.block_size)[:5].astype(np.int64))
-    caches = {}
-    for scale in (0.05, float("nan")):
 
-        def write(k, kc, vc, s, scale=scale):
-            kv_ops.reshape_and_cache(k, k, kc, vc, s, kv_cache_dtype=mode, k_scale=scale, v_scale=0.07, validate=False)
-            return kc
+    def write(k, kc, vc, s, scale):
+        kv_ops.reshape_and_cache(k, k, kc, vc, s, kv_cache_dtype=mode, k_scale=scale, v_scale=0.07, validate=False)
+        return kc
 
-        for how in ("eager", "compiled"):
-            t = _poisoned_cache(mode, "separate", g, "cpu", np.random.default_rng(7))
-            before = _copy(t, mode, g)
-            torch._dynamo.reset()
-            fn = write if how == "eager" else torch.compile(write, backend="aot_eager", fullgraph=True)
-            try:
-                with torch.no_grad():
-                    fn(key, t.key_cache, t.value_cache, slots)
-            except Exception as e:  # noqa: BLE001 - torch's wrapper under compile
-                chain = []
-                while e is not None:
-                    chain.append(e)
-                    e = e.__cause__ or e.__context__
-                refusal = [c for c in chain if isinstance(c, kvzoo.KVZooInputError)]
-                assert refusal and str(refusal[0]).startswith("k_scale: expected a finite float"), chain
-                assert scale != scale, f"a good scale was refused {how}: {chain}"
-                _assert_same_cache(t, before, f"caches after the refused {how} write")
-                continue
-            assert scale == scale, f"NaN accepted {how}"
-            caches[how] = t
     torch._dynamo.reset()
-    _assert_same_cache(caches["compiled"], caches["eager"], "the compiled write against the eager one")
+    compiled = torch.compile(write, backend="aot_eager", fullgraph=True)
+    try:
+        for scale in (0.05, 0.1, float("nan"), 0.0, 1e39, 0.2):
+            caches = {}
+            for how, fn in (("eager", write), ("compiled", compiled)):
+                t = _poisoned_cache(mode, "separate", g, "cpu", np.random.default_rng(7))
+                before = _copy(t, mode, g)
+                try:
+                    with torch.no_grad():
+                        fn(key, t.key_cache, t.value_cache, slots, scale)
+                except Exception as e:  # noqa: BLE001 - torch's wrapper when compiled
+                    messages = []
+                    while e is not None:
+                        messages.append(str(e))
+                        e = e.__cause__ or e.__context__
+                    assert any("k_scale: expected a finite float" in m for m in messages), messages
+                    assert not 0 < scale < 1e38, f"{how}: scale {scale} refused: {messages}"
+                    _assert_same_cache(t, before, f"caches after the refused {how} write of {scale}")
+                    continue
+                assert 0 < scale < 1e38, f"{how}: scale {scale} accepted"
+                caches[how] = t
+            if caches:
+                _assert_same_cache(caches["compiled"], caches["eager"], f"the compiled write of {scale}")
+    finally:
+        torch._dynamo.reset()
 
 
 def test_attention_ops_refuse_a_query_that_is_not_a_tensor_by_name():

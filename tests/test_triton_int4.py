@@ -208,6 +208,36 @@ def test_write_matches_the_oracle(mode, dtype, dist):
     _check_written(mode, key, value, slots, caches, before, NB, BS)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's row range against the compiled one, run interpreted")
+@pytest.mark.parametrize("mode", INT4)
+def test_interpreted_row_range_gives_the_compiled_ones_bytes(mode, monkeypatch):
+    """Under the interpreter the write folds each row's halves for its max and min; compiled, it
+    runs tl.reduce (int4_write.range_with_zero). Both run here, interpreted, on rows of NaN,
+    +-Inf, +-0 and subnormals beside ordinary ones, and give the oracle's bytes."""
+    rng = rng_for("int4 row range branches", mode)
+    T, H, NB, BS, D = 6, 2, 4, 4, 16
+    m = MODES[mode]
+    key = make_rows(m, "specials", "float32", (T, H, D), rng)
+    key[0, 0] = np.where(rng.random(D) < 0.5, -0.0, 0.0)  # a row of zeros of both signs
+    key[0, 1, : D // 2] = -0.0
+    key[1, 0, 3], key[1, 1, 5], key[2, 0, 0] = np.nan, np.inf, -np.inf
+    key = torch.from_numpy(key).to(DEVICE)
+    value = torch.from_numpy(make_rows(m, "normal", "float32", (T, H, D), rng)).to(DEVICE)
+    slots = torch.from_numpy(rng.permutation(NB * BS)[:T]).to(DEVICE)
+    first = _poisoned_caches(rng, NB, BS, H, D)
+    before = tuple(c.clone() for c in first)
+    got = {}
+    for branch in (True, False):
+        caches = tuple(c.clone() for c in first)
+        monkeypatch.setattr(int4_write, "interpreted", lambda branch=branch: branch)
+        assert int4_write._write_call(_write_problem(mode, key, value, slots, caches), 0.0)[2]["INTERPRETED"] is branch
+        int4_write.reshape_and_cache(_write_problem(mode, key, value, slots, caches), float(SCALE_FLOOR))
+        _check_written(mode, key, value, slots, caches, before, NB, BS)
+        got[branch] = caches
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("mode", INT4)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("tokens,heads", [(1, 1), (1, 2), (2, 1), (3, 1), (1, 4)])

@@ -62,31 +62,34 @@ def _min_nan(a, b):
 
 
 @triton.jit
-def row_range(r, ROWS: tl.constexpr, D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(max, min) of each row of r [ROWS, D], NaN-propagating.
+def range_with_zero(r, ROWS: tl.constexpr, D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(max, min) of each row of r [ROWS, D] and 0, NaN-propagating.
 
     The interpreter runs a reduce's combine function element by element in Python (27 s of a
     28 s write at 64 tokens x 16 heads x 128); there the halves of the rows are folded onto
-    each other instead, log2(D) NumPy operations (1.9 s). Max and min are exact, so any order
-    gives the same values. Compiled, the fold is not used: for sm_90a it gave tl.reduce's SASS
-    at D <= 128 but, at D = 256 rotated, 102040 instructions and 94 KB of spills against
-    5568 and none (rows there span two lanes)."""
+    each other instead, log2(D) NumPy operations (1.9 s). Max and min are exact, so the order
+    changes no value but the sign of a zero, which the clamp to 0 and SPEC.md 12.3's floor
+    make irrelevant (tests/test_triton_int4.py runs both on such rows). Compiled, the fold is
+    not used: for sm_90a it gave tl.reduce's SASS at D <= 128 but, at D = 256 rotated, 102040
+    instructions and 94 KB of spills against 5568 and none (rows there span two lanes). Each
+    clamp follows its reduce, as it always has: clamping after both reorders the compiled code
+    (other SASS at D = 256, one more register at D = 64 fp16)."""
     if INTERPRETED:
         hi = r
         lo = r
         for stage in tl.static_range(log2(D)):
             hi, lo = _fold_range(hi, lo, ROWS, D >> (stage + 1))
-        hi = tl.reshape(hi, [ROWS])
-        lo = tl.reshape(lo, [ROWS])
+        hi = tl.maximum(tl.reshape(hi, [ROWS]), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.minimum(tl.reshape(lo, [ROWS]), 0.0, propagate_nan=tl.PropagateNan.ALL)
     else:
-        hi = tl.reduce(r, 1, _max_nan)
-        lo = tl.reduce(r, 1, _min_nan)
+        hi = tl.maximum(tl.reduce(r, 1, _max_nan), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.minimum(tl.reduce(r, 1, _min_nan), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return hi, lo
 
 
 @triton.jit
 def _fold_range(hi, lo, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """One stage of row_range: element pairs (2j, 2j + 1) of [ROWS, 2 HALF] -> [ROWS, HALF]."""
+    """One stage of range_with_zero's fold: element pairs (2j, 2j + 1) of [ROWS, 2 HALF] -> [ROWS, HALF]."""
     a, b = tl.split(tl.reshape(hi, [ROWS, HALF, 2]))
     c, d = tl.split(tl.reshape(lo, [ROWS, HALF, 2]))
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), tl.minimum(c, d, propagate_nan=tl.PropagateNan.ALL)
@@ -158,9 +161,7 @@ def quantize_rows(r, SCALE_FLOOR: tl.constexpr, NAN_TO_ZERO: tl.constexpr, INTER
     compiled CUDA) the codes are raised to 0; a GPU spends no instruction on it. (Clearing the
     poisoned rows' words instead costs more: the row mask in the packed words' layout made the
     compiler compute the rows' max and min twice, sm_90a SASS.)"""
-    hi, lo = row_range(r, r.shape[0], r.shape[1], INTERPRETED)
-    hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    lo = tl.minimum(lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi, lo = range_with_zero(r, r.shape[0], r.shape[1], INTERPRETED)
     span = hi - lo
     poison = (float_bits(span) & 0x7F800000) == 0x7F800000
     span = tl.where(poison, 0.0, span)
