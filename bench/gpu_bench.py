@@ -312,7 +312,22 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
     if mode.endswith(INLINE):
         caches = kvzoo.allocate_inline(*w.caches.key_cache.shape[:3], D, _variant(mode)[0], device=DEVICE)
     static = None if w.static_scale is None else float(w.static_scale)
-    return dict(key=w.key, value=w.value, slots=w.slot_mapping, cache=caches, mode=_variant(mode)[0], static=static)
+    return dict(
+        key=w.key,
+        value=w.value,
+        slots=w.slot_mapping,
+        cache=caches,
+        mode=_variant(mode)[0],
+        static=static,
+        static_on_device=_on_device(static),
+    )
+
+
+def _on_device(scale: float | None) -> torch.Tensor | None:
+    """A static scale as an engine holds it, a float32 [1] tensor on the GPU: given as a float,
+    every call copies it there, which a CUDA graph cannot capture (the per-tensor rows of the
+    first run, on an H100 on 2026-12-05, were timed eager)."""
+    return None if scale is None else torch.tensor([scale], dtype=torch.float32, device=DEVICE)
 
 
 def _write_call(s, impl=IMPL):
@@ -326,8 +341,8 @@ def _write_call(s, impl=IMPL):
         mode=s["mode"],
         k_scale_cache=c.k_scale_cache,
         v_scale_cache=c.v_scale_cache,
-        k_scale=s["static"],
-        v_scale=s["static"],
+        k_scale=s["static_on_device"],
+        v_scale=s["static_on_device"],
         impl=impl,
         validate=False,
     )
@@ -557,8 +572,8 @@ class AttnSet:
     max_q: int
     max_s: int
     num_prefills: int
-    k_scale: float | None  # a per-tensor mode's static scales
-    v_scale: float | None
+    k_scale: torch.Tensor | None  # a per-tensor mode's static scales (_on_device)
+    v_scale: torch.Tensor | None
 
 
 def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
@@ -597,8 +612,8 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
         b.max_query_len,
         b.max_seq_len,
         b.num_prefills,
-        None if s.k_scale is None else float(s.k_scale),
-        None if s.v_scale is None else float(s.v_scale),
+        _on_device(None if s.k_scale is None else float(s.k_scale)),
+        _on_device(None if s.v_scale is None else float(s.v_scale)),
     )
 
 

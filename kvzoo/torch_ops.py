@@ -340,11 +340,13 @@ def _static_scale(name: str, scale: torch.Tensor | float | None, like: torch.Ten
         return scale
     if torch.compiler.is_compiling():
         # Traced, a float argument is a graph input once torch makes it dynamic (a SymFloat,
-        # which NumPy cannot take): float32_scalar's rule as comparisons torch checks.
-        torch._check(
-            _FLOAT32_UNDERFLOW < scale < _FLOAT32_OVERFLOW,
-            lambda: f"{name}: expected a finite float > 0 in float32 (the precision the kernels use)",
-        )
+        # which NumPy cannot take): float32_scalar's rule as comparisons torch checks. Dynamo
+        # (torch 2.11) takes a message function only if it reads no variable: one per name.
+        ok = _FLOAT32_UNDERFLOW < scale < _FLOAT32_OVERFLOW
+        if name == "k_scale":
+            torch._check(ok, lambda: "k_scale: expected a finite float > 0 in float32 (the precision the kernels use)")
+        else:
+            torch._check(ok, lambda: "v_scale: expected a finite float > 0 in float32 (the precision the kernels use)")
     else:
         scale = float32_scalar(name, scale)
     return torch.tensor([scale], dtype=torch.float32, device=getattr(like, "device", None))
