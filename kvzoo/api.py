@@ -359,9 +359,11 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
 
 def check_seq_lens_values(lens: np.ndarray, max_blocks: int, block_size: int) -> None:
     """seq_lens as read on the host (int64): lengths the block tables' rows hold."""
-    if lens.size and lens.min() < 0:
+    if not lens.size:
+        return
+    if lens.min() < 0:
         fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
-    if lens.size and lens.max() > max_blocks * block_size:
+    if lens.max() > max_blocks * block_size:
         fail(
             f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
             f"block_tables x block_size {block_size}"
