@@ -23,26 +23,25 @@ def _reference(op: str):
     return reg.get(op, "numpy")
 
 
-def _written_slots(problem):
+def _target_slot(problem, last: bool) -> int:
+    """A slot the write kept (the first or last), else slot 0: a draw with every slot negative
+    (0.3^7 for 7 tokens) writes nothing, and a mutant that then changed nothing would escape."""
     slots = np.asarray(problem.slot_mapping).astype(np.int64)
     capacity = problem.key_cache.shape[0] * problem.key_cache.shape[1]
-    return slots[(slots >= 0) & (slots < capacity)]
+    kept = slots[(slots >= 0) & (slots < capacity)]
+    return int(kept[-1 if last else 0]) if kept.size else 0
 
 
 def _flip_one_code(problem):
     _reference("reshape_and_cache").run(problem)
-    kept = _written_slots(problem)
-    if kept.size:
-        block, offset = divmod(int(kept[-1]), problem.key_cache.shape[1])
-        cache = problem.value_cache.view(np.uint8)
-        cache[block, offset, 0, 0] ^= 0x01
+    block, offset = divmod(_target_slot(problem, last=True), problem.key_cache.shape[1])
+    problem.value_cache.view(np.uint8)[block, offset, 0, 0] ^= 0x01
 
 
 def _nudge_one_scale(problem):
     _reference("reshape_and_cache").run(problem)
-    kept = _written_slots(problem)
-    if kept.size and problem.k_scale_cache is not None:
-        block, offset = divmod(int(kept[0]), problem.key_cache.shape[1])
+    if problem.k_scale_cache is not None:
+        block, offset = divmod(_target_slot(problem, last=False), problem.key_cache.shape[1])
         problem.k_scale_cache.view(np.uint32)[block, offset, 0] ^= 0x1
 
 
