@@ -498,6 +498,7 @@ def attention_bounds(
     *,
     table: tuple[int, int],
     keep_given: bool = False,
+    lens_read: np.ndarray | None = None,
 ) -> tuple[int, int, int | None, int | None]:
     """(max_query_len, max_seq_len, num_prefills, num_tokens): the kernels' host-side bounds.
 
@@ -508,7 +509,8 @@ def attention_bounds(
     where given, each checked to cover what was read (a plan keeps them: its CUDA graph replays
     under them after in-place updates). table: (max_blocks_per_seq, block_size), what a length
     may reach. num_tokens None takes the number of query tokens from query_start_loc[-1] when the
-    values are read (None when they are not)."""
+    values are read (None when they are not). lens_read: seq_lens as check_block_tables read them,
+    so a validated call reads them once."""
     num_seqs = int(seq_lens.shape[0])
     given = {}
     for name, bound, high, high_name in (
@@ -521,7 +523,7 @@ def attention_bounds(
     if not validate and max_query_len is not None and max_seq_len is not None:
         return given["max_query_len"], given["max_seq_len"], given.get("num_prefills"), num_tokens
     qsl = host_ints(query_start_loc).astype(np.int64)
-    lens = host_ints(seq_lens).astype(np.int64)
+    lens = host_ints(seq_lens).astype(np.int64) if lens_read is None else lens_read
     q_lens = np.diff(qsl)
     expected = int(qsl[-1]) if num_tokens is None else num_tokens
     if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
@@ -688,7 +690,7 @@ def paged_attention(
         {"k_scale": k_scale, "v_scale": v_scale},
         validate,
     )
-    check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    lens_read = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     max_query_len, max_seq_len, num_prefills, _ = attention_bounds(
         query_start_loc,
         seq_lens,
@@ -698,6 +700,7 @@ def paged_attention(
         max_seq_len,
         num_prefills,
         table=(int(block_tables.shape[1]), block_size),
+        lens_read=lens_read,
     )
     problem = Attention(
         mode=mode,

@@ -77,6 +77,15 @@ def device_type(x: Any) -> str:
     return x.device.type if is_torch(x) else "cpu"
 
 
+CPU_DEVICE: Any = "cpu" if torch is None else torch.device("cpu")
+
+
+def device_of(x: Any) -> Any:
+    """What one call's arrays must share: a tensor's torch.device (its index included), and the
+    CPU's for a NumPy array, so a NumPy array and a CPU tensor compare equal."""
+    return x.device if is_torch(x) else CPU_DEVICE
+
+
 def as_numpy(x: Any) -> np.ndarray:
     """A NumPy view of a CPU tensor or array (no copy; strides kept)."""
     if isinstance(x, np.ndarray):

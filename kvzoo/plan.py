@@ -64,7 +64,18 @@ from .api import (
     check_slot_values,
     lse_output,
 )
-from .arrays import as_numpy, as_torch, dtype_name, is_torch, numpy_dtype, same_kind_empty, torch, torch_dtype
+from .arrays import (
+    CPU_DEVICE,
+    as_numpy,
+    as_torch,
+    device_of,
+    dtype_name,
+    is_torch,
+    numpy_dtype,
+    same_kind_empty,
+    torch,
+    torch_dtype,
+)
 from .cache import PagedKVCache
 from .layout import SCALE_BYTES, KVCacheTensors, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
@@ -95,12 +106,6 @@ ImplChoice = str | Implementation | Mapping[str, str | Implementation] | None
 __all__ = ["CacheSpec", "StepPlan", "plan_step"]
 
 LAYOUTS = ("separate", "inline")
-_CPU = "cpu" if torch is None else torch.device("cpu")
-
-
-def _device_key(x: Any) -> Any:
-    # What one call's arrays must share: torch.device equality, NumPy counted as the CPU.
-    return x.device if is_torch(x) else _CPU
 
 
 @dataclass(frozen=True)
@@ -315,8 +320,8 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
         require_no_negative_strides(name, x)
         arrays.append(x)
     for name, x in zip(_CACHE_NAMES, arrays):
-        if x is not None and _device_key(x) != device:
-            fail(f"{name}: on {_device_key(x)}, the plan's tensors are on {device}")
+        if x is not None and device_of(x) != device:
+            fail(f"{name}: on {device_of(x)}, the plan's tensors are on {device}")
     return _Layer(tuple(arrays))  # type: ignore[arg-type]
 
 
@@ -512,8 +517,8 @@ class StepPlan:
             fail(f"{name}: expected shape {shape} {layout}, got {tuple(x.shape)}")
         if dtype_name(x) != self.spec.model_dtype:
             fail(f"{name}: expected dtype {self.spec.model_dtype} (the CacheSpec's model_dtype), got {dtype_name(x)}")
-        if _device_key(x) != self._device:
-            fail(f"{name}: on {_device_key(x)}, the plan's tensors are on {self._device}")
+        if device_of(x) != self._device:
+            fail(f"{name}: on {device_of(x)}, the plan's tensors are on {self._device}")
 
     def _statics(self, layer: _Layer, k_scale: Any, v_scale: Any) -> tuple[Array | None, Array | None]:
         mode = self.spec.mode
@@ -762,8 +767,8 @@ class StepPlan:
             sinks = self.sinks
         else:
             check_sinks(sinks, self.num_q_heads)
-            if _device_key(sinks) != self._device:
-                fail(f"sinks: on {_device_key(sinks)}, the plan's tensors are on {self._device}")
+            if device_of(sinks) != self._device:
+                fail(f"sinks: on {device_of(sinks)}, the plan's tensors are on {self._device}")
             own_reads.append(("sinks", sinks, memory.byte_extent(sinks)))
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
@@ -789,8 +794,8 @@ class StepPlan:
         given_lse = lse is not None
         lse = lse_output(lse, return_lse, query, num_tokens, self.num_q_heads)
         if given_lse:
-            if _device_key(lse) != self._device:
-                fail(f"lse: on {_device_key(lse)}, the plan's tensors are on {self._device}")
+            if device_of(lse) != self._device:
+                fail(f"lse: on {device_of(lse)}, the plan's tensors are on {self._device}")
             if memory.self_overlap(lse):
                 fail(
                     f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
@@ -989,14 +994,14 @@ def plan_step(
         "sinks": sinks,
     }
     require_same_device(named)
-    device = _device_key(block_tables)
+    device = device_of(block_tables)
     if spec.device is not None:  # (None: NumPy arrays, or CPU tensors beside them)
         want = torch.device(spec.device)
         if device.type != want.type or (want.index is not None and device != want):
             fail(f"block_tables: on {device}, the CacheSpec's device is {spec.device}")
-    elif device != _CPU:
+    elif device != CPU_DEVICE:
         fail(f"block_tables: on {device}, the CacheSpec's device is None (NumPy arrays, on the CPU)")
-    check_block_tables(block_tables, seq_lens, spec.num_blocks, spec.block_size, validate)
+    lens_read = check_block_tables(block_tables, seq_lens, spec.num_blocks, spec.block_size, validate)
     if validate and slot_mapping is not None:
         check_slot_values(slot_mapping, spec.num_blocks, spec.block_size)
     max_query_len, max_seq_len, num_prefills, num_tokens = attention_bounds(
@@ -1009,6 +1014,7 @@ def plan_step(
         num_prefills,
         table=(int(block_tables.shape[1]), spec.block_size),
         keep_given=True,
+        lens_read=lens_read,
     )
 
     plan = object.__new__(StepPlan)
@@ -1106,8 +1112,8 @@ def plan_step(
 
 def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
     require_workspace(workspace)
-    if _device_key(workspace) != device:
-        fail(f"workspace: on {_device_key(workspace)}, the plan's tensors are on {device}")
+    if device_of(workspace) != device:
+        fail(f"workspace: on {device_of(workspace)}, the plan's tensors are on {device}")
     if workspace.numel() < need:
         fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
     _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")

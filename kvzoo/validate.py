@@ -17,6 +17,7 @@ import numpy as np
 from . import memory
 from .arrays import (
     as_numpy,
+    device_of,
     device_type,
     dtype_name,
     is_array,
@@ -119,19 +120,11 @@ def require_shape(name: str, x: Any, expected: tuple[int, ...], layout: str) -> 
 def require_same_device(named: dict[str, Any]) -> str:
     arrays = [(n, x) for n, x in named.items() if is_array(x)]
     first = arrays[0][1]
-    key = _device_key(first)
-    if any(_device_key(x) != key for _, x in arrays):
-        listing = ", ".join(f"{n} on {_device_key(x)}" for n, x in arrays)
+    key = device_of(first)
+    if any(device_of(x) != key for _, x in arrays):
+        listing = ", ".join(f"{n} on {device_of(x)}" for n, x in arrays)
         fail(f"all tensors must be on one device; got {listing}")
     return device_type(first)
-
-
-def _device_key(x: Any) -> Any:
-    # torch.device compares equal to torch.device, and "cpu" to a CPU device.
-    return x.device if is_torch(x) else _CPU
-
-
-_CPU = "cpu" if torch is None else torch.device("cpu")
 
 
 def require_no_negative_strides(name: str, x: Any) -> None:
@@ -223,8 +216,8 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
         if int(np.prod(value.shape)) != 1:
             fail(f"{name}: expected one element, got shape {tuple(value.shape)}")
         require_dtype(name, value, ("float32",))
-        if _device_key(value) != _device_key(like):
-            fail(f"{name}: on {_device_key(value)}, expected {_device_key(like)} like the cache")
+        if device_of(value) != device_of(like):
+            fail(f"{name}: on {device_of(value)}, expected {device_of(like)} like the cache")
         array = value.reshape(1)
     else:
         number = float32_scalar(name, value)

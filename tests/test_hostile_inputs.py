@@ -1868,6 +1868,23 @@ def test_given_bound_below_the_values_read_is_replaced_by_them(impl, name, valid
     a.run_accepted(impl, bt, sl, qsl, guards=guards, validate=validate, **{name: read[name] - 1})
 
 
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_a_validated_call_reads_seq_lens_once(impl, monkeypatch):
+    """validate=True reads seq_lens once, for the block tables' check and the bounds alike: a
+    second read is a second synchronisation, and could see other values than the check did."""
+    a, bt, sl, qsl, guards = _attention_for_scalars(impl, "read-once")
+    reads = []
+    real = kvzoo.api.host_ints
+
+    def counted(x):
+        reads.append(x is sl)
+        return real(x)
+
+    monkeypatch.setattr(kvzoo.api, "host_ints", counted)
+    a.run_accepted(impl, bt, sl, qsl, guards=guards, validate=True)
+    assert reads.count(True) == 1, f"seq_lens read {reads.count(True)} times"
+
+
 READ_FAULTS = [
     "qsl-start",
     "qsl-past-the-query",
