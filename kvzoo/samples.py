@@ -915,7 +915,9 @@ def write_slots(
 
     order "random": distinct slots anywhere; "paged": vLLM-like, tokens filling random blocks
     in order. negative: about 30% skipped with negative ids. wild: about 40% past the cache's
-    end (what validate=False must skip like negative ones): up to two blocks past it."""
+    end (what validate=False must skip like negative ones): up to two blocks past it. From 3
+    tokens on, each kind asked for is there (at least one negative id stays negative, and one
+    other slot is wild): a draw without it would not test what the caller asked for."""
     capacity = num_blocks * block_size
     if order == "paged":
         blocks = rng.permutation(num_blocks)[: -(-num_tokens // block_size)]
@@ -923,12 +925,21 @@ def write_slots(
     else:
         slots = rng.permutation(capacity)[:num_tokens]
     slots = slots.astype(np.int64)
+    assured = num_tokens >= 3
     if negative and num_tokens:
         skip = rng.random(num_tokens) < 0.3
+        if assured and not skip.any():
+            skip[rng.integers(num_tokens)] = True
         slots[skip] = -rng.integers(1, 5, int(skip.sum()))
     oracle_slots = slots
     if wild and num_tokens:
         far = rng.random(num_tokens) < 0.4
+        if assured:
+            kept = np.flatnonzero(slots < 0)[:1]  # one negative id stays negative
+            far[kept] = False
+            if not far.any():
+                others = np.setdiff1d(np.arange(num_tokens), kept)
+                far[others[rng.integers(others.size)]] = True
         slots = slots.copy()
         slots[far] = capacity + rng.integers(0, 2 * block_size, int(far.sum()))
         oracle_slots = np.where(far, -1, slots)

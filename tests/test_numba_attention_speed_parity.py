@@ -13,6 +13,8 @@ import pytest
 import kvzoo
 from kvzoo.layout import allocate_separate
 
+from support import rng_for
+
 pytest.importorskip("numba")
 
 
@@ -36,7 +38,7 @@ def _strided_copy(a: np.ndarray) -> np.ndarray:
 )
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 1), (8, 1)])
 def test_fused_and_tile_paths_match(mode, hq, hkv):
-    rng = np.random.default_rng()
+    rng = rng_for("numba fused and tile paths", mode, hq, hkv)
     bs, d, seqs = 16, 64, 3
     per_seq = 6
     blocks = seqs * per_seq

@@ -23,6 +23,8 @@ from kvzoo.backends.numba_cpu import kernels  # noqa: E402
 from kvzoo.formats import FORMATS  # noqa: E402
 from kvzoo.modes import MODES  # noqa: E402
 
+from support import rng_for  # noqa: E402
+
 POISON = 0x55
 # (format code, ml_dtypes type, largest finite value, the spec's NaN code)
 FP8_FORMATS = {
@@ -121,7 +123,7 @@ def test_fp8_every_rounding_boundary(name):
 @pytest.mark.parametrize("name", sorted(FP8_FORMATS))
 def test_fp8_random_values_and_specials(name):
     fmt, ml_type, qmax, nan_code = FP8_FORMATS[name]
-    rng = np.random.default_rng()
+    rng = rng_for("numba fp8 random values", name)
     n = 1 << 20
     y = (rng.standard_normal(n) * np.exp2(rng.integers(-24, 10, n))).astype(np.float32)
     y[:6] = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0]
@@ -283,7 +285,7 @@ def test_signed_zero_and_nan_rows_follow_the_spec():
     import kvzoo
     from kvzoo.layout import allocate_separate
 
-    rng = np.random.default_rng()
+    rng = rng_for("numba signed zero and nan rows")
     heads, d, bs = 2, 16, 4
     key = rng.standard_normal((3, heads, d)).astype(np.float32)
     key[0, 0] = -0.0  # an all -0.0 row: scale = floor, every y = -0.0

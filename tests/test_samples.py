@@ -294,7 +294,7 @@ def test_paged_sample_shapes_and_dtypes(mode, layout, place):
 def test_write_sample_shapes_slots_and_poison(mode, layout, place):
     m = MODES[mode]
     kind, device = place
-    # 64 tokens: some are negative and some wild in every draw (else 1 in 10^5).
+    # Some slots negative and some wild in every draw of 3 or more tokens (write_slots).
     w = samples.write_sample(
         rng_for("samples", "write shapes"),
         mode,

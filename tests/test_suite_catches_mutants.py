@@ -1,8 +1,8 @@
 """The conformance suite must fail an implementation that changes a single byte.
 
-Mutants wrap the NumPy implementation and corrupt one code, one scale bit, or the attention
-output slightly; each registered in a fresh registry must fail the same checks the real
-backends pass.
+Mutants wrap the NumPy implementation and corrupt one code, one scale bit, or one channel of
+the attention output (by three times the check's tolerance); each registered in a fresh
+registry must fail the same checks the real backends pass.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+from kvzoo.arrays import dtype_name
 from kvzoo.backends import numpy_vectorized
 from kvzoo.conformance import NotApplicable, matrix
 from kvzoo.registry import Registry
+from kvzoo.samples import attention_tolerance
 
 
 def _reference(op: str):
@@ -46,8 +48,17 @@ def _nudge_one_scale(problem):
 
 
 def _perturb_attention(problem):
-    _reference("paged_attention").run(problem)
-    problem.out[..., 0] = (problem.out[..., 0].astype(np.float32) * 1.05).astype(problem.out.dtype)
+    """Adds three times the tolerance the check holds this output to, of each row's norm, to the
+    row's channel 0: every sequence is then off by about 3x its allowance, by construction (a
+    factor of 1.05 on channel 0 was about 0.05 / sqrt(D) of a row, and escaped one check in a
+    hundred at D = 128, where the allowance is 3.9e-3)."""
+    reference = _reference("paged_attention")
+    reference.run(problem)
+    tol = attention_tolerance(reference, dtype_name(problem.out), problem.fp8_dots)
+    out = problem.out.astype(np.float64)
+    norms = np.linalg.norm(out, axis=-1)
+    out[..., 0] += 3 * tol * np.where(norms > 0, norms, 1.0)
+    problem.out[...] = out.astype(problem.out.dtype)
 
 
 MUTANTS = {
@@ -57,7 +68,7 @@ MUTANTS = {
         _nudge_one_scale,
         lambda c: "per_token_head" in c.case_id and "-T0-" not in c.case_id,
     ),
-    "attention 5% off in one channel": ("paged_attention", _perturb_attention, lambda c: True),
+    "attention 3x its tolerance off in one channel": ("paged_attention", _perturb_attention, lambda c: True),
 }
 
 
