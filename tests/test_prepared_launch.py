@@ -29,6 +29,8 @@ from test_plan import (
 )
 
 import kvzoo
+from kvzoo import samples
+from kvzoo.conformance.inputs import device_for, host_float32
 from kvzoo.problem import Attention, CacheWrite
 
 from support import assert_same_bytes, rng_for
@@ -389,3 +391,86 @@ def test_a_prepared_step_replays_in_a_cuda_graph():
         for a, b in zip(cache_arrays(layers[i]), cache_arrays(c)):
             assert_same_bytes(a, b, f"layer {i} cache after replay")
         assert_same_bytes(out[i], want, f"layer {i} attention after replay")
+
+
+# ------------------------------------------------------------------------------------------
+# Implementation.prepare's contract, for every implementation that has the hook
+
+PREPARING = [
+    pytest.param(op, impl, id=f"{op}-{impl.name}")
+    for op in ("reshape_and_cache", "paged_attention")
+    for impl in kvzoo.registry.default().implementations(op)
+    if impl.prepare is not None
+]
+# Two batches of one signature and the same host bounds (max_query_len 5, max_seq_len 40, two
+# prefills, 10 query rows) whose offsets and lengths differ everywhere else.
+BATCHES = (((5, 1, 4), (40, 13, 9)), ((4, 5, 1), (20, 40, 7)))
+
+
+def _copy(x):
+    return None if x is None else (x.clone() if isinstance(x, torch.Tensor) else x.copy())
+
+
+def _usable(impl, mode):
+    if not impl.available:
+        pytest.skip("; ".join(impl.unavailable()))
+    if mode not in impl.modes:
+        pytest.skip(f"{impl.name} does not register {mode}")
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_tensor", "int4_per_token_head"])
+@pytest.mark.parametrize("op,impl", PREPARING)
+def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, mode):
+    """The launch prepared on one call, given a later call's arrays of the same signature and
+    host fields, runs that call: its rows, caches, slots, offsets, lengths, static scales and
+    sinks, byte for byte what a launch prepared on the later call itself gives."""
+    from kvzoo import api
+
+    _usable(impl, mode)
+    api._PREPARED.clear()  # no eviction between the calls counted below
+    counts = dict(run=0, prepare=0, launch=0)
+    first, fresh = counted(impl, counts), dataclasses.replace(impl)
+    where = dict(kind="numpy" if impl.array_kind == "numpy" else "torch", device=device_for(impl))
+    rng = rng_for("prepare contract", op, impl.name, mode)
+    if op == "reshape_and_cache":
+        draws = [
+            samples.write_sample(
+                rng, mode, num_tokens=9, head_size=32, block_size=4, negative_slots=True, static_scale="wide", **where
+            )
+            for _ in range(2)
+        ]
+        later = draws[1]
+        theirs = [_copy(c) for c in later.cache_arrays()]
+
+        def write(w, chosen, caches):
+            kw = dict(w.api_kwargs(), k_scale_cache=caches[2], v_scale_cache=caches[3])
+            api.reshape_and_cache(w.key, w.value, caches[0], caches[1], w.slot_mapping, **kw, impl=chosen)
+
+        for w in draws:
+            write(w, first, w.cache_arrays())
+        write(later, fresh, theirs)
+        pairs = [(a, b) for a, b in zip(later.cache_arrays(), theirs) if a is not None]
+    else:
+        draws = [
+            samples.paged_sample(
+                rng, mode, q_lens=q, seq_lens=s, head_size=32, num_blocks=12, sinks=True, static_scales="wide", **where
+            )
+            for q, s in BATCHES
+        ]
+
+        def attend(s, chosen):
+            out = s.new_out()
+            api.paged_attention(
+                s.query, s.caches.key_cache, s.caches.value_cache, **s.api_kwargs(), out=out, impl=chosen
+            )
+            return out
+
+        got = [attend(s, first) for s in draws]
+        pairs = [(got[1], attend(draws[1], fresh))]
+        assert np.isfinite(host_float32(got[1])).all(), "rows left unwritten"
+    if counts["prepared"][0] is None:
+        pytest.skip(f"{impl.name} prepares no launch for this {op} (it runs every call)")
+    counts.pop("prepared")
+    assert counts == dict(run=0, prepare=1, launch=2), counts
+    for a, b in pairs:
+        assert_same_bytes(a, b, f"{impl.name} {op}: the later call through the first call's launch")

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from ...modes import MODES, rht_signs
 from ...registry import Implementation
 from .formats import FORMAT_KINDS, U4
 from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Outputs, PagedCache, Params, Query, Rows, Step, operand
-from .strided import KINDS, flat, stride_problem
+from .strided import KINDS, flat, flat_view, stride_problem
 
 NAME = "numba"
 PRIORITY = 50
@@ -128,25 +129,49 @@ def _rotation(mode: Any, head_size: int) -> tuple[bool, np.ndarray]:
     return True, _signs(head_size)
 
 
-def _paged_cache(p: Any, carrier: type) -> PagedCache:
-    """The cache operands of a write or attention problem as the kernels' record."""
+def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
+    """The cache operands of a write or attention problem as the kernels' record, for any
+    problem of p's signature: a function of the call's operands (p's operand order). What the
+    signature fixes (kinds, strides, the rotation) is worked out once, here."""
     mode = p.mode
-    if mode.per_token_head:
-        scales = (*operand(p.k_scale_cache, np.uint32), *operand(p.v_scale_cache, np.uint32))
-    else:
-        scales = (*NO_SCALES, *NO_SCALES)
-    tensor_scales = (_f32(p.k_scale), _f32(p.v_scale)) if mode.per_tensor else (np.float32(1.0),) * 2
-    kind = _cache_kind(mode, p.key_cache)[0]
-    return PagedCache(
-        np.int64(kind),
-        *operand(p.key_cache, carrier),
-        *operand(p.value_cache, carrier),
-        mode.per_token_head,
-        *scales,
-        *tensor_scales,
-        np.int64(p.block_size),
-        *_rotation(mode, p.head_size),
-    )
+    names = type(p).operand_names()
+    at = {
+        n: names.index(n) for n in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
+    }
+    kind = np.int64(_cache_kind(mode, p.key_cache)[0])
+    key_strides, value_strides = operand(p.key_cache, carrier)[1], operand(p.value_cache, carrier)[1]
+    per_token_head, per_tensor = mode.per_token_head, mode.per_tensor
+    if per_token_head:
+        scale_strides = operand(p.k_scale_cache, np.uint32)[1], operand(p.v_scale_cache, np.uint32)[1]
+    block_size = np.int64(p.block_size)
+    rotation = _rotation(mode, p.head_size)
+    unit = np.float32(1.0)
+
+    def cache(operands: tuple) -> PagedCache:
+        if per_token_head:
+            scales = (
+                flat_view(operands[at["k_scale_cache"]], np.uint32),
+                scale_strides[0],
+                flat_view(operands[at["v_scale_cache"]], np.uint32),
+                scale_strides[1],
+            )
+        else:
+            scales = (*NO_SCALES, *NO_SCALES)
+        tensor_scales = (_f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])) if per_tensor else (unit, unit)
+        return PagedCache(
+            kind,
+            flat_view(operands[at["key_cache"]], carrier),
+            key_strides,
+            flat_view(operands[at["value_cache"]], carrier),
+            value_strides,
+            per_token_head,
+            *scales,
+            *tensor_scales,
+            block_size,
+            *rotation,
+        )
+
+    return cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,54 +181,72 @@ def _paged_cache(p: Any, carrier: type) -> PagedCache:
 _WRITE_ARRAYS = ("key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 
 
-def run_reshape_and_cache(p: Any) -> None:
-    k = _kernels()
+def _nothing(operands: tuple) -> None:
+    return None
+
+
+def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
+    """The launch of p's write for every problem of its signature and host fields
+    (Implementation.prepare): element kinds, strides and the mode's constants are worked out
+    once; a call makes its arrays' flat views and runs the kernel."""
     if p.num_tokens == 0:
-        return
-    kind, carrier = KINDS[np.dtype(p.key.dtype).name]
-    key, kst = flat(p.key, carrier)
-    value, vst = flat(p.value, carrier)
-    slots = np.ascontiguousarray(p.slot_mapping, dtype=np.int64)
+        return _nothing
+    k = _kernels()
+    names = type(p).operand_names()
+    at = {n: names.index(n) for n in names}
+    kind, carrier = KINDS[dtype_name(p.key)]
+    key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
     bs = np.int64(p.block_size)
     num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
     heads, hsize = np.int64(p.num_kv_heads), np.int64(p.head_size)
     mode = p.mode
+
+    def rows(operands: tuple) -> tuple:
+        return (
+            flat_view(operands[at["key"]], carrier),
+            key_strides,
+            flat_view(operands[at["value"]], carrier),
+            value_strides,
+        )
+
+    def slots(operands: tuple) -> np.ndarray:
+        return np.ascontiguousarray(operands[at["slot_mapping"]], dtype=np.int64)
+
     if mode.code_dtype is None:
-        kc, kcs = flat(p.key_cache, carrier)
-        vc, vcs = flat(p.value_cache, carrier)
-        k.write_plain(key, kst, value, vst, slots, num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
-        return
+        kcs, vcs = flat(p.key_cache, carrier)[1], flat(p.value_cache, carrier)[1]
+
+        def write_plain(operands: tuple) -> None:
+            key, kst, value, vst = rows(operands)
+            kc, vc = flat_view(operands[at["key_cache"]], carrier), flat_view(operands[at["value_cache"]], carrier)
+            k.write_plain(key, kst, value, vst, slots(operands), num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
+
+        return write_plain
     if FORMAT_KINDS[mode.format.name] == U4:
-        rows = Rows(np.int64(kind), *operand(p.key, carrier), *operand(p.value, carrier))
         cache = _paged_cache(p, _cache_kind(mode, p.key_cache)[1])
         qmax, qmin, floor = np.float32(mode.qmax), np.float32(mode.qmin), np.float32(mode.scale_floor)
-        k.write_int4(rows, cache, slots, num_slots, heads, hsize, qmax, qmin, floor)
-        return
-    kc, kcs = flat(p.key_cache, np.uint8)
-    vc, vcs = flat(p.value_cache, np.uint8)
-    if mode.per_token_head:
-        ksc, kscs = flat(p.k_scale_cache, np.uint32)
-        vsc, vscs = flat(p.v_scale_cache, np.uint32)
-        kts = vts = np.float32(1.0)
+
+        def write_int4(operands: tuple) -> None:
+            key, kst, value, vst = rows(operands)
+            k.write_int4(
+                Rows(np.int64(kind), key, kst, value, vst),
+                cache(operands),
+                slots(operands),
+                num_slots,
+                heads,
+                hsize,
+                qmax,
+                qmin,
+                floor,
+            )
+
+        return write_int4
+    kcs, vcs = flat(p.key_cache, np.uint8)[1], flat(p.value_cache, np.uint8)[1]
+    per_token_head = mode.per_token_head
+    if per_token_head:
+        kscs, vscs = flat(p.k_scale_cache, np.uint32)[1], flat(p.v_scale_cache, np.uint32)[1]
     else:
-        ksc, kscs = vsc, vscs = np.empty(1, np.uint32), (0, 0, 0, 0)
-        kts, vts = _f32(p.k_scale), _f32(p.v_scale)
-    k.write_quantized(
-        key,
-        kst,
-        value,
-        vst,
-        np.int64(kind),
-        slots,
-        num_slots,
-        kc,
-        kcs,
-        vc,
-        vcs,
-        ksc,
-        kscs,
-        vsc,
-        vscs,
+        kscs = vscs = (0, 0, 0, 0)
+    constants = (
         bs,
         heads,
         hsize,
@@ -215,9 +258,45 @@ def run_reshape_and_cache(p: Any) -> None:
         *(np.int32(c) for c in mode.inf_codes),
         np.float32(mode.scale_floor),
         mode.per_tensor,
-        kts,
-        vts,
     )
+
+    def write_quantized(operands: tuple) -> None:
+        key, kst, value, vst = rows(operands)
+        if per_token_head:
+            ksc, vsc = (
+                flat_view(operands[at["k_scale_cache"]], np.uint32),
+                flat_view(operands[at["v_scale_cache"]], np.uint32),
+            )
+            kts = vts = np.float32(1.0)
+        else:
+            ksc = vsc = NO_SCALES[0]
+            kts, vts = _f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])
+        k.write_quantized(
+            key,
+            kst,
+            value,
+            vst,
+            np.int64(kind),
+            slots(operands),
+            num_slots,
+            flat_view(operands[at["key_cache"]], np.uint8),
+            kcs,
+            flat_view(operands[at["value_cache"]], np.uint8),
+            vcs,
+            ksc,
+            kscs,
+            vsc,
+            vscs,
+            *constants,
+            kts,
+            vts,
+        )
+
+    return write_quantized
+
+
+def run_reshape_and_cache(p: Any) -> None:
+    prepare_reshape_and_cache(p)(p.operands())
 
 
 def write_reasons(p: Any) -> list[str]:
@@ -306,6 +385,10 @@ def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.nd
     last long causal block while the other idles."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     qlens = qsl[1:] - qsl[:-1]
+    if (qlens == 1).all():
+        # A decode step: one item a sequence (what the general form below gives, in a third of its time).
+        order = np.argsort(-np.asarray(costs_from, dtype=np.int64), kind="stable")
+        return order, qsl[order], np.ones(order.size, np.int64)
     nblk = -(-qlens // block_tokens)
     seq = np.repeat(np.arange(qlens.shape[0], dtype=np.int64), nblk)
     first = np.concatenate([[0], np.cumsum(nblk)[:-1]]).astype(np.int64) if len(nblk) else nblk
@@ -318,36 +401,61 @@ def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.nd
     return seq[order], t0[order], nq[order]
 
 
-def run_paged_attention(p: Any) -> None:
-    k = _kernels()
+def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
+    """The launch of p's attention for every problem of its signature and host fields
+    (Implementation.prepare): element kinds, strides and the parameters are worked out once; a
+    call makes its arrays' flat views, reads its metadata (the work items follow the lengths)
+    and runs the kernel."""
     if p.query.shape[0] == 0:
-        return
-    q_kind, q_carrier = KINDS[np.dtype(p.query.dtype).name]
+        return _nothing
+    k = _kernels()
+    names = type(p).operand_names()
+    at = {n: names.index(n) for n in names}
+    q_kind, q_carrier = KINDS[dtype_name(p.query)]
+    q_kind = np.int64(q_kind)
+    q_strides = operand(p.query, q_carrier)[1]
     cache = _paged_cache(p, _cache_kind(p.mode, p.key_cache)[1])
     group = p.num_q_heads // p.num_kv_heads
     block_tokens = 1 if p.max_query_len <= 1 else max(1, _PREFILL_ROWS // group)
-    seq_lens = np.ascontiguousarray(p.seq_lens, dtype=np.int64)
-    qsl = np.ascontiguousarray(p.query_start_loc, dtype=np.int64)
-    step = Step(
-        np.ascontiguousarray(p.block_tables, dtype=np.int64), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens)
-    )
-    params = Params(
+    scalars = (
         np.int64(p.num_q_heads),
         np.int64(p.num_kv_heads),
         np.int64(p.head_size),
         np.float32(p.softmax_scale),
         np.int64(p.sliding_window or 0),
         np.float32(p.softcap or 0.0),
-        p.sinks is not None,
-        np.ascontiguousarray(p.sinks, dtype=np.float32) if p.sinks is not None else NO_SINKS,
     )
-    direct = np.dtype(p.out.dtype) == np.float32
-    out32 = p.out if direct else np.empty(p.out.shape, np.float32)
-    lse = operand(p.lse, np.float32) if p.lse is not None else NO_LSE
-    outputs = Outputs(*operand(out32, np.float32), p.lse is not None, *lse)
-    k.attention(Query(*operand(p.query, q_carrier), np.int64(q_kind)), cache, step, params, outputs)
-    if not direct:
-        p.out[...] = out32
+    has_sinks, has_lse = p.sinks is not None, p.lse is not None
+    direct = dtype_name(p.out) == "float32"
+    out_shape = p.out.shape
+    out_strides = operand(p.out if direct else np.empty(out_shape, np.float32), np.float32)[1]
+    lse_strides = operand(p.lse, np.float32)[1] if has_lse else NO_LSE[1]
+
+    def launch(operands: tuple) -> None:
+        def index(name: str) -> np.ndarray:
+            return np.ascontiguousarray(operands[at[name]], dtype=np.int64)
+
+        seq_lens, qsl = index("seq_lens"), index("query_start_loc")
+        step = Step(index("block_tables"), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens))
+        sinks = np.ascontiguousarray(operands[at["sinks"]], dtype=np.float32) if has_sinks else NO_SINKS
+        out = operands[at["out"]]
+        out32 = out if direct else np.empty(out_shape, np.float32)
+        lse = flat_view(operands[at["lse"]], np.float32) if has_lse else NO_LSE[0]
+        k.attention(
+            Query(flat_view(operands[at["query"]], q_carrier), q_strides, q_kind),
+            cache(operands),
+            step,
+            Params(*scalars, has_sinks, sinks),
+            Outputs(flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides),
+        )
+        if not direct:
+            out[...] = out32
+
+    return launch
+
+
+def run_paged_attention(p: Any) -> None:
+    prepare_paged_attention(p)(p.operands())
 
 
 def attention_reasons(p: Any) -> list[str]:
@@ -373,6 +481,7 @@ def register(registry: Any) -> None:
             name=NAME,
             op="reshape_and_cache",
             run=run_reshape_and_cache,
+            prepare=prepare_reshape_and_cache,
             problem_reasons=write_reasons,
             notes="rounding=trunc, inline_layout, any strides; parallel over tokens x heads",
             **common,
@@ -393,6 +502,7 @@ def register(registry: Any) -> None:
             name=NAME,
             op="paged_attention",
             run=run_paged_attention,
+            prepare=prepare_paged_attention,
             problem_reasons=attention_reasons,
             attention_rtol=ATTENTION_RTOL,
             notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",

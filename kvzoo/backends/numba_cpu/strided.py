@@ -57,3 +57,11 @@ def flat(a: np.ndarray, carrier: type | None = None) -> tuple[np.ndarray, tuple[
         low = low.view(carrier)
     base = as_strided(low, shape=(extent,), strides=(itemsize,))
     return base, (offset, *strides)
+
+
+def flat_view(a: np.ndarray, carrier: type) -> np.ndarray:
+    """flat(a, carrier)'s view alone: what a prepared launch needs per call, the strides being
+    its signature's. The contiguous case skips flat's stride arithmetic."""
+    if a.flags.c_contiguous and a.size:
+        return a.reshape(-1).view(carrier)
+    return flat(a, carrier)[0]

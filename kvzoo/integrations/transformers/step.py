@@ -115,21 +115,35 @@ class ForwardStep:
         impl: ImplChoice,
         validate: bool,
     ) -> StepPlan:
-        spec = CacheSpec(
-            store.mode,
-            num_blocks=store.num_blocks,
-            block_size=store.block_size,
-            num_kv_heads=store.num_kv_heads,
-            head_size=store.head_size,
-            layout=store.layout,
-            model_dtype=MODEL_DTYPES[store.model_dtype],
-            device=str(store.device),
-            rounding=rounding,
-        )
+        geometry = (store.mode, store.num_blocks, store.block_size, store.num_kv_heads, store.head_size, store.layout)
         impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
-        key = (spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key, validate)
+        # The CacheSpec's fields, not a CacheSpec: one is built (and checked) per plan, not per layer.
+        key = (
+            geometry,
+            store.model_dtype,
+            str(store.device),
+            rounding,
+            num_q_heads,
+            softmax_scale,
+            sliding_window,
+            softcap,
+            sinks is not None,
+            impl_key,
+            validate,
+        )
         plan = self._plans.get(key)
         if plan is None:
+            spec = CacheSpec(
+                store.mode,
+                num_blocks=store.num_blocks,
+                block_size=store.block_size,
+                num_kv_heads=store.num_kv_heads,
+                head_size=store.head_size,
+                layout=store.layout,
+                model_dtype=MODEL_DTYPES[store.model_dtype],
+                device=str(store.device),
+                rounding=rounding,
+            )
             lay = self.layout
             plan = plan_step(
                 spec,
