@@ -2,7 +2,7 @@
 its neighbours on this GPU? Issue 5's attention shapes, on one GPU; also the shared inputs,
 reference and ceilings of sustained.py, flash_bound.py, staging_sweep.py and kernel_facts.py.
 
-    python3 bench/attention_probe.py [--sections decode,split,prefill,short,int4,int4order,fp8dots] [--quick]
+    python3 bench/attention_probe.py [--sections decode,split,prefill,short,int4,fp8dots] [--quick]
     ncu --clock-control none --kernel-name regex:_attention_kernel --launch-skip 3 --launch-count 1 \
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section MemoryWorkloadAnalysis python3 bench/attention_probe.py --ncu int8_per_token_head
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -337,43 +336,6 @@ def main():
                         I4.TILES[128] = table_tiles
                 del p
                 torch.cuda.empty_cache()
-
-    if "int4order" in sections:
-        # Does the int4 unrotated decode's 1.6x time at 64 x 4096 (twenty-first session, timed
-        # after the rotated one each round) follow the order of timing? The two kernels compile
-        # to the same grid, tile and merge with loops of 896 and 892 instructions (sm_90a,
-        # offline). Round r times rotated then unrotated when r is even, the reverse when odd.
-        from kvzoo.backends.triton import int4_attention as I4
-
-        rounds = 3 if quick else 6
-        for S, L in ((64, 4096), (64, 16384)):
-            probs = {m: make(S, 1, L, m) for m in ("int4_per_token_head", "int4_per_token_head_norot", "none")}
-            nbytes = {m: decode_bytes(p) for m, p in probs.items()}
-            nbytes.update(
-                {m: 2 * S * L * HKV * (D // 2 + 4) + 2 * p.query.numel() * 2 for m, p in probs.items() if "int4" in m}
-            )
-            launch = {
-                m: (lambda p=p: I4.run(p)) if "int4" in m else (lambda p=p: K.run(p, "cuda")) for m, p in probs.items()
-            }
-            for m, p in probs.items():
-                launch[m]()
-                torch.cuda.synchronize()
-                assert not torch.isnan(p.out).any(), f"{m}: rows left unwritten"
-            times = {m: [] for m in probs}
-            times["none"].append(bench(launch["none"]))
-            for r in range(rounds):
-                order = ("int4_per_token_head", "int4_per_token_head_norot")
-                for m in order if r % 2 == 0 else order[::-1]:
-                    times[m].append(bench(launch[m]))
-            times["none"].append(bench(launch["none"]))
-            for m, ts in times.items():
-                med = statistics.median(ts)
-                spread = " ".join(f"{t * 1e3:.1f}" for t in ts)
-                row(
-                    f"order {S}x{L} {m}", med, gbs=nbytes[m] / med / 1e6, copy_bw=copy_bw, note=f"rounds (us): {spread}"
-                )
-            del probs, launch
-            torch.cuda.empty_cache()
 
     if "split" in sections:
         S, L = 8, 65536
