@@ -86,8 +86,10 @@ def main() -> int:
         v.transpose(1, 2).reshape(1, HKV, D),
     )
     out = torch.empty_like(q_rows)
-    launches = list(plan._prepared.values())
-    if len(launches) != 2 or any(launch is None for launch in launches):
+    # The plan's prepared launches, found by op (the first item of their key), and their
+    # operands by the problems' own field order, checked against what each was prepared for.
+    launches = {key[0]: launch for key, launch in plan._prepared.items() if launch is not None}
+    if set(launches) != {"reshape_and_cache", "paged_attention"}:
         print(f"the plan holds no prepared write and attention launch ({plan.write_impl.name}): row left out")
         launches = None
     else:
@@ -112,11 +114,14 @@ def main() -> int:
             plan.write(k_rows, v_rows, caches),
             plan.attention(q_rows, caches, out=out),
         ),
-        "DynamicCache update + torch SDPA": dynamic,
-        "floor: an empty Python call": lambda: empty(store, q, k, v, softmax_scale=D**-0.5),
     }
     if launches is not None:
-        rows["kvzoo, prepared launches alone"] = lambda: (launches[0](write_ops), launches[1](attend_ops))
+        rows["kvzoo, prepared launches alone"] = lambda: (
+            launches["reshape_and_cache"](write_ops),
+            launches["paged_attention"](attend_ops),
+        )
+    rows["DynamicCache update + torch SDPA"] = dynamic
+    rows["floor: an empty Python call"] = lambda: empty(store, q, k, v, softmax_scale=D**-0.5)
     for fn in rows.values():  # warm
         for _ in range(20):
             fn()
@@ -140,16 +145,36 @@ def main() -> int:
 
 
 def _operands(plan, caches, k_rows, v_rows, q_rows, out):
-    """The prepared launches' operands (CacheWrite's and Attention's order), as the plan hands
-    them to a NumPy-array backend."""
+    """The prepared launches' operands as the plan hands them to a NumPy-array backend, in
+    CacheWrite's and Attention's operand order, each tuple checked against the signature its
+    launch was prepared for (a launch runs with bounds checks off)."""
     from kvzoo.arrays import as_numpy
+    from kvzoo.problem import Attention, CacheWrite
+    from kvzoo.registry import prepared_signature
 
-    kc, vc, ksc, vsc = (
-        as_numpy(x) for x in (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)
+    arrays = dict(
+        key=k_rows,
+        value=v_rows,
+        query=q_rows,
+        out=out,
+        key_cache=caches.key_cache,
+        value_cache=caches.value_cache,
+        k_scale_cache=caches.k_scale_cache,
+        v_scale_cache=caches.v_scale_cache,
+        slot_mapping=plan.slot_mapping,
+        block_tables=plan.block_tables,
+        seq_lens=plan.seq_lens,
+        query_start_loc=plan.query_start_loc,
     )
-    write = (as_numpy(k_rows), as_numpy(v_rows), kc, vc, as_numpy(plan.slot_mapping), ksc, vsc, None, None)
-    index = (as_numpy(plan.block_tables), as_numpy(plan.seq_lens), as_numpy(plan.query_start_loc))
-    attend = (as_numpy(q_rows), kc, vc, *index, as_numpy(out), ksc, vsc, None, None, None, None)
+    arrays = {name: as_numpy(a) for name, a in arrays.items()}
+    write = tuple(arrays.get(name) for name in CacheWrite.operand_names())
+    attend = tuple(arrays.get(name) for name in Attention.operand_names())
+    # The plan keys a launch on the signature of the call's own arrays, in StepPlan's order:
+    # key, value, k_scale, v_scale; query, k_scale, v_scale, sinks, out, lse.
+    prepared = [key[2] for key in plan._prepared]
+    for op, ops, own in (("write", write, (0, 1, 7, 8)), ("attention", attend, (0, 9, 10, 11, 6, 12))):
+        if prepared_signature(ops[i] for i in own) not in prepared:
+            raise SystemExit(f"the {op} operands built here are not the signature its launch was prepared for")
     return write, attend
 
 

@@ -601,7 +601,9 @@ class StepPlan:
         if recall_key in self._recalled:
             return
         if any(type(x) is not recall._TENSOR for x in (*checked, other) if x is not None):
-            # Only Triton prepares, and of torch tensors: recalled calls read data_ptr() as such.
+            # A recalled call reads its arguments' addresses with data_ptr() and hands them on
+            # as given: only a launch of torch tensors qualifies (Triton's; Numba's takes NumPy
+            # views of them, made per call, so its calls take the checked path).
             return
         spans = tuple(recall.span(x) for x in checked)
         theirs = None if other is None else recall.span(other)

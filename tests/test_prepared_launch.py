@@ -418,12 +418,15 @@ def _usable(impl, mode):
         pytest.skip(f"{impl.name} does not register {mode}")
 
 
-@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_tensor", "int4_per_token_head"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["none", "int8_per_token_head", "fp8_per_tensor", "int4_per_token_head"])
 @pytest.mark.parametrize("op,impl", PREPARING)
-def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, mode):
+def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, mode, dtype):
     """The launch prepared on one call, given a later call's arrays of the same signature and
-    host fields, runs that call: its rows, caches, slots, offsets, lengths, static scales and
-    sinks, byte for byte what a launch prepared on the later call itself gives."""
+    host fields, runs that call: its rows (strided), caches, slots, offsets, lengths, static
+    scales, sinks, out and lse, byte for byte what a launch prepared on the later call itself
+    gives. Every mode's kind of cache (model dtype, per-row scales, static scales, packed
+    rows), and a float32 model dtype, whose out the CPU kernels write in place."""
     from kvzoo import api
 
     _usable(impl, mode)
@@ -431,11 +434,20 @@ def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, 
     counts = dict(run=0, prepare=0, launch=0)
     first, fresh = counted(impl, counts), dataclasses.replace(impl)
     where = dict(kind="numpy" if impl.array_kind == "numpy" else "torch", device=device_for(impl))
-    rng = rng_for("prepare contract", op, impl.name, mode)
+    rng = rng_for("prepare contract", op, impl.name, mode, dtype)
     if op == "reshape_and_cache":
         draws = [
             samples.write_sample(
-                rng, mode, num_tokens=9, head_size=32, block_size=4, negative_slots=True, static_scale="wide", **where
+                rng,
+                mode,
+                num_tokens=9,
+                head_size=32,
+                block_size=4,
+                dtype=dtype,
+                negative_slots=True,
+                strided=True,
+                static_scale="wide",
+                **where,
             )
             for _ in range(2)
         ]
@@ -453,21 +465,28 @@ def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, 
     else:
         draws = [
             samples.paged_sample(
-                rng, mode, q_lens=q, seq_lens=s, head_size=32, num_blocks=12, sinks=True, static_scales="wide", **where
+                rng,
+                mode,
+                q_lens=q,
+                seq_lens=s,
+                head_size=32,
+                num_blocks=12,
+                query_dtype=dtype,
+                sinks=True,
+                static_scales="wide",
+                **where,
             )
             for q, s in BATCHES
         ]
 
         def attend(s, chosen):
             out = s.new_out()
-            api.paged_attention(
-                s.query, s.caches.key_cache, s.caches.value_cache, **s.api_kwargs(), out=out, impl=chosen
-            )
-            return out
+            args = (s.query, s.caches.key_cache, s.caches.value_cache)
+            return api.paged_attention(*args, **s.api_kwargs(), out=out, return_lse=True, impl=chosen)
 
         got = [attend(s, first) for s in draws]
-        pairs = [(got[1], attend(draws[1], fresh))]
-        assert np.isfinite(host_float32(got[1])).all(), "rows left unwritten"
+        pairs = list(zip(got[1], attend(draws[1], fresh)))
+        assert np.isfinite(host_float32(got[1][0])).all(), "rows left unwritten"
     if counts["prepared"][0] is None:
         pytest.skip(f"{impl.name} prepares no launch for this {op} (it runs every call)")
     counts.pop("prepared")

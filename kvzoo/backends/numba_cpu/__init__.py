@@ -129,35 +129,59 @@ def _rotation(mode: Any, head_size: int) -> tuple[bool, np.ndarray]:
     return True, _signs(head_size)
 
 
+def _positions(p: Any) -> dict[str, int]:
+    """Each operand's position in p's operand order, the order a prepared launch is handed."""
+    return {name: i for i, name in enumerate(type(p).operand_names())}
+
+
+_UNIT = np.float32(1.0)
+
+
+def _scale_operands(p: Any, at: dict[str, int]) -> Callable[[tuple], tuple]:
+    """A call's scales as the kernels take them, for any problem of p's signature: (K scale
+    cache view, V scale cache view, K static scale, V static scale). Per-token-head modes give
+    flat uint32 views of their scale caches; the per-tensor modes their static scales, read
+    per call; either way the other pair is a stand-in the kernels never touch."""
+    mode = p.mode
+    if mode.per_token_head:
+
+        def per_row(operands: tuple) -> tuple:
+            k_view, v_view = (flat_view(operands[at[n]], np.uint32) for n in ("k_scale_cache", "v_scale_cache"))
+            return k_view, v_view, _UNIT, _UNIT
+
+        return per_row
+    if mode.code_dtype is not None and not mode.per_tensor:
+        # The write stores a row's scale for every mode that is not per tensor: handed the
+        # shared stand-in, such a mode would write into it from every thread.
+        raise NotImplementedError(f"numba: mode {mode.name!r} has neither per-row nor static scales")
+    if mode.per_tensor:
+
+        def static(operands: tuple) -> tuple:
+            return NO_SCALES[0], NO_SCALES[0], _f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])
+
+        return static
+    return lambda operands: (NO_SCALES[0], NO_SCALES[0], _UNIT, _UNIT)
+
+
 def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
     """The cache operands of a write or attention problem as the kernels' record, for any
     problem of p's signature: a function of the call's operands (p's operand order). What the
     signature fixes (kinds, strides, the rotation) is worked out once, here."""
     mode = p.mode
-    names = type(p).operand_names()
-    at = {
-        n: names.index(n) for n in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
-    }
+    at = _positions(p)
+    scales = _scale_operands(p, at)
     kind = np.int64(_cache_kind(mode, p.key_cache)[0])
     key_strides, value_strides = operand(p.key_cache, carrier)[1], operand(p.value_cache, carrier)[1]
-    per_token_head, per_tensor = mode.per_token_head, mode.per_tensor
+    per_token_head = mode.per_token_head
     if per_token_head:
         scale_strides = operand(p.k_scale_cache, np.uint32)[1], operand(p.v_scale_cache, np.uint32)[1]
+    else:
+        scale_strides = NO_SCALES[1], NO_SCALES[1]
     block_size = np.int64(p.block_size)
     rotation = _rotation(mode, p.head_size)
-    unit = np.float32(1.0)
 
     def cache(operands: tuple) -> PagedCache:
-        if per_token_head:
-            scales = (
-                flat_view(operands[at["k_scale_cache"]], np.uint32),
-                scale_strides[0],
-                flat_view(operands[at["v_scale_cache"]], np.uint32),
-                scale_strides[1],
-            )
-        else:
-            scales = (*NO_SCALES, *NO_SCALES)
-        tensor_scales = (_f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])) if per_tensor else (unit, unit)
+        k_view, v_view, k_static, v_static = scales(operands)
         return PagedCache(
             kind,
             flat_view(operands[at["key_cache"]], carrier),
@@ -165,8 +189,12 @@ def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
             flat_view(operands[at["value_cache"]], carrier),
             value_strides,
             per_token_head,
-            *scales,
-            *tensor_scales,
+            k_view,
+            scale_strides[0],
+            v_view,
+            scale_strides[1],
+            k_static,
+            v_static,
             block_size,
             *rotation,
         )
@@ -192,9 +220,9 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     if p.num_tokens == 0:
         return _nothing
     k = _kernels()
-    names = type(p).operand_names()
-    at = {n: names.index(n) for n in names}
+    at = _positions(p)
     kind, carrier = KINDS[dtype_name(p.key)]
+    kind = np.int64(kind)
     key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
     bs = np.int64(p.block_size)
     num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
@@ -228,7 +256,7 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
         def write_int4(operands: tuple) -> None:
             key, kst, value, vst = rows(operands)
             k.write_int4(
-                Rows(np.int64(kind), key, kst, value, vst),
+                Rows(kind, key, kst, value, vst),
                 cache(operands),
                 slots(operands),
                 num_slots,
@@ -241,8 +269,8 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
 
         return write_int4
     kcs, vcs = flat(p.key_cache, np.uint8)[1], flat(p.value_cache, np.uint8)[1]
-    per_token_head = mode.per_token_head
-    if per_token_head:
+    scales = _scale_operands(p, at)
+    if mode.per_token_head:
         kscs, vscs = flat(p.k_scale_cache, np.uint32)[1], flat(p.v_scale_cache, np.uint32)[1]
     else:
         kscs = vscs = (0, 0, 0, 0)
@@ -262,21 +290,13 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
 
     def write_quantized(operands: tuple) -> None:
         key, kst, value, vst = rows(operands)
-        if per_token_head:
-            ksc, vsc = (
-                flat_view(operands[at["k_scale_cache"]], np.uint32),
-                flat_view(operands[at["v_scale_cache"]], np.uint32),
-            )
-            kts = vts = np.float32(1.0)
-        else:
-            ksc = vsc = NO_SCALES[0]
-            kts, vts = _f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])
+        ksc, vsc, kts, vts = scales(operands)
         k.write_quantized(
             key,
             kst,
             value,
             vst,
-            np.int64(kind),
+            kind,
             slots(operands),
             num_slots,
             flat_view(operands[at["key_cache"]], np.uint8),
@@ -409,10 +429,9 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
     if p.query.shape[0] == 0:
         return _nothing
     k = _kernels()
-    names = type(p).operand_names()
-    at = {n: names.index(n) for n in names}
+    at = _positions(p)
     q_kind, q_carrier = KINDS[dtype_name(p.query)]
-    q_kind = np.int64(q_kind)
+    query_kind = np.int64(q_kind)
     q_strides = operand(p.query, q_carrier)[1]
     cache = _paged_cache(p, _cache_kind(p.mode, p.key_cache)[1])
     group = p.num_q_heads // p.num_kv_heads
@@ -442,7 +461,7 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
         out32 = out if direct else np.empty(out_shape, np.float32)
         lse = flat_view(operands[at["lse"]], np.float32) if has_lse else NO_LSE[0]
         k.attention(
-            Query(flat_view(operands[at["query"]], q_carrier), q_strides, q_kind),
+            Query(flat_view(operands[at["query"]], q_carrier), q_strides, query_kind),
             cache(operands),
             step,
             Params(*scalars, has_sinks, sinks),

@@ -115,11 +115,15 @@ class ForwardStep:
         impl: ImplChoice,
         validate: bool,
     ) -> StepPlan:
-        geometry = (store.mode, store.num_blocks, store.block_size, store.num_kv_heads, store.head_size, store.layout)
         impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
         # The CacheSpec's fields, not a CacheSpec: one is built (and checked) per plan, not per layer.
         key = (
-            geometry,
+            store.mode,
+            store.num_blocks,
+            store.block_size,
+            store.num_kv_heads,
+            store.head_size,
+            store.layout,
             store.model_dtype,
             str(store.device),
             rounding,
