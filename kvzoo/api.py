@@ -346,8 +346,7 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
         )
     if not validate or num_seqs == 0:
         return None
-    lens = host_ints(seq_lens).astype(np.int64)
-    check_seq_lens_values(lens, max_blocks, block_size)
+    lens = read_seq_lens(seq_lens, max_blocks, block_size)
     table = host_ints(block_tables).astype(np.int64)
     used = np.arange(max_blocks)[None, :] < -(-lens[:, None] // block_size)
     ids = table[used]
@@ -357,10 +356,15 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
     return lens
 
 
-def check_seq_lens_values(lens: np.ndarray, max_blocks: int, block_size: int) -> None:
-    """seq_lens as read on the host (int64): lengths the block tables' rows hold."""
+def read_seq_lens(seq_lens: Array, max_blocks: int, block_size: int, already: np.ndarray | None = None) -> np.ndarray:
+    """seq_lens on the host (int64), checked to be lengths the block tables' rows hold: a
+    length read sizes or places rows whatever validate says. `already`: the lengths
+    check_block_tables read and checked, returned as they are (one read a call)."""
+    if already is not None:
+        return already
+    lens = host_ints(seq_lens).astype(np.int64)
     if not lens.size:
-        return
+        return lens
     if lens.min() < 0:
         fail(f"seq_lens: expected lengths >= 0, got {int(lens.min())}")
     if lens.max() > max_blocks * block_size:
@@ -368,6 +372,7 @@ def check_seq_lens_values(lens: np.ndarray, max_blocks: int, block_size: int) ->
             f"seq_lens: length {int(lens.max())} needs more than the {max_blocks} blocks of "
             f"block_tables x block_size {block_size}"
         )
+    return lens
 
 
 def dequantize(
@@ -419,12 +424,10 @@ def dequantize(
     require_same_device(
         {"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     )
-    lens = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
-    if lens is None:
-        # Read to size out whatever validate says, so checked whatever it says: a negative
-        # length would place a sequence's rows before out's first.
-        lens = host_ints(seq_lens).astype(np.int64)
-        check_seq_lens_values(lens, int(block_tables.shape[1]), block_size)
+    # Read to size out whatever validate says (a negative length would place a sequence's rows
+    # before out's first), so checked whatever it says.
+    lens_read = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    lens = read_seq_lens(seq_lens, int(block_tables.shape[1]), block_size, lens_read)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])
     out = same_kind_empty(cache, (total, num_heads, head_size), "float32")
@@ -523,7 +526,7 @@ def attention_bounds(
     if not validate and max_query_len is not None and max_seq_len is not None:
         return given["max_query_len"], given["max_seq_len"], given.get("num_prefills"), num_tokens
     qsl = host_ints(query_start_loc).astype(np.int64)
-    lens = host_ints(seq_lens).astype(np.int64) if lens_read is None else lens_read
+    lens = read_seq_lens(seq_lens, *table, lens_read)
     q_lens = np.diff(qsl)
     expected = int(qsl[-1]) if num_tokens is None else num_tokens
     if qsl[0] != 0 or qsl[-1] != expected or (q_lens < 0).any():
@@ -531,8 +534,6 @@ def attention_bounds(
             f"query_start_loc: expected non-decreasing offsets from 0 to num_tokens={expected}, "
             f"got {qsl.tolist()[:8]}{'...' if len(qsl) > 8 else ''}"
         )
-    if lens_read is None:  # else check_block_tables checked them against the same table
-        check_seq_lens_values(lens, *table)
     if (q_lens > lens).any():
         s = int(np.argmax(q_lens > lens))
         fail(

@@ -320,8 +320,8 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
         require_no_negative_strides(name, x)
         arrays.append(x)
     for name, x in zip(_CACHE_NAMES, arrays):
-        if x is not None and device_of(x) != device:
-            fail(f"{name}: on {device_of(x)}, the plan's tensors are on {device}")
+        if x is not None:
+            _require_on(name, x, device)
     return _Layer(tuple(arrays))  # type: ignore[arg-type]
 
 
@@ -517,8 +517,7 @@ class StepPlan:
             fail(f"{name}: expected shape {shape} {layout}, got {tuple(x.shape)}")
         if dtype_name(x) != self.spec.model_dtype:
             fail(f"{name}: expected dtype {self.spec.model_dtype} (the CacheSpec's model_dtype), got {dtype_name(x)}")
-        if device_of(x) != self._device:
-            fail(f"{name}: on {device_of(x)}, the plan's tensors are on {self._device}")
+        _require_on(name, x, self._device)
 
     def _statics(self, layer: _Layer, k_scale: Any, v_scale: Any) -> tuple[Array | None, Array | None]:
         mode = self.spec.mode
@@ -769,8 +768,7 @@ class StepPlan:
             sinks = self.sinks
         else:
             check_sinks(sinks, self.num_q_heads)
-            if device_of(sinks) != self._device:
-                fail(f"sinks: on {device_of(sinks)}, the plan's tensors are on {self._device}")
+            _require_on("sinks", sinks, self._device)
             own_reads.append(("sinks", sinks, memory.byte_extent(sinks)))
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
@@ -796,8 +794,7 @@ class StepPlan:
         given_lse = lse is not None
         lse = lse_output(lse, return_lse, query, num_tokens, self.num_q_heads)
         if given_lse:
-            if device_of(lse) != self._device:
-                fail(f"lse: on {device_of(lse)}, the plan's tensors are on {self._device}")
+            _require_on("lse", lse, self._device)
             if memory.self_overlap(lse):
                 fail(
                     f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
@@ -1112,10 +1109,14 @@ def plan_step(
     return plan
 
 
+def _require_on(name: str, x: Array, device: Any) -> None:
+    if device_of(x) != device:
+        fail(f"{name}: on {device_of(x)}, the plan's tensors are on {device}")
+
+
 def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
     require_workspace(workspace)
-    if device_of(workspace) != device:
-        fail(f"workspace: on {device_of(workspace)}, the plan's tensors are on {device}")
+    _require_on("workspace", workspace, device)
     if workspace.numel() < need:
         fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
     _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")

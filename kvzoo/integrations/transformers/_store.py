@@ -20,6 +20,7 @@ import torch
 
 from ...layout import KVCacheTensors, allocate_inline, allocate_separate
 from ...modes import QuantMode, get_kv_quant_mode
+from ...plan import CacheSpec
 
 MODEL_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -64,6 +65,7 @@ class LayerStore:
         self.model_dtype, self.device = model_dtype, torch.device(device)
         self.num_blocks = 0
         self.tensors: KVCacheTensors | None = None
+        self._spec: tuple[tuple[int, str], CacheSpec] | None = None
         self.k_scale = self.v_scale = None
         if self.mode.per_tensor:
             if k_scale is None or v_scale is None:
@@ -105,6 +107,26 @@ class LayerStore:
             for old, new in zip(self._arrays(self.tensors), self._arrays(grown)):
                 new[: self.num_blocks].copy_(old)
         self.tensors, self.num_blocks = grown, capacity
+
+    def spec(self, rounding: str) -> CacheSpec:
+        """The CacheSpec of what this store holds now, built (and checked) again only when the
+        store has grown: asked per layer call, it keys the step's plans (equal for every layer
+        of one geometry, so they share one)."""
+        key = (self.num_blocks, rounding)
+        if self._spec is None or self._spec[0] != key:
+            spec = CacheSpec(
+                self.mode,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                layout=self.layout,
+                model_dtype=MODEL_DTYPES[self.model_dtype],
+                device=str(self.device),
+                rounding=rounding,
+            )
+            self._spec = (key, spec)
+        return self._spec[1]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """blocks[dst[i]] = blocks[src[i]] in every array (copy-on-write of shared blocks)."""

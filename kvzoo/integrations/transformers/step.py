@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ...plan import CacheSpec, StepPlan, plan_step
+from ...plan import StepPlan, plan_step
 from ._pages import StepLayout
-from ._store import MODEL_DTYPES, LayerStore
+from ._store import LayerStore
 
 ImplChoice = str | Mapping[str, Any] | None
 
@@ -115,39 +115,11 @@ class ForwardStep:
         impl: ImplChoice,
         validate: bool,
     ) -> StepPlan:
+        spec = store.spec(rounding)
         impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
-        # The CacheSpec's fields, not a CacheSpec: one is built (and checked) per plan, not per layer.
-        key = (
-            store.mode,
-            store.num_blocks,
-            store.block_size,
-            store.num_kv_heads,
-            store.head_size,
-            store.layout,
-            store.model_dtype,
-            str(store.device),
-            rounding,
-            num_q_heads,
-            softmax_scale,
-            sliding_window,
-            softcap,
-            sinks is not None,
-            impl_key,
-            validate,
-        )
+        key = (spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key, validate)
         plan = self._plans.get(key)
         if plan is None:
-            spec = CacheSpec(
-                store.mode,
-                num_blocks=store.num_blocks,
-                block_size=store.block_size,
-                num_kv_heads=store.num_kv_heads,
-                head_size=store.head_size,
-                layout=store.layout,
-                model_dtype=MODEL_DTYPES[store.model_dtype],
-                device=str(store.device),
-                rounding=rounding,
-            )
             lay = self.layout
             plan = plan_step(
                 spec,
