@@ -360,7 +360,8 @@ def test_compiled_ops_check_a_float_static_scale_when_tracing():
         for scale in (0.05, 0.1, float("nan"), 0.0, 1e39, 0.2):
             caches = {}
             for how, fn in (("eager", write), ("compiled", compiled)):
-                t = _poisoned_cache(mode, "separate", g, "cpu", np.random.default_rng(7))
+                # The same fresh draw for both: each is compared with the other.
+                t = _poisoned_cache(mode, "separate", g, "cpu", rng_for("torch-ops-compiled-cache", scale))
                 before = _copy(t, mode, g)
                 try:
                     with torch.no_grad():

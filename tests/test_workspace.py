@@ -225,7 +225,7 @@ def test_a_layers_own_sinks_or_scale_inside_the_workspace_is_refused(arg):
     assert need > 0, "the decode must be split, or the workspace is not written"
     buffer = _random_buffer(need + GUARD, 4)
     plan = _plan(spec, p, impl="triton-cuda", workspace=buffer[:need])
-    rng = np.random.default_rng(5)
+    rng = rng_for("workspace-own-sinks-or-scale", arg)
     own = {"sinks": torch.from_numpy(rng.standard_normal(4).astype(np.float32)).to(DEVICE)}
     if arg != "sinks":
         own = {"k_scale": 0.07, "v_scale": 0.05}
