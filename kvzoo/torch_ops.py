@@ -59,7 +59,7 @@ from .errors import fail
 from .layout import KVCacheTensors
 from .modes import QuantMode
 from .plan import StepPlan
-from .validate import float32_scalar
+from .validate import float32_scalar, require_array
 
 __all__ = [
     "DEFAULT_PLAN",
@@ -90,6 +90,18 @@ def _check(cond: bool, message: str) -> None:
     # alone makes a bad call fail while tracing, with kvzoo's error, not later on the device.
     if not cond:
         fail(message)
+
+
+def _refuse_real_call(**named: torch.Tensor | None) -> None:
+    """A fake kernel runs for two reasons: tracing (every tensor fake, or every one on meta) and
+    a real call with one argument on meta, which the dispatcher routes here by that argument's
+    device. The second would return having written nothing: refuse it as the functional API
+    does (kvzoo_spec/SPEC.md section 11), naming the first argument not on a CPU or GPU."""
+    tensors = [(name, t) for name, t in named.items() if isinstance(t, torch.Tensor)]
+    # Fake and functional tensors are subclasses; only a real call hands over plain ones with memory.
+    if any(type(t) is torch.Tensor and t.device.type != "meta" for _, t in tensors):
+        for name, t in tensors:
+            require_array(name, t)
 
 
 def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache) -> None:
@@ -216,6 +228,17 @@ def _define_reshape_and_cache() -> None:
         validate=True,
         impl=None,
     ) -> None:
+        _refuse_real_call(
+            key=key,
+            value=value,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=slot_mapping,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
 
 
@@ -308,6 +331,21 @@ def _define_paged_attention() -> None:
         validate=True,
         impl=None,
     ) -> None:
+        _refuse_real_call(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+            out=out,
+            lse=lse,
+        )
         _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
         _check_lse_meta(lse, query)
 
@@ -716,6 +754,16 @@ def _define_step_write() -> None:
     def _fake(
         key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, k_scale=None, v_scale=None
     ) -> None:
+        _refuse_real_call(
+            key=key,
+            value=value,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
 
 
@@ -760,6 +808,18 @@ def _define_step_attention() -> None:
         v_scale=None,
         sinks=None,
     ) -> None:
+        _refuse_real_call(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+            out=out,
+            lse=lse,
+        )
         _check_query_meta(out, query, key_cache, value_cache)
         _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
         _check_lse_meta(lse, query)

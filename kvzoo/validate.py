@@ -294,7 +294,7 @@ def check_aliasing(problem: Any) -> None:
             if theirs is None or mine[1] <= theirs[0] or theirs[1] <= mine[0]:
                 continue
             if memory.overlap(x, getattr(problem, other)):
-                role = "written" if other in problem.WRITTEN else "read"
+                role = "write" if other in problem.WRITTEN else "read"
                 fail(
                     f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
                     "(non-overlapping) arrays"

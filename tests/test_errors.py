@@ -78,6 +78,15 @@ WRITE_ERRORS = {
     "not a tensor": (lambda a, k: a.update(key=[[1.0]]), ["key", "Tensor"]),
     "static scale on per-token-head": (lambda a, k: k.update(k_scale=1.0), ["k_scale", "not used"]),
     "unknown impl": (lambda a, k: k.update(impl="cuda-magic"), ["impl", "registered"]),
+    # Two written arrays: the message names the other one's role in plain words.
+    "caches alias": (
+        lambda a, k: a.update(value_cache=a["key_cache"]),
+        ["key_cache", "shares memory with value_cache, which this call also writes;"],
+    ),
+    "key inside the key cache": (
+        lambda a, k: a.update(key=a["key_cache"].view(torch.bfloat16).reshape(-1)[: T * H * D].view(T, H, D)),
+        ["key_cache: shares memory with key, which this call also reads;"],
+    ),
 }
 
 

@@ -1001,6 +1001,127 @@ def test_step_ops_match_plan_calls(mode):
     _assert_same_cache(op_t, plan_t, f"{mode} caches after step_attention")
 
 
+def _meta_mixed_calls(t: KVCacheTensors, step: Step, key: torch.Tensor, query: torch.Tensor, out: torch.Tensor):
+    """(op, argument put on meta, call) for every op, each with one argument on meta and the
+    rest real: the dispatcher routes such a call to the op's fake kernel."""
+    sc = (t.k_scale_cache, t.v_scale_cache)
+    meta = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # noqa: E731
+    ops = torch.ops.kvzoo
+    meta_args = (step.max_query_len, step.max_seq_len, False, False, False, None)
+    attention_tail = ("int8_per_token_head", 0.125, None, None, *meta_args)
+    return [
+        (
+            "reshape_and_cache",
+            "key_cache",
+            lambda: ops.reshape_and_cache(
+                key,
+                key,
+                meta(t.key_cache),
+                t.value_cache,
+                step.slot_mapping,
+                *sc,
+                None,
+                None,
+                "int8_per_token_head",
+                "nearest",
+            ),
+        ),
+        (
+            "reshape_and_cache",
+            "slot_mapping",
+            lambda: ops.reshape_and_cache(
+                key,
+                key,
+                t.key_cache,
+                t.value_cache,
+                meta(step.slot_mapping),
+                *sc,
+                None,
+                None,
+                "int8_per_token_head",
+                "nearest",
+            ),
+        ),
+        (
+            "paged_attention",
+            "query",
+            lambda: ops.paged_attention(
+                out,
+                meta(query),
+                t.key_cache,
+                t.value_cache,
+                step.block_tables,
+                step.seq_lens,
+                step.query_start_loc,
+                *sc,
+                None,
+                None,
+                None,
+                *attention_tail,
+            ),
+        ),
+        (
+            "paged_attention",
+            "block_tables",
+            lambda: ops.paged_attention(
+                out,
+                query,
+                t.key_cache,
+                t.value_cache,
+                meta(step.block_tables),
+                step.seq_lens,
+                step.query_start_loc,
+                *sc,
+                None,
+                None,
+                None,
+                *attention_tail,
+            ),
+        ),
+        (
+            "step_write",
+            "value_cache",
+            lambda: ops.step_write(key, key, t.key_cache, meta(t.value_cache), *sc, "default"),
+        ),
+        (
+            "step_attention",
+            "k_scale_cache",
+            lambda: ops.step_attention(
+                out, query, t.key_cache, t.value_cache, meta(t.k_scale_cache), t.v_scale_cache, "default", None
+            ),
+        ),
+    ]
+
+
+def test_ops_refuse_one_argument_on_meta_before_writing():
+    """One argument on meta, the rest on the CPU: torch dispatches the call to the fake kernel,
+    which must refuse it as the functional API does, not return having written nothing."""
+    mode, g = "int8_per_token_head", SMALL
+    rng = rng_for("torch-ops-meta-mixed")
+    t, before, step, key, query = _two_prefills(mode, g, rng)
+    out = torch.empty_like(query)
+    _fill_random_bytes(out, rng)
+    out_before = out.clone()
+    with kv_ops.step_plans(default=_plan_for(_spec(mode, g, "cpu"), step, g)):
+        for op, name, call in _meta_mixed_calls(t, step, key, query, out):
+            with pytest.raises(kvzoo.KVZooInputError, match=rf"^{name}: on device meta"):
+                call()
+            _assert_same_cache(t, before, f"caches after {op} with {name} on meta")
+            assert_same_bytes(out, out_before, f"out after {op} with {name} on meta")
+    # Every argument on meta is tracing, not a call: the fake kernel answers it.
+    meta_all = lambda x: x.to("meta")  # noqa: E731
+    torch.ops.kvzoo.reshape_and_cache(
+        meta_all(key),
+        meta_all(key),
+        *(meta_all(x) for x in (t.key_cache, t.value_cache, step.slot_mapping)),
+        *(meta_all(x) for x in (t.k_scale_cache, t.v_scale_cache)),
+        None,
+        None,
+        mode,
+        "nearest",
+    )
+
+
 def test_step_ops_refuse_a_missing_plan_before_writing():
     mode, g = "int8_per_token_head", SMALL
     rng = rng_for("torch-ops-step-missing")
