@@ -123,7 +123,12 @@ def meta_staged(p: Attention) -> staging.Staged:
     query = torch.empty(p.query.shape, dtype=torch.float16, device="meta")
     q_undo = torch.empty(p.query.shape[:2], dtype=torch.float32, device="meta")
     return staging.Staged(
-        dataclasses.replace(p, query=query, key_cache=cache, value_cache=cache, block_tables=table, **scales), q_undo
+        dataclasses.replace(p, query=query, key_cache=cache, value_cache=cache, block_tables=table, **scales),
+        q_undo,
+        p.block_tables,
+        p.key_cache.shape[0],
+        p.block_size,
+        shape[0] // max(1, p.num_prefills or p.num_seqs) * staging.STAGE_PAGE,
     )
 
 

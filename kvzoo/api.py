@@ -424,9 +424,11 @@ def dequantize(
     require_same_device(
         {"cache": cache, "scale_cache": scale_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     )
-    # Read to size out whatever validate says (a negative length would place a sequence's rows
-    # before out's first), so checked whatever it says.
-    lens_read = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate)
+    # The lengths are read to size out whatever validate says (a negative one would place a
+    # sequence's rows before out's first), so they and the block ids they cover (a kernel would
+    # read outside the cache for one out of range) are checked whatever it says: one read more
+    # in an operation that syncs anyway.
+    lens_read = check_block_tables(block_tables, seq_lens, num_blocks, block_size, validate=True)
     lens = read_seq_lens(seq_lens, int(block_tables.shape[1]), block_size, lens_read)
     cu = np.concatenate([[0], np.cumsum(lens)])
     total = int(cu[-1])

@@ -548,6 +548,39 @@ def unpack_inline(buf) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 # attention in float64
 
 
+# --------------------------------------------------------------------------------------------
+# Attention's metadata as given, rules broken or not (SPEC.md section 11.1)
+
+
+def attended_sequences(
+    num_tokens, num_blocks, block_size, block_tables, seq_lens, query_start_loc, sliding_window=None
+):
+    """Per sequence s: (rows, q_len, seq_len, well_formed), read from the metadata as given
+    (query_start_loc starting at 0 or above and non-decreasing: the rows are unspecified
+    otherwise).
+
+    rows: the query rows s owns, those of [qsl[s], qsl[s+1]) inside [0, num_tokens); q_len:
+    qsl[s+1] - qsl[s] as given (the positions follow it, not the rows kept). well_formed: the
+    sequence's metadata keeps SPEC.md section 8's rules where a kernel depends on them:
+    q_len <= seq_len <= the span of its block-table row, and every entry covering positions
+    [0, seq_len) lies in [0, num_blocks). An ill-formed sequence's rows are NaN.
+    """
+    block_tables = np.asarray(block_tables)
+    max_blocks = block_tables.shape[1]
+    qsl = [int(x) for x in np.asarray(query_start_loc).tolist()]
+    result = []
+    for s, seq_len in enumerate(int(x) for x in np.asarray(seq_lens).tolist()):
+        begin, end = qsl[s], qsl[s + 1]
+        rows = list(range(max(begin, 0), min(end, num_tokens)))
+        q_len = end - begin
+        well_formed = 0 <= q_len <= seq_len <= max_blocks * block_size
+        if well_formed and rows:
+            entries = block_tables[s, : -(-seq_len // block_size)]
+            well_formed = bool(((entries >= 0) & (entries < num_blocks)).all())
+        result.append((rows, q_len, seq_len, well_formed))
+    return result
+
+
 def attention_f64(
     query,
     k_deq,
@@ -588,16 +621,20 @@ def attention_f64(
     assert Hq % Hkv == 0, "query heads must be a multiple of kv heads"
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    seq_lens = np.asarray(seq_lens).tolist()
-    qsl = np.asarray(query_start_loc).tolist()
     block_tables = np.asarray(block_tables)
     out = np.zeros((T, Hq, D), dtype=np.float64)
     lse = np.full((T, Hq), -np.inf, dtype=np.float64)  # a row with no term keeps log(0)
     slack = None if fp8_probabilities is None else np.zeros((T, Hq, D), dtype=np.float64)
+    NB = k_deq.shape[0]
 
-    for s, seq_len in enumerate(seq_lens):
-        q_len = qsl[s + 1] - qsl[s]
-        assert 0 <= q_len <= seq_len
+    sequences = attended_sequences(T, NB, BS, block_tables, seq_lens, query_start_loc, sliding_window)
+    for s, (rows, q_len, seq_len, well_formed) in enumerate(sequences):
+        if not well_formed:
+            out[rows] = lse[rows] = np.nan
+            continue
+        if not rows:
+            continue
+        first_row = seq_len - q_len - int(np.asarray(query_start_loc)[s])  # position of row 0's token
         # The sequence's keys and values in position order.
         blocks = [int(block_tables[s, i // BS]) for i in range(seq_len)]
         keys = np.array([k_deq[blocks[i], i % BS] for i in range(seq_len)]).reshape(seq_len, Hkv, D)
@@ -605,9 +642,8 @@ def attention_f64(
         if fp8_probabilities is not None:
             tile, v_scales = fp8_probabilities
             vsc = np.array([v_scales[blocks[i], i % BS] for i in range(seq_len)], np.float64).reshape(seq_len, Hkv)
-        for j in range(q_len):
-            t = qsl[s] + j
-            p = seq_len - q_len + j
+        for t in rows:
+            p = first_row + t
             lo = 0 if sliding_window is None else max(0, p - int(sliding_window) + 1)
             for h in range(Hq):
                 kvh = h // group
@@ -884,15 +920,17 @@ def int4_attention_f64(
     vs, vzp = int4_split_scale(v_scale_cache)
     BS, Hkv = kcodes.shape[1], kcodes.shape[2]
     group = Hq // Hkv
-    qsl = np.asarray(query_start_loc).tolist()
     block_tables = np.asarray(block_tables)
     out = np.zeros((T, Hq, D), dtype=np.float64)
-    for s, seq_len in enumerate(np.asarray(seq_lens).tolist()):
-        q_len = qsl[s + 1] - qsl[s]
+    sequences = attended_sequences(T, kcodes.shape[0], BS, block_tables, seq_lens, query_start_loc, sliding_window)
+    for s, (rows, q_len, seq_len, well_formed) in enumerate(sequences):
+        if not well_formed:
+            out[rows] = np.nan
+            continue
+        first_row = seq_len - q_len - int(np.asarray(query_start_loc)[s])
         where = [(int(block_tables[s, i // BS]), i % BS) for i in range(seq_len)]
-        for j in range(q_len):
-            t = qsl[s] + j
-            p = seq_len - q_len + j
+        for t in rows:
+            p = first_row + t
             lo = 0 if sliding_window is None else max(0, p - int(sliding_window) + 1)
             idx = where[lo : p + 1]
             for h in range(Hq):

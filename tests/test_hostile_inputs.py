@@ -21,6 +21,7 @@ an index dtype or layout runs with device tensors instead (case_kind).
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -67,8 +68,12 @@ from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
 import kvzoo
+import kvzoo.torch_ops  # noqa: F401 (registers the ops the lying-metadata cases call)
 from kvzoo import KVZooInputError, samples
+from kvzoo.layout import KVCacheTensors
 from kvzoo.modes import MODES
+
+from support import SEED
 
 H, HQ, D, BS = 2, 4, 16, 4
 # Every mode with a code format (per-token-head first), so a new mode goes through each test
@@ -1932,16 +1937,18 @@ def test_attention_values_read_without_validation_are_checked(impl, fault):
     )
 
 
-@pytest.mark.parametrize("fault", ["negative", "past-the-table"])
+@pytest.mark.parametrize("fault", ["negative", "past-the-table", "block-past-the-cache", "negative-block"])
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
 def test_dequantize_lengths_checked_without_validation(impl, fault):
     """dequantize reads seq_lens to size the out it allocates, validate or not, so it checks
     them either way: a negative length put a sequence's rows before out's first (triton wrote
-    160 floats there; numba wrapped them around)."""
+    160 floats there; numba wrapped them around). The block ids they cover too (SPEC 11): one
+    out of range had numba and triton read outside the cache."""
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-deq-lengths", impl.name, fault)
     caches = make_caches(rng, "int8_per_token_head", (4, BS, H, D), "torch", impl=impl)
     tables = np.array([[0, 1], [2, 3]], dtype=np.int32)
+    tables[1, 1] = {"block-past-the-cache": 4 + int(rng.integers(0, 1000)), "negative-block": -1}.get(fault, 3)
     lens = np.array([-5 if fault == "negative" else 3, 2 * BS + (1 if fault == "past-the-table" else 0)], np.int32)
     t = lambda v: case_tensor(torch.as_tensor(v), impl)  # noqa: E731
     call_refused(
@@ -1955,7 +1962,7 @@ def test_dequantize_lengths_checked_without_validation(impl, fault):
             validate=False,
             impl=impl,
         ),
-        ["seq_lens"],
+        ["block_tables" if "block" in fault else "seq_lens"],
         caches.regions,
     )
 
@@ -2710,3 +2717,214 @@ def test_fuzz_dequantize_index_tensors(impl, data):
             sorted(names),
             caches.regions + guards,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata that breaks the rules (SPEC 11.1): no byte outside the given arrays, whatever the
+# metadata says, through every entry point that does not read it
+
+
+LYING_FAULTS = (
+    "rows-past-the-query",
+    "rows-before-the-first",
+    "block-past-the-cache",
+    "negative-block",
+    "length-past-the-table",
+    "length-below-the-query",
+)
+# One mode per kernel family the faults reach: the paged kernels' codes and model dtype, a
+# static scale, and int4's own kernels.
+LYING_MODES = ("int8_per_token_head", "none", "fp8_per_tensor", "int4_per_token_head")
+ENTRY_POINTS = ("functional", "plan", "torch_op")
+
+
+def lying_metadata(rng, b: Batch, fault: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block_tables, seq_lens, query_start_loc) of batch b with one fault of LYING_FAULTS.
+    Sequence 1 is the one a fault breaks (it has at least 2 query tokens); the others keep
+    their rows and results."""
+    tables, lens, qsl = b.tables.copy(), b.seq_lens.copy(), b.qsl.copy()
+    live = -(-int(lens[1]) // b.block_size)
+    if fault == "rows-past-the-query":
+        # The last sequence claims rows past the query; its length grows with them, so the rows
+        # it keeps sit where they were (and its table has a spare column for them).
+        extra = int(rng.integers(1, 3))
+        qsl[-1] += extra
+        lens[-1] += extra
+    elif fault == "rows-before-the-first":
+        qsl[0] = 1  # row 0 belongs to no sequence
+    elif fault == "block-past-the-cache":
+        tables[1, rng.integers(0, live)] = b.num_blocks + int(rng.integers(0, 1000))
+    elif fault == "negative-block":
+        tables[1, rng.integers(0, live)] = -1 - int(rng.integers(0, 1000))
+    elif fault == "length-past-the-table":
+        lens[1] = tables.shape[1] * b.block_size + int(rng.integers(1, 5))
+    elif fault == "length-below-the-query":
+        lens[1] = int(b.q_lens[1]) - int(rng.integers(1, b.q_lens[1] + 1))
+    return tables, lens, qsl
+
+
+def _index(values: np.ndarray, impl) -> torch.Tensor:
+    return case_tensor(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)), impl)
+
+
+def _bounds(qsl: np.ndarray, lens: np.ndarray) -> dict:
+    q_lens = np.diff(qsl)
+    return dict(
+        max_query_len=int(max(q_lens.max(initial=0), 0)),
+        max_seq_len=int(max(lens.max(initial=0), 0)),
+        num_prefills=int((q_lens > 1).sum()),
+    )
+
+
+def _run_lying_attention(a: AttentionSetup, impl, entry: str, valid, lying, rng) -> None:
+    """Attention through `entry` on the lying metadata: functional and torch ops with
+    validate=False; a plan made on the valid metadata whose tensors then take the lying values
+    in place (an engine updating a replayed step)."""
+    c = a.caches
+    bounds = {k: max(v, _bounds(valid[2], valid[1])[k]) for k, v in _bounds(lying[2], lying[1]).items()}
+    if entry == "functional":
+        tensors = [_index(x, impl) for x in lying]
+        a.call(impl.name, *tensors, validate=False, **bounds)
+        return
+    if entry == "torch_op":
+        bt, sl, qsl = (_index(x, impl) for x in lying)
+        torch.ops.kvzoo.paged_attention(
+            a.out.array, a.query.array, c.key.array, c.value.array, bt, sl, qsl,
+            None if c.k_scale is None else c.k_scale.array, None if c.v_scale is None else c.v_scale.array,
+            _static(c.k_static, impl), _static(c.v_static, impl), None, c.mode, 1.0 / math.sqrt(D),
+            None, None, bounds["max_query_len"], bounds["max_seq_len"], False, False, False, None,
+            num_prefills=bounds["num_prefills"], validate=False, impl=impl.name,
+        )  # fmt: skip
+        return
+    tensors = [_index(x, impl) for x in valid]
+    nb, bs, h, d = c.key.shape[0], c.key.shape[1], c.key.shape[2], a.query.shape[2]
+    spec = kvzoo.CacheSpec(
+        c.mode, num_blocks=nb, block_size=bs, num_kv_heads=h, head_size=d, model_dtype="bfloat16",
+        device=case_device(impl),
+    )  # fmt: skip
+    plan = kvzoo.plan_step(
+        spec, block_tables=tensors[0], seq_lens=tensors[1], query_start_loc=tensors[2], num_q_heads=a.query.shape[1],
+        impl=impl.name, **bounds,
+    )  # fmt: skip
+    for t, values in zip(tensors, lying):
+        t.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)))
+    caches = KVCacheTensors(
+        c.key.array, c.value.array, None if c.k_scale is None else c.k_scale.array,
+        None if c.v_scale is None else c.v_scale.array,
+    )  # fmt: skip
+    plan.attention(a.query.array, caches, out=a.out.array, k_scale=c.k_static, v_scale=c.v_static)
+
+
+def _static(scale, impl):
+    return None if scale is None else case_tensor(torch.tensor([scale], dtype=torch.float32), impl)
+
+
+def check_lying_attention(a: AttentionSetup, impl, lying, what: str) -> None:
+    """Nothing outside out changed; rows no sequence owns keep their bytes; an ill-formed
+    sequence's rows are NaN; every other row is the oracle's on the metadata as given."""
+    from kvzoo_spec.oracle import attended_sequences
+
+    for r in a.caches.regions:
+        r.assert_outside_unchanged(f"{what}: a cache (read array)", [a.out], only_others=True)
+    a.query.assert_outside_unchanged(f"{what}: query (a read array)", [a.out], only_others=True)
+    a.out.assert_outside_unchanged(what)
+    tables, lens, qsl = lying
+    T = a.query.shape[0]
+    nb, bs = a.caches.key.shape[:2]
+    sequences = attended_sequences(T, nb, bs, tables, lens, qsl)
+    got = a.out.values().astype(np.float64)
+    owned = np.zeros(T, bool)
+    well = [s for s, (rows, _, _, ok) in enumerate(sequences) if ok and rows]
+    ref = reference_attention(a.caches, a.query.values("before"), tables, lens, qsl) if well else None
+    tol = samples.attention_tolerance(impl, a.qdtype, False)
+    for s, (rows, _, _, ok) in enumerate(sequences):
+        owned[rows] = True
+        if not rows:
+            continue
+        if not ok:
+            assert np.isnan(got[rows]).all(), f"{what}: ill-formed sequence {s}'s rows are not all NaN"
+            continue
+        err = np.linalg.norm(got[rows] - ref[rows]) / max(np.linalg.norm(ref[rows]), 1e-30)
+        assert err <= tol, f"{what}: sequence {s} relative error {err:.3e} > {tol:.1e} (seed {SEED})"
+    unowned = ~owned
+    assert np.array_equal(a.out.element_bytes()[unowned], a.out.element_bytes("before")[unowned]), (
+        f"{what}: rows {np.flatnonzero(unowned).tolist()} belong to no sequence and were written"
+    )
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("fault", LYING_FAULTS)
+@pytest.mark.parametrize("impl", impl_params("paged_attention"))
+def test_attention_metadata_that_lies(impl, fault, entry):
+    mode = pick_mode(impl, "lying", fault, entry, candidates=LYING_MODES)
+    require_usable(impl, mode)
+    rng = rng_for("hostile-lying-attention", impl.name, fault, entry)
+    # A decode on a long context, a prefill and a chunk on earlier context; they end mid-block.
+    b = batch_for(rng, [1, int(rng.integers(2, 5)), 2], [int(rng.integers(6, 12)), int(rng.integers(5, 8)), 7])
+    b = Batch(b.q_lens, np.maximum(b.seq_lens, b.q_lens), b.tables, b.num_blocks, b.block_size)
+    a = AttentionSetup(rng, mode, "torch", b, impl=impl)
+    lying = lying_metadata(rng, b, fault)
+    _run_lying_attention(a, impl, entry, (b.tables, b.seq_lens, b.qsl), lying, rng)
+    check_lying_attention(a, impl, lying, f"{impl.name} {entry} attention ({mode}, {fault})")
+
+
+@pytest.mark.parametrize("fault", ["block-past-the-cache", "length-past-the-table", "rows-past-the-query"])
+@pytest.mark.parametrize("impl", [p for p in impl_params("paged_attention") if p.id.startswith("triton")])
+def test_staged_prefill_metadata_that_lies(impl, fault):
+    """Triton's staged prefill (128 query tokens or more on a quantized cache) gathers the
+    context into a workspace sized by the bounds, then attends over it: both passes bounded."""
+    mode = pick_mode(impl, "lying-staged", fault, candidates=("int8_per_token_head", "int4_per_token_head"))
+    require_usable(impl, mode)
+    rng = rng_for("hostile-lying-staged", impl.name, fault)
+    b = batch_for(rng, [1, 130, 2], [9, 133, 6], block_size=16)
+    a = AttentionSetup(rng, mode, "torch", b, impl=impl)
+    lying = lying_metadata(rng, b, fault)
+    _run_lying_attention(a, impl, "functional", (b.tables, b.seq_lens, b.qsl), lying, rng)
+    check_lying_attention(a, impl, lying, f"{impl.name} staged attention ({mode}, {fault})")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
+def test_write_slots_past_the_cache_are_skipped(impl, entry):
+    """A slot at or past num_blocks * block_size is skipped like a negative one, through every
+    entry point that does not check the values."""
+    mode = pick_mode(impl, "lying-write", entry, candidates=LYING_MODES)
+    require_usable(impl, mode)
+    rng = rng_for("hostile-lying-write", impl.name, entry)
+    w = WriteSetup(rng, mode, "torch", T=6, impl=impl)
+    slots = w.valid_slots(rng)
+    wild = rng.choice(w.T, 2, replace=False)
+    slots[wild] = w.capacity + rng.integers(0, 3 * w.capacity, 2)
+    c = w.caches
+    slot_t = case_tensor(torch.from_numpy(slots), impl)
+    statics = dict(k_scale=_static(c.k_static, impl), v_scale=_static(c.v_static, impl))
+    if entry == "functional":
+        kvzoo.reshape_and_cache(
+            w.key.array, w.value.array, c.key.array, c.value.array, slot_t, validate=False, impl=impl.name,
+            **{**c.api_kwargs(), **statics},
+        )  # fmt: skip
+    elif entry == "torch_op":
+        torch.ops.kvzoo.reshape_and_cache(
+            w.key.array, w.value.array, c.key.array, c.value.array, slot_t,
+            None if c.k_scale is None else c.k_scale.array, None if c.v_scale is None else c.v_scale.array,
+            statics["k_scale"], statics["v_scale"], mode, "nearest", validate=False, impl=impl.name,
+        )  # fmt: skip
+    else:
+        valid = case_tensor(torch.from_numpy(np.where(slots >= w.capacity, -1, slots)), impl)
+        nb, bs, h = c.key.shape[:3]
+        spec = kvzoo.CacheSpec(
+            mode, num_blocks=nb, block_size=bs, num_kv_heads=h, head_size=w.key.shape[2], model_dtype="bfloat16",
+            device=case_device(impl),
+        )  # fmt: skip
+        plan = kvzoo.plan_step(
+            spec, block_tables=_index(np.zeros((1, 1)), impl), seq_lens=_index(np.zeros(1), impl),
+            query_start_loc=_index(np.zeros(2), impl), slot_mapping=valid, num_q_heads=h, impl=impl.name,
+        )  # fmt: skip
+        valid.copy_(slot_t)  # the engine's in-place update, past the cache
+        caches = KVCacheTensors(
+            c.key.array, c.value.array, None if c.k_scale is None else c.k_scale.array,
+            None if c.v_scale is None else c.v_scale.array,
+        )  # fmt: skip
+        plan.write(w.key.array, w.value.array, caches, **statics)
+    skipped = np.where(slots >= w.capacity, -1, slots)
+    assert_write_matches(f"{impl.name} {entry}", c, w.key.values(), w.value.values(), skipped)

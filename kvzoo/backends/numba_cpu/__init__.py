@@ -178,6 +178,7 @@ def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
     else:
         scale_strides = NO_SCALES[1], NO_SCALES[1]
     block_size = np.int64(p.block_size)
+    num_blocks = np.int64(p.key_cache.shape[0])
     rotation = _rotation(mode, p.head_size)
 
     def cache(operands: tuple) -> PagedCache:
@@ -196,6 +197,7 @@ def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
             k_static,
             v_static,
             block_size,
+            num_blocks,
             *rotation,
         )
 
@@ -400,21 +402,24 @@ def dequantize_reasons(p: Any) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.ndarray):
+def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.ndarray, num_tokens: int):
     """Query blocks (seq, first token, count), heaviest first, so no thread is left with the
-    last long causal block while the other idles."""
+    last long causal block while the other idles. Only rows in [0, num_tokens) are placed,
+    whatever query_start_loc says (SPEC.md 11.1)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     qlens = qsl[1:] - qsl[:-1]
-    if (qlens == 1).all():
+    if (qlens == 1).all() and (not qsl.size or (qsl[0] >= 0 and qsl[-1] <= num_tokens)):
         # A decode step: one item a sequence (what the general form below gives, in a third of its time).
         order = np.argsort(-np.asarray(costs_from, dtype=np.int64), kind="stable")
         return order, qsl[order], np.ones(order.size, np.int64)
-    nblk = -(-qlens // block_tokens)
+    begin = np.clip(qsl[:-1], 0, num_tokens)
+    end = np.maximum(np.clip(qsl[1:], 0, num_tokens), begin)
+    nblk = -(-(end - begin) // block_tokens)
     seq = np.repeat(np.arange(qlens.shape[0], dtype=np.int64), nblk)
     first = np.concatenate([[0], np.cumsum(nblk)[:-1]]).astype(np.int64) if len(nblk) else nblk
     within = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(first, nblk)
-    t0 = qsl[seq] + within * block_tokens
-    nq = np.minimum(block_tokens, qsl[seq + 1] - t0)
+    t0 = begin[seq] + within * block_tokens
+    nq = np.minimum(block_tokens, end[seq] - t0)
     # Keys a block reads ~ its last query position; rows ~ nq.
     ctx = np.asarray(costs_from, dtype=np.int64)[seq] - (qsl[seq + 1] - t0 - nq)
     order = np.argsort(-(ctx * nq), kind="stable")
@@ -447,6 +452,7 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
     has_sinks, has_lse = p.sinks is not None, p.lse is not None
     direct = dtype_name(p.out) == "float32"
     out_shape = p.out.shape
+    num_tokens = int(out_shape[0])
     out_strides = operand(p.out if direct else np.empty(out_shape, np.float32), np.float32)[1]
     lse_strides = operand(p.lse, np.float32)[1] if has_lse else NO_LSE[1]
 
@@ -455,7 +461,7 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
             return np.ascontiguousarray(operands[at[name]], dtype=np.int64)
 
         seq_lens, qsl = index("seq_lens"), index("query_start_loc")
-        step = Step(index("block_tables"), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens))
+        step = Step(index("block_tables"), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
         sinks = np.ascontiguousarray(operands[at["sinks"]], dtype=np.float32) if has_sinks else NO_SINKS
         out = operands[at["out"]]
         out32 = out if direct else np.empty(out_shape, np.float32)
@@ -468,9 +474,22 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
             Outputs(flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides),
         )
         if not direct:
-            out[...] = out32
+            _copy_owned_rows(out, out32, qsl, step)
 
     return launch
+
+
+def _copy_owned_rows(out: np.ndarray, out32: np.ndarray, qsl: np.ndarray, step: Step) -> None:
+    """out's rows from the kernel's float32 ones: all of them where the offsets cover the query
+    (every call the API checked), else only the rows the work items computed, so a row no
+    sequence owns keeps its bytes (SPEC.md 11.1)."""
+    if qsl.size and qsl[0] == 0 and qsl[-1] == out.shape[0]:
+        out[...] = out32
+        return
+    counts = step.item_num_tokens
+    firsts = np.repeat(step.item_first_token - np.cumsum(counts) + counts, counts)
+    rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+    out[rows] = out32[rows]
 
 
 def run_paged_attention(p: Any) -> None:

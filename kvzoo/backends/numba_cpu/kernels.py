@@ -1748,6 +1748,34 @@ def _u4_rows_out_overload(vc, acc, rows, n, l_sum, rotated, signs, t):
     return lambda vc, acc, rows, n, l_sum, rotated, signs, t: None
 
 
+@njit(**_LEAF)
+def _well_formed(block_tables, seq, seq_len, q_len, block_size, num_blocks):
+    """Whether sequence seq's metadata keeps the rules its keys are read by (SPEC.md 11.1):
+    its length within its block-table row and at least its query's, and every entry covering
+    positions [0, seq_len) in [0, num_blocks)."""
+    if q_len < 0 or seq_len < q_len or seq_len > block_tables.shape[1] * block_size:
+        return False
+    for b in range((seq_len + block_size - 1) // block_size):
+        blk = block_tables[seq, b]
+        if blk < 0 or blk >= num_blocks:
+            return False
+    return True
+
+
+@njit(**_LEAF)
+def _poison_rows(outputs, t0, nq, g, group, hd):
+    """NaN in every output (and lse) element of the item's rows: an ill-formed sequence's."""
+    out, os_ = outputs.out, _strides4(outputs.out_strides)
+    lse, ls_ = outputs.lse, _strides3(outputs.lse_strides)
+    for j in range(nq):
+        for h in range(g * group, (g + 1) * group):
+            o0 = os_[0] + (t0 + j) * os_[1] + h * os_[2]
+            for d in range(hd):
+                out[_u(o0 + d * os_[3])] = np.float32(np.nan)
+            if outputs.has_lse:
+                lse[_u(ls_[0] + (t0 + j) * ls_[1] + h * ls_[2])] = np.float32(np.nan)
+
+
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _attention_item(it, query, cache, step, params, outputs):
     """One (query block, kv head) item of attention (see attention())."""
@@ -1773,8 +1801,12 @@ def _attention_item(it, query, cache, step, params, outputs):
     t0 = step.item_first_token[wi]
     nq = step.item_num_tokens[wi]
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    first_pos = step.seq_lens[seq] - q_len + (t0 - query_start_loc[seq])
+    seq_len = step.seq_lens[seq]
+    first_pos = seq_len - q_len + (t0 - query_start_loc[seq])
     rows = nq * group
+    if not _well_formed(block_tables, seq, seq_len, q_len, block_size, cache.num_blocks):
+        _poison_rows(outputs, t0, nq, g, group, hd)
+        return
 
     # The dot meets codes, whose size is fixed while the key's sits in its scale: q . codes
     # grows with the query row (1e36 x 127 x D overflows) where the logit need not. Such rows

@@ -53,6 +53,7 @@ class PagedCache(NamedTuple):
     key_tensor_scale: np.float32  # the static scales of the per-tensor modes, else 1
     value_tensor_scale: np.float32
     block_size: np.int64
+    num_blocks: np.int64  # block ids outside [0, num_blocks) make a sequence ill-formed (SPEC.md 11.1)
     rotated: bool  # rows stored as R x (SPEC.md 12.2): signs holds the rotation's D signs
     signs: np.ndarray  # float32 +-1
 

@@ -315,6 +315,14 @@ def e4m3_weights(weights: np.ndarray, tile: int) -> np.ndarray:
     return deq.reshape(weights.shape[:-1] + (tiles * tile,))[..., :length]
 
 
+def _well_formed(block_row, seq_len: int, q_len: int, num_blocks: int, block_size: int) -> bool:
+    """Whether a sequence's metadata keeps the rules attention reads it by (SPEC.md 11.1)."""
+    if not 0 <= q_len <= seq_len <= block_row.shape[0] * block_size:
+        return False
+    entries = block_row[: -(-seq_len // block_size)]
+    return bool(((entries >= 0) & (entries < num_blocks)).all())
+
+
 def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     """Codes [L, H, D] as float32, per-key scales [L, H] (ones when not per-token-head) and
     per-key zero points [L, H] (None for formats without them)."""
@@ -362,15 +370,23 @@ def paged_attention(
     included). fp8_dots (SPEC.md section 8.3; query_codec the cache's): the query rows as two
     e4m3 terms, each row's weights rounded to e4m3 per tile of PROBABILITY_TILE positions.
     """
-    num_q_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
+    num_tokens, num_q_heads = query.shape[:2]
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
     sm_scale = np.float32(softmax_scale)
     sink = None if sinks is None else sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
     for s in range(len(seq_lens)):
+        # SPEC.md 11.1: the metadata as given, whatever it holds; rows outside the query are
+        # neither read nor written, and an ill-formed sequence's rows are NaN.
         q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        first, last = max(q_start, 0), min(q_end, num_tokens)
+        if first >= last:
+            continue
         seq_len = int(seq_lens[s])
-        if q_end == q_start:
+        if not _well_formed(block_tables[s], seq_len, q_end - q_start, num_blocks, block_size):
+            out[first:last] = np.nan
+            if lse is not None:
+                lse[first:last] = np.nan
             continue
         k_codes, k_scales, k_zero = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
         v_codes, v_scales, v_zero = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
@@ -382,8 +398,8 @@ def paged_attention(
         if k_zero is not None:
             k_zero, v_zero = k_zero.T[:, None, :], v_zero.T[:, None, :]
         key_pos = np.arange(seq_len)
-        for c0 in range(q_start, q_end, _QUERY_CHUNK):
-            c1 = min(c0 + _QUERY_CHUNK, q_end)
+        for c0 in range(first, last, _QUERY_CHUNK):
+            c1 = min(c0 + _QUERY_CHUNK, last)
             q = _widen(query[c0:c1])
             if fp8_dots:
                 q = fp8_query_terms(q, query_codec)

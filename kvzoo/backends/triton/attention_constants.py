@@ -59,3 +59,6 @@ FP8_CVT_CODE = tl.constexpr(CODE_E4M3FN_CVT)  # the hardware convert (encode.enc
 FP8_NAN_CODE = tl.constexpr(FLOAT8_E4M3FN.nan_code)
 FP8_WEIGHT_UNIT = tl.constexpr(FP8_DOTS_WEIGHT_UNIT)
 FP8_WEIGHT_FLOOR = tl.constexpr(FP8_DOTS_WEIGHT_FLOOR)
+
+# Block-table entries attention_tiles.sequence_ok reads per step of its pass.
+TABLE_SCAN = tl.constexpr(128)

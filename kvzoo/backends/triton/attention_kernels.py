@@ -81,7 +81,10 @@ from .attention_tiles import (
     fp8_query_operand,
     logit_scale,
     paged_tile,
+    poisoned_sum,
     query_block,
+    sequence_ok,
+    staged_sequence_ok,
     staged_tile,
     store_partials,
     store_rows,
@@ -123,6 +126,9 @@ def _attention_kernel(
     sinks_ptr,
     table_ptr,
     num_seqs,
+    num_tokens,
+    num_blocks,
+    max_blocks,
     softmax_scale,
     softcap,
     window,
@@ -205,8 +211,10 @@ def _attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
     row_ok, head, pos, token, d, d_ok = tile_rows(
-        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+        q_block, q_start, q_len, context, kv_head, num_tokens, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
     )
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
 
     q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     q_ok = row_ok[:, None] & d_ok[None, :]
@@ -305,6 +313,7 @@ def _attention_kernel(
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
+        seq_ok,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -348,7 +357,12 @@ def _staged_attention_kernel(
     seq_lens_ptr,
     qsl_ptr,
     sinks_ptr,
+    cache_tables_ptr,
     num_seqs,
+    num_tokens,
+    num_blocks,
+    max_blocks,
+    workspace_keys,
     softmax_scale,
     softcap,
     window,
@@ -369,6 +383,7 @@ def _staged_attention_kernel(
     stride_vsb,
     stride_vsh,
     stride_bt,
+    stride_cache_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -378,6 +393,7 @@ def _staged_attention_kernel(
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    CACHE_PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -390,7 +406,8 @@ def _staged_attention_kernel(
     factors, K and V (one layout: strides stride_w*) fp16 operands with one scale per page of
     PAGE keys (ks, vs: [pages, KV heads]; static scales in per-tensor modes), first_page each
     sequence's first workspace page. Decode tokens have no workspace: the paged kernel takes
-    them."""
+    them. The cache's own block tables (pages of CACHE_PAGE keys) tell an ill-formed sequence,
+    as the paged kernel tells it; so does one longer than its workspace slot (workspace_keys)."""
     kv_head = tl.program_id(1)
     seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
     if q_block * BLOCK_Q >= q_len:
@@ -400,7 +417,17 @@ def _staged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
     row_ok, head, pos, token, d, d_ok = tile_rows(
-        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+        q_block, q_start, q_len, context, kv_head, num_tokens, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
+    seq_ok = staged_sequence_ok(
+        cache_tables_ptr + seq.to(tl.int64) * stride_cache_bt,
+        seq_len,
+        q_len,
+        max_blocks,
+        num_blocks,
+        workspace_keys,
+        CACHE_PAGE,
+        INTERPRETED,
     )
 
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
@@ -461,6 +488,7 @@ def _staged_attention_kernel(
         False,
         HAS_SINKS,
         INTERPRETED,
+        seq_ok,
     )
 
     if SCALE_MODE == SCALE_TENSOR:
@@ -496,6 +524,7 @@ def _merge_splits_kernel(
     seq_lens_ptr,
     sinks_ptr,
     lse_ptr,
+    num_tokens,
     split_keys,
     num_splits,
     stride_ot,
@@ -514,8 +543,12 @@ def _merge_splits_kernel(
     q_start = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) - q_start != 1:
         return
-    # Only this sequence's own splits, in order: its bits do not depend on the batch.
-    own = tl.cdiv(tl.load(seq_lens_ptr + seq), split_keys)
+    if (q_start < 0) | (q_start >= num_tokens):  # a row outside the query (SPEC.md 11.1)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Only this sequence's own splits, in order: its bits do not depend on the batch. No more
+    # than the launch has, whatever seq_lens says (a length over max_seq_len).
+    own = tl.minimum(tl.cdiv(seq_len, split_keys), num_splits)
     base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
     m = tl.full([], float("-inf"), tl.float32)
     if HAS_SINKS:
@@ -537,6 +570,9 @@ def _merge_splits_kernel(
         total = total + w * tl.load(part_l_ptr + base + i)
         acc = acc + w * tl.load(part_acc_ptr + (base + i) * BLOCK_D + d)
         i += 1
+    # A split of an ill-formed sequence left a NaN sum, which poisons total; one with no key
+    # at all (seq_len < 1) has no split to.
+    total = poisoned_sum(total, seq_len >= 1)
     out = acc / total
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
@@ -962,6 +998,7 @@ def kernel_call(
                 p.seq_lens,
                 sinks,
                 lse,
+                p.query.shape[0],
                 cfg.split_keys,
                 num_splits,
                 *p.out.stride(),
@@ -995,6 +1032,9 @@ def kernel_call(
         sinks,
         ops.table if ops.table is not None else dummy,
         num_seqs,
+        p.query.shape[0],
+        p.key_cache.shape[0],
+        p.block_tables.shape[1],
         float(p.softmax_scale),
         float(p.softcap or 1.0),
         int(p.sliding_window or 0),
@@ -1065,7 +1105,7 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         )
     if not isinstance(cfg, StagedConfig):
         raise TypeError(f"staged_kernel_call: expected a StagedConfig, got {type(cfg).__name__}")
-    p, q_undo = staged
+    p, q_undo = staged.problem, staged.q_undo
     ws = p.key_cache
     # One layout for K's and V's workspaces (staging.workspace_shape), so the kernel takes one.
     assert p.value_cache.stride() == ws.stride(), (ws.stride(), p.value_cache.stride())
@@ -1088,7 +1128,12 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         p.seq_lens,
         p.query_start_loc,
         sinks,
+        staged.cache_tables,
         num_seqs,
+        p.query.shape[0],
+        staged.cache_blocks,
+        staged.cache_tables.shape[1],
+        staged.workspace_keys,
         float(p.softmax_scale),
         float(p.softcap or 1.0),
         int(p.sliding_window or 0),
@@ -1101,6 +1146,7 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         vss[0],
         vss[2],
         p.block_tables.stride(0),
+        staged.cache_tables.stride(0),
     )
     constexprs = dict(
         NUM_Q_HEADS=p.num_q_heads,
@@ -1112,6 +1158,7 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         HEAD_D=p.head_size,
         BLOCK_D=block_d,
         PAGE=p.block_size,
+        CACHE_PAGE=staged.cache_page,
         SCALE_MODE=_scale_mode(p),
         HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None,

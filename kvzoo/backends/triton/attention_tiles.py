@@ -34,6 +34,7 @@ from .attention_constants import (
     LOG2E,
     SCALE_TENSOR,
     SCALE_TOKEN_HEAD,
+    TABLE_SCAN,
     offset_codes,
 )
 
@@ -643,13 +644,15 @@ def attend(
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    seq_ok,
 ):
     """The online softmax of a query tile over every key its rows see (within this program's
     split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
     Masked tiles come before the whole ones (a window only), then the whole tiles without
-    masks, then the masked tiles at the causal edge."""
-    kv_begin, kv_end, tile_first, tile_last = _key_range(
-        context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
+    masks, then the masked tiles at the causal edge. An ill-formed sequence (not seq_ok:
+    sequence_ok) reads no key and leaves l NaN, so its rows store NaN."""
+    kv_begin, kv_end, tile_first, tile_last = key_range(
+        context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -670,7 +673,7 @@ def attend(
             m_i, l_i, acc, v_unit = _attend_range(
                 lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED
             )
-    return m_i, l_i, acc, v_unit
+    return m_i, poisoned_sum(l_i, seq_ok), acc, v_unit
 
 
 # ----------------------------------------------------------------------------------------
@@ -701,10 +704,15 @@ def query_block(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.cons
     vblock = tl.program_id(0)
     if LONGEST_FIRST:
         vblock = tl.num_programs(0) - 1 - vblock
-    seq = find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q)
+    found = find_seq(qsl_ptr, num_seqs, vblock, BLOCK_Q)
+    # Offsets that start above 0 or decrease (SPEC.md 11.1: unchecked metadata) leave a
+    # program before the first sequence or before its block 0: it gets no rows (q_len 0).
+    seq = tl.maximum(found, 0)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    return seq, q_start, q_len, vblock - (q_start // BLOCK_Q + seq)
+    q_block = vblock - (q_start // BLOCK_Q + seq)
+    q_len = tl.where((found >= 0) & (q_block >= 0), q_len, 0)
+    return seq, q_start, q_len, tl.maximum(q_block, 0)
 
 
 @triton.jit
@@ -714,6 +722,7 @@ def tile_rows(
     q_len,
     context,
     kv_head,
+    num_tokens,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -722,17 +731,18 @@ def tile_rows(
     HEAD_D: tl.constexpr,
 ):
     """The tile's rows: (row_ok, head, pos, token, d, d_ok). Row r is query token r // G_PAD of
-    this block and query head r % G_PAD of the KV head's group."""
+    this block and query head r % G_PAD of the KV head's group. Only tokens in
+    [0, num_tokens) are rows, whatever query_start_loc says (SPEC.md 11.1)."""
     rows = tl.arange(0, BLOCK_M)
     row_tok = rows // G_PAD
     row_head = rows % G_PAD
     q_idx = q_block * BLOCK_Q + row_tok
-    row_ok = (row_tok < BLOCK_Q) & (q_idx < q_len) & (row_head < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    row_ok = (row_tok < BLOCK_Q) & (q_idx < q_len) & (row_head < GROUP) & (token >= 0) & (token < num_tokens)
     head = kv_head * GROUP + row_head
     pos = context + q_idx
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_D
-    token = (q_start + q_idx).to(tl.int64)
     return row_ok, head, pos, token, d, d_ok
 
 
@@ -752,7 +762,7 @@ def logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE: tl.constexpr, HAS_
 
 
 @triton.jit
-def _key_range(
+def key_range(
     context,
     q_block,
     q_len,
@@ -760,14 +770,15 @@ def _key_range(
     window,
     split,
     split_keys,
+    seq_ok,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """(kv_begin, kv_end, tile_first, tile_last): the keys this tile needs, up to its last row's
-    position and from the window of its first row (within this program's split), and those
-    two rows' positions."""
+    position and from the window of its first row (within this program's split), none for an
+    ill-formed sequence (not seq_ok), and those two rows' positions."""
     tile_first = context + q_block * BLOCK_Q
     tile_last = context + tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     kv_end = tl.minimum(tile_last + 1, seq_len)
@@ -779,7 +790,81 @@ def _key_range(
         kv_end = tl.minimum(kv_end, (split + 1) * split_keys)
     # Tiles start on multiples of BLOCK_N whatever the window, so a row's tiling is fixed.
     kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    kv_end = tl.where(seq_ok, kv_end, kv_begin)
     return kv_begin, kv_end, tile_first, tile_last
+
+
+@triton.jit
+def sequence_ok(
+    bt_row,
+    seq_len,
+    q_len,
+    split,
+    split_keys,
+    max_blocks,
+    num_blocks,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Whether a sequence's metadata keeps the rules its keys are read by (SPEC.md 11.1): its
+    length at least its query's and within its block-table row, and the entries covering
+    positions [0, seq_len) (this program's split of them) in [0, num_blocks). Checked before
+    any key is read, once per program: a pass over the entries, not a test per key tile (the
+    key loop is unchanged, and reads only entries the pass saw)."""
+    ok = (q_len <= seq_len) & (seq_len <= max_blocks * PAGE)
+    first_key = 0
+    last_key = seq_len
+    if SPLIT:
+        first_key = tl.maximum(first_key, split * split_keys)
+        last_key = tl.minimum(last_key, (split + 1) * split_keys)
+    begin = first_key // PAGE
+    end = tl.where(ok, tl.cdiv(last_key, PAGE), begin)
+    bad = tl.program_id(0) * 0
+    if INTERPRETED:
+        # while, not range(): see _attend_range's note.
+        start = begin
+        while start < end:
+            bad += _entries_out_of_range(bt_row, start, end, num_blocks)
+            start += TABLE_SCAN
+    else:
+        for start in range(begin, end, TABLE_SCAN):
+            bad += _entries_out_of_range(bt_row, start, end, num_blocks)
+    return ok & (bad == 0)
+
+
+@triton.jit
+def staged_sequence_ok(
+    bt_row,
+    seq_len,
+    q_len,
+    max_blocks,
+    num_blocks,
+    workspace_keys,
+    PAGE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """sequence_ok on the cache's block-table row (bt_row, pages of PAGE keys), for a staged
+    prefill whose keys come from a workspace slot of workspace_keys keys: a length past the slot
+    (seq_lens over the max_seq_len the workspace was sized by) is refused like one past the
+    table, so the kernel never reads another slot's keys."""
+    ok = sequence_ok(bt_row, seq_len, q_len, 0, 0, max_blocks, num_blocks, PAGE, False, INTERPRETED)
+    return ok & (seq_len <= workspace_keys)
+
+
+@triton.jit
+def _entries_out_of_range(bt_row, start, end, num_blocks):
+    idx = start + tl.arange(0, TABLE_SCAN)
+    live = idx < end
+    ids = tl.load(bt_row + idx, mask=live, other=0)
+    return tl.sum((live & ((ids < 0) | (ids >= num_blocks))).to(tl.int32), axis=0)
+
+
+@triton.jit
+def poisoned_sum(l_i, seq_ok):
+    """The softmax denominator, NaN for an ill-formed sequence: every row stores acc / l (and
+    lse m + log l; a split's merge adds it in), so its rows come out NaN (SPEC.md 11.1)."""
+    return tl.where(seq_ok, l_i, float("nan"))
 
 
 @triton.jit

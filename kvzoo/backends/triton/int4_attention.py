@@ -65,14 +65,16 @@ from .attention_ops import TritonAttentionOptions
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
     _initial_state,
-    _key_range,
     _whole_tiles,
+    key_range,
     load_keys,
     logit_scale,
     mask_logits,
     online_softmax,
     paged_rows,
+    poisoned_sum,
     query_block,
+    sequence_ok,
     softcap_logits,
     store_rows,
     tile_rows,
@@ -370,13 +372,14 @@ def attend_int4(
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    seq_ok,
 ):
     """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
     see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
-    by l."""
+    by l; an ill-formed sequence (not seq_ok) reads no key and leaves l NaN."""
     HALF: tl.constexpr = BLOCK_D // 2
-    kv_begin, kv_end, tile_first, tile_last = _key_range(
-        context, q_block, q_len, seq_len, window, split, split_keys, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
+    kv_begin, kv_end, tile_first, tile_last = key_range(
+        context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
@@ -399,7 +402,7 @@ def attend_int4(
                 lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
             )
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
-    return m_i, l_i, acc
+    return m_i, poisoned_sum(l_i, seq_ok), acc
 
 
 # ----------------------------------------------------------------------------------------
@@ -423,6 +426,9 @@ def _int4_attention_kernel(
     qsl_ptr,
     sinks_ptr,
     num_seqs,
+    num_tokens,
+    num_blocks,
+    max_blocks,
     softmax_scale,
     softcap,
     window,
@@ -494,8 +500,10 @@ def _int4_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     row_ok, head, pos, token, d, d_ok = tile_rows(
-        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+        q_block, q_start, q_len, context, kv_head, num_tokens, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
     )
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if ROTATE:
@@ -560,6 +568,7 @@ def _int4_attention_kernel(
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
+        seq_ok,
     )
     # The rotation is linear, so un-rotating acc before the division by l (or before the
     # merge sums the partials) gives the same rows.
@@ -753,6 +762,7 @@ def kernel_call(
                 p.seq_lens,
                 sinks,
                 lse,
+                p.query.shape[0],
                 cfg.split_keys,
                 num_splits,
                 *p.out.stride(),
@@ -785,6 +795,9 @@ def kernel_call(
         p.query_start_loc,
         sinks,
         num_seqs,
+        p.query.shape[0],
+        p.key_cache.shape[0],
+        p.block_tables.shape[1],
         float(p.softmax_scale),
         float(p.softcap or 1.0),
         int(p.sliding_window or 0),

@@ -25,7 +25,15 @@ import triton.language as tl
 from ...problem import Attention
 from . import staging
 from .attention_kernels import KernelCall, staged_kernel_call
-from .attention_tiles import attend, logit_scale, query_block, staged_tile, store_rows, tile_rows
+from .attention_tiles import (
+    attend,
+    logit_scale,
+    query_block,
+    staged_sequence_ok,
+    staged_tile,
+    store_rows,
+    tile_rows,
+)
 from .encode import SMALLEST_NORMAL, bf16_as_bits, load_f32
 from .int4_attention import ZP_MASK, query_factors, split_words, unrotate_rows
 from .int4_rotation import flip_signs, fwht, interleave, log2, unpack_nibbles
@@ -95,6 +103,8 @@ def _int4_stage_kernel(
     v_page_scales_ptr,
     page,
     pages_per_slot,
+    num_blocks,
+    max_blocks,
     s_kb,
     s_kt,
     s_kh,
@@ -131,13 +141,11 @@ def _int4_stage_kernel(
         return
     stage_page = chunk // (STAGE // ROWS)
     pos = chunk * ROWS + tl.arange(0, ROWS)
-    t_ok = pos < seq_len
     bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
-    block = tl.load(bt_row + pos // page, mask=t_ok, other=0).to(tl.int64)
+    block, t_ok = staging.cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks)
     offset = (pos % page).to(tl.int64)
     page_pos = stage_page * STAGE + tl.arange(0, STAGE)
-    page_ok = page_pos < seq_len
-    page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
+    page_block, page_ok = staging.cache_blocks(bt_row, page_pos, seq_len, page, max_blocks, num_blocks)
     page_offset = (page_pos % page).to(tl.int64)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     d = tl.arange(0, D)
@@ -237,7 +245,12 @@ def _int4_staged_attention_kernel(
     seq_lens_ptr,
     qsl_ptr,
     sinks_ptr,
+    cache_tables_ptr,
     num_seqs,
+    num_tokens,
+    num_blocks,
+    max_blocks,
+    workspace_keys,
     softmax_scale,
     softcap,
     window,
@@ -258,6 +271,7 @@ def _int4_staged_attention_kernel(
     stride_vsb,
     stride_vsh,
     stride_bt,
+    stride_cache_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -267,6 +281,7 @@ def _int4_staged_attention_kernel(
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    CACHE_PAGE: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -287,7 +302,17 @@ def _int4_staged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     row_ok, head, pos, token, d, d_ok = tile_rows(
-        q_block, q_start, q_len, context, kv_head, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+        q_block, q_start, q_len, context, kv_head, num_tokens, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
+    )
+    seq_ok = staged_sequence_ok(
+        cache_tables_ptr + seq.to(tl.int64) * stride_cache_bt,
+        seq_len,
+        q_len,
+        max_blocks,
+        num_blocks,
+        workspace_keys,
+        CACHE_PAGE,
+        INTERPRETED,
     )
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
@@ -346,6 +371,7 @@ def _int4_staged_attention_kernel(
         False,
         HAS_SINKS,
         INTERPRETED,
+        seq_ok,
     )
     acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     store_rows(
@@ -405,6 +431,8 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         page_scales[1],
         p.block_size,
         pages_per_seq,
+        p.key_cache.shape[0],
+        p.block_tables.shape[1],
         *k.stride(),
         *v.stride(),
         *ks.stride(),
@@ -443,7 +471,9 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         block_tables=first_page[:, None],
         **scales,
     )
-    return staging.Staged(staged, q_undo)
+    return staging.Staged(
+        staged, q_undo, p.block_tables, p.key_cache.shape[0], p.block_size, pages_per_seq * staging.STAGE_PAGE
+    )
 
 
 def staged_call(staged: staging.Staged, platform: str, cfg) -> KernelCall:

@@ -114,6 +114,18 @@ def _stage_rows(
 
 
 @triton.jit
+def cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks):
+    """(block, in_sequence) of key positions pos. Where metadata breaks the rules (SPEC.md
+    11.1), an entry past the table row or a block id outside the cache stands for block 0, so
+    the gather never leaves the cache; such a key is either before the window, where no row
+    attends it, or in an ill-formed sequence, whose rows the attention kernel makes NaN."""
+    in_sequence = pos < seq_len
+    entry_ok = in_sequence & (pos // page < max_blocks)
+    block = tl.load(bt_row + pos // page, mask=entry_ok, other=0).to(tl.int64)
+    return tl.where((block >= 0) & (block < num_blocks), block, 0), in_sequence
+
+
+@triton.jit
 def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, first_page_ptr, BLOCK: tl.constexpr):
     """Workspace slots, in batch order, for the sequences with more than one query token.
     Writes each used slot's sequence, the count of used slots (at index num_slots), and every
@@ -152,6 +164,8 @@ def _stage_kernel(
     head_size,
     page,
     pages_per_slot,
+    num_blocks,
+    max_blocks,
     s_kb,
     s_kt,
     s_kh,
@@ -192,16 +206,14 @@ def _stage_kernel(
     stage_page = chunk // (STAGE // ROWS)
     pos = chunk * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
-    t_ok = pos < seq_len
-    mask = t_ok[:, None] & (d < head_size)[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
-    block = tl.load(bt_row + pos // page, mask=t_ok, other=0).to(tl.int64)
+    block, t_ok = cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks)
+    mask = t_ok[:, None] & (d < head_size)[None, :]
     offset = (pos % page).to(tl.int64)
     # Every program of a page reads the page's scales for its largest (from cache: they are
     # 4 bytes a row); only the first stores it.
     page_pos = stage_page * STAGE + tl.arange(0, STAGE)
-    page_ok = page_pos < seq_len
-    page_block = tl.load(bt_row + page_pos // page, mask=page_ok, other=0).to(tl.int64)
+    page_block, page_ok = cache_blocks(bt_row, page_pos, seq_len, page, max_blocks, num_blocks)
     page_offset = (page_pos % page).to(tl.int64)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
@@ -311,10 +323,16 @@ def worth_staging(p: Attention, max_bytes: int = STAGE_MAX_BYTES) -> bool:
 
 class Staged(NamedTuple):
     """A staged run: `problem` is `p` over the workspace, whose query is the fp16 rows of
-    _stage_query_kernel; `q_undo` [tokens, num_q_heads] undoes their factors in the logits."""
+    _stage_query_kernel; `q_undo` [tokens, num_q_heads] undoes their factors in the logits.
+    The rest is what the kernel tells an ill-formed sequence by (SPEC.md 11.1): p's own block
+    tables, its cache's blocks and block size, and the keys a workspace slot holds."""
 
     problem: Attention
     q_undo: torch.Tensor
+    cache_tables: torch.Tensor
+    cache_blocks: int
+    cache_page: int
+    workspace_keys: int
 
 
 def staged_arrays(p: Attention, page_scales: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -394,6 +412,8 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         dim,
         p.block_size,
         pages_per_seq,
+        p.key_cache.shape[0],
+        p.block_tables.shape[1],
         *k_codes.stride(),
         *v_codes.stride(),
         *(k_scales.stride() if per_token_head else no_strides),
@@ -432,7 +452,7 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
     staged = dataclasses.replace(
         p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales
     )
-    return Staged(staged, q_undo)
+    return Staged(staged, q_undo, p.block_tables, p.key_cache.shape[0], p.block_size, pages_per_seq * STAGE_PAGE)
 
 
 __all__ = [
