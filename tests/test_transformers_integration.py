@@ -32,10 +32,12 @@ from transformers.generation import utils as generation_utils  # noqa: E402
 from kvzoo.integrations.transformers import (  # noqa: E402
     KVZooCache,
     KVZooIntegrationError,
+    KVZooLayer,  # noqa: E402
     static_fp8_scales,
     use_kvzoo_attention,
 )
 from kvzoo.integrations.transformers._pages import PagesFullError, PageTable  # noqa: E402
+from kvzoo.modes import MODES  # noqa: E402
 
 # transformers 5 renamed generate's/forward's past_key_values to cache (the old name warns).
 CACHE_ARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
@@ -397,6 +399,7 @@ def test_other_decoders_match_dynamic_cache(model, arch):  # (model: for its one
 def test_page_table_copy_on_write_and_crop():
     pages = PageTable(block_size=4)
     pages.plan_step(np.ones((2, 6), bool))
+    pages.commit()
     pages.reorder(np.array([0, 0]))  # both rows continue row 0; row 1's blocks are freed
     assert pages.refcount[pages.tables[0]].tolist() == [2, 2]
     step = pages.plan_step(None)  # both append into the shared, half-full block 1
@@ -404,9 +407,220 @@ def test_page_table_copy_on_write_and_crop():
     assert step.copies.tolist() == [[1, 3]]
     assert pages.tables == [[0, 3], [0, 1]]
     pages.check()
+    pages.commit()
     pages.crop(3)
     assert pages.lens.tolist() == [4, 4] and pages.positions == 4
     pages.check()
+
+
+# -- a step is a transaction ------------------------------------------------------------------
+
+
+def _layer_lengths(cache: KVZooCache) -> list[int]:
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+def _tables_state(cache: KVZooCache) -> list:
+    return [
+        (t.positions, t.lens.tolist(), [list(x) for x in (t.tables or [])], t.refcount.tolist(), sorted(t.free))
+        for t in cache._tables.values()
+    ]
+
+
+def test_a_refused_step_changes_nothing_and_the_next_step_works(model):
+    """Pages exhausted part way: the step is refused whole; lengths, tables and every layer are
+    as before it, and the next step gives the numbers of a cache that never saw it."""
+    seq = random_ids(2, 12, seed=21)
+    attention(model, "kvzoo_paged")
+    refused, fresh = kvzoo(model, "int8_per_token_head", max_num_blocks=4), kvzoo(model, "int8_per_token_head")
+    with torch.no_grad():
+        for cache in (refused, fresh):
+            model(seq[:, :4], use_cache=True, **{CACHE_ARG: cache})
+        before = _tables_state(refused)
+        with pytest.raises(PagesFullError):  # 8 more tokens a row need 4 blocks more than the 4 allowed
+            model(seq[:, 4:12], use_cache=True, **{CACHE_ARG: refused})
+        assert refused.get_seq_length() == 4 and _layer_lengths(refused) == [4, 4]
+        assert _tables_state(refused) == before
+        refused.pages.check()
+        got = model(seq[:, 4:5], use_cache=True, **{CACHE_ARG: refused}).logits
+        want = model(seq[:, 4:5], use_cache=True, **{CACHE_ARG: fresh}).logits
+    assert torch.equal(got, want)
+    assert refused.get_seq_length() == 5
+
+
+def test_a_step_stopped_between_layers_is_undone(model, monkeypatch):
+    """An error in the model after layer 0 attended, before layer 1 did: the cache undoes that
+    step at its next use, so the retried step gives the numbers of a cache that never saw the
+    failure. (An error after the last layer's attention comes after the step is whole: kept, as
+    DynamicCache keeps it.)"""
+    seq = random_ids(2, 9, seed=22)
+    attention(model, "kvzoo_paged")
+    broken, fresh = kvzoo(model, "fp8_per_token_head"), kvzoo(model, "fp8_per_token_head")
+    with torch.no_grad():
+        for cache in (broken, fresh):
+            model(seq[:, :6], use_cache=True, **{CACHE_ARG: cache})
+        mlp = model.model.layers[0].mlp
+        monkeypatch.setattr(mlp, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            model(seq[:, 6:8], use_cache=True, **{CACHE_ARG: broken})
+        monkeypatch.undo()
+        assert broken.get_seq_length() == 6
+        got = model(seq[:, 6:9], use_cache=True, **{CACHE_ARG: broken}).logits
+        want = model(seq[:, 6:9], use_cache=True, **{CACHE_ARG: fresh}).logits
+    assert torch.equal(got, want)
+    assert _layer_lengths(broken) == [9, 9]
+    broken.pages.check()
+
+
+def test_unstorable_mode_and_layout_pairs_are_refused_when_made(model):
+    with pytest.raises(ValueError, match="layout"):
+        KVZooCache(model.config, mode="int4_per_token_head", layout="inline")
+    odd = tiny_config()
+    odd.head_dim = 24  # int4 takes power-of-two heads only
+    with pytest.raises(ValueError, match="head"):
+        KVZooCache(odd, mode="int4_per_token_head")
+    odd.head_dim = 18  # the inline page needs heads that are a multiple of 4
+    with pytest.raises(ValueError, match="multiple of 4"):
+        KVZooCache(odd, mode="int8_per_token_head", layout="inline")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [torch.tensor([0.0, 1.0]), torch.tensor([True, False]), torch.tensor([[0, 1]]), np.array([0.0, 1.0]), [1, 0]],
+    ids=["float", "bool", "2-D", "numpy float", "list"],
+)
+def test_row_indices_must_be_one_dimensional_integers(model, bad):
+    seq = random_ids(2, 5)
+    cache = kvzoo(model, "int8_per_token_head")
+    attention(model, "kvzoo_paged")
+    with torch.no_grad():
+        model(seq, use_cache=True, **{CACHE_ARG: cache})
+    before = _tables_state(cache)
+    for call in (cache.reorder_cache, cache.batch_select_indices):
+        with pytest.raises(ValueError, match="integer|1-D"):
+            call(bad)
+    with pytest.raises(IndexError):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    assert _tables_state(cache) == before
+    cache.reorder_cache(torch.tensor([1, 1], dtype=torch.int32))  # any integer dtype, as index_select takes
+    cache.pages.check()
+
+
+# -- memory: the mode's bytes for the tokens held ------------------------------------------------
+
+
+def _live_storages() -> dict[int, int]:
+    import gc
+
+    gc.collect()
+    held = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
+        except Exception:  # noqa: BLE001 (objects that are tensors in name only)
+            continue
+    return held
+
+
+def _layer_bound(cache: KVZooCache, layer: KVZooLayer) -> int:
+    """The most a layer may hold: its mode's bytes for each row's tokens (a sliding layer's:
+    its window and slack), a partly filled block per row, and 5% over (SPEC of issue 46)."""
+    table = layer.pages
+    bs = table.block_size
+    per_token = layer.store.bytes_per_token
+    tokens = 0
+    for length in table.lens.tolist():
+        kept = length if table.window is None else min(length, table.window + table.window_slack + bs)
+        tokens += kept + bs  # its tokens and a partly filled block (a window's: one at each end)
+    return int(1.05 * tokens * per_token)
+
+
+def _check_memory(cache: KVZooCache, what: str, bounds: dict[int, int] | None = None) -> None:
+    """bounds: each layer's largest bound so far, kept across calls: crop and reorder hand
+    blocks back to the pool, which keeps them for the next tokens (DynamicCache's crop keeps
+    its storage too), so what a layer holds is bounded by the most its rows have needed."""
+    bounds = {} if bounds is None else bounds
+    for layer in cache.layers:
+        if layer.store is not None:
+            bound = bounds[layer.index] = max(bounds.get(layer.index, 0), _layer_bound(cache, layer))
+            assert layer.store.nbytes <= bound, (
+                f"{what}: layer {layer.index} holds {layer.store.nbytes} > {bound} bytes"
+            )
+    for table in cache._tables.values():
+        table.check()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cache_holds_its_modes_bytes_for_the_tokens_it_stores(model, mode):
+    """After prefill, every decode step, crop and a beam reorder, each layer holds at most its
+    mode's bytes for the rows' tokens plus a block per row plus 5%; after generate, kvzoo
+    holds no tensor but the pages (no workspace, no step metadata, no old pages)."""
+    if MODES[mode].per_tensor:
+        extra = dict(k_scale=0.05, v_scale=0.05)
+    else:
+        extra = {}
+    ids = random_ids(3, 37, seed=31)
+    attention(model, "kvzoo_paged")
+    before = _live_storages()
+    cache = kvzoo(model, mode, **extra)
+    bounds: dict[int, int] = {}
+    with torch.no_grad():
+        model(ids[:, :30], use_cache=True, **{CACHE_ARG: cache})
+        _check_memory(cache, "after prefill", bounds)
+        for t in range(30, 37):
+            model(ids[:, t : t + 1], use_cache=True, **{CACHE_ARG: cache})
+            _check_memory(cache, f"after decode step {t}", bounds)
+        cache.crop(-3)
+        _check_memory(cache, "after crop", bounds)
+        cache.reorder_cache(torch.tensor([2, 2, 0]))
+        _check_memory(cache, "after a beam reorder", bounds)
+        model(ids[:, 34:35], use_cache=True, **{CACHE_ARG: cache})
+        _check_memory(cache, "after decoding past the reorder", bounds)
+    held = {k: v for k, v in _live_storages().items() if k not in before}
+    pages = sum(layer.store.nbytes for layer in cache.layers)
+    statics = sum(4 * 2 for layer in cache.layers if layer.store.k_scale is not None)
+    # What the test itself holds: the ids and, alive in this frame, nothing else of size.
+    assert sum(held.values()) - pages - statics <= ids.numel() * ids.element_size(), (
+        f"kvzoo holds {sum(held.values()) - pages} bytes beyond its pages: {sorted(held.values())[-5:]}"
+    )
+
+
+def test_generate_sized_ahead_never_regrows(model):
+    ids = random_ids(2, 20, seed=32)
+    cache = kvzoo(model, "int8_per_token_head", max_cache_len=20 + 12)
+    grown = []
+    original = cache.pages._add_blocks
+    generate(model, cache, ids, max_new_tokens=12)
+    capacity = cache.pages.capacity
+    assert capacity == 2 * -(-32 // 4)  # the reservation: every row's blocks, once
+    cache.pages._add_blocks = lambda n: grown.append(n) or original(n)
+    cache.reset()
+    generate(model, cache, ids, max_new_tokens=12)
+    assert not grown and cache.pages.capacity == capacity
+
+
+def test_sliding_window_layers_hold_their_window(model):  # (model: for its one-thread setting)
+    """Gemma2's alternating layers: past the prompt, the sliding ones keep window + slack tokens
+    a row however long the sequence grows, and the numbers stay DynamicCache's."""
+    torch.manual_seed(0)
+    other = transformers.AutoModelForCausalLM.from_config(OTHER_DECODERS["Gemma2"]()).eval()
+    ids = random_ids(2, 10, seed=33)
+    ref = generate(other, DynamicCache(config=other.config), ids, max_new_tokens=80)
+    cache = kvzoo(other, "none", window_slack=4)  # mode none: the same tokens as DynamicCache
+    out = generate(other, cache, ids, max_new_tokens=80)
+    assert torch.equal(out.sequences, ref.sequences)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    assert sliding and full
+    window = sliding[0].pages
+    # 89 tokens a row; the window (8) and slack (4) in pages of 4, and a block at each end.
+    assert window.blocks_in_use() <= 2 * (-(-(8 + 4) // 4) + 2)
+    assert sliding[0].store.nbytes < full[0].store.nbytes / 3
+    _check_memory(cache, "after generate")
+    with pytest.raises(ValueError, match="released"):
+        cache.crop(-10)  # past the slack: the window's released keys would be needed
 
 
 @pytest.mark.parametrize("module", ["__init__", "cache", "step", "_store", "_pages"])

@@ -1,9 +1,9 @@
-"""Host-side page bookkeeping for one cache: block tables, lengths, reference counts.
+"""Host-side page bookkeeping for a group of layers: block tables, lengths, reference counts.
 
-All layers of a decoder see the same tokens, so one PageTable serves them all: each layer
-owns its own code and scale tensors, indexed by the same block ids. Nothing here touches a
-device or imports torch; the cache turns a StepLayout into device tensors once per forward
-step (kvzoo.integrations.transformers.step).
+The layers of a decoder see the same tokens; layers that keep the same keys (every full-attention
+layer, or every layer of one sliding window) share one PageTable, and each owns its own code and
+scale tensors indexed by the table's block ids. Nothing here touches a device or imports torch;
+the cache turns each step's StepLayouts into device tensors once (kvzoo.integrations.transformers.step).
 
 Sequences are *compacted*: a padding token (attention_mask == 0) gets no slot, so row b's
 kvzoo sequence holds only its real tokens, in order. kvzoo's causal rule over the compacted
@@ -15,11 +15,21 @@ beams; a shared block that is only partly filled is copied before a row appends 
 (copy-on-write), and the copies a step needs are listed in its StepLayout for every layer
 to apply before writing.
 
+Memory: the pool grows to what a step needs, by at least GROWTH of itself (so a decode loop
+regrows a layer's tensors once per GROWTH of its size, not once per block), never past
+max_num_blocks; `reserve` sizes it ahead. A sliding-window table (`window`) releases the
+blocks that lie wholly before every row's window (less `window_slack` tokens kept for crop),
+so its layers hold their window, not the whole sequence.
+
+A step is a transaction: `plan_step` checks that the pool can take the step before it changes
+anything, and keeps what `rollback` needs to put every row back; `commit` forgets it.
+
 >>> import numpy as np
 >>> pages = PageTable(block_size=4)
 >>> step = pages.plan_step(np.array([[False, True, True], [True, True, True]]))  # row 0 left-padded
 >>> step.seq_lens.tolist(), step.query_start_loc.tolist(), step.slot_mapping.tolist()
 ([2, 3], [0, 2, 5], [-1, 0, 1, 4, 5, 6])
+>>> pages.commit()
 >>> pages.reorder(np.array([1, 1]))      # both rows continue row 1 (beam search); block 0 is freed
 >>> pages.plan_step(None).copies.tolist()   # row 0 copies the block it shares into block 0
 [[1, 0]]
@@ -31,6 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The pool grows by at least this fraction of itself: the cache holds at most this much more
+# than its tokens need (and a partly filled block per row), and a long generation regrows its
+# tensors O(log) times.
+GROWTH = 1 / 32
+
 
 class PagesFullError(RuntimeError):
     """The cache needs more blocks than its max_num_blocks."""
@@ -38,7 +53,7 @@ class PagesFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where one forward step's tokens go; host arrays, shared by every layer.
+    """Where one forward step's tokens go; host arrays, shared by every layer of a table.
 
     batch B rows of q_len Q tokens each, flattened b-major (row b's tokens are b*Q .. b*Q+Q-1):
     slot_mapping [B*Q] int64, the slot of each token, -1 for padding (kvzoo skips it).
@@ -67,19 +82,47 @@ class StepLayout:
     gapped: bool
 
 
+@dataclass
+class _Undo:
+    """What a planned step changed, to put back (rollback)."""
+
+    positions: int
+    lens: np.ndarray
+    seen_real: np.ndarray
+    gapped: np.ndarray
+    table_lens: list[int]
+    cow: list[tuple[int, int, int]]  # (row, source block, destination block)
+    allocated: list[int]
+    was_first: bool
+
+
 class PageTable:
     """Block allocator and per-row block tables (host side), grown on demand.
 
-    block_size: tokens per block. num_blocks: blocks available before the first growth;
-    the pool doubles when it runs out (layers grow their tensors to `capacity` lazily).
-    max_num_blocks: a hard ceiling (None: none), PagesFullError past it.
+    block_size: tokens per block. num_blocks: blocks allocated up front. max_num_blocks: a
+    hard ceiling (None: none), PagesFullError past it. window: the sliding window of the
+    layers this table serves (None: full attention), whose blocks wholly before every row's
+    window (less window_slack tokens) are released.
     """
 
-    def __init__(self, block_size: int, num_blocks: int = 0, max_num_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int = 0,
+        max_num_blocks: int | None = None,
+        *,
+        window: int | None = None,
+        window_slack: int = 0,
+    ) -> None:
         if block_size < 1 or num_blocks < 0:
             raise ValueError(f"block_size must be >= 1 and num_blocks >= 0, got {block_size}, {num_blocks}")
+        if max_num_blocks is not None and max_num_blocks < num_blocks:
+            raise ValueError(f"max_num_blocks ({max_num_blocks}) is below num_blocks ({num_blocks})")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {window}")
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
+        self.window, self.window_slack = window, max(0, int(window_slack))
         self.capacity = 0
         self.refcount = np.zeros(0, np.int32)
         self.free: list[int] = []
@@ -87,12 +130,16 @@ class PageTable:
         # Counter of changes made outside a forward step (reorder, crop, reset): a step
         # planned before one of them is stale.
         self.epoch = 0
+        self._undo: _Undo | None = None
         self._clear_rows()
 
     # -- rows --------------------------------------------------------------------------
 
     def _clear_rows(self) -> None:
         self.tables: list[list[int]] | None = None
+        # Per row, the first table entry that holds a block (a sliding window released the
+        # ones before it; they keep their old, valid ids, which no key the row attends reads).
+        self.first_live = np.zeros(0, np.int64)
         self.lens = np.zeros(0, np.int64)
         self.positions = 0  # positions seen per row, padding included (HF's sequence length)
         self._real = np.zeros((0, 0), bool)  # [B, >= positions]: was position p of row b real
@@ -106,29 +153,46 @@ class PageTable:
     def blocks_in_use(self) -> int:
         return int(self.capacity - len(self.free))
 
+    def live_blocks(self, row: int) -> list[int]:
+        return self.tables[row][int(self.first_live[row]) :]
+
     # -- blocks ------------------------------------------------------------------------
 
     def _add_blocks(self, count: int) -> None:
         if count <= 0:
             return
         new_capacity = self.capacity + count
-        if self.max_num_blocks is not None and new_capacity > self.max_num_blocks:
-            raise PagesFullError(
-                f"the KV cache needs {new_capacity} blocks of {self.block_size} tokens; max_num_blocks is "
-                f"{self.max_num_blocks}"
-            )
         # Lowest ids first: pop() takes from the end.
         self.free.extend(range(new_capacity - 1, self.capacity - 1, -1))
         self.refcount = np.concatenate([self.refcount, np.zeros(count, np.int32)])
         self.capacity = new_capacity
 
+    def _ensure_free(self, count: int) -> None:
+        """At least `count` free blocks, growing the pool by at least GROWTH of itself; refused
+        (nothing changed) past max_num_blocks."""
+        deficit = count - len(self.free)
+        if deficit <= 0:
+            return
+        needed = self.capacity + deficit
+        if self.max_num_blocks is not None and needed > self.max_num_blocks:
+            raise PagesFullError(
+                f"the KV cache needs {needed} blocks of {self.block_size} tokens; max_num_blocks is "
+                f"{self.max_num_blocks} (nothing was written: the step was refused whole)"
+            )
+        target = max(needed, self.capacity + int(np.ceil(self.capacity * GROWTH)))
+        if self.max_num_blocks is not None:
+            target = min(target, self.max_num_blocks)
+        self._add_blocks(target - self.capacity)
+
+    def reserve(self, num_blocks: int) -> None:
+        """Hold at least num_blocks blocks in all (in use or free), e.g. batch x the blocks of
+        the longest sequence a generation will reach, so it never regrows."""
+        if num_blocks > self.capacity:
+            if self.max_num_blocks is not None and num_blocks > self.max_num_blocks:
+                raise PagesFullError(f"reserve: {num_blocks} blocks asked for; max_num_blocks is {self.max_num_blocks}")
+            self._add_blocks(num_blocks - self.capacity)
+
     def _alloc(self) -> int:
-        if not self.free:
-            # Doubling keeps growth (and each layer's copy into bigger tensors) amortised O(1).
-            grow = max(self.capacity, 16)
-            if self.max_num_blocks is not None:
-                grow = max(1, min(grow, self.max_num_blocks - self.capacity))
-            self._add_blocks(grow)
         block = self.free.pop()
         self.refcount[block] = 1
         return block
@@ -140,9 +204,32 @@ class PageTable:
 
     # -- a forward step ----------------------------------------------------------------
 
+    def _window_keep(self, length: int) -> int:
+        """First table entry a row of `length` real tokens must keep for its next step (its
+        next token attends `window` keys back, and crop may reach window_slack further)."""
+        if self.window is None:
+            return 0
+        return max(0, length - self.window - self.window_slack) // self.block_size
+
+    def _release_outside_window(self) -> None:
+        # Idempotent on committed state (the rows' lengths decide it), so it stays outside the
+        # step's transaction: a rolled-back step leaves these blocks released, as the next
+        # attempt would release them again.
+        if self.window is None or self.tables is None:
+            return
+        for b, table in enumerate(self.tables):
+            keep = min(self._window_keep(int(self.lens[b])), max(len(table) - 1, 0))
+            for i in range(int(self.first_live[b]), keep):
+                self._release(table[i])
+            self.first_live[b] = max(int(self.first_live[b]), keep)
+
     def plan_step(self, real: np.ndarray | None, batch: int | None = None, q_len: int | None = None) -> StepLayout:
         """Place one step's tokens: real [B, Q] bool (True = attend), or None for all real
-        (then batch and q_len give the shape, defaulting to the current batch and 1)."""
+        (then batch and q_len give the shape, defaulting to the current batch and 1). Refused
+        whole, with nothing changed, when the pool cannot take it; otherwise rollback() undoes
+        it until commit()."""
+        if self._undo is not None:
+            raise RuntimeError("plan_step: the previous step is neither committed nor rolled back")
         if real is not None:
             real = np.asarray(real, dtype=bool)
             if real.ndim != 2:
@@ -153,22 +240,47 @@ class PageTable:
             q_len = 1 if q_len is None else q_len
             if batch is None:
                 raise ValueError("batch: the first step of a cache needs its batch size")
-        if self.tables is None:
-            self.tables = [[] for _ in range(batch)]
-            self.lens = np.zeros(batch, np.int64)
-            self._real = np.zeros((batch, max(64, q_len)), bool)
-            self._seen_real = np.zeros(batch, bool)
-            self._gapped = np.zeros(batch, bool)
-        elif batch != len(self.tables):
+        first = self.tables is None
+        if not first and batch != len(self.tables):
             raise ValueError(
                 f"batch: this step has {batch} rows but the cache holds {len(self.tables)}; change the batch "
                 "through reorder_cache / batch_select_indices / batch_repeat_interleave"
             )
         flags = np.ones((batch, q_len), bool) if real is None else real
-        start = self.positions
-        self._record(flags)
         n_new = flags.sum(axis=1).astype(np.int64)
         bs = self.block_size
+        tables = [[] for _ in range(batch)] if first else self.tables
+        lens = np.zeros(batch, np.int64) if first else self.lens
+        # Every block the step takes, counted before anything changes: a refusal changes nothing.
+        # A copy-on-write leaves its source with one reader fewer, as the loop below will.
+        needed, copied = 0, {}
+        for b, table in enumerate(tables):
+            old, count = int(lens[b]), int(n_new[b])
+            if count:
+                needed += max(0, -(-(old + count) // bs) - len(table))
+                if old % bs and self.refcount[table[-1]] - copied.get(table[-1], 0) > 1:
+                    copied[table[-1]] = copied.get(table[-1], 0) + 1
+                    needed += 1
+        self._ensure_free(needed)
+
+        if first:
+            self.tables, self.lens = tables, lens
+            self.first_live = np.zeros(batch, np.int64)
+            self._real = np.zeros((batch, max(64, q_len)), bool)
+            self._seen_real = np.zeros(batch, bool)
+            self._gapped = np.zeros(batch, bool)
+        undo = _Undo(
+            positions=self.positions,
+            lens=self.lens.copy(),
+            seen_real=self._seen_real.copy(),
+            gapped=self._gapped.copy(),
+            table_lens=[len(t) for t in self.tables],
+            cow=[],
+            allocated=[],
+            was_first=first,
+        )
+        start = self.positions
+        self._record(flags)
         slots = np.full(batch * q_len, -1, np.int64)
         copies: list[tuple[int, int]] = []
         for b, table in enumerate(self.tables):
@@ -180,10 +292,13 @@ class PageTable:
                 src, dst = table[-1], self._alloc()
                 self._release(src)
                 copies.append((src, dst))
+                undo.cow.append((b, src, dst))
                 table[-1] = dst
             new = old + count
             while len(table) * bs < new:
-                table.append(self._alloc())
+                block = self._alloc()
+                undo.allocated.append(block)
+                table.append(block)
             pos = np.arange(old, new)
             row_slots = np.asarray(table, np.int64)[pos // bs] * bs + pos % bs
             if real is None:
@@ -191,19 +306,19 @@ class PageTable:
             else:
                 slots[b * q_len + np.flatnonzero(flags[b])] = row_slots
             self.lens[b] = new
+        self._undo = undo
         widest = max((len(t) for t in self.tables), default=0)
-        tables = np.zeros((batch, max(widest, 1)), np.int32)
+        block_tables = np.zeros((batch, max(widest, 1)), np.int32)
         for b, table in enumerate(self.tables):
-            tables[b, : len(table)] = table
+            block_tables[b, : len(table)] = table
         qsl = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
-        all_real = bool(flags.all())
         return StepLayout(
             start=start,
             batch=batch,
             q_len=q_len,
             slot_mapping=slots,
-            real_rows=None if all_real else np.flatnonzero(flags.reshape(-1)).astype(np.int64),
-            block_tables=tables,
+            real_rows=None if flags.all() else np.flatnonzero(flags.reshape(-1)).astype(np.int64),
+            block_tables=block_tables,
             seq_lens=self.lens.astype(np.int32),
             query_start_loc=qsl,
             copies=np.asarray(copies, np.int64).reshape(-1, 2),
@@ -213,6 +328,36 @@ class PageTable:
             capacity=self.capacity,
             gapped=bool(self._gapped.any()),
         )
+
+    def commit(self) -> None:
+        """The planned step ran on every layer: keep it (and release what left the windows)."""
+        self._undo = None
+        self._release_outside_window()
+
+    def rollback(self) -> None:
+        """Put every row back as it was before the planned step (nothing if none is pending).
+        The pool keeps any growth: only block ownership and lengths are undone."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        for block in reversed(undo.allocated):
+            self._release(block)
+        for b, src, dst in reversed(undo.cow):
+            self.tables[b][-1] = src
+            self.refcount[src] += 1
+            self._release(dst)
+        if undo.was_first:
+            self._clear_rows()
+            return
+        for b, n in enumerate(undo.table_lens):
+            del self.tables[b][n:]
+        self.positions, self.lens = undo.positions, undo.lens
+        self._seen_real, self._gapped = undo.seen_real, undo.gapped
+
+    @property
+    def pending(self) -> bool:
+        """Whether a planned step awaits commit or rollback."""
+        return self._undo is not None
 
     def _record(self, flags: np.ndarray) -> None:
         batch, q_len = flags.shape
@@ -225,46 +370,71 @@ class PageTable:
         self.positions = end
         # A padding position after a real one, in this step or since the row's first real token.
         after_real = np.logical_or.accumulate(flags, axis=1) | self._seen_real[:, None]
-        self._gapped |= (after_real & ~flags).any(axis=1)
-        self._seen_real |= flags.any(axis=1)
+        self._gapped = self._gapped | (after_real & ~flags).any(axis=1)
+        self._seen_real = self._seen_real | flags.any(axis=1)
 
     # -- changes between steps ---------------------------------------------------------
+
+    def _between_steps(self, what: str) -> None:
+        if self._undo is not None:
+            raise RuntimeError(f"{what}: a planned step is neither committed nor rolled back")
 
     def reorder(self, index: np.ndarray) -> None:
         """Row i becomes old row index[i] (beam search, batch selection or repetition).
         Blocks are shared by reference, never copied here."""
+        self._between_steps("reorder")
         if self.tables is None:
             return
         index = np.asarray(index, np.int64).reshape(-1)
         if index.size and (index.min() < 0 or index.max() >= len(self.tables)):
             raise IndexError(f"index: rows {index.tolist()[:8]} out of range for a batch of {len(self.tables)}")
         tables = [list(self.tables[i]) for i in index.tolist()]
+        first_live = self.first_live[index]
         # Take the new references before dropping the old ones, so no shared block is freed
         # on the way. (A row never holds one block twice, so fancy-index += is exact.)
-        for table in tables:
-            if table:
-                self.refcount[table] += 1
-        for table in self.tables:
-            for block in table:
+        for table, live in zip(tables, first_live.tolist()):
+            if len(table) > live:
+                self.refcount[table[live:]] += 1
+        for b in range(len(self.tables)):
+            for block in self.live_blocks(b):
                 self._release(block)
-        self.tables = tables
+        self.tables, self.first_live = tables, first_live
         self.lens = self.lens[index]
         self._real = self._real[index]
         self._seen_real = self._seen_real[index]
         self._gapped = self._gapped[index]
         self.epoch += 1
 
+    def crop_refusal(self, count: int) -> str | None:
+        """Why crop(count) cannot be done (a sliding window released what it would need), or None."""
+        if count <= 0 or self.tables is None or self.window is None:
+            return None
+        keep = self.positions - min(count, self.positions)
+        lens = self.lens - self._real[:, keep : self.positions].sum(axis=1)
+        for b, length in enumerate(lens.tolist()):
+            need_from = max(0, length - self.window + 1) // self.block_size
+            if need_from < int(self.first_live[b]):
+                return (
+                    f"row {b} would attend keys from position {max(0, length - self.window + 1)}, which its "
+                    f"sliding window (window {self.window} + window_slack {self.window_slack}) already released"
+                )
+        return None
+
     def crop(self, count: int) -> None:
         """Forget the last `count` positions of every row (assisted decoding's rollback)."""
+        self._between_steps("crop")
         if count <= 0 or self.tables is None:
             return
+        refusal = self.crop_refusal(count)
+        if refusal:
+            raise ValueError(f"crop: {refusal}")
         count = min(count, self.positions)
         keep = self.positions - count
         self.lens -= self._real[:, keep : self.positions].sum(axis=1)
         bs = self.block_size
         for b, table in enumerate(self.tables):
-            needed = -(-int(self.lens[b]) // bs)
-            for block in table[needed:]:
+            needed = max(-(-int(self.lens[b]) // bs), int(self.first_live[b]))
+            for block in table[max(needed, int(self.first_live[b])) :]:
                 self._release(block)
             del table[needed:]
         self.positions = keep
@@ -276,9 +446,10 @@ class PageTable:
 
     def reset(self) -> None:
         """Drop every row; the pool keeps its capacity (the layers keep their tensors)."""
+        self.rollback()
         if self.tables is not None:
-            for table in self.tables:
-                for block in table:
+            for b in range(len(self.tables)):
+                for block in self.live_blocks(b):
                     self._release(block)
         self._clear_rows()
         self.epoch += 1
@@ -286,10 +457,11 @@ class PageTable:
     def check(self) -> None:
         """Invariants, for tests: reference counts match the tables, free blocks are unused."""
         counts = np.zeros(self.capacity, np.int64)
-        for table in self.tables or []:
-            np.add.at(counts, np.asarray(table, np.int64), 1)
+        for b in range(len(self.tables or [])):
+            np.add.at(counts, np.asarray(self.live_blocks(b), np.int64), 1)
         assert (counts == self.refcount).all(), "refcounts disagree with the block tables"
         assert sorted(self.free) == sorted(np.flatnonzero(counts == 0).tolist()), "free list disagrees"
         for b, table in enumerate(self.tables or []):
             assert len(table) == -(-int(self.lens[b]) // self.block_size), f"row {b}: table length"
             assert int(self.lens[b]) == int(self._real[b, : self.positions].sum()), f"row {b}: length"
+            assert all(0 <= x < self.capacity for x in table), f"row {b}: an entry outside the pool"

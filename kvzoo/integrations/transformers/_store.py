@@ -1,8 +1,8 @@
 """One layer's paged K/V storage: kvzoo tensors that grow by whole blocks.
 
-The block ids come from the cache's shared PageTable; a LayerStore only keeps tensors with at
-least `capacity` blocks (growing by copying into bigger ones, amortised by the table's
-doubling) and applies a step's copy-on-write block copies.
+The block ids come from the PageTable of the layer's group; a LayerStore keeps tensors of the
+table's capacity (growing by copying into bigger ones, as often as the table grows: by
+_pages.GROWTH of itself at least) and applies a step's copy-on-write block copies.
 
 >>> import torch
 >>> store = LayerStore("int8_per_token_head", "separate", block_size=16, num_kv_heads=2, head_size=64,

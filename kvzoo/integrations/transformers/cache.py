@@ -1,18 +1,32 @@
 """KVZooCache: a transformers `Cache` whose layers keep K/V in kvzoo's paged cache.
 
-Every layer owns kvzoo code (and scale) tensors in the chosen mode and layout; one shared
-PageTable hands out their blocks as sequences grow, so all layers share one set of block
-tables. `update` does not copy K/V anywhere: it hands this step's new rows to the
-`"kvzoo_paged"` attention function (kvzoo.integrations.transformers.attention), which writes
-them into their slots and runs kvzoo.paged_attention on the codes. The write waits for the
-attention call because only there is the padding mask known, and padding tokens get no slot.
+Every layer owns kvzoo code (and scale) tensors in the chosen mode and layout. Layers that keep
+the same keys share a PageTable that hands out their blocks as sequences grow: every
+full-attention layer one, each sliding window (from the config's layer_types) another, whose
+blocks leave with the window, so a sliding layer holds its window and not the sequence.
+`update` does not copy K/V anywhere: it hands this step's new rows to the `"kvzoo_paged"`
+attention function (kvzoo.integrations.transformers.attention), which writes them into their
+slots and runs kvzoo.paged_attention on the codes. The write waits for the attention call
+because only there is the padding mask known, and padding tokens get no slot.
+
+A forward step is a transaction: planned by the first layer, committed when every layer has
+run it. A step that fails (pages exhausted, a refused argument, an error in the model between
+layers) leaves the tables, the lengths and every layer as they were before it: the cache
+rolls it back at once, or at its next use if the failure came from outside kvzoo.
+
+Memory: each layer holds its mode's bytes for the tokens stored, a partly filled block per
+row, and at most _pages.GROWTH more (the pool grows by that fraction when it must, never by
+doubling); `max_cache_len` (or `reserve`) sizes it once ahead.
 
 Beam search, batch selection and repetition re-point block tables (blocks are shared by
 reference, copy-on-write for a partly filled one); `crop` drops positions; `reset` empties
 the tables and keeps the tensors for reuse.
 
 Sequence length (`get_seq_length`) counts positions, padding included, as DynamicCache does,
-so transformers' position ids and mask sizes are unchanged.
+so transformers' position ids and mask sizes are unchanged. In a step of one token per row
+after the first step (decode), every new token is taken as real and the padding mask is not
+read (generate's mask columns for generated tokens are ones): the step reads nothing back
+from the device. validate=True reads and checks it.
 
 >>> import torch, transformers
 >>> from kvzoo.integrations.transformers import KVZooCache, use_kvzoo_attention
@@ -41,6 +55,10 @@ from ...modes import QuantMode, get_kv_quant_mode
 from ._pages import PageTable
 from ._store import LayerStore
 from .step import ForwardStep
+
+# Tokens a sliding-window layer keeps beyond its window, so crop(-n) (assisted decoding's
+# rollback of rejected candidates) can take back up to this many without reaching released keys.
+WINDOW_SLACK = 64
 
 ATTENTION_NAME = "kvzoo_paged"
 
@@ -100,13 +118,17 @@ class KVZooLayer(CacheLayerMixin):
         self.cache, self.index = cache, index
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.seen = 0  # positions, padding included
         self.store: LayerStore | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.is_initialized = False
 
     def __repr__(self) -> str:
-        return f"KVZooLayer({self.index}, {self.cache.mode.name}, {self.cache.layout}, seen={self.seen})"
+        return f"KVZooLayer({self.index}, {self.cache.mode.name}, {self.cache.layout}, seen={self.get_seq_length()})"
+
+    @property
+    def pages(self) -> PageTable:
+        """The page table of this layer's group (its window's, or the full-attention layers')."""
+        return self.cache._tables[self.sliding_window]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
@@ -125,13 +147,19 @@ class KVZooLayer(CacheLayerMixin):
         which writes them into the pages."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cache._check_attention_implementation()
+        cache = self.cache
+        cache._check_attention_implementation()
         if self.pending is not None:
+            cache._abort_step()
             raise KVZooIntegrationError(
                 f"layer {self.index}: the previous step's K/V were never written, because attention did not run "
                 f"through {ATTENTION_NAME!r}; a KVZooCache needs model.set_attn_implementation({ATTENTION_NAME!r}) "
                 "(or kvzoo.integrations.transformers.use_kvzoo_attention(model))"
             )
+        if cache._step is not None and self.index in cache._step.done:
+            # This layer already ran the step in progress: that forward pass stopped part way
+            # (an error between layers), and this is a new one. Its step is undone first.
+            cache._abort_step()
         store = self.store
         if (
             (key_states.shape[1], key_states.shape[3]) != (store.num_kv_heads, store.head_size)
@@ -142,8 +170,7 @@ class KVZooLayer(CacheLayerMixin):
                 f"layer {self.index}: key_states {tuple(key_states.shape)} {key_states.dtype} on {key_states.device}; "
                 f"this layer holds {store.num_kv_heads} heads x {store.head_size}, {store.model_dtype} on {store.device}"
             )
-        self.pending = (key_states, value_states, self.seen)
-        self.seen += int(key_states.shape[-2])
+        self.pending = (key_states, value_states, cache._committed_positions())
         _HANDOFF.layer = self
         return key_states, value_states
 
@@ -167,37 +194,45 @@ class KVZooLayer(CacheLayerMixin):
                 "this model changes them between cache.update and attention, which kvzoo_paged does not support"
             )
         self.pending = None
-        step = self.cache._step_for(self, start, query, padding_mask)
-        window = sliding_window if sliding_window is not None else self.sliding_window
-        if window is not None and step.layout.gapped:
-            raise KVZooIntegrationError(
-                "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
-                "transformers in positions; only left padding is supported with sliding windows"
-            )
         cache = self.cache
-        out = step.run_layer(
-            self.store,
-            query,
-            key,
-            value,
-            softmax_scale=softmax_scale,
-            sliding_window=window,
-            softcap=softcap,
-            sinks=sinks,
-            rounding=cache.rounding,
-            impl=cache.impl,
-            validate=cache.validate,
-        )
+        try:
+            step = cache._step_for(self, start, query, padding_mask)
+            window = sliding_window if sliding_window is not None else self.sliding_window
+            if window is not None and step.tables[self.sliding_window].layout.gapped:
+                raise KVZooIntegrationError(
+                    "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
+                    "transformers in positions; only left padding is supported with sliding windows"
+                )
+            out = step.run_layer(
+                self.sliding_window,
+                self.store,
+                query,
+                key,
+                value,
+                softmax_scale=softmax_scale,
+                sliding_window=window,
+                softcap=softcap,
+                sinks=sinks,
+                rounding=cache.rounding,
+                impl=cache.impl,
+                validate=cache.validate,
+            )
+        except BaseException:
+            cache._abort_step()
+            raise
         step.done.add(self.index)
+        if len(step.done) == len(cache.layers):
+            cache._commit_step()
         return out
 
     def get_seq_length(self, *args: Any) -> int:
-        return self.seen
+        # Positions of committed steps: a step in progress counts once every layer has run it.
+        return self.cache._committed_positions()
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
         # transformers 4.x passes cache_position (a tensor of the query's positions), 5.x its length.
         q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
-        return self.seen + q, 0
+        return self.get_seq_length() + q, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -224,17 +259,23 @@ class KVZooCache(Cache):
     """A transformers Cache backed by kvzoo's paged, quantized KV cache.
 
     config: the model's config (model.config; its decoder text config is used): the number of
-        layers, sliding-window layer types, and the attention implementation checked on update.
+        layers, their head size, sliding-window layer types, and the attention implementation
+        checked on update.
     mode: a kvzoo mode or engine string ("none", "int8_per_token_head", "fp8_per_token_head",
         "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor", "fp8", "int8_per_tensor", "fp8_e5m2", ...).
-    layout: "separate" (vLLM's tensors) or "inline" (one page buffer; per-token-head modes).
-    block_size: tokens per page. num_blocks: pages allocated up front (the pool doubles when it
-        runs out); max_num_blocks: a ceiling (None: none).
+    layout: "separate" (vLLM's tensors) or "inline" (one page buffer; the modes that define it).
+    block_size: tokens per page. num_blocks: pages allocated up front per page table (the pool
+        grows by what a step needs, and by at least 1/32 of itself, when it runs out);
+        max_num_blocks: a ceiling (None: none). max_cache_len: tokens per row the cache will
+        reach (a prompt plus max_new_tokens): with it the first step allocates every page once
+        and no step regrows. window_slack: tokens a sliding-window layer keeps beyond its
+        window, so crop(-n) can take back up to that many.
     rounding: "nearest" or "trunc" (int8_per_token_head only). k_scale, v_scale: a per-tensor
         mode's static scales, one float or one per layer (see static_fp8_scales).
     impl: a kvzoo implementation name for both operations, or {"reshape_and_cache": ...,
         "paged_attention": ...}; None lets kvzoo's registry choose. validate: run kvzoo's full
-        argument checks on every call (host reads of the metadata per layer; for debugging).
+        argument checks on every call, and read the padding mask in decode steps too (host
+        reads of the metadata per layer; for debugging).
 
     Use it with attention "kvzoo_paged" (use_kvzoo_attention(model)); inference only.
     """
@@ -248,6 +289,8 @@ class KVZooCache(Cache):
         block_size: int = 16,
         num_blocks: int = 0,
         max_num_blocks: int | None = None,
+        max_cache_len: int | None = None,
+        window_slack: int = WINDOW_SLACK,
         rounding: str = "nearest",
         k_scale: float | Sequence[float] | None = None,
         v_scale: float | Sequence[float] | None = None,
@@ -259,10 +302,11 @@ class KVZooCache(Cache):
         self.mode = get_kv_quant_mode(mode)
         if layout not in ("separate", "inline"):
             raise ValueError(f"layout: expected 'separate' or 'inline', got {layout!r}")
-        if layout == "inline" and not self.mode.per_token_head:
-            raise ValueError(f"layout: the inline layout stores per-row scales; mode {self.mode.name!r} has none")
+        _refuse_geometry(self.mode, layout, _head_size(text))
         if rounding not in self.mode.roundings:
             raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len: expected a number of tokens >= 1 or None, got {max_cache_len}")
         self.layout, self.rounding, self.impl, self.validate = layout, rounding, impl, validate
         self._k_scales = _per_layer("k_scale", k_scale, num_layers)
         self._v_scales = _per_layer("v_scale", v_scale, num_layers)
@@ -270,18 +314,31 @@ class KVZooCache(Cache):
             raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
         if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
             raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
-        self.pages = PageTable(block_size, num_blocks, max_num_blocks)
         self._config = text
-        self._step: ForwardStep | None = None
+        self._max_cache_len = max_cache_len
         windows = _layer_windows(text, num_layers)
+        # One page table per set of keys the layers keep: the full-attention layers' (None),
+        # and each window's.
+        self._tables: dict[int | None, PageTable] = {
+            w: PageTable(block_size, num_blocks, max_num_blocks, window=w, window_slack=window_slack)
+            for w in dict.fromkeys(windows)
+        }
+        self._step: ForwardStep | None = None
         super().__init__(layers=[KVZooLayer(self, i, windows[i]) for i in range(num_layers)])
 
     def __repr__(self) -> str:
+        pages = self.pages
         return (
             f"KVZooCache(mode={self.mode.name}, layout={self.layout}, layers={len(self.layers)}, "
-            f"block_size={self.pages.block_size}, blocks={self.pages.blocks_in_use()}/{self.pages.capacity}, "
+            f"block_size={pages.block_size}, blocks={pages.blocks_in_use()}/{pages.capacity}, "
             f"seq_len={self.get_seq_length()})"
         )
+
+    @property
+    def pages(self) -> PageTable:
+        """The full-attention layers' page table (the first sliding one's if every layer slides);
+        every table holds the same rows, lengths and positions."""
+        return self._tables.get(None) or next(iter(self._tables.values()))
 
     # -- used by the layers --------------------------------------------------------------
 
@@ -309,32 +366,65 @@ class KVZooCache(Cache):
                 f"(or model.set_attn_implementation({ATTENTION_NAME!r})) first"
             )
 
+    def _committed_positions(self) -> int:
+        return self._step.start if self._step is not None else self.pages.positions
+
     def _step_for(self, layer: KVZooLayer, start: int, query: torch.Tensor, padding_mask: Any) -> ForwardStep:
-        """This forward step's metadata: built by the first layer to attend, reused by the rest."""
+        """This forward step's metadata: planned by the first layer to attend (every page
+        table at once), reused by the rest."""
         batch, q_len = int(query.shape[0]), int(query.shape[2])
-        pages, step = self.pages, self._step
-        if (
-            step is not None
-            and step.epoch == pages.epoch
-            and step.layout.start == start
-            and step.layout.q_len == q_len
-            and step.layout.batch == batch
-            and layer.index not in step.done
-        ):
+        step = self._step
+        if step is not None:
+            if (step.start, step.q_len, step.batch) != (start, q_len, batch):
+                raise KVZooIntegrationError(
+                    f"layer {layer.index}: a step of [B={batch}, Q={q_len}] at position {start} inside a forward "
+                    f"step of [B={step.batch}, Q={step.q_len}] at {step.start}: every layer must run once per "
+                    "forward step, in step with the others"
+                )
             return step
-        if start != pages.positions:
-            raise KVZooIntegrationError(
-                f"layer {layer.index} starts at position {start} but the cache is at {pages.positions}: "
-                "every layer must run once per forward step, in step with the others"
-            )
         real = self._real_flags(padding_mask, batch, q_len, start)
-        step = ForwardStep.build(pages.plan_step(real, batch, q_len), query.device, pages.epoch)
-        self._step = step
-        return step
+        self._reserve_ahead(batch)
+        layouts = {}
+        try:
+            for window, table in self._tables.items():
+                layouts[window] = table.plan_step(real, batch, q_len)
+        except BaseException:
+            for table in self._tables.values():
+                table.rollback()
+            raise
+        self._step = ForwardStep(layouts, query.device)
+        return self._step
+
+    def _reserve_ahead(self, batch: int) -> None:
+        """With max_cache_len, the first step sizes every table for the whole generation."""
+        if self._max_cache_len is not None and self.pages.batch_size is None:
+            self._reserve(batch, self._max_cache_len)
+
+    def _reserve(self, batch: int, max_cache_len: int) -> None:
+        for window, table in self._tables.items():
+            keep = max_cache_len if window is None else min(max_cache_len, window + table.window_slack)
+            # A window's rows also hold the block their window starts in and the one being filled.
+            blocks = -(-keep // table.block_size) + (0 if window is None else 1)
+            table.reserve(batch * blocks)
+
+    def _commit_step(self) -> None:
+        for table in self._tables.values():
+            table.commit()
+        self._step = None
+
+    def _abort_step(self) -> None:
+        """Undo the step in progress (if any): every table, and what every layer holds of it."""
+        for table in self._tables.values():
+            table.rollback()
+        for layer in self.layers:
+            layer.pending = None
+        self._step = None
 
     def _real_flags(self, padding_mask: Any, batch: int, q_len: int, start: int) -> np.ndarray | None:
-        """[B, Q] bool (True: a real token) from the 2-D padding mask, or None if all are real."""
-        if padding_mask is None:
+        """[B, Q] bool (True: a real token) from the 2-D padding mask, or None if all are real.
+        A decode step's (one token per row, after the first step) mask is not read unless
+        validating: reading it would wait for the GPU, and generate's new columns are ones."""
+        if padding_mask is None or (q_len == 1 and start > 0 and not self.validate):
             return None
         if not isinstance(padding_mask, torch.Tensor) or padding_mask.ndim != 2:
             shape = tuple(getattr(padding_mask, "shape", ()))
@@ -360,36 +450,44 @@ class KVZooCache(Cache):
     # -- what generate() calls -------------------------------------------------------------
 
     def _between_steps(self) -> None:
-        if any(layer.pending is not None for layer in self.layers):
-            raise KVZooIntegrationError("the cache was changed between a layer's update and its attention call")
-        self._step = None
+        # A step still in progress here was stopped part way (an error between layers): undone.
+        self._abort_step()
 
     def reset(self) -> None:
         """Forget every sequence; the allocated pages are kept for reuse."""
-        for layer in self.layers:
-            layer.pending, layer.seen = None, 0
-        self._step = None
-        self.pages.reset()
+        self._abort_step()
+        for table in self._tables.values():
+            table.reset()
+
+    def reserve(self, batch_size: int, max_cache_len: int) -> None:
+        """Size every page table for batch_size rows of max_cache_len tokens now (generate()
+        does not tell a cache how long it will run: call this, or pass max_cache_len)."""
+        self._between_steps()
+        self._reserve(int(batch_size), int(max_cache_len))
+
+    def _reorder(self, index: np.ndarray) -> None:
+        for table in self._tables.values():
+            table.reorder(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i continues old row beam_idx[i] (beam search): block tables are re-pointed, no copy."""
+        """Row i continues old row beam_idx[i] (beam search): block tables are re-pointed, no copy.
+        beam_idx: 1-D integer indices of rows (as torch.index_select takes them)."""
         self._between_steps()
-        self.pages.reorder(beam_idx.detach().to("cpu").numpy())
+        self._reorder(_row_indices("beam_idx", beam_idx, self.pages.batch_size))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows `indices` (long indices or a bool mask over the batch)."""
+        """Keep rows `indices` (1-D integer row indices)."""
         self._between_steps()
-        rows = self.pages.batch_size
-        if rows is None:
-            return
-        self.pages.reorder(torch.arange(rows)[torch.as_tensor(indices).to("cpu")].numpy())
+        self._reorder(_row_indices("indices", indices, self.pages.batch_size))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row `repeats` times in place (row b becomes rows b*repeats ... b*repeats+repeats-1)."""
         self._between_steps()
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+            raise ValueError(f"repeats: expected an integer >= 1, got {repeats!r}")
         rows = self.pages.batch_size
         if rows is not None:
-            self.pages.reorder(np.repeat(np.arange(rows), repeats))
+            self._reorder(np.repeat(np.arange(rows), int(repeats)))
 
     def crop(self, max_length: int) -> None:
         """crop(-n) drops the last n positions (assisted decoding's rollback); with transformers 4.x
@@ -410,9 +508,12 @@ class KVZooCache(Cache):
         count = min(count, seen)
         if count <= 0:
             return
-        self.pages.crop(count)
-        for layer in self.layers:
-            layer.seen = max(layer.seen - count, 0)
+        for table in self._tables.values():  # checked on every table before any changes
+            refusal = table.crop_refusal(count)
+            if refusal:
+                raise ValueError(f"crop: {refusal}")
+        for table in self._tables.values():
+            table.crop(count)
 
     @property
     def max_batch_size(self) -> int:
@@ -420,7 +521,7 @@ class KVZooCache(Cache):
 
     @property
     def max_cache_len(self) -> int:
-        return -1
+        return -1 if self._max_cache_len is None else self._max_cache_len
 
     # -- figures -----------------------------------------------------------------------------
 
@@ -432,6 +533,50 @@ class KVZooCache(Cache):
     def nbytes(self) -> int:
         """Bytes allocated for pages over all layers."""
         return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
+
+
+def _head_size(config: Any) -> int | None:
+    head = getattr(config, "head_dim", None)
+    if head is None and getattr(config, "num_attention_heads", None):
+        head = config.hidden_size // config.num_attention_heads
+    return None if head is None else int(head)
+
+
+def _refuse_geometry(mode: QuantMode, layout: str, head_size: int | None) -> None:
+    """What a mode and layout cannot store, refused when the cache is made (not at the first
+    forward, part way through a step)."""
+    if layout == "inline":
+        refusal = mode.inline_refusal()
+        if refusal:
+            raise ValueError(f"layout: {refusal}")
+        if head_size is not None and head_size % 4:
+            raise ValueError(f"layout: the inline layout needs a head size that is a multiple of 4, got {head_size}")
+    if head_size is not None:
+        refusal = mode.head_size_refusal(head_size)
+        if refusal:
+            raise ValueError(f"mode: {mode.name!r} cannot store this model's heads: {refusal}")
+
+
+def _row_indices(name: str, indices: Any, rows: int | None) -> np.ndarray:
+    """indices as int64 row numbers: a 1-D integer tensor or array, as torch.index_select takes
+    (no bool mask, no floats, no 2-D), each in [0, rows)."""
+    dtype = getattr(indices, "dtype", None)
+    if isinstance(indices, torch.Tensor):
+        ok = not indices.is_floating_point() and not indices.is_complex() and indices.dtype != torch.bool
+        values = indices.detach().to("cpu").numpy() if ok else None
+    elif isinstance(indices, np.ndarray):
+        ok = indices.dtype.kind in "iu"
+        values = indices
+    else:
+        ok, values = False, None
+    if not ok:
+        raise ValueError(f"{name}: expected a 1-D integer tensor of row indices, got {type(indices).__name__} {dtype}")
+    if values.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of row indices, got shape {tuple(values.shape)}")
+    values = values.astype(np.int64)
+    if rows is not None and values.size and (values.min() < 0 or values.max() >= rows):
+        raise IndexError(f"{name}: rows {values.tolist()[:8]} out of range for a batch of {rows}")
+    return values
 
 
 def static_fp8_scales(cache: Any, qmax: float = 448.0) -> tuple[list[float], list[float]]:
