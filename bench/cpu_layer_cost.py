@@ -72,12 +72,13 @@ def main() -> int:
     store = LayerStore(
         MODE, "separate", block_size=BLOCK, num_kv_heads=HKV, head_size=D, model_dtype=torch.float32, device="cpu"
     )
-    prompt = ForwardStep.build(pages.plan_step(np.ones((1, args.context), bool)), "cpu", epoch=0)
+    prompt = ForwardStep({None: pages.plan_step(np.ones((1, args.context), bool))}, "cpu")
     q, k, v = (torch.randn(1, h, args.context, D) for h in (HQ, HKV, HKV))
-    prompt.run_layer(store, q, k, v, softmax_scale=D**-0.5)
-    step = ForwardStep.build(pages.plan_step(np.ones((1, 1), bool)), "cpu", epoch=1)
+    prompt.run_layer(None, store, q, k, v, softmax_scale=D**-0.5)
+    pages.commit()
+    step = ForwardStep({None: pages.plan_step(np.ones((1, 1), bool))}, "cpu")
     q, k, v = (torch.randn(1, h, 1, D) for h in (HQ, HKV, HKV))
-    step.run_layer(store, q, k, v, softmax_scale=D**-0.5)  # plans and prepares
+    step.run_layer(None, store, q, k, v, softmax_scale=D**-0.5)  # plans and prepares
     plan = next(iter(step._plans.values()))
     caches = store.tensors
     q_rows, k_rows, v_rows = (
@@ -109,7 +110,9 @@ def main() -> int:
         return None
 
     rows = {
-        "kvzoo, transformers integration (run_layer)": lambda: step.run_layer(store, q, k, v, softmax_scale=D**-0.5),
+        "kvzoo, transformers integration (run_layer)": lambda: step.run_layer(
+            None, store, q, k, v, softmax_scale=D**-0.5
+        ),
         "kvzoo, the plan's calls (plan.write + plan.attention)": lambda: (
             plan.write(k_rows, v_rows, caches),
             plan.attention(q_rows, caches, out=out),
