@@ -32,7 +32,8 @@ from transformers.generation import utils as generation_utils  # noqa: E402
 from kvzoo.integrations.transformers import (  # noqa: E402
     KVZooCache,
     KVZooIntegrationError,
-    KVZooLayer,  # noqa: E402
+    KVZooLayer,
+    KVZooStaticCache,
     static_fp8_scales,
     use_kvzoo_attention,
 )
@@ -623,7 +624,69 @@ def test_sliding_window_layers_hold_their_window(model):  # (model: for its one-
         cache.crop(-10)  # past the slack: the window's released keys would be needed
 
 
-@pytest.mark.parametrize("module", ["__init__", "cache", "step", "_store", "_pages"])
+# -- the fixed-size cache of compiled decode -----------------------------------------------------
+
+
+def static(model, batch, length=48, mode="int8_per_token_head", **kw) -> KVZooStaticCache:
+    kw.setdefault("impl", IMPL)
+    kw.setdefault("block_size", 4)
+    return KVZooStaticCache(model.config, max_batch_size=batch, max_cache_len=length, mode=mode, **kw)
+
+
+def test_static_cache_gives_the_paged_caches_numbers(model):
+    """Left-padded rows and beam search: the fixed-size cache's bytes and numbers are
+    KVZooCache's (the same kernels on the same tokens)."""
+    _, ids, mask = left_padded([4, 9, 6], seed=12)
+    for mode in ("int8_per_token_head", "int4_per_token_head"):
+        want = generate(model, kvzoo(model, mode), ids, mask)
+        got = generate(model, static(model, 3, mode=mode), ids, mask)
+        assert torch.equal(got.sequences, want.sequences)
+        assert max_logit_error(got.logits, want.logits) == 0.0
+    beams = dict(num_beams=2, max_new_tokens=6, output_logits=False, return_dict_in_generate=False)
+    assert torch.equal(
+        generate(model, static(model, 6), ids, mask, **beams),
+        generate(model, kvzoo(model, "int8_per_token_head"), ids, mask, **beams),
+    )
+
+
+def test_static_cache_decode_compiles_into_one_graph(model):
+    """generate() compiles the decode step of a compileable cache by itself (on a GPU; here
+    asked to on the CPU): every decode step is one graph, traced once, with the eager numbers."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    _, ids, mask = left_padded([5, 8], seed=13)
+    want = generate(model, static(model, 2), ids, mask)
+    # generate deep-copies its compile config, so the graphs are counted by dynamo's own counters.
+    config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = generate(model, static(model, 2), ids, mask, compile_config=config)
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs: a decode step recompiled (or none compiled)"
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_logit_error(got.logits, want.logits) == 0.0
+
+
+def test_static_cache_refuses_what_it_cannot_hold(model):
+    ids = random_ids(2, 6)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        static(model, 2, length=0)
+    with pytest.raises(KVZooIntegrationError, match="max_batch_size"):
+        generate(model, static(model, 3), ids)
+    with pytest.raises(KVZooIntegrationError, match="max_cache_len"):
+        generate(model, static(model, 2, length=4), ids, max_new_tokens=1)
+    hole = torch.ones_like(ids)
+    hole[0, 3] = 0
+    with pytest.raises(KVZooIntegrationError, match="left padding"):
+        generate(model, static(model, 2), ids, hole)
+
+
+@pytest.mark.parametrize("module", ["__init__", "cache", "static", "step", "_store", "_pages"])
 def test_docstring_examples_run(module):
     name = "kvzoo.integrations.transformers" + ("" if module == "__init__" else f".{module}")
     threads = torch.get_num_threads()

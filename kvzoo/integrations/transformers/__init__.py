@@ -37,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .attention import kvzoo_padding_mask, kvzoo_paged_attention, register, use_kvzoo_attention
 from .cache import ATTENTION_NAME, KVZooCache, KVZooIntegrationError, KVZooLayer, static_fp8_scales
+from .static import KVZooStaticCache, KVZooStaticLayer
 
 register()
 
@@ -45,6 +46,8 @@ __all__ = [
     "KVZooCache",
     "KVZooIntegrationError",
     "KVZooLayer",
+    "KVZooStaticCache",
+    "KVZooStaticLayer",
     "kvzoo_padding_mask",
     "kvzoo_paged_attention",
     "register",

@@ -80,11 +80,17 @@ def kvzoo_padding_mask(
     *args: Any, attention_mask: torch.Tensor | None = None, kv_length: int | None = None, **kwargs: Any
 ) -> torch.Tensor | None:
     """The mask transformers hands to kvzoo_paged: the 2-D padding mask's last kv_length columns
-    (bool [B, kv_length], True = real), or None without padding information."""
+    (bool [B, kv_length], True = real), or None without padding information. A fixed-size cache
+    (KVZooStaticCache) asks for max_cache_len columns: the mask is padded with False to that
+    width, so a compiled decode step meets one shape every step (generate builds it outside the
+    compiled forward and hands it in)."""
     if attention_mask is None:
         return None
-    if kv_length is not None and attention_mask.shape[-1] > kv_length:
+    width = attention_mask.shape[-1]
+    if kv_length is not None and width > kv_length:
         attention_mask = attention_mask[:, -kv_length:]
+    elif kv_length is not None and width < kv_length:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, kv_length - width), value=False)
     return attention_mask
 
 

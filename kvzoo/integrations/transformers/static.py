@@ -1,0 +1,434 @@
+"""KVZooStaticCache: a fixed-size kvzoo cache whose decode step compiles (transformers' fast path).
+
+transformers' fastest decode is a cache of fixed size with the decode forward compiled:
+`generate()` compiles it by itself (torch.compile, mode "reduce-overhead": CUDA graphs) when the
+cache says `is_compileable`, as StaticCache does. KVZooStaticCache keeps kvzoo's quantized pages
+that way. Row b owns the blocks [b * W, (b + 1) * W) of every layer (W blocks hold
+max_cache_len tokens), so the block tables never change; each layer counts the positions it
+has seen in a device tensor, and the cache keeps each row's left padding on the device. A
+decode step computes its slots and lengths from those on the device and calls kvzoo's torch
+ops (kvzoo.torch_ops) with validate=False and host bounds, so the whole step traces into one
+graph, reads nothing back and replays as a CUDA graph. Prefill steps (more than one token per
+row) run eagerly, as generate() runs them: they read the padding mask once (left padding
+only) and write the prompt's real tokens, compacted, to the front of each row's blocks.
+
+Memory is fixed: max_batch_size x max_cache_len tokens of the mode's bytes per layer (sliding
+layers too: their window applies in attention, not in storage; KVZooCache releases theirs).
+The separate layout only (torch.compile does not take the inline page's views: kvzoo.torch_ops).
+
+>>> import torch, transformers
+>>> from kvzoo.integrations.transformers import KVZooStaticCache, use_kvzoo_attention
+>>> config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+...                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+>>> model = use_kvzoo_attention(transformers.LlamaForCausalLM(config).eval())
+>>> cache = KVZooStaticCache(model.config, max_batch_size=1, max_cache_len=16, mode="int8_per_token_head",
+...                          impl="numpy")
+>>> out = model.generate(torch.tensor([[1, 2, 3, 4]]), past_key_values=cache, max_new_tokens=4, do_sample=False)
+>>> tuple(out.shape), int(cache.get_seq_length())
+((1, 8), 7)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ... import torch_ops
+from ...modes import QuantMode, get_kv_quant_mode
+from ._store import LayerStore
+from .cache import (
+    _HANDOFF,
+    ATTENTION_NAME,
+    KVZooIntegrationError,
+    _head_size,
+    _layer_windows,
+    _per_layer,
+    _refuse_geometry,
+    _row_indices,
+)
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    # A fixed address: compiled graphs read and mutate it in place, and CUDA graphs replay on
+    # it, instead of copying it in as an input on every call (StaticCache marks its tensors so).
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
+class KVZooStaticLayer(CacheLayerMixin):
+    """One decoder layer of a KVZooStaticCache: its pages (a LayerStore of B x W blocks) and the
+    positions it has seen (a device int64 scalar, padding included)."""
+
+    is_compileable = True
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, cache: KVZooStaticCache, index: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.store: LayerStore | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.positions: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        _, num_kv_heads, _, head_size = key_states.shape
+        self.initialize(num_kv_heads, head_size, key_states.dtype, key_states.device)
+
+    def initialize(self, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        cache = self.cache
+        self.device, self.dtype = torch.device(device), dtype
+        store = LayerStore(
+            cache.mode,
+            "separate",
+            block_size=cache.block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            model_dtype=dtype,
+            device=device,
+            k_scale=cache._k_scales[self.index],
+            v_scale=cache._v_scales[self.index],
+        )
+        store.ensure(cache.max_batch_size * cache.blocks_per_row)
+        for t in store._arrays(store.tensors):
+            _static(t)
+        for t in (store.k_scale, store.v_scale):
+            if t is not None:
+                _static(t)
+        self.store = store
+        self.positions = _static(torch.zeros((), dtype=torch.int64, device=device))
+        cache._ensure_shared(self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Take this step's K/V [B, Hkv, Q, D]; returns them unchanged for kvzoo's attention,
+        which writes them into the pages."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cache._check_attention_implementation()
+        if key_states.shape[0] != self.cache.max_batch_size:
+            raise KVZooIntegrationError(
+                f"layer {self.index}: a batch of {key_states.shape[0]} rows; this KVZooStaticCache holds "
+                f"max_batch_size={self.cache.max_batch_size}"
+            )
+        self.pending = (key_states, value_states)
+        _HANDOFF.layer = self
+        return key_states, value_states
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        padding_mask: Any,
+        *,
+        softmax_scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write the pending K/V and attend: [B, Q, Hq, D]. One token a row after the prefill is
+        the compiled decode step; anything else runs eagerly."""
+        if self.pending is None or key is not self.pending[0] or value is not self.pending[1]:
+            raise KVZooIntegrationError(
+                f"layer {self.index}: the key/value given to attention are not the ones the cache handed out"
+            )
+        self.pending = None
+        batch, num_q_heads, q_len, head_size = query.shape
+        num_kv_heads = key.shape[1]
+        cache = self.cache
+        window = sliding_window if sliding_window is not None else self.sliding_window
+        options = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
+        k = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
+        v = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
+        q = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_size)
+        if q_len == 1 and cache._prefilled:
+            # Slot and length of each row's new token, from device tensors alone.
+            before = self.positions - cache.pad  # real tokens each row holds already
+            slots = cache.row_base + before
+            self.positions.add_(1)
+            self._write(k, v, slots)
+            seq_lens = (before + 1).to(torch.int32)
+            out = self._attend(q, seq_lens, cache.decode_qsl, 1, cache.max_cache_len, **options)
+            return out.view(batch, 1, num_q_heads, head_size)
+        step = cache._prefill_step(self, padding_mask, batch, q_len)
+        self.positions.add_(q_len)
+        self._write(k, v, step.slots)
+        if step.real_rows is not None:
+            q = q.index_select(0, step.real_rows)
+        out = self._attend(q, step.seq_lens, step.query_start_loc, step.max_query_len, step.max_seq_len, **options)
+        if step.real_rows is not None:
+            full = out.new_zeros(batch * q_len, num_q_heads, head_size)
+            full[step.real_rows] = out
+            out = full
+        return out.view(batch, q_len, num_q_heads, head_size)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        t, cache = self.store.tensors, self.cache
+        torch_ops.reshape_and_cache(
+            k,
+            v,
+            t.key_cache,
+            t.value_cache,
+            slots,
+            kv_cache_dtype=cache.mode.name,
+            k_scale_cache=t.k_scale_cache,
+            v_scale_cache=t.v_scale_cache,
+            k_scale=self.store.k_scale,
+            v_scale=self.store.v_scale,
+            rounding=cache.rounding,
+            validate=False,
+            impl=cache._impl("reshape_and_cache"),
+        )
+
+    def _attend(self, q, seq_lens, qsl, max_query_len: int, max_seq_len: int, **options: Any) -> torch.Tensor:
+        t, cache = self.store.tensors, self.cache
+        return torch_ops.paged_attention(
+            q,
+            t.key_cache,
+            t.value_cache,
+            kv_cache_dtype=cache.mode.name,
+            block_tables=cache.block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            k_scale_cache=t.k_scale_cache,
+            v_scale_cache=t.v_scale_cache,
+            k_scale=self.store.k_scale,
+            v_scale=self.store.v_scale,
+            validate=False,
+            impl=cache._impl("paged_attention"),
+            **options,
+        )
+
+    def get_seq_length(self, *args: Any) -> Any:
+        # A device tensor, as StaticLayer's: an int would be read back on every step.
+        return self.positions if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple[int, int]:
+        return self.cache.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.cache.max_cache_len
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class _PrefillStep:
+    """A prefill step's metadata on the device (shared by every layer): slots [B*Q] int64 (-1
+    for padding), the kept query rows (None: all), seq_lens [B] int32, query_start_loc [B+1]
+    int32, and the bounds."""
+
+    def __init__(self, slots, real_rows, seq_lens, qsl, max_query_len: int, max_seq_len: int, key: tuple) -> None:
+        self.slots, self.real_rows, self.seq_lens, self.query_start_loc = slots, real_rows, seq_lens, qsl
+        self.max_query_len, self.max_seq_len, self.key = max_query_len, max_seq_len, key
+
+
+class KVZooStaticCache(Cache):
+    """A fixed-size transformers Cache on kvzoo's paged, quantized KV cache, for compiled decode.
+
+    config: the model's config. max_batch_size: rows the cache holds (every forward must have
+    that many). max_cache_len: tokens per row it holds (prompt + new tokens; padding not counted).
+    mode, rounding, k_scale, v_scale, impl: as KVZooCache. block_size: tokens per page.
+
+    generate() compiles its decode steps by itself on a GPU (the cache is compileable); a
+    forward compiled by hand (torch.compile(model, fullgraph=True)) works too. Batch selection
+    and repetition are not supported (the batch is fixed), beam reordering copies pages.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        mode: str | QuantMode = "int8_per_token_head",
+        block_size: int = 16,
+        rounding: str = "nearest",
+        k_scale: float | Sequence[float] | None = None,
+        v_scale: float | Sequence[float] | None = None,
+        impl: str | Mapping[str, Any] | None = None,
+    ) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_layers = int(text.num_hidden_layers)
+        self.mode = get_kv_quant_mode(mode)
+        _refuse_geometry(self.mode, "separate", _head_size(text))
+        if rounding not in self.mode.roundings:
+            raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        self._k_scales = _per_layer("k_scale", k_scale, num_layers)
+        self._v_scales = _per_layer("v_scale", v_scale, num_layers)
+        if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
+            raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
+        if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
+        self.rounding, self.impl, self.block_size = rounding, impl, int(block_size)
+        self._max_batch_size, self._max_cache_len = int(max_batch_size), int(max_cache_len)
+        self.blocks_per_row = -(-self._max_cache_len // self.block_size)
+        self._config = text
+        self._prefilled = False
+        self._step: _PrefillStep | None = None
+        self.pad: torch.Tensor | None = None
+        windows = _layer_windows(text, num_layers)
+        super().__init__(layers=[KVZooStaticLayer(self, i, windows[i]) for i in range(num_layers)])
+
+    def __repr__(self) -> str:
+        return (
+            f"KVZooStaticCache(mode={self.mode.name}, layers={len(self.layers)}, max_batch_size="
+            f"{self._max_batch_size}, max_cache_len={self._max_cache_len}, block_size={self.block_size})"
+        )
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
+
+    def _impl(self, op: str) -> Any:
+        return self.impl.get(op) if isinstance(self.impl, Mapping) else self.impl
+
+    def _check_attention_implementation(self) -> None:
+        name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
+        if name != ATTENTION_NAME:
+            raise KVZooIntegrationError(
+                f"the model's attention implementation is {name!r}; a KVZooStaticCache is read only by "
+                f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) first"
+            )
+
+    def _ensure_shared(self, device: torch.device) -> None:
+        """The tensors every layer reads: fixed block tables, each row's first slot, its left
+        padding, and a decode step's query offsets (one row each)."""
+        if self.pad is not None:
+            return
+        batch, width = self._max_batch_size, self.blocks_per_row
+        index = dict(device=device)
+        self.block_tables = _static(torch.arange(batch * width, dtype=torch.int32, **index).view(batch, width))
+        self.row_base = _static(torch.arange(batch, dtype=torch.int64, **index) * (width * self.block_size))
+        self.pad = _static(torch.zeros(batch, dtype=torch.int64, **index))
+        self.decode_qsl = _static(torch.arange(batch + 1, dtype=torch.int32, **index))
+
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device) -> None:  # noqa: D102
+        num_heads = [num_heads] * len(self.layers) if isinstance(num_heads, int) else list(num_heads)
+        head_dim = [head_dim] * len(self.layers) if isinstance(head_dim, int) else list(head_dim)
+        for layer, heads, dim in zip(self.layers, num_heads, head_dim):
+            if not layer.is_initialized:
+                layer.initialize(heads, dim, dtype, device)
+
+    def _prefill_step(self, layer: KVZooStaticLayer, padding_mask: Any, batch: int, q_len: int) -> _PrefillStep:
+        """A step of more than one token a row (or the first): its slots, rows and lengths,
+        made on the host once for every layer. Reads the layer's position and, on the first
+        step, the padding mask (left padding only)."""
+        if layer.index != 0 and self._step is not None:
+            return self._step  # layer 0 made this step's (layers run in order; a new step starts at 0)
+        start = int(layer.positions)
+        key = (start, q_len)
+        pad = np.zeros(batch, np.int64)
+        if start == 0:
+            if padding_mask is not None:
+                # The mask may be padded to max_cache_len columns (kvzoo_padding_mask): this step's are the first.
+                mask = padding_mask.to("cpu").numpy().astype(bool)[:, :q_len]
+                pad = (~mask).argmin(axis=1).astype(np.int64) if mask.any(axis=1).all() else None
+                if pad is None or not np.array_equal(mask, np.arange(q_len)[None, :] >= pad[:, None]):
+                    raise KVZooIntegrationError(
+                        "KVZooStaticCache takes left padding only (every row real from its first real token on, "
+                        "and at least one real token)"
+                    )
+            self.pad.copy_(torch.from_numpy(pad))
+        else:
+            pad = self.pad.to("cpu").numpy()
+        idx = start + np.arange(q_len)[None, :] - pad[:, None]  # each token's index among its row's real ones
+        if int(idx.max()) >= self._max_cache_len:
+            raise KVZooIntegrationError(
+                f"a row would hold {int(idx.max()) + 1} tokens; this KVZooStaticCache holds max_cache_len="
+                f"{self._max_cache_len}"
+            )
+        real = idx >= 0
+        width = self.blocks_per_row * self.block_size
+        slots = np.where(real, np.arange(batch)[:, None] * width + idx, -1).reshape(-1)
+        counts = real.sum(axis=1)
+        seq_lens = (start + q_len - pad).astype(np.int32)
+        device = self.pad.device
+        put = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)  # noqa: E731
+        self._step = _PrefillStep(
+            put(slots, np.int64),
+            None if real.all() else put(np.flatnonzero(real.reshape(-1)), np.int64),
+            put(seq_lens, np.int32),
+            put(np.concatenate([[0], np.cumsum(counts)]), np.int32),
+            int(counts.max()),
+            int(seq_lens.max()),
+            key,
+        )
+        self._prefilled = True  # the steps after this one's forward are decode steps
+        return self._step
+
+    # -- what generate() calls -------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every row (the pages are kept)."""
+        for layer in self.layers:
+            layer.pending = None
+            if layer.is_initialized:
+                layer.positions.zero_()
+        if self.pad is not None:
+            self.pad.zero_()
+        self._prefilled, self._step = False, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i continues old row beam_idx[i] (beam search): each row's pages are copied."""
+        rows = _row_indices("beam_idx", beam_idx, self._max_batch_size)
+        if len(rows) != self._max_batch_size:
+            raise ValueError(f"beam_idx: {len(rows)} rows for a cache of max_batch_size={self._max_batch_size}")
+        index = None
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            index = torch.as_tensor(rows, device=layer.device)
+            for t in layer.store._arrays(layer.store.tensors):
+                by_row = t.view(self._max_batch_size, -1)
+                by_row.copy_(by_row.index_select(0, index))
+        if index is not None:
+            self.pad.copy_(self.pad.index_select(0, index))
+
+    def crop(self, max_length: int) -> None:
+        """crop(-n) drops the last n positions of every row."""
+        if max_length > 0:
+            raise ValueError("crop: KVZooStaticCache takes a negative count of positions to drop")
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.positions.sub_(min(-max_length, int(layer.positions)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KVZooStaticCache holds a fixed batch: use KVZooCache to change it")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KVZooStaticCache holds a fixed batch: use KVZooCache to change it")
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers (codes and scales; 0 before the first update)."""
+        return sum(layer.store.bytes_per_token for layer in self.layers if layer.store is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for pages over all layers."""
+        return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
