@@ -341,6 +341,11 @@ class KVZooStaticCache(Cache):
             return self._step  # layer 0 made this step's (layers run in order; a new step starts at 0)
         start = int(layer.positions)
         key = (start, q_len)
+        if start + q_len > self._max_cache_len + int(self.pad.max()):
+            raise KVZooIntegrationError(
+                f"a row would hold more than max_cache_len={self._max_cache_len} tokens ({start} positions so "
+                f"far, {q_len} more); make a KVZooStaticCache with room for the prompt and the new tokens"
+            )
         pad = np.zeros(batch, np.int64)
         if start == 0:
             if padding_mask is not None:
