@@ -115,6 +115,8 @@ def teacher_forced(model, cache, seq: torch.Tensor, prompt_len: int) -> torch.Te
 
 def kvzoo(model, mode="none", **kw) -> KVZooCache:
     kw.setdefault("impl", IMPL)
+    # Every step through kvzoo's kernels (the checks below are of them); "auto" has its own test.
+    kw.setdefault("prefill_attention", "kvzoo")
     kw.setdefault("block_size", 4)  # small pages: every sequence spans several, and the pool grows
     return KVZooCache(model.config, mode=mode, validate=True, **kw)
 
@@ -624,11 +626,41 @@ def test_sliding_window_layers_hold_their_window(model):  # (model: for its one-
         cache.crop(-10)  # past the slack: the window's released keys would be needed
 
 
+@pytest.mark.parametrize("make", ["paged", "static"])
+def test_a_fresh_prompt_is_attended_by_sdpa_and_stored_as_codes(model, make):
+    """prefill_attention="auto": a first, unpadded step attends its own K/V with torch SDPA, so
+    its logits are DynamicCache + SDPA's; the pages get the same codes as with "kvzoo", and the
+    steps after it read them (their numbers are the quantized cache's again)."""
+    seq = random_ids(2, 14, seed=41)
+    attention(model, "sdpa")
+    with torch.no_grad():
+        reference = model(seq[:, :10], use_cache=True, **{CACHE_ARG: DynamicCache(config=model.config)}).logits
+    caches, logits = {}, {}
+    for choice in ("auto", "kvzoo"):
+        if make == "paged":
+            caches[choice] = kvzoo(model, "int8_per_token_head", prefill_attention=choice)
+        else:
+            caches[choice] = static(model, 2, prefill_attention=choice)
+        logits[choice] = teacher_forced(model, caches[choice], seq, 10)
+    assert float((logits["auto"][:, 0] - reference[:, -1]).abs().max()) <= 1e-5
+    assert float((logits["kvzoo"][:, 0] - reference[:, -1]).abs().max()) > 1e-4  # the codes move it
+    # Layer 0's K/V are the embeddings' projections, the same under either choice: so are its codes.
+    a, b = caches["auto"].layers[0].store, caches["kvzoo"].layers[0].store
+    for x, y in zip(a._arrays(a.tensors), b._arrays(b.tensors)):
+        assert torch.equal(x, y)
+    # A padded batch is not fresh: every row through the pages, as with "kvzoo".
+    _, ids, mask = left_padded([4, 7], seed=42)
+    a = generate(model, kvzoo(model, "fp8_per_token_head", prefill_attention="auto"), ids, mask, max_new_tokens=3)
+    b = generate(model, kvzoo(model, "fp8_per_token_head"), ids, mask, max_new_tokens=3)
+    assert max_logit_error(a.logits, b.logits) == 0.0
+
+
 # -- the fixed-size cache of compiled decode -----------------------------------------------------
 
 
 def static(model, batch, length=48, mode="int8_per_token_head", **kw) -> KVZooStaticCache:
     kw.setdefault("impl", IMPL)
+    kw.setdefault("prefill_attention", "kvzoo")
     kw.setdefault("block_size", 4)
     return KVZooStaticCache(model.config, max_batch_size=batch, max_cache_len=length, mode=mode, **kw)
 

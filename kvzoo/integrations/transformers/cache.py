@@ -216,6 +216,7 @@ class KVZooLayer(CacheLayerMixin):
                 rounding=cache.rounding,
                 impl=cache.impl,
                 validate=cache.validate,
+                fresh_prefill=cache.prefill_attention == "auto",
             )
         except BaseException:
             cache._abort_step()
@@ -276,6 +277,11 @@ class KVZooCache(Cache):
         "paged_attention": ...}; None lets kvzoo's registry choose. validate: run kvzoo's full
         argument checks on every call, and read the padding mask in decode steps too (host
         reads of the metadata per layer; for debugging).
+    prefill_attention: "auto" attends a step whose rows hold no earlier token and no padding
+        (a fresh, unpadded prompt) with torch SDPA on its own K/V, as DynamicCache does (its
+        numbers, and its speed: flash attention), while the pages still get the quantized
+        codes that every later step reads; "kvzoo" runs kvzoo's paged kernels on the codes
+        for every step.
 
     Use it with attention "kvzoo_paged" (use_kvzoo_attention(model)); inference only.
     """
@@ -296,10 +302,12 @@ class KVZooCache(Cache):
         v_scale: float | Sequence[float] | None = None,
         impl: str | Mapping[str, Any] | None = None,
         validate: bool = False,
+        prefill_attention: str = "auto",
     ) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = int(text.num_hidden_layers)
         self.mode = get_kv_quant_mode(mode)
+        self.prefill_attention = _prefill_attention(prefill_attention)
         if layout not in ("separate", "inline"):
             raise ValueError(f"layout: expected 'separate' or 'inline', got {layout!r}")
         _refuse_geometry(self.mode, layout, _head_size(text))
@@ -533,6 +541,15 @@ class KVZooCache(Cache):
     def nbytes(self) -> int:
         """Bytes allocated for pages over all layers."""
         return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
+
+
+PREFILL_ATTENTION = ("auto", "kvzoo")
+
+
+def _prefill_attention(choice: str) -> str:
+    if choice not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill_attention: expected one of {list(PREFILL_ATTENTION)}, got {choice!r}")
+    return choice
 
 
 def _head_size(config: Any) -> int | None:

@@ -47,9 +47,11 @@ from .cache import (
     _head_size,
     _layer_windows,
     _per_layer,
+    _prefill_attention,
     _refuse_geometry,
     _row_indices,
 )
+from .step import fresh_attention
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +163,8 @@ class KVZooStaticLayer(CacheLayerMixin):
         step = cache._prefill_step(self, padding_mask, batch, q_len)
         self.positions.add_(q_len)
         self._write(k, v, step.slots)
+        if cache.prefill_attention == "auto" and step.fresh and window is None and softcap is None and sinks is None:
+            return fresh_attention(query, key, value, softmax_scale)
         if step.real_rows is not None:
             q = q.index_select(0, step.real_rows)
         out = self._attend(q, step.seq_lens, step.query_start_loc, step.max_query_len, step.max_seq_len, **options)
@@ -237,6 +241,8 @@ class _PrefillStep:
     def __init__(self, slots, real_rows, seq_lens, qsl, max_query_len: int, max_seq_len: int, key: tuple) -> None:
         self.slots, self.real_rows, self.seq_lens, self.query_start_loc = slots, real_rows, seq_lens, qsl
         self.max_query_len, self.max_seq_len, self.key = max_query_len, max_seq_len, key
+        # Every row's first step, unpadded: each row attends its own keys only (fresh_attention).
+        self.fresh = key[0] == 0 and key[1] > 1 and real_rows is None
 
 
 class KVZooStaticCache(Cache):
@@ -244,7 +250,7 @@ class KVZooStaticCache(Cache):
 
     config: the model's config. max_batch_size: rows the cache holds (every forward must have
     that many). max_cache_len: tokens per row it holds (prompt + new tokens; padding not counted).
-    mode, rounding, k_scale, v_scale, impl: as KVZooCache. block_size: tokens per page.
+    mode, rounding, k_scale, v_scale, impl, prefill_attention: as KVZooCache. block_size: tokens per page.
 
     generate() compiles its decode steps by itself on a GPU (the cache is compileable); a
     forward compiled by hand (torch.compile(model, fullgraph=True)) works too. Batch selection
@@ -263,10 +269,12 @@ class KVZooStaticCache(Cache):
         k_scale: float | Sequence[float] | None = None,
         v_scale: float | Sequence[float] | None = None,
         impl: str | Mapping[str, Any] | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = int(text.num_hidden_layers)
         self.mode = get_kv_quant_mode(mode)
+        self.prefill_attention = _prefill_attention(prefill_attention)
         _refuse_geometry(self.mode, "separate", _head_size(text))
         if rounding not in self.mode.roundings:
             raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")

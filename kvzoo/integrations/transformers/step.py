@@ -117,10 +117,12 @@ class ForwardStep:
         rounding: str = "nearest",
         impl: ImplChoice = None,
         validate: bool = False,
+        fresh_prefill: bool = False,
     ) -> torch.Tensor:
         """Write this step's K/V into `store` (a layer of page table `table`), then attend: query
         [B, Hq, Q, D], key/value [B, Hkv, Q, D] (transformers' layout) -> [B, Q, Hq, D]; padding
-        query rows give 0."""
+        query rows give 0. fresh_prefill: attend with torch SDPA on this step's own K/V where
+        that is the same attention (fresh_attention_applies), and over the pages otherwise."""
         meta = self.tables[table]
         lay = meta.layout
         batch, num_q_heads, q_len, head_size = query.shape
@@ -141,6 +143,8 @@ class ForwardStep:
         k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
         v = value.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
         plan.write(k, v, t, k_scale=store.k_scale, v_scale=store.v_scale)
+        if fresh_prefill and self.fresh_attention_applies(sliding_window, softcap, sinks):
+            return fresh_attention(query, key, value, softmax_scale)
         q = query.transpose(1, 2).reshape(rows, num_q_heads, head_size)
         if self.real_rows is not None:
             q = q.index_select(0, self.real_rows)
@@ -151,6 +155,18 @@ class ForwardStep:
             full[self.real_rows] = out
             out = full
         return out.view(batch, q_len, num_q_heads, head_size)
+
+    def fresh_attention_applies(self, sliding_window: int | None, softcap: float | None, sinks: Any) -> bool:
+        """Whether every row attends only this step's own keys (the cache held none of its
+        tokens before, and none is padding), causally, with nothing SDPA does not do."""
+        return (
+            self.start == 0
+            and self.q_len > 1
+            and self.real_rows is None
+            and sliding_window is None
+            and softcap is None
+            and sinks is None
+        )
 
     def _plan(
         self,
@@ -190,3 +206,15 @@ class ForwardStep:
             )
             self._plans[key] = plan
         return plan
+
+
+def fresh_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_scale: float | None
+) -> torch.Tensor:
+    """Causal attention of a step over its own K/V ([B, H, Q, D] each, transformers' layout),
+    by torch SDPA: [B, Q, Hq, D]. The numbers are DynamicCache + SDPA's, as exact as the model's
+    dtype: the quantized pages are read from the next step on."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=softmax_scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2)
