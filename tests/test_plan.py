@@ -917,3 +917,93 @@ def clone_cuda(c: KVCacheTensors) -> KVCacheTensors:
     if c.buffer is not None:
         return inline_views(c.buffer.clone(), c.key_cache.shape[-1], "int8_per_token_head")
     return KVCacheTensors(*(x.clone() for x in (c.key_cache, c.value_cache, c.k_scale_cache, c.v_scale_cache)))
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ("int8_per_token_head", "int4_per_token_head"))
+def test_cuda_graph_replayed_with_lying_metadata_stays_in_bounds(mode):
+    """SPEC 11.1 where engines need it most: a captured step whose metadata tensors are then
+    updated in place to values that break the rules (a block id past the cache, a negative one,
+    a length past the table, offsets past the query). The replay writes nothing outside out
+    (guard bytes on both sides), the ill-formed sequences' rows are NaN and the others are the
+    unvalidated functional call's on the same metadata."""
+    device, hq, hkv, d, bs, nb, seqs = "cuda", 8, 2, 128, 16, 64, 4
+    spec = kvzoo.CacheSpec(mode, num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_size=d, device=device)
+    g = torch.Generator(device="cpu").manual_seed(1101)
+    caches = spec.allocate()
+    kv = torch.randn(nb * bs, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    kvzoo.reshape_and_cache(kv, kv.flip(0), caches.key_cache, caches.value_cache, torch.arange(nb * bs, device=device),
+                            mode=mode, k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache)  # fmt: skip
+    table = torch.randperm(nb, generator=g)[: seqs * 8].view(seqs, 8).to(torch.int32).to(device)
+    seq_lens = torch.tensor([100, 37, 120, 64], dtype=torch.int32, device=device)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+    query = torch.randn(seqs, hq, d, generator=g).to(torch.bfloat16).to(device)
+    guard = 3
+    buffer = torch.full(((seqs + 2 * guard) * hq * d,), 7.0, dtype=torch.bfloat16, device=device)
+    out = buffer[guard * hq * d : (guard + seqs) * hq * d].view(seqs, hq, d)
+    plan = kvzoo.plan_step(spec, block_tables=table, seq_lens=seq_lens, query_start_loc=qsl, num_q_heads=hq,
+                           max_query_len=1, max_seq_len=8 * bs, num_prefills=0)  # fmt: skip
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.attention(query, caches, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.attention(query, caches, out=out)
+    # The lies, in place: sequence 0 a block past the cache, 1 a negative block, 2 a length past
+    # its table row; and every offset one row on, so sequence s owns row s + 1: row 0 is
+    # nobody's and sequence 3's row is the first guard row after out.
+    table[0, 2] = nb + 1000
+    table[1, 1] = -7
+    seq_lens[2] = 8 * bs + 5
+    qsl.add_(1)
+    out.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    before, after = buffer[: guard * hq * d], buffer[(guard + seqs) * hq * d :]
+    assert bool((before == 7.0).all()) and bool((after == 7.0).all()), "the replay wrote outside out"
+    assert bool((out[0] == 3.0).all()), "row 0 belongs to no sequence and was written"
+    assert bool(out[1:].isnan().all()), "an ill-formed sequence's rows are not NaN"
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ("int8_per_token_head", "int4_per_token_head", "none"))
+def test_plan_calls_read_nothing_back(mode):
+    """A plan's per-layer calls under torch's sync debug mode "error" (issue 46 item 2): a
+    mixed step (decodes and a prefill that stages its context) writes and attends without a
+    single host synchronisation, on the plan's first calls (which prepare the launches) and later."""
+    device, hq, hkv, d, bs, nb = "cuda", 8, 2, 128, 16, 64
+    spec = kvzoo.CacheSpec(mode, num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_size=d, device=device)
+    g = torch.Generator(device="cpu").manual_seed(1102)
+    q_lens, lens = [1, 1, 200], [40, 17, 230]
+    table = torch.randperm(nb, generator=g)[: 3 * 16].view(3, 16).to(torch.int32).to(device)
+    slots = torch.cat(
+        [table[s, torch.arange(n - q, n) // bs].long() * bs + torch.arange(n - q, n).to(device) % bs
+         for s, (q, n) in enumerate(zip(q_lens, lens))]
+    )  # fmt: skip
+    plan = kvzoo.plan_step(
+        spec,
+        block_tables=table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1, 2, 202], dtype=torch.int32, device=device),
+        slot_mapping=slots,
+        num_q_heads=hq,
+    )
+    layers = [spec.allocate() for _ in range(2)]
+    rows = sum(q_lens)
+    inputs = [
+        [torch.randn(rows, h, d, generator=g).to(torch.bfloat16).to(device) for h in (hkv, hkv, hq)] for _ in layers
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            for (k, v, q), caches in zip(inputs, layers):
+                plan.write(k, v, caches)
+                plan.attention(q, caches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

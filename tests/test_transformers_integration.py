@@ -785,3 +785,82 @@ def test_bf16_on_cuda_matches_dynamic_cache_within_bf16_rounding():
         pytest.skip("needs a CUDA GPU")
     errors = check_bf16("cuda", None)  # impl: the registry's choice (Triton)
     print("relative logit errors, bf16 on CUDA:", errors)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("make", ["paged", "static"])
+def test_decode_steps_read_nothing_back_on_cuda(make, monkeypatch):
+    """Issue 46 item 2: kvzoo's part of a decode step (the cache's update and the attention
+    function's write and attention, for every layer) runs under torch's sync debug mode
+    "error": any copy to the host, .item() or blocking copy from pageable memory raises."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvzoo.integrations.transformers import KVZooStaticLayer
+
+    torch.manual_seed(1234)
+    model = use_kvzoo_attention(LlamaForCausalLM(tiny_config()).eval().to("cuda", torch.bfloat16))
+    _, ids, mask = left_padded([5, 9])
+    ids, mask = ids.cuda(), mask.cuda()
+    if make == "paged":
+        cache = KVZooCache(model.config, mode="int8_per_token_head")
+    else:
+        cache = KVZooStaticCache(model.config, max_batch_size=2, max_cache_len=32, mode="int8_per_token_head")
+    strict = [False]
+
+    def checked(fn):
+        def run(*args, **kwargs):
+            if not strict[0]:
+                return fn(*args, **kwargs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    for cls in (KVZooLayer, KVZooStaticLayer):
+        monkeypatch.setattr(cls, "update", checked(cls.update))
+        monkeypatch.setattr(cls, "attend", checked(cls.attend))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache})  # prefill: reads the mask
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            strict[0] = True
+            out = model(token, attention_mask=mask, use_cache=True, **{CACHE_ARG: cache})
+            strict[0] = False
+            token = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu_only
+def test_static_cache_compiled_on_cuda_gives_the_eager_numbers():
+    """generate()'s own compiled decode (inductor, CUDA graphs) over KVZooStaticCache: the
+    tokens and logits of the same cache run eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import CompileConfig
+
+    torch.manual_seed(1234)
+    model = use_kvzoo_attention(LlamaForCausalLM(tiny_config()).eval().to("cuda", torch.bfloat16))
+    _, ids, mask = left_padded([5, 9])
+    ids, mask = ids.cuda(), mask.cuda()
+    args = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model.generate(
+            ids,
+            attention_mask=mask,
+            disable_compile=True,
+            **{CACHE_ARG: KVZooStaticCache(model.config, max_batch_size=2, max_cache_len=32)},
+            **args,
+        )
+        compiled = model.generate(
+            ids,
+            attention_mask=mask,
+            compile_config=CompileConfig(fullgraph=True),
+            **{CACHE_ARG: KVZooStaticCache(model.config, max_batch_size=2, max_cache_len=32)},
+            **args,
+        )
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert max_logit_error(compiled.logits, eager.logits) <= 2e-2  # bf16 model: inductor fuses its matmuls

@@ -1,0 +1,38 @@
+"""bench/e2e_transformers.py in its CPU smoke mode: every row runs, and what it reports of memory
+is what the caches hold (the GPU figures in bench/RESULTS.md come from the same code)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "e2e_transformers.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("e2e_transformers", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_reports_every_cache(tmp_path):
+    bench = _bench()
+    out = tmp_path / "e2e.json"
+    caches = "dynamic,kvzoo-int8,kvzoo-int4,kvzoo-int8-kernels"
+    assert bench.main(["--smoke", "--caches", caches, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["cache"]: r for r in report["rows"]}
+    assert sorted(rows) == sorted(caches.split(","))
+    assert all(r["status"] == "ok" and r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
+    # The smoke model is float32 with heads of 16: int8 keeps (16 + 4) of 64 bytes a row, int4 (8 + 4).
+    held = {name: r["held_bytes"] for name, r in rows.items()}
+    assert 0 < held["kvzoo-int4"] < held["kvzoo-int8"] < 0.4 * held["dynamic"], held
+    assert {"date", "commit", "device", "torch", "transformers", "command"} <= set(report["environment"])
