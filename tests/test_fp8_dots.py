@@ -12,6 +12,7 @@ TRITON_INTERPRET=1 (tests/conftest.py without a GPU) the Triton kernel runs on C
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import ml_dtypes
 import numpy as np
@@ -178,9 +179,15 @@ def test_the_probability_tile_check_admits_a_rounding_float32_cannot_decide(seed
     )
     checks.check_paged_attention(registry.default().get("paged_attention", "numpy"), case)
     ((args, kwargs),) = [(a, k) for a, k in compared if "probability tile" in a[-1]]
-    # Without the slack the same comparison fails, so these seeds still exercise a flip.
-    with pytest.raises(AssertionError, match=r"\(its probability tile\): sequence \d+ relative error"):
+    # Without the slack the same comparison fails where this seed still exercises a flip. Whether
+    # it does depends on the machine's float32 matmul (OpenBLAS picks its kernels by CPU, and sums
+    # in another order on another one): the check with the slack above passed either way.
+    try:
         real_compare(*args, **{**kwargs, "slack": None})
+    except AssertionError as exc:
+        assert re.search(r"\(its probability tile\): sequence \d+ relative error", str(exc)), exc
+    else:
+        pytest.skip(f"seed {seed} flips no e4m3 rounding with this machine's float32 matmul")
 
 
 # float32 output (no bf16 rounding to hide in) over 128+ keys a sequence: several tiles.
