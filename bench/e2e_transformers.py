@@ -197,6 +197,8 @@ def make_cache(name: str, model, batch: int, length: int, impl: str | None):
         from transformers import QuantizedCache
 
         backend = name.split("-")[0]
+        if backend == "quanto" and model.device.type == "cuda":
+            _quanto_unpack_as_torch_ops()
         return QuantizedCache(backend=backend, config=model.config, nbits=4), {}, "sdpa"
     parts = name.split("-")
     mode = MODES[parts[1]]
@@ -207,6 +209,17 @@ def make_cache(name: str, model, batch: int, length: int, impl: str | None):
     prefill = "kvzoo" if parts[-1] == "kernels" else "auto"
     cache = KVZooCache(model.config, mode=mode, max_cache_len=length, impl=impl, prefill_attention=prefill)
     return cache, {}, "kvzoo_paged"
+
+
+def _quanto_unpack_as_torch_ops() -> None:
+    """optimum-quanto unpacks int4 on CUDA with an extension it compiles at first use (nvcc,
+    minutes, with its matmul kernels): its own torch-op unpack serves instead (the row's note)."""
+    import types
+
+    from optimum.quanto.library.extensions.extension import get_extension
+    from optimum.quanto.library.unpack import unpack
+
+    get_extension("quanto_cuda")._lib = types.SimpleNamespace(unpack=unpack)
 
 
 def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cache=None):
@@ -221,6 +234,7 @@ def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cach
         model.set_attn_implementation(attention)
     clock = StepClock(device)
     if cache is not None:
+        kwargs.pop("cache_implementation", None)  # a StaticCache generate made before, used again
         kwargs[CACHE_ARG] = cache
     with torch.no_grad():
         clock.mark()
@@ -231,11 +245,14 @@ def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cach
             min_new_tokens=new_tokens,
             do_sample=False,
             logits_processor=LogitsProcessorList([clock]),
+            return_dict_in_generate=True,
             **kwargs,
         )
-    assert out.shape == (batch, prompt + new_tokens), out.shape
+    assert out.sequences.shape == (batch, prompt + new_tokens), out.sequences.shape
+    # The cache generate used (the one it made, for static-compiled), kept for the memory figure.
+    used = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     del out
-    return clock, cache
+    return clock, cache if cache is not None else used
 
 
 def run_case(model, shape: str, name: str, new_tokens: int, impl: str | None, weights: int, total: int) -> Row:
@@ -271,6 +288,8 @@ def run_case(model, shape: str, name: str, new_tokens: int, impl: str | None, we
         row.tokens_per_s = batch * len(decode) / (sum(decode) / 1e3)
         if cache is not None and hasattr(cache, "nbytes") and reuse is None and cache.nbytes:
             row.notes.append(f"pages {cache.nbytes / 2**30:.2f} GiB")
+        if name == "quanto-int4" and device.type == "cuda":
+            row.notes.append("quanto's int4 unpack as torch ops (its CUDA extension is not built)")
         per_row = row.held_bytes / batch
         if total and per_row > 0:
             row.largest_batch = int((total - weights - HEADROOM) // per_row)
@@ -283,8 +302,16 @@ def run_case(model, shape: str, name: str, new_tokens: int, impl: str | None, we
 
 
 def _cache_bytes(cache) -> int:
-    # A reused cache existed before the measured run: its pages are counted from the cache.
-    return int(getattr(cache, "nbytes", 0))
+    """A reused cache existed before the measured run: what it holds is counted from it (kvzoo's
+    report their pages; another cache, the storages of its layers' tensors)."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    storages = {}
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def kv_floor(model, shape: str, mode: str | None) -> int:
