@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,10 @@ from .strided import KINDS, flat, flat_view, stride_problem
 NAME = "numba"
 PRIORITY = 50
 DISABLE_ENV = "KVZOO_DISABLE_NUMBA"
+# What a first compile of every kernel took (`kvzoo warmup` on a cold cache): measured on a
+# 2-core VM, idle and under load.
+COMPILE_ESTIMATE = "2-4 minutes on an idle 2-core machine, up to 10 under load"
+log = logging.getLogger(__name__)
 # Query tokens per attention work item in prefill: rows = tokens x group, about 64 rows keeps
 # each decoded K/V tile reused across many dot products while leaving enough items to share.
 _PREFILL_ROWS = 64
@@ -75,12 +80,13 @@ def _kernels() -> Any:
     if not _announced:
         _announced = True
         if _cold_cache(kernels):
-            print(
-                "kvzoo: compiling the numba CPU kernels; the first use on this machine takes about a "
-                "minute (cached on disk after that). `kvzoo warmup` compiles them ahead; "
-                f"{DISABLE_ENV}=1 uses NumPy instead.",
-                file=sys.stderr,
-                flush=True,
+            # A warning, so Python's last-resort handler shows it where the application set up
+            # no logging: a first call that sits for minutes must say why.
+            log.warning(
+                "compiling the numba CPU kernels: the first use on this machine takes %s (cached on disk "
+                "after that). `kvzoo warmup` compiles them ahead; %s=1 uses NumPy instead.",
+                COMPILE_ESTIMATE,
+                DISABLE_ENV,
             )
     return kernels
 
