@@ -692,6 +692,7 @@ def refusals(ctx):
     ]
     for field, mine_s, mine_r in cases:
         ctx.check(f"refusal {field}", _refusal_case, ctx, field, mine_s if ctx.rank == 0 else mine_r)
+    ctx.check("refusal checksums", _refusal_case, ctx, "checksums", {"corrupt": True})
 
 
 def _refusal_case(ctx, field, cfg):
@@ -700,12 +701,17 @@ def _refusal_case(ctx, field, cfg):
     import kvzoo
     from kvzoo.conformance.inputs import rng_for
     from kvzoo.distributed import TransferError, recv_pages, send_pages
+    from kvzoo.distributed import transfer as transfer_module
 
     mode = kvzoo.get_kv_quant_mode(cfg.get("mode", "int8_per_token_head"))
     spec = _spec(ctx, mode, cfg.get("heads", 2), num_blocks=8, head_size=cfg.get("head_size", D))
     caches = [spec.allocate()]
     scales = [(cfg["scale"], cfg["scale"])] if "scale" in cfg else None
     rng = rng_for("refusal", field, ctx.rank)
+    real_checksum = transfer_module._checksum
+    if cfg.get("corrupt") and ctx.rank == 0:
+        # What a payload altered on the way gives: sums that are not the received bytes'.
+        transfer_module._checksum = lambda flat: real_checksum(flat) + 1
     try:
         if ctx.rank == 0:
             send_pages(
@@ -737,9 +743,11 @@ def _refusal_case(ctx, field, cfg):
                 _untouched(caches, snap)
                 assert bool((table == 7).all()) and not free.calls, "a refused transfer wrote the table or allocated"
     except TransferError as exc:
-        if f"{field}:" not in str(exc):
+        if f"{field}:" not in str(exc) and f"match their {field}" not in str(exc):
             raise AssertionError(f"the refusal does not name {field!r}: {exc}") from None
         return str(exc)
+    finally:
+        transfer_module._checksum = real_checksum
     raise AssertionError("the transfer was not refused")
 
 

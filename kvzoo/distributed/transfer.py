@@ -70,6 +70,10 @@ class TransferError(RuntimeError):
     written. The two ranks' point-to-point stream is out of step afterwards (module docstring)."""
 
 
+class _Rejected(TransferError):
+    """Refused after every message of the transfer arrived (the pages fail their checksums)."""
+
+
 def _timeout_arg(timeout: Any) -> float:
     if (
         isinstance(timeout, bool)
@@ -356,6 +360,9 @@ def recv_pages(
     try:
         pages = _receive(wire, caches, tables)
     except TransferError as exc:
+        if isinstance(exc, _Rejected):
+            # Every message arrived: the sender waits for the outcome and can be told.
+            _notify(wire, {"committed": False, "error": str(exc)})
         raise TransferError(f"{str(exc).rstrip('. ')}. {NOTHING_WRITTEN}") from exc
     try:
         placement = commit(pages, caches, tables, allocate)
@@ -389,9 +396,7 @@ def _receive(wire: _Wire, caches: Any, tables: TableArgs) -> Pages:
     sums = torch.stack([_checksum(t) for t in staged])
     bad = (sums != trailer).nonzero().reshape(-1).tolist()
     if bad:
-        raise TransferError(
-            f"recv_pages: the pages of layers {bad} from rank {wire.peer} do not match their checksums."
-        )
+        raise _Rejected(f"recv_pages: the pages of layers {bad} from rank {wire.peer} do not match their checksums.")
     device = caches.device
     return Pages(header, [t if t.device == device else t.to(device) for t in staged])
 
