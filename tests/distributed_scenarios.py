@@ -172,7 +172,7 @@ class Ctx:
     # The test's own channel (not the library's): a tensor's bytes, its size first.
     def send_bits(self, t, dst, group=None):
         torch = self.torch
-        data = _bits(t).contiguous().view(torch.uint8).reshape(-1).to(self.wire)
+        data = bits(t).contiguous().view(torch.uint8).reshape(-1).to(self.wire)
         self.dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.wire), dst, group=group)
         self.dist.send(data, dst, group=group)
 
@@ -185,14 +185,14 @@ class Ctx:
         return data.cpu()
 
 
-def _bits(x):
+def bits(x):
     """An integer view of x's elements (same width), so comparisons are of bits."""
     import torch
 
     return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
-def _arrays(tensors):
+def arrays(tensors):
     return [
         a
         for a in (tensors.key_cache, tensors.value_cache, tensors.k_scale_cache, tensors.v_scale_cache)
@@ -200,37 +200,31 @@ def _arrays(tensors):
     ]
 
 
-def _snapshot(layers):
-    return [[_bits(a).clone() for a in _arrays(t)] for t in layers]
+def snapshot(layers):
+    return [[bits(a).clone() for a in arrays(t)] for t in layers]
 
 
-def _poison(layers, rng):
+def poison(layers, rng):
     """Random bytes (never zero) everywhere: a byte the library must not write stays this."""
     import torch
 
     for t in layers:
-        whole = [t.buffer] if t.buffer is not None else _arrays(t)
+        whole = [t.buffer] if t.buffer is not None else arrays(t)
         for a in whole:
             raw = a.view(torch.uint8)
             noise = rng.integers(1, 256, size=tuple(raw.shape), dtype="uint8")
             raw.copy_(torch.from_numpy(noise).to(raw.device))
 
 
-def _untouched(layers, snap, skip_blocks=()):
+def untouched(layers, snap, skip_blocks=()):
     import torch
 
     for n, (t, before) in enumerate(zip(layers, snap)):
-        for a, b in zip(_arrays(t), before):
+        for a, b in zip(arrays(t), before):
             keep = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
             keep[list(skip_blocks)] = False
-            if not torch.equal(_bits(a)[keep], b[keep]):
+            if not torch.equal(bits(a)[keep], b[keep]):
                 raise AssertionError(f"layer {n}: a block outside the placed ones changed")
-
-
-def _rows(x):
-    import numpy as np
-
-    return np.random.default_rng(x)
 
 
 # Shapes: small, so the NumPy implementation runs them in well under a second each.
@@ -367,12 +361,12 @@ def _sharded_case(ctx, mode, layout, W, group):
             mine, tables, lens, q_lens, slots, [(shard.local_kv(k), shard.local_kv(v))], [shard.local_q(q)]
         )
         got = shard.gather(part)
-        if not torch.equal(_bits(got), _bits(want)):
-            diff = (_bits(got) != _bits(want)).sum().item()
+        if not torch.equal(bits(got), bits(want)):
+            diff = (bits(got) != bits(want)).sum().item()
             raise AssertionError(f"step {step}: {diff} of {want.numel()} output elements differ from one process's")
     heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
-    for a, b in zip(_arrays(mine[0]), _arrays(ref_caches[0])):
-        if not torch.equal(_bits(a), _bits(b)[:, :, heads]):
+    for a, b in zip(arrays(mine[0]), arrays(ref_caches[0])):
+        if not torch.equal(bits(a), bits(b)[:, :, heads]):
             raise AssertionError("this rank's cache is not the single-process cache's bytes for its heads")
     return f"{W} ranks, KV heads {list(shard.kv_heads)} of {full.num_kv_heads}, query heads {list(shard.q_heads)}"
 
@@ -410,7 +404,7 @@ def _sharded_long(ctx, mode, layout, W, group, invariant):
         )
         outs.append((shard.gather(part), want))
     got, want = outs[-1]
-    equal = torch.equal(_bits(got), _bits(want))
+    equal = torch.equal(bits(got), bits(want))
     if invariant and not equal:
         raise AssertionError("decode at context 5000 with batch_invariant: outputs differ from one process's")
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -492,9 +486,9 @@ def _block_bits(caches, tables):
 
     parts = []
     for t in caches:
-        for a in _arrays(t):
+        for a in arrays(t):
             idx = torch.tensor([b for row in tables for b in row], device=a.device)
-            parts.append(_bits(a).index_select(0, idx).contiguous().view(torch.uint8).reshape(-1).cpu())
+            parts.append(bits(a).index_select(0, idx).contiguous().view(torch.uint8).reshape(-1).cpu())
     return torch.cat(parts)
 
 
@@ -554,8 +548,8 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
             ctx.send_bits(out, 1)
         return f"sent {sent} bytes"
     caches = [spec.allocate() for _ in range(L)]
-    _poison(caches, rng)
-    snap = _snapshot(caches)
+    poison(caches, rng)
+    snap = snapshot(caches)
     engine_table = torch.from_numpy(rng.integers(0, NB, (6, 8)).astype("int32")).to(ctx.device)
     engine_lens = torch.from_numpy(rng.integers(0, 99, 6).astype("int32")).to(ctx.device)
     table_before, lens_before = engine_table.clone(), engine_lens.clone()
@@ -581,7 +575,7 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
         assert int(engine_lens[r]) == lens[s]
     others = [r for r in range(6) if r not in rows]
     assert engine_table[others].equal(table_before[others]) and engine_lens[others].equal(lens_before[others])
-    _untouched(caches, snap, skip_blocks=placed.block_ids.tolist())
+    untouched(caches, snap, skip_blocks=placed.block_ids.tolist())
     received = _block_bits(caches, new_tables)
     writer = _Writer(ctx, lambda **k: kvzoo.plan_step(spec, num_q_heads=Hq, **k), static)
     outs = _decode(writer, caches, new_tables, lens, free, decode)
@@ -589,7 +583,7 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
     if not torch.equal(theirs[0], received):
         raise AssertionError("the received blocks are not the sender's bytes")
     for step, out in enumerate(outs):
-        if not torch.equal(theirs[1 + step], _bits(out).contiguous().view(torch.uint8).reshape(-1).cpu()):
+        if not torch.equal(theirs[1 + step], bits(out).contiguous().view(torch.uint8).reshape(-1).cpu()):
             raise AssertionError(f"decode output {step} (step {step // L}, layer {step % L}) differs from the sender's")
     return f"blocks {placed.block_ids.tolist()}; 3 decode steps x {L} layers equal"
 
@@ -646,11 +640,11 @@ def _reshard_case(ctx, mode, decoders, group):
         return f"sent to {decoders}"
     shard = shard_spec(full, Hq, group=group)
     caches = [shard.allocate() for _ in range(L)]
-    _poison(caches, rng)
-    snap = _snapshot(caches)
+    poison(caches, rng)
+    snap = snapshot(caches)
     placed = recv_pages(caches, shard, src=0, allocate=free, static_scales=scales, timeout=60)
     new_tables = [[int(b) for b in r if b >= 0] for r in placed.block_tables.tolist()]
-    _untouched(caches, snap, skip_blocks=placed.block_ids.tolist())
+    untouched(caches, snap, skip_blocks=placed.block_ids.tolist())
     # The sender's blocks, cut to this rank's heads, against what landed here.
     theirs = ctx.recv_bits(0)
     mine = _block_bits(caches, new_tables)
@@ -659,10 +653,10 @@ def _reshard_case(ctx, mode, decoders, group):
     pages = sum(len(r) for r in new_tables)
     heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
     for t in full_caches:
-        for a in _arrays(t):
+        for a in arrays(t):
             shape = (pages, *a.shape[1:])
             size = int(torch.tensor(shape).prod()) * a.element_size()
-            block = theirs[offset : offset + size].view(_bits(a).dtype).view(shape)
+            block = theirs[offset : offset + size].view(bits(a).dtype).view(shape)
             want.append(block[:, :, heads].contiguous().view(torch.uint8).reshape(-1))
             offset += size
     if not torch.equal(mine, torch.cat(want)):
@@ -672,7 +666,7 @@ def _reshard_case(ctx, mode, decoders, group):
     for step, out in enumerate(outs):
         got = shard.gather(out)
         if ctx.rank == decoders[0]:
-            if not torch.equal(ctx.recv_bits(0), _bits(got).contiguous().view(torch.uint8).reshape(-1).cpu()):
+            if not torch.equal(ctx.recv_bits(0), bits(got).contiguous().view(torch.uint8).reshape(-1).cpu()):
                 raise AssertionError(f"decode output {step}: the decode ranks' gathered bytes differ from rank 0's")
     return f"KV heads {list(shard.kv_heads)} of {Hkv}; 3 decode steps x {L} layers equal"
 
@@ -724,8 +718,8 @@ def _refusal_case(ctx, field, cfg):
                 timeout=30,
             )
         else:
-            _poison(caches, rng)
-            snap = _snapshot(caches)
+            poison(caches, rng)
+            snap = snapshot(caches)
             table = torch.full((4, 2), 7, dtype=torch.int32, device=ctx.device)
             free = _Free(range(8))
             try:
@@ -740,7 +734,7 @@ def _refusal_case(ctx, field, cfg):
                     rows=cfg.get("rows", [0, 1]),
                 )
             finally:
-                _untouched(caches, snap)
+                untouched(caches, snap)
                 assert bool((table == 7).all()) and not free.calls, "a refused transfer wrote the table or allocated"
     except TransferError as exc:
         if f"{field}:" not in str(exc) and f"match their {field}" not in str(exc):
@@ -767,7 +761,7 @@ def _failure_case(ctx, name, group):
     spec = _spec(ctx, "int8_per_token_head", 2, num_blocks=16)
     caches = [spec.allocate() for _ in range(L)]
     rng = rng_for("failure", name, ctx.rank)
-    _poison(caches, rng)
+    poison(caches, rng)
     if ctx.rank == 0:
         real_send_layers, real_gather = transfer_module._send_layers, transfer_module.gather_layer
         if name == "timeout":
@@ -802,7 +796,7 @@ def _failure_case(ctx, name, group):
         finally:
             transfer_module._send_layers, transfer_module.gather_layer = real_send_layers, real_gather
         raise AssertionError("the stalled sender's transfer completed")
-    snap = _snapshot(caches)
+    snap = snapshot(caches)
     table = torch.full((2, 4), -7, dtype=torch.int32, device=ctx.device)
     lens = torch.full((2,), 99, dtype=torch.int32, device=ctx.device)
     free = _Free(range(16))
@@ -821,7 +815,7 @@ def _failure_case(ctx, name, group):
         )
     except TransferError as exc:
         elapsed = time.monotonic() - t0
-        _untouched(caches, snap)
+        untouched(caches, snap)
         assert bool((table == -7).all()) and bool((lens == 99).all()), "the block table or lengths were written"
         assert not free.calls, f"the allocator was called: {free.calls}"
         assert "Nothing was written" in str(exc), str(exc)
