@@ -64,3 +64,26 @@ def test_four_ranks_shard_over_the_group_and_its_halves_and_reshard_one_to_two(t
     reshard = [f"reshard 0->[2, 3] {m.name}/separate->{m.layouts[-1]}" for m in kvzoo.MODES.values()]
     sharded = _sharded(4) + _sharded(2)
     _check(result, {0: sharded + reshard, 1: sharded, 2: sharded + reshard, 3: sharded + reshard})
+
+
+def test_the_scaleout_benchmark_runs_and_counts_the_pages_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "scaleout.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "scaleout_transfer.py"
+    args = ["--tokens", "256", "--layers", "2", "--repeats", "1", "--seq-len", "100", "--json", str(out)]
+    args += ["--modes", "int8_per_token_head,int4_per_token_head,none", "--dir", str(tmp_path)]
+    subprocess.run([sys.executable, str(script), *args], check=True, timeout=LAUNCH_TIMEOUT, capture_output=True)
+    result = json.loads(out.read_text())
+    # Per token and layer, K and V of 8 heads: int8 rows of 128 codes and a float32 scale, int4
+    # rows of 64 bytes and a scale, bf16 rows of 256 bytes. 256 tokens in sequences of 100 take
+    # 7 + 7 + 4 blocks of 16: the pages are 18 x 16 token slots.
+    per_slot = {"int8_per_token_head": 2 * 8 * 132, "int4_per_token_head": 2 * 8 * 68, "none": 2 * 8 * 256}
+    for row in result["rows"]:
+        assert row["bytes"] == 2 * 18 * 16 * per_slot[row["mode"]], row
+        for key in ("send", "save", "load", "offload"):
+            assert row[key + "_s"] > 0 and row["raw_" + key + "_s"] > 0
+    assert {r["mode"] for r in result["rows"]} == set(per_slot) and result["info"]["commit"]

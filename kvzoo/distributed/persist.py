@@ -35,6 +35,8 @@ __all__ = ["load_pages", "pages_header", "save_pages"]
 
 _FORMAT = "kvzoo.pages"
 _HEADER_KEY, _CRC_KEY, _HEADER_CRC_KEY, _FORMAT_KEY = "kvzoo.header", "kvzoo.crc32", "kvzoo.header_crc32", "format"
+# safetensors' names of the dtypes a pages file holds.
+_DTYPES = {"uint8": "U8", "float32": "F32"}
 # A safetensors header longer than this is not one of ours (or not a safetensors file).
 _MAX_HEADER = 1 << 30
 
@@ -199,28 +201,46 @@ def load_pages(path: str | os.PathLike, *, device: Any = "cpu") -> Pages:
     CorruptPagesError
         The file is truncated, altered, or not a pages file; nothing is returned.
     """
-    st = _safetensors_numpy()
+    _safetensors_numpy()
+    from safetensors import safe_open
+
     what = str(path)
-    data = Path(path).read_bytes()
-    meta = _metadata(data, what)
-    header = _header_of(meta, what)
-    try:
-        tensors = st.load(data)
-    except Exception as exc:  # safetensors' own error type varies by version
-        raise CorruptPagesError(f"{what}: safetensors cannot read it ({exc})") from None
-    crcs = json.loads(meta[_CRC_KEY])
-    host = Pages(header, [empty_layer(header, "cpu") for _ in range(header.num_layers)])
-    expected = _file_tensors(host)
-    if set(tensors) != set(expected) or set(crcs) != set(expected):
-        missing = sorted(set(expected) ^ set(tensors)) or sorted(set(expected) ^ set(crcs))
-        raise CorruptPagesError(f"{what}: tensors {missing[:6]} missing or unexpected for its header")
-    for name, target in expected.items():
-        got = tensors[name]
-        if got.shape != target.shape or got.dtype != target.dtype:
-            raise CorruptPagesError(
-                f"{what}: {name} is {got.dtype} {got.shape}, its header makes it {target.dtype} {target.shape}"
-            )
-        if _crc(got) != crcs[name]:
-            raise CorruptPagesError(f"{what}: {name} does not match its checksum (the file was altered)")
-        np.copyto(target, got)
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) == 8:
+            head += f.read(min(struct.unpack("<Q", head)[0], _MAX_HEADER))
+        meta = _metadata(head, what)
+        header = _header_of(meta, what)
+        try:
+            # safetensors' own check of the layout (offsets, sizes, the file's length).
+            with safe_open(str(path), framework="numpy") as checked:
+                names = set(checked.keys())
+        except Exception as exc:  # its error type varies by version
+            raise CorruptPagesError(f"{what}: safetensors cannot read it ({exc})") from None
+        entries = json.loads(head[8:])
+        data_start = len(head)
+        crcs = json.loads(meta[_CRC_KEY])
+        host = Pages(header, [empty_layer(header, "cpu") for _ in range(header.num_layers)])
+        expected = _file_tensors(host)
+        if names != set(expected) or set(crcs) != set(expected):
+            odd = sorted(set(expected) ^ names) or sorted(set(expected) ^ set(crcs))
+            raise CorruptPagesError(f"{what}: tensors {odd[:6]} missing or unexpected for its header")
+        end = max((entries[name]["data_offsets"][1] for name in expected), default=0)
+        if total != data_start + end:
+            raise CorruptPagesError(f"{what}: {total} bytes, its header makes it {data_start + end}")
+        for name, target in expected.items():
+            entry = entries[name]
+            begin, stop = (int(v) for v in entry["data_offsets"])
+            if entry["dtype"] != _DTYPES[target.dtype.name] or tuple(entry["shape"]) != target.shape:
+                raise CorruptPagesError(
+                    f"{what}: {name} is {entry['dtype']} {entry['shape']}, its header makes it "
+                    f"{_DTYPES[target.dtype.name]} {list(target.shape)}"
+                )
+            # Straight into the pages' own buffer: the file's bytes are read once.
+            f.seek(data_start + begin)
+            if stop - begin != target.nbytes or f.readinto(memoryview(target).cast("B")) != target.nbytes:
+                raise CorruptPagesError(f"{what}: {name} is shorter than its shape")
+            if _crc(target) != crcs[name]:
+                raise CorruptPagesError(f"{what}: {name} does not match its checksum (the file was altered)")
     return host if torch.device(device).type == "cpu" else host.to(device)
