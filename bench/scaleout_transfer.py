@@ -11,7 +11,8 @@ values do not matter to its speed). Rows, each the median of `--repeats` runs af
 warm-up, timed on the receiving rank from a barrier to the call's return:
 
 - transfer: send_pages on rank 0, recv_pages on rank 1 (handshake, gathering the pages from
-  the cache, per-layer messages, checksums, staging, allocation, copy into the cache);
+  the cache, per-layer messages, checksums, staging, allocation, copy into the cache), with
+  fresh staging memory, and again with a workspace kept across transfers (`workspace=`);
 - raw send: one torch.distributed.send of a tensor of the same bytes into a preallocated one;
 - link: the raw send of the largest size's bytes (at least 256 MiB), the link's measured rate;
 - save / load: save_pages(gather_pages(...)) and place_pages(load_pages(...)) on rank 0,
@@ -19,7 +20,9 @@ warm-up, timed on the receiving rank from a barrier to the call's return:
   in --dir; the OS page cache holds it, so this is the cost of the bytes' processing and a
   memory-speed write, not a disk's);
 - offload: gather_pages(...).to_host() then place_pages back, against a copy of one tensor of
-  the same bytes to the host and back (on a machine without CUDA both are plain copies).
+  the same bytes to the host and back (on a machine without CUDA both are plain copies);
+- gather, place: gather_pages and place_pages alone (into fresh memory, and from the pages into
+  the cache), the two copies the raw rows do not make.
 
 Bytes per token are the pages' (codes, scales, alignment) per layer, against a bf16 cache's
 2 x kv_heads x head_size x 2. --json writes the rows with the machine, versions and command.
@@ -110,6 +113,17 @@ def _case(args, rank, device, mode, tokens, tmp):
             recv_pages(layers, spec, src=0, allocate=free, timeout=600)
 
     row["send_s"] = _timed(transfer, device, args.repeats)
+    # The same with a workspace kept across transfers, as an engine would: no fresh staging memory.
+    layer = pages.header.layer_bytes
+    workspace = torch.empty(layer * (2 if rank == 0 else args.layers), dtype=torch.uint8, device=device)
+
+    def transfer_in_workspace():
+        if rank == 0:
+            send_pages(layers, spec, table, lens, dst=1, timeout=600, workspace=workspace)
+        else:
+            recv_pages(layers, spec, src=0, allocate=free, timeout=600, workspace=workspace)
+
+    row["send_workspace_s"] = _timed(transfer_in_workspace, device, args.repeats)
     wire = device if args.backend == "nccl" else torch.device("cpu")
     raw = torch.empty(nbytes, dtype=torch.uint8, device=wire)
 
@@ -138,6 +152,9 @@ def _case(args, rank, device, mode, tokens, tmp):
             lambda: raw.copy_(safetensors.torch.load_file(str(raw_path))["raw"]), device, args.repeats, group
         )
         row["file_bytes"] = path.stat().st_size
+        # The two copies a raw tensor does not make: pages out of the cache, and into it.
+        row["gather_s"] = _timed(lambda: gather_pages(layers, spec, table, lens), device, args.repeats, group)
+        row["place_s"] = _timed(lambda: place_pages(pages, layers, spec, allocate=free), device, args.repeats, group)
         row["offload_s"] = _timed(
             lambda: place_pages(gather_pages(layers, spec, table, lens).to_host(), layers, spec, allocate=free),
             device,
@@ -220,24 +237,34 @@ def _gbps(nbytes, seconds):
     return nbytes / seconds / 1e9
 
 
-def _cell(row: dict, key: str) -> str:
-    kvzoo_s, raw_s = row[key + "_s"], row["raw_" + key + "_s"]
+def _cell(row: dict, key: str, raw: str | None = None) -> str:
+    kvzoo_s, raw_s = row[key + "_s"], row["raw_" + (raw or key) + "_s"]
     return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({_gbps(row['bytes'], kvzoo_s):.2f} GB/s)"
 
 
 def table(result: dict) -> list[str]:
     """The rows as markdown: each operation's time against the raw tensor's, and its rate."""
     out = [
-        "| mode | tokens | bytes/token/layer (x bf16) | transfer / raw send | save / raw save "
-        "| load + place / raw load | offload + back / raw copies |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | tokens | bytes/token/layer (x bf16) | transfer / raw send | transfer, workspace kept / raw send "
+        "| save / raw save | load + place / raw load | offload + back / raw copies |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         per_token = r["bytes_per_token_layer"]
         out.append(
             f"| {r['mode']} | {r['tokens']} | {per_token:.0f} ({per_token / r['bf16_bytes_per_token_layer']:.3f}x) "
-            f"| {_cell(r, 'send')} | {_cell(r, 'save')} | {_cell(r, 'load')} | {_cell(r, 'offload')} |"
+            f"| {_cell(r, 'send')} | {_cell(r, 'send_workspace', 'send')} | {_cell(r, 'save')} | {_cell(r, 'load')} "
+            f"| {_cell(r, 'offload')} |"
         )
+    out.append("")
+    out.append(
+        "The copies a raw tensor does not make, alone (ms): "
+        + "; ".join(
+            f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}"
+            for r in result["rows"]
+        )
+        + "."
+    )
     link = result["link"]
     out.append("")
     out.append(
@@ -274,7 +301,7 @@ def main(argv=None) -> int:
         r0, r1 = json.loads(Path(out + ".r0").read_text()), json.loads(Path(out + ".r1").read_text())
     rows = []
     for a, b in zip(r0["rows"], r1["rows"]):
-        rows.append({**b, **{k: v for k, v in a.items() if k not in ("send_s", "raw_send_s")}})
+        rows.append({**b, **{k: v for k, v in a.items() if k not in ("send_s", "send_workspace_s", "raw_send_s")}})
     result = {"info": info, "rows": rows, "link": r1["link"]}
     print(f"{info['date']}, {info['machine']}, torch {info['torch']}, {info['backend']}, commit {info['commit']}")
     print(f"`{info['command']}`; medians of {args.repeats} runs")

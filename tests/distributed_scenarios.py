@@ -540,6 +540,10 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
     spec = _spec(ctx, mode, Hkv, layout=layout, num_blocks=NB)
     free = _Free(map(int, rng.permutation(NB)))
     scales = None if static is None else [static] * L
+    # A workspace holding the pages (same layouts), one too small to (the int8 modes: fresh
+    # memory then), or none.
+    size = 0 if src_layout != dst_layout else (16 if "int8" in mode.name else 1 << 20)
+    workspace = torch.from_numpy(rng.integers(1, 256, size, dtype="uint8")).to(ctx.device) if size else None
     if ctx.rank == 0:
         caches, tables, writer = _prefill_sender(ctx, spec, Hq, L, inputs, free)
         sent = send_pages(
@@ -551,6 +555,7 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
             seq_ids=["a", "b", "c"],
             static_scales=scales,
             timeout=60,
+            workspace=workspace,
         )
         ctx.send_bits(_block_bits(caches, tables), 1)
         for out in _decode(writer, caches, tables, lens, free, decode):
@@ -573,6 +578,7 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
         seq_lens=engine_lens,
         static_scales=scales,
         timeout=60,
+        workspace=workspace,
     )
     new_tables = [[int(b) for b in r if b >= 0] for r in placed.block_tables.tolist()]
     assert placed.seq_lens.tolist() == lens and placed.seq_ids == ("a", "b", "c"), (placed.seq_lens, placed.seq_ids)

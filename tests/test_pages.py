@@ -436,3 +436,29 @@ def test_pages_check_their_buffers():
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"kvzoo.distributed.{module}")
     assert doctest.testmod(mod, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_transfer_arguments_are_checked_before_anything_is_sent(tmp_path):
+    import torch.distributed as dist
+
+    from kvzoo.distributed import recv_pages, send_pages
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        spec = _spec("int8_per_token_head")
+        caches = [spec.allocate()]
+        table, lens = torch.tensor([[0]]), torch.tensor([3])
+        with pytest.raises(KVZooInputError, match="dst: expected another rank of the group, got 0"):
+            send_pages(caches, spec, table, lens, dst=0)
+        with pytest.raises(KVZooInputError, match="src: expected another rank of the group, got 3"):
+            recv_pages(caches, spec, src=3, allocate=[1])
+        with pytest.raises(KVZooInputError, match="workspace: expected a contiguous 1-D uint8 tensor"):
+            send_pages(caches, spec, table, lens, dst=1, workspace=torch.zeros(64, dtype=torch.int32))
+        with pytest.raises(KVZooInputError, match="workspace: expected a contiguous 1-D uint8 tensor"):
+            recv_pages(caches, spec, src=1, allocate=[1], workspace=torch.zeros(64, 2, dtype=torch.uint8))
+        with pytest.raises(KVZooInputError, match="rows: required with block_tables"):
+            recv_pages(caches, spec, src=1, allocate=[1], block_tables=torch.zeros(2, 2, dtype=torch.int32))
+    finally:
+        dist.destroy_process_group()

@@ -552,7 +552,12 @@ class Pages:
 
 def empty_layer(header: PagesHeader, device: Any) -> Any:
     """A layer buffer whose gaps between pieces are zero (the pieces are overwritten)."""
-    flat = torch.empty(header.layer_bytes, dtype=torch.uint8, device=device)
+    return zero_gaps(torch.empty(header.layer_bytes, dtype=torch.uint8, device=device), header)
+
+
+def zero_gaps(flat: Any, header: PagesHeader) -> Any:
+    """Zero the bytes of a layer buffer between its pieces (a few per piece), so that no byte a
+    buffer held before is sent or stored."""
     end = 0
     for _, offset, shape, raw in header.pieces():
         flat[end:offset].zero_()

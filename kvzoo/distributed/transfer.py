@@ -35,7 +35,7 @@ from typing import Any
 
 from ..arrays import torch
 from ..errors import fail
-from ..validate import int_scalar
+from ..validate import int_scalar, require_workspace
 from .pages import (
     Allocator,
     CorruptPagesError,
@@ -48,9 +48,9 @@ from .pages import (
     check_allocate,
     check_fit,
     commit,
-    empty_layer,
     gather_layer,
     source_of,
+    zero_gaps,
 )
 
 __all__ = ["TransferError", "recv_pages", "send_pages"]
@@ -98,7 +98,15 @@ class _Wire:
         # NCCL moves CUDA tensors only; gloo CPU ones (a CUDA cache's pages go through the host).
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = caches_device if nccl and caches_device.type == "cuda" else torch.device("cpu")
+        self.caches_device = caches_device
         self.deadline = time.monotonic() + timeout
+
+    def check_workspace(self, workspace: Any) -> None:
+        if workspace is not None and self.device != self.caches_device:
+            fail(
+                f"workspace: the pages travel through {self.device} ({self.dist.get_backend(self.group)}) and the "
+                f"caches are on {self.caches_device}; a workspace serves where both are on one device"
+            )
 
     def isend(self, t: Any, what: str) -> Any:
         return self._post(self.dist.isend, t, f"sending {what}", dst=self.peer)
@@ -169,6 +177,20 @@ class _Wire:
         return bytes(body.cpu().numpy()).decode(errors="replace")
 
 
+def _workspace_arg(workspace: Any, device: Any) -> None:
+    if workspace is not None:
+        require_workspace(workspace)
+        if workspace.device != device:
+            fail(f"workspace: on {workspace.device}, the caches are on {device}")
+
+
+def _buffers(workspace: Any, size: int, count: int, device: Any) -> list[Any]:
+    """count buffers of size bytes: slices of the caller's workspace when it holds them."""
+    if workspace is not None and workspace.numel() >= size * count:
+        return [workspace[i * size : (i + 1) * size] for i in range(count)]
+    return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+
+
 def _checksum(flat: Any) -> Any:
     # Integer words, so the sum is exact (mod 2^64) in any order, on either device.
     return flat.view(torch.int64).sum()
@@ -185,6 +207,7 @@ def send_pages(
     seq_ids: Any = None,
     static_scales: Any = None,
     timeout: float = 300.0,
+    workspace: Any = None,
 ) -> int:
     """Send a set of sequences' pages (every layer) to another rank; returns when it placed them.
 
@@ -213,6 +236,11 @@ def send_pages(
         theirs); the receiver checks its own against them.
     timeout : float
         Seconds the whole transfer may take on this side, waiting for the receiver included.
+    workspace : torch.Tensor, optional
+        A contiguous 1-D uint8 tensor on the caches' device that the pages are gathered into
+        (two layers' worth, ``2 * PagesHeader.layer_bytes``, a layer gathered while the one
+        before it is on the wire) when it holds them; fresh memory otherwise. An engine that
+        keeps one avoids allocating (and, on a CPU, first touching) that memory per transfer.
 
     Returns
     -------
@@ -242,8 +270,10 @@ def send_pages(
     each decode rank calls ``recv_pages(layers, shard, src=0, ...)`` and receives its heads.
     """
     source = source_of(layers, spec, block_tables, seq_lens, seq_ids, static_scales)
+    _workspace_arg(workspace, source.caches.device)
     dst = int_scalar("dst", dst, 0)
     wire = _Wire("send_pages", group, dst, source.caches.device, _timeout_arg(timeout))
+    wire.check_workspace(workspace)
     header = source.header
     wire.send_json(_HEADER, header.to_json())
     reply = _parse(wire, wire.recv_json(_REPLY))
@@ -257,7 +287,7 @@ def send_pages(
             f"send_pages: rank {dst} asked for KV heads {heads}; this rank holds {list(header.kv_heads)}"
         )
     sent = header.with_heads(*heads)
-    nbytes = _send_layers(wire, source, sent)
+    nbytes = _send_layers(wire, source, sent, workspace)
     done = _parse(wire, wire.recv_json(_DONE))
     if not done.get("committed"):
         raise TransferError(f"send_pages: rank {dst} received the pages but did not place them: {done.get('error')}")
@@ -274,11 +304,12 @@ def _parse(wire: _Wire, text: str) -> dict:
     return value
 
 
-def _send_layers(wire: _Wire, source: Any, header: PagesHeader) -> int:
+def _send_layers(wire: _Wire, source: Any, header: PagesHeader, workspace: Any) -> int:
     layers = header.num_layers
-    device = source.blocks.device
     # Two buffers: a layer is gathered while the one before it is on the wire.
-    buffers = [empty_layer(header, device) for _ in range(min(2, layers))]
+    buffers = _buffers(workspace, header.layer_bytes, min(2, layers), source.blocks.device)
+    for flat in buffers:
+        zero_gaps(flat, header)
     works: list[Any] = []
     sums = []
     for layer in range(layers):
@@ -306,6 +337,7 @@ def recv_pages(
     seq_lens: Any = None,
     static_scales: Any = None,
     timeout: float = 300.0,
+    workspace: Any = None,
 ) -> Placement:
     """Receive pages another rank sends with `send_pages`, into blocks this rank allocates.
 
@@ -334,6 +366,11 @@ def recv_pages(
         Per layer (per-tensor modes): refused unless the sender's are the same bits.
     timeout : float
         Seconds the whole transfer may take on this side, waiting for the sender included.
+    workspace : torch.Tensor, optional
+        A contiguous 1-D uint8 tensor on the caches' device that the pages are staged in when it
+        holds them (``num_layers * PagesHeader.layer_bytes``); fresh memory otherwise. After a
+        failed transfer over NCCL a receive may still be posted into it: abort the group before
+        using it again.
 
     Returns
     -------
@@ -355,10 +392,12 @@ def recv_pages(
     if allocate is None:
         fail("allocate: required (a callable n -> n free block ids, or a sequence of free block ids)")
     check_allocate(allocate)
+    _workspace_arg(workspace, caches.device)
     src = int_scalar("src", src, 0)
     wire = _Wire("recv_pages", group, src, caches.device, _timeout_arg(timeout))
+    wire.check_workspace(workspace)
     try:
-        pages = _receive(wire, caches, tables)
+        pages = _receive(wire, caches, tables, workspace)
     except TransferError as exc:
         if isinstance(exc, _Rejected):
             # Every message arrived: the sender waits for the outcome and can be told.
@@ -373,7 +412,7 @@ def recv_pages(
     return placement
 
 
-def _receive(wire: _Wire, caches: Any, tables: TableArgs) -> Pages:
+def _receive(wire: _Wire, caches: Any, tables: TableArgs, workspace: Any) -> Pages:
     text = wire.recv_json(_HEADER)
     try:
         header = PagesHeader.from_json(text)
@@ -386,7 +425,7 @@ def _receive(wire: _Wire, caches: Any, tables: TableArgs) -> Pages:
     wire.send_json(_REPLY, json.dumps({"accept": True, "kv_heads": list(caches.kv_heads)}))
     header = header.with_heads(*caches.kv_heads)
     count = header.num_layers
-    staged = [torch.empty(header.layer_bytes, dtype=torch.uint8, device=wire.device) for _ in range(count)]
+    staged = _buffers(workspace, header.layer_bytes, count, wire.device)
     trailer = torch.empty(count, dtype=torch.int64, device=wire.device)
     works = [wire.irecv(t, f"layer {layer}'s pages") for layer, t in enumerate(staged)]
     last = wire.irecv(trailer, "the checksums")
