@@ -51,6 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvzoo  # noqa: E402
 from kvzoo.distributed import gather_pages, load_pages, place_pages, recv_pages, save_pages, send_pages  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import scaleout_table  # noqa: E402  (the page and this script print the same table)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -233,47 +236,6 @@ def _info(args) -> dict:
     }
 
 
-def _gbps(nbytes, seconds):
-    return nbytes / seconds / 1e9
-
-
-def _cell(row: dict, key: str, raw: str | None = None) -> str:
-    kvzoo_s, raw_s = row[key + "_s"], row["raw_" + (raw or key) + "_s"]
-    return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({_gbps(row['bytes'], kvzoo_s):.2f} GB/s)"
-
-
-def table(result: dict) -> list[str]:
-    """The rows as markdown: each operation's time against the raw tensor's, and its rate."""
-    out = [
-        "| mode | tokens | bytes/token/layer (x bf16) | transfer / raw send | transfer, workspace kept / raw send "
-        "| save / raw save | load + place / raw load | offload + back / raw copies |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        per_token = r["bytes_per_token_layer"]
-        out.append(
-            f"| {r['mode']} | {r['tokens']} | {per_token:.0f} ({per_token / r['bf16_bytes_per_token_layer']:.3f}x) "
-            f"| {_cell(r, 'send')} | {_cell(r, 'send_workspace', 'send')} | {_cell(r, 'save')} | {_cell(r, 'load')} "
-            f"| {_cell(r, 'offload')} |"
-        )
-    out.append("")
-    out.append(
-        "The copies a raw tensor does not make, alone (ms): "
-        + "; ".join(
-            f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}"
-            for r in result["rows"]
-        )
-        + "."
-    )
-    link = result["link"]
-    out.append("")
-    out.append(
-        f"Link: one raw message of {link['bytes'] / 2**20:.0f} MiB in {link['seconds'] * 1e3:.1f} ms, "
-        f"{_gbps(link['bytes'], link['seconds']):.2f} GB/s."
-    )
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -305,7 +267,7 @@ def main(argv=None) -> int:
     result = {"info": info, "rows": rows, "link": r1["link"]}
     print(f"{info['date']}, {info['machine']}, torch {info['torch']}, {info['backend']}, commit {info['commit']}")
     print(f"`{info['command']}`; medians of {args.repeats} runs")
-    print("\n".join(table(result)))
+    print("\n".join(scaleout_table(result)))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
