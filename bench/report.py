@@ -749,14 +749,16 @@ def _scaleout_cell(row: dict, key: str, raw: str | None = None) -> str:
     return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({_gbps(row['bytes'], kvzoo_s):.2f} GB/s)"
 
 
-def scaleout_table(result: dict) -> list[str]:
-    """bench/scaleout_transfer.py's rows: each operation's time against the raw tensor's, and its rate."""
+def scaleout_table(result: dict, rows: list[dict] | None = None) -> list[str]:
+    """bench/scaleout_transfer.py's rows (all, or those given): each operation's time against the
+    raw tensor's, and its rate."""
+    rows = result["rows"] if rows is None else rows
     out = [
         "| mode | tokens | bytes/token/layer (x bf16) | transfer / raw send | transfer, workspace kept / raw send "
         "| save / raw save | load + place / raw load | offload + back / raw copies |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
+    for r in rows:
         per_token = r["bytes_per_token_layer"]
         out.append(
             f"| {r['mode']} | {r['tokens']} | {per_token:.0f} ({per_token / r['bf16_bytes_per_token_layer']:.3f}x) "
@@ -764,8 +766,7 @@ def scaleout_table(result: dict) -> list[str]:
             f"| {_scaleout_cell(r, 'save')} | {_scaleout_cell(r, 'load')} | {_scaleout_cell(r, 'offload')} |"
         )
     copies = "; ".join(
-        f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}"
-        for r in result["rows"]
+        f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}" for r in rows
     )
     link = result["link"]
     return out + [
@@ -786,13 +787,14 @@ def scaleout_section(run: Run) -> list[str]:
             f"figures are in [the archive]({ARCHIVE})."
         ]
     i = so["info"]
+    largest = max(r["tokens"] for r in so["rows"])
     return [
         f"**Scale-out** ({i['date']}, {i['machine']}, torch {i['torch']}, {i['backend']}, commit {i['commit']}, "
         f"`{i['command']}`, load average {i.get('load_average') or 0:.1f} at the start): kvzoo.distributed's page "
         "transfer, page files and host offload against moving or saving the same bytes as one raw tensor, "
-        "medians (kvzoo / raw, and kvzoo's rate):",
+        f"medians (kvzoo / raw, and kvzoo's rate) at {largest} tokens (every size: the run's JSON, and the archive):",
         "",
-        *scaleout_table(so),
+        *scaleout_table(so, [r for r in so["rows"] if r["tokens"] == largest]),
     ]
 
 

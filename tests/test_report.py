@@ -283,6 +283,7 @@ def test_optional_runs_absent_and_present(report, tmp_path):
 
     scaleout = _page(report, _write(tmp_path / "scaleout", bench=HAND_BUILT, scaleout_transfer=SCALEOUT))
     assert "**Scale-out** (FIXTURE date, FIXTURE machine, torch FIXTURE torch, gloo, commit abc1234" in scaleout
+    assert "at 4096 tokens (every size: the run's JSON, and the archive)" in scaleout
     assert (
         "| int8_per_token_head | 4096 | 2112 (0.516x) | 200.0 / 50.0 ms (0.50 GB/s) | 100.0 / 50.0 ms (1.00 GB/s) "
         "| 400.0 / 200.0 ms (0.25 GB/s) | 500.0 / 100.0 ms (0.20 GB/s) | 250.0 / 50.0 ms (0.40 GB/s) |" in scaleout
