@@ -647,9 +647,9 @@ def _reshard_case(ctx, mode, decoders, group):
                 static_scales=scales,
                 timeout=60,
             )
-        bits = _block_bits(caches, tables)
+        sender_bits = _block_bits(caches, tables)
         for dst in decoders:
-            ctx.send_bits(bits, dst)
+            ctx.send_bits(sender_bits, dst)
         for out in _decode(writer, caches, tables, lens, free, decode):
             ctx.send_bits(out, decoders[0])
         return f"sent to {decoders}"
@@ -781,7 +781,7 @@ def _failure_case(ctx, name, group):
         real_send_layers, real_gather = transfer_module._send_layers, transfer_module.gather_layer
         if name == "timeout":
 
-            def stalled(wire, source, header):
+            def stalled(*args):
                 time.sleep(wait + 3)
                 return 0
 

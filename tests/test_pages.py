@@ -426,6 +426,18 @@ def test_importing_kvzoo_imports_neither_this_package_nor_safetensors():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_no_sequences_make_pages_of_nothing_that_place_nothing():
+    spec = _spec("fp8_per_token_head", "inline")
+    caches = [spec.allocate()]
+    poison(caches, rng_for("empty"))
+    snap = snapshot(caches)
+    pages = gather_pages(caches, spec, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([0, 0]))
+    assert pages.header.num_pages == 0 and pages.nbytes == 0 and pages.header.seq_lens == (0, 0)
+    placed = place_pages(pages, caches, spec, allocate=lambda n: list(range(n)))
+    assert placed.block_ids.numel() == 0 and placed.seq_lens.tolist() == [0, 0]
+    untouched(caches, snap)
+
+
 def test_pages_check_their_buffers():
     header = gather_pages([_spec("int8_per_token_head").allocate()], _spec("int8_per_token_head")).header
     with pytest.raises(KVZooInputError, match="layers: expected 1 uint8 tensors"):
@@ -458,6 +470,8 @@ def test_transfer_arguments_are_checked_before_anything_is_sent(tmp_path):
             send_pages(caches, spec, table, lens, dst=1, workspace=torch.zeros(64, dtype=torch.int32))
         with pytest.raises(KVZooInputError, match="workspace: expected a contiguous 1-D uint8 tensor"):
             recv_pages(caches, spec, src=1, allocate=[1], workspace=torch.zeros(64, 2, dtype=torch.uint8))
+        with pytest.raises(KVZooInputError, match="the sequences hold no token; there are no pages to send"):
+            send_pages(caches, spec, table, torch.tensor([0]), dst=1)
         with pytest.raises(KVZooInputError, match="rows: required with block_tables"):
             recv_pages(caches, spec, src=1, allocate=[1], block_tables=torch.zeros(2, 2, dtype=torch.int32))
     finally:

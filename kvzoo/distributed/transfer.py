@@ -93,8 +93,11 @@ class _Wire:
         if not dist.is_available() or not dist.is_initialized():
             fail("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
         self.dist, self.who, self.group, self.peer, self.timeout = dist, who, group, peer, timeout
+        name = "dst" if who == "send_pages" else "src"
         if peer == dist.get_rank() or not 0 <= peer < dist.get_world_size():
-            fail(f"{'dst' if who == 'send_pages' else 'src'}: expected another rank of the group, got {peer}")
+            fail(f"{name}: expected another rank of the group, got {peer}")
+        if group is not None and peer not in dist.get_process_group_ranks(group):
+            fail(f"{name}: rank {peer} is not in the group (its ranks: {dist.get_process_group_ranks(group)})")
         # NCCL moves CUDA tensors only; gloo CPU ones (a CUDA cache's pages go through the host).
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = caches_device if nccl and caches_device.type == "cuda" else torch.device("cpu")
@@ -270,6 +273,8 @@ def send_pages(
     each decode rank calls ``recv_pages(layers, shard, src=0, ...)`` and receives its heads.
     """
     source = source_of(layers, spec, block_tables, seq_lens, seq_ids, static_scales)
+    if not source.header.num_pages:
+        fail("block_tables, seq_lens: the sequences hold no token; there are no pages to send")
     _workspace_arg(workspace, source.caches.device)
     dst = int_scalar("dst", dst, 0)
     wire = _Wire("send_pages", group, dst, source.caches.device, _timeout_arg(timeout))
