@@ -438,6 +438,16 @@ def test_no_sequences_make_pages_of_nothing_that_place_nothing():
     untouched(caches, snap)
 
 
+def test_without_torch_kvzoo_imports_and_this_package_says_what_to_install():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvzoo\n"
+        "try:\n    import kvzoo.distributed\nexcept ModuleNotFoundError as e:\n    print(e)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "kvzoo.distributed needs torch: pip install 'kvzoo[dist]'", out.stdout + out.stderr
+
+
 def test_pages_check_their_buffers():
     header = gather_pages([_spec("int8_per_token_head").allocate()], _spec("int8_per_token_head")).header
     with pytest.raises(KVZooInputError, match="layers: expected 1 uint8 tensors"):

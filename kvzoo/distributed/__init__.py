@@ -13,7 +13,12 @@ Needs torch (``pip install "kvzoo[dist]"``, which adds safetensors for the files
 never imports this package; torch.distributed is imported only by the calls that communicate.
 """
 
-from .pages import (
+from ..arrays import torch as _torch
+
+if _torch is None:
+    raise ModuleNotFoundError("kvzoo.distributed needs torch: pip install 'kvzoo[dist]'")
+
+from .pages import (  # noqa: E402
     FORMAT_VERSION,
     CorruptPagesError,
     Pages,
@@ -23,9 +28,9 @@ from .pages import (
     gather_pages,
     place_pages,
 )
-from .persist import load_pages, pages_header, save_pages
-from .sharding import HeadShard, shard_spec
-from .transfer import TransferError, recv_pages, send_pages
+from .persist import load_pages, pages_header, save_pages  # noqa: E402
+from .sharding import HeadShard, shard_spec  # noqa: E402
+from .transfer import TransferError, recv_pages, send_pages  # noqa: E402
 
 __all__ = [
     "FORMAT_VERSION",
