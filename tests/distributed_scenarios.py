@@ -22,8 +22,9 @@ Scenarios:
             sequences (two sharing a block): the receiver's blocks hold the sender's bytes, its
             other blocks and table rows are untouched, and three decode steps give the sender's
             attention bytes.
-  reshard   (3+ ranks) rank 0 holding every head -> the last two ranks, head-sharded between
-            them; decode there, gathered, gives rank 0's bytes.
+  reshard   rank 0 holding every head -> the last two ranks, head-sharded between them
+            (with two ranks: ranks 0 and 1, rank 0 placing its half from its own pages); decode
+            there, gathered, gives rank 0's bytes.
   timeout   the sender stalls after the handshake: the receiver raises within its timeout,
             nothing written, the allocator not called.
   kill      (last) the sender is SIGKILLed after its first layer's message: the receiver
@@ -609,10 +610,11 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
 def reshard(ctx):
     import kvzoo
 
-    if ctx.world < 3:
-        return
-    decoders = [ctx.world - 2, ctx.world - 1]
-    group = ctx.dist.new_group(decoders)
+    # Rank 0 prefills every head; two decode ranks hold half each. With two ranks, rank 0 is
+    # also the first decode rank (prefill and decode on one GPU, as a colocated engine runs):
+    # it places its half from its own pages and sends the other half.
+    decoders = [0, 1] if ctx.world == 2 else [ctx.world - 2, ctx.world - 1]
+    group = ctx.dist.new_group(decoders) if ctx.world > 2 else None
     if ctx.rank not in (0, *decoders):
         return
     for mode in kvzoo.MODES.values():
@@ -625,64 +627,73 @@ def _reshard_case(ctx, mode, decoders, group):
     import torch
 
     from kvzoo.conformance.inputs import rng_for
-    from kvzoo.distributed import recv_pages, send_pages, shard_spec
+    from kvzoo.distributed import gather_pages, place_pages, recv_pages, send_pages, shard_spec
 
     Hkv, Hq, L, NB = 4, 8, 2, 24
     inputs = _transfer_inputs(mode, "reshard", Hkv, Hq, L, ctx.device)
     lens, _, decode, static = inputs
     rng = rng_for("reshard-rank", mode.name, ctx.rank)
-    free = _Free(map(int, rng.permutation(NB)))
     scales = None if static is None else [static] * L
-    layout = "separate" if ctx.rank == 0 else mode.layouts[-1]
-    full = _spec(ctx, mode, Hkv, layout=layout, num_blocks=NB)
+    prefill_spec = _spec(ctx, mode, Hkv, layout="separate", num_blocks=NB)
+    decode_spec = _spec(ctx, mode, Hkv, layout=mode.layouts[-1], num_blocks=NB)
+    reference = None
     if ctx.rank == 0:
-        caches, tables, writer = _prefill_sender(ctx, full, Hq, L, inputs, free)
+        free = _Free(map(int, rng.permutation(NB)))
+        caches, tables, writer = _prefill_sender(ctx, prefill_spec, Hq, L, inputs, free)
+        table, seq_lens = _tensor_table(ctx, tables, 3), torch.tensor(lens, device=ctx.device)
         for dst in decoders:
-            send_pages(
-                caches,
-                full,
-                _tensor_table(ctx, tables, 3),
-                torch.tensor(lens, device=ctx.device),
-                dst=dst,
-                static_scales=scales,
-                timeout=60,
-            )
+            if dst != 0:
+                send_pages(caches, prefill_spec, table, seq_lens, dst=dst, static_scales=scales, timeout=60)
         sender_bits = _block_bits(caches, tables)
         for dst in decoders:
-            ctx.send_bits(sender_bits, dst)
-        for out in _decode(writer, caches, tables, lens, free, decode):
-            ctx.send_bits(out, decoders[0])
-        return f"sent to {decoders}"
-    shard = shard_spec(full, Hq, group=group)
-    caches = [shard.allocate() for _ in range(L)]
-    poison(caches, rng)
-    snap = snapshot(caches)
-    placed = recv_pages(caches, shard, src=0, allocate=free, static_scales=scales, timeout=60)
+            if dst != 0:
+                ctx.send_bits(sender_bits, dst)
+        # Rank 0's own half is read now: its reference decode below writes into these blocks.
+        own = gather_pages(caches, prefill_spec, table, seq_lens, static_scales=scales) if 0 in decoders else None
+        reference = _decode(writer, caches, tables, lens, free, decode)
+        if 0 not in decoders:
+            for out in reference:
+                ctx.send_bits(out, decoders[0])
+            return f"sent to {decoders}"
+    shard = shard_spec(decode_spec, Hq, group=group)
+    mine = [shard.allocate() for _ in range(L)]
+    poison(mine, rng_for("reshard-poison", mode.name, ctx.rank))
+    snap = snapshot(mine)
+    free_here = _Free(map(int, rng_for("reshard-free", mode.name, ctx.rank).permutation(NB)))
+    if ctx.rank == 0:
+        placed = place_pages(own, mine, shard, allocate=free_here, static_scales=scales)
+        theirs = sender_bits
+    else:
+        placed = recv_pages(mine, shard, src=0, allocate=free_here, static_scales=scales, timeout=60)
+        theirs = ctx.recv_bits(0)
     new_tables = [[int(b) for b in r if b >= 0] for r in placed.block_tables.tolist()]
-    untouched(caches, snap, skip_blocks=placed.block_ids.tolist())
+    untouched(mine, snap, skip_blocks=placed.block_ids.tolist())
     # The sender's blocks, cut to this rank's heads, against what landed here.
-    theirs = ctx.recv_bits(0)
-    mine = _block_bits(caches, new_tables)
-    full_caches = [full.allocate() for _ in range(L)]  # only for the arrays' shapes
     offset, want = 0, []
-    pages = sum(len(r) for r in new_tables)
+    pages_count = sum(len(r) for r in new_tables)
     heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
-    for t in full_caches:
+    for t in [prefill_spec.allocate() for _ in range(L)]:  # only for the arrays' shapes
         for a in arrays(t):
-            shape = (pages, *a.shape[1:])
+            shape = (pages_count, *a.shape[1:])
             size = int(torch.tensor(shape).prod()) * a.element_size()
             block = theirs[offset : offset + size].view(bits(a).dtype).view(shape)
             want.append(block[:, :, heads].contiguous().view(torch.uint8).reshape(-1))
             offset += size
-    if not torch.equal(mine, torch.cat(want)):
-        raise AssertionError("the received blocks are not the sender's bytes for this rank's heads")
+    received = _block_bits(mine, new_tables)  # before decode writes into the last blocks
     writer = _Writer(ctx, lambda **k: shard.plan_step(**k), static)
-    outs = _decode(writer, caches, new_tables, lens, free, decode, shard.local_kv, shard.local_q)
-    for step, out in enumerate(outs):
-        got = shard.gather(out)
-        if ctx.rank == decoders[0]:
-            if not torch.equal(ctx.recv_bits(0), bits(got).contiguous().view(torch.uint8).reshape(-1).cpu()):
+    outs = _decode(writer, mine, new_tables, lens, free_here, decode, shard.local_kv, shard.local_q)
+    gathered = [bits(shard.gather(out)).contiguous().view(torch.uint8).reshape(-1).cpu() for out in outs]
+    if ctx.rank == decoders[0]:
+        wanted = (
+            [bits(out).contiguous().view(torch.uint8).reshape(-1).cpu() for out in reference]
+            if reference is not None
+            else [ctx.recv_bits(0) for _ in outs]
+        )
+        for step, (got, expected) in enumerate(zip(gathered, wanted)):
+            if not torch.equal(got, expected):
                 raise AssertionError(f"decode output {step}: the decode ranks' gathered bytes differ from rank 0's")
+    if not torch.equal(received, torch.cat(want)):
+        raise AssertionError("the received blocks are not the sender's bytes for this rank's heads")
     return f"KV heads {list(shard.kv_heads)} of {Hkv}; 3 decode steps x {L} layers equal"
 
 

@@ -45,14 +45,15 @@ def _check(result: dict, required: dict[int, list[str]], killed: tuple[int, ...]
     assert not problems, "\n".join(problems)
 
 
-def test_two_ranks_shard_transfer_refuse_and_survive_a_timeout_and_a_killed_sender(tmp_path):
+def test_two_ranks_shard_transfer_reshard_refuse_and_survive_a_timeout_and_a_killed_sender(tmp_path):
     result = launch(2, tmp_path, timeout=LAUNCH_TIMEOUT)
     transfers = [f"transfer 0->1 {m.name}/{a}->{b}" for m in kvzoo.MODES.values() for a in m.layouts for b in m.layouts]
     refusals = [
         f"refusal {f}" for f in ("mode", "total_kv_heads", "head_size", "static_scales[0]", "rows", "checksums")
     ]
     failures = ["timeout: the sender stalls after the handshake", "kill: the sender is killed after its first layer"]
-    every = _sharded(2) + refusals + transfers + failures
+    reshard = [f"reshard 0->[0, 1] {m.name}/separate->{m.layouts[-1]}" for m in kvzoo.MODES.values()]
+    every = _sharded(2) + refusals + transfers + reshard + failures
     # Rank 0 is killed in the last check, after recording the others.
     _check(result, {0: every[:-1], 1: every}, killed=(0,))
     kill = {rec["name"]: rec for rec in result[1]["records"]}[failures[1]]

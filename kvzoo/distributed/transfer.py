@@ -12,8 +12,8 @@ Per transfer, between the two ranks, in order:
    not fit. Nothing more is sent after a refusal, and both sides raise.
 3. sender -> receiver: one message per layer (the layer's pages for those heads, gathered from
    the cache while the previous layer is on the wire), then the layers' checksums.
-4. The receiver stages every message in fresh tensors; only when all arrived and the checksums
-   match does it allocate blocks and copy the pages into its cache (either layout: the pages
+4. The receiver stages every message apart from its cache (fresh tensors, or the caller's
+   `workspace`); only when all arrived and the checksums match does it allocate blocks and copy the pages into its cache (either layout: the pages
    are layout-free, kvzoo.distributed.pages) and write its block tables. Then:
 5. receiver -> sender: committed (the sender may free its blocks), or why not.
 
