@@ -745,8 +745,13 @@ def _gbps(nbytes: float, seconds: float) -> float:
 
 
 def _scaleout_cell(row: dict, key: str, raw: str | None = None) -> str:
+    if key + "_s" not in row:  # a --transfer-only run
+        return "-"
     kvzoo_s, raw_s = row[key + "_s"], row["raw_" + (raw or key) + "_s"]
-    return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({_gbps(row['bytes'], kvzoo_s):.2f} GB/s)"
+    rate = f"{_gbps(row['bytes'], kvzoo_s):.2f} GB/s"
+    if key.startswith("send") and "pages" in row:
+        rate += f", {row['pages'] / kvzoo_s:,.0f} pages/s"
+    return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({rate})"
 
 
 def scaleout_table(result: dict, rows: list[dict] | None = None) -> list[str]:
@@ -766,12 +771,14 @@ def scaleout_table(result: dict, rows: list[dict] | None = None) -> list[str]:
             f"| {_scaleout_cell(r, 'save')} | {_scaleout_cell(r, 'load')} | {_scaleout_cell(r, 'offload')} |"
         )
     copies = "; ".join(
-        f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}" for r in rows
+        f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}"
+        for r in rows
+        if "gather_s" in r
     )
     link = result["link"]
+    if copies:
+        out += ["", f"The copies a raw tensor does not make, alone (ms): {copies}."]
     return out + [
-        "",
-        f"The copies a raw tensor does not make, alone (ms): {copies}.",
         "",
         f"Link: one raw message of {link['bytes'] / 2**20:.0f} MiB in {link['seconds'] * 1e3:.1f} ms, "
         f"{_gbps(link['bytes'], link['seconds']):.2f} GB/s.",

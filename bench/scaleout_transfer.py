@@ -137,7 +137,8 @@ def _case(args, rank, device, mode, tokens, tmp):
             dist.recv(raw, 0)
 
     row["raw_send_s"] = _timed(raw_send, device, args.repeats)
-    if rank == 0:
+    row["pages"] = pages.header.num_pages * args.layers
+    if rank == 0 and not args.transfer_only:
         import safetensors.torch
 
         path, raw_path = tmp / "pages.safetensors", tmp / "raw.safetensors"
@@ -168,7 +169,7 @@ def _case(args, rank, device, mode, tokens, tmp):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         row["raw_offload_s"] = _timed(lambda: (host.copy_(raw), raw.copy_(host)), device, args.repeats, group)
         row["pinned"] = pin
-    else:
+    elif not args.transfer_only:
         dist.new_group([0])
     dist.barrier()
     return row
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--dir", default=None, help="where the files are written (default: the system's temp dir)")
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--transfer-only", action="store_true", help="time the transfers alone (no files, no offload)")
     args = ap.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.modes = args.modes.split(",")

@@ -162,6 +162,7 @@ SCALEOUT = {
             "raw_offload_s": 0.05,
             "gather_s": 0.01,
             "place_s": 0.02,
+            "pages": 1000,
         }
     ],
     "link": {"bytes": 2**28, "seconds": 0.25},
@@ -285,11 +286,17 @@ def test_optional_runs_absent_and_present(report, tmp_path):
     assert "**Scale-out** (FIXTURE date, FIXTURE machine, torch FIXTURE torch, gloo, commit abc1234" in scaleout
     assert "at 4096 tokens (every size: the run's JSON, and the archive)" in scaleout
     assert (
-        "| int8_per_token_head | 4096 | 2112 (0.516x) | 200.0 / 50.0 ms (0.50 GB/s) | 100.0 / 50.0 ms (1.00 GB/s) "
+        "| int8_per_token_head | 4096 | 2112 (0.516x) | 200.0 / 50.0 ms (0.50 GB/s, 5,000 pages/s) "
+        "| 100.0 / 50.0 ms (1.00 GB/s, 10,000 pages/s) "
         "| 400.0 / 200.0 ms (0.25 GB/s) | 500.0 / 100.0 ms (0.20 GB/s) | 250.0 / 50.0 ms (0.40 GB/s) |" in scaleout
     )
     assert "alone (ms): int8_per_token_head 4096: gather 10.0, place 20.0." in scaleout
     assert "Link: one raw message of 256 MiB in 250.0 ms, 1.07 GB/s." in scaleout
+    transfers_only = copy.deepcopy(SCALEOUT)
+    for key in ("save", "load", "offload", "gather", "place"):
+        transfers_only["rows"][0].pop(key + "_s")
+    only = _page(report, _write(tmp_path / "only", bench=HAND_BUILT, scaleout_transfer=transfers_only))
+    assert "| 100.0 / 50.0 ms (1.00 GB/s, 10,000 pages/s) | - | - | - |" in only and "alone (ms)" not in only
 
 
 def test_a_json_without_commit_or_command_still_reads(report, tmp_path):
