@@ -32,9 +32,9 @@ from .strided import KINDS, flat, flat_view, stride_problem
 NAME = "numba"
 PRIORITY = 50
 DISABLE_ENV = "KVZOO_DISABLE_NUMBA"
-# What a first compile of every kernel took (`kvzoo warmup` on a cold cache): measured on a
-# 2-core VM, idle and under load.
-COMPILE_ESTIMATE = "2-4 minutes on an idle 2-core machine, up to 10 under load"
+# What a first compile of every kernel took: `kvzoo warmup` on a cold cache, 9.3 minutes on a
+# 2-core VM at load 4-6 (2026-12-07). A first call compiles only its own signatures.
+COMPILE_ESTIMATE = "up to about 10 minutes on a busy 2-core machine"
 log = logging.getLogger(__name__)
 # Query tokens per attention work item in prefill: rows = tokens x group, about 64 rows keeps
 # each decoded K/V tile reused across many dot products while leaving enough items to share.
