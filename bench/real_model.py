@@ -68,6 +68,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -468,6 +469,32 @@ def decode_speed(model: Any, fmt: Format, prompt: torch.Tensor, tokens: int, rep
                 token = logits[:, -1:].argmax(-1)
             best = min(best, time.perf_counter() - begin)
     return tokens / best
+
+
+DECODE_FORMATS = ("DynamicCache", "kvzoo int8 nearest", "kvzoo fp8 e4m3fn")
+
+
+def decode_by_context(model: Any, fmts: list, ids: torch.Tensor, contexts: list[int], settings: Any, rounds: int):
+    """Decode tokens/s by prompt length: every format once per round, rounds interleaved (this
+    machine's load moves between rounds, not within one), the median round per format, and each
+    format's ratio to DynamicCache's median."""
+    chosen = [f for f in fmts if f.label in DECODE_FORMATS]
+    result: dict[int, dict[str, float]] = {}
+    print(f"\n## Decode tokens/s by context (batch 1, {settings.decode_tokens} tokens, median of {rounds} rounds)\n")
+    print("| context | " + " | ".join(f.label for f in chosen) + " | " + " | ".join(
+        f"{f.label} / DynamicCache" for f in chosen[1:]) + " |")  # fmt: skip
+    print("|---" * (2 * len(chosen)) + "|")
+    for context in contexts:
+        runs: dict[str, list[float]] = {f.label: [] for f in chosen}
+        for _ in range(rounds):
+            for fmt in chosen:
+                runs[fmt.label].append(decode_speed(model, fmt, ids[:context], settings.decode_tokens, 1))
+        medians = {label: statistics.median(v) for label, v in runs.items()}
+        result[context] = medians
+        base = medians["DynamicCache"]
+        cells = [f"{medians[f.label]:.1f}" for f in chosen] + [f"{medians[f.label] / base:.2f}x" for f in chosen[1:]]
+        print(f"| {context} | " + " | ".join(cells) + " |", flush=True)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1029,6 +1056,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--windows", type=int, help="number of text windows (default 3, --quick 1)")
     parser.add_argument(
+        "--decode-contexts",
+        default="",
+        help="instead of sections 1-4: decode tokens/s of DynamicCache and kvzoo int8/fp8 after prompts of "
+        "these lengths (comma-separated), rounds interleaved, median of --decode-rounds",
+    )
+    parser.add_argument("--decode-rounds", type=int, default=5, help="rounds of every format at every context")
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -1071,6 +1105,14 @@ def main(argv: list[str] | None = None) -> int:
         f"chunks of {settings.chunk} (chunk 0 prefilled, not scored)",
         "skipped": skipped,
     }
+    if args.decode_contexts:
+        print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
+        contexts = [int(c) for c in args.decode_contexts.split(",")]
+        report["decode_by_context"] = decode_by_context(model, fmts, ids, contexts, settings, args.decode_rounds)
+        report["seconds"] = time.perf_counter() - began
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     if args.ablate:
         print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
         report["ablation"] = run_ablation(model, texts, settings, [p for p in args.only.split(",") if p])
