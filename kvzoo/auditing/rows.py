@@ -1,0 +1,320 @@
+"""The checks of each live row (one token, one KV head) of one layer's K or V cache.
+
+A row is decoded and re-quantized with the NumPy implementation's encoder (the one the
+conformance suite holds byte for byte to the oracle), in the stored domain: an int4 row is
+re-quantized as it is stored (rotated), not rotated again. A row the encoder wrote comes back
+to the same bytes; one whose bytes are corrupted, or whose codes and scale come from two
+different writes, usually does not. Two encoder rules are not fixed points of that round trip,
+and the check allows for them (lifted_codes). How much of random damage it sees depends on the
+format: codes alone say little (most random int8 / fp8 rows that reach the clamp pass, and
+almost every int4 row does), the scale word much more.
+
+Rows are processed in chunks, on a thread pool (NumPy releases the GIL in its loops), so
+that temporaries stay small however large the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backends.numpy_vectorized import codec as numpy_codec
+from ..backends.numpy_vectorized import kernels as vectorized
+from ..formats import CodeFormat
+from ..modes import QuantMode
+from .live import LiveRows
+
+# Per-row findings, in the order they are decided: a row gets the first that applies.
+ROW_KINDS = (
+    "scale_nan",
+    "scale_inf",
+    "scale_zero",
+    "scale_negative",
+    "scale_subnormal",
+    "code_nan",
+    "code_inf",
+    "value_nonfinite",
+    "row_zero",
+    "not_encoder_output",
+)
+_STATUS = {kind: i + 1 for i, kind in enumerate(ROW_KINDS)}
+# Elements of one chunk of rows: bounds the float32 temporaries (about ten of this size).
+CHUNK_ELEMENTS = 1 << 21
+_TINY = np.float32(np.finfo(np.float32).tiny)
+# A reference row may sit this many code steps from what the cache decodes to: one step for an
+# encoder that rounds the other way at a boundary (vLLM's FMA, SPEC.md 12.4), and a half more
+# for a scale one ulp apart.
+REFERENCE_STEPS = 1.5
+
+
+@dataclass(frozen=True)
+class ByteTables:
+    """What each of the 256 bytes of a format's storage holds (codes_per_byte codes)."""
+
+    nan: np.ndarray  # bool: the byte holds a NaN code
+    inf: np.ndarray  # bool: the byte holds an infinity
+    clamp: np.ndarray  # int64: codes in the byte at the clamp (largest magnitude, or an end of an unsigned range)
+    step2: np.ndarray  # float64: sum of its codes' squared spacing (the distance between neighbouring values)
+    step: np.ndarray  # float32: the spacing at a one-code byte's value (unused for packed formats)
+
+
+@functools.cache
+def byte_tables(fmt: CodeFormat) -> ByteTables:
+    values = fmt.code_values()  # one per code pattern
+    table = fmt.representable()
+    inner = np.clip(np.nan_to_num(values, nan=0.0, posinf=fmt.qmax, neginf=fmt.qmin), fmt.qmin, fmt.qmax)
+    i = np.searchsorted(table, inner)
+    i = np.clip(i, 1, len(table) - 2) if len(table) > 2 else np.zeros_like(i)
+    # The spacing around a value: half the distance from its lower to its upper neighbour (the
+    # width of the inputs rounding to it); at the ends, the neighbouring step.
+    step = np.where(len(table) > 2, (table[np.minimum(i + 1, len(table) - 1)] - table[i - 1]) / 2, 1.0)
+    finite = np.isfinite(values)
+    step = np.where(finite, step, 0.0)
+    at_clamp = finite & ((values >= fmt.qmax) | (values <= (fmt.qmin if not fmt.signed else -fmt.qmax)))
+    codes = fmt.unpack(np.arange(256, dtype=np.uint8)[:, None])  # [256, codes_per_byte]
+    return ByteTables(
+        nan=np.isnan(values)[codes].any(axis=1),
+        inf=np.isinf(values)[codes].any(axis=1),
+        clamp=at_clamp[codes].sum(axis=1).astype(np.int64),
+        step2=(step[codes] ** 2).sum(axis=1),
+        step=step.astype(np.float32)[np.arange(256) % len(values)],
+    )
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """One layer's K or V: the pages and what the audit needs to read them."""
+
+    mode: QuantMode
+    rounding: str
+    codes: np.ndarray  # uint8 [NB, BS, H, W], or the model dtype for mode none
+    words: np.ndarray | None  # float32 [NB, BS, H] scale words (per-token-head)
+    static: np.float32 | None  # the per-tensor scale
+    reference: np.ndarray | None  # [tokens, H, D] K or V given with the dump
+    head_size: int
+
+
+@dataclass
+class RowResults:
+    """Per live row and head (arrays [R, H]) and sums over the rows without a finding."""
+
+    status: np.ndarray  # int8: 0, or 1 + index in ROW_KINDS
+    mismatch: np.ndarray  # bool: reference_mismatch
+    hashes: np.ndarray  # uint64: row bytes' hash, 0 for rows never compared (constant rows)
+    scales: np.ndarray | None  # float32: the decoded scale (zero point bits cleared)
+    sums: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def join(cls, parts: list[RowResults]) -> RowResults:
+        sums: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.sums.items():
+                sums[k] = max(sums.get(k, 0.0), v) if k == "absmax" else sums.get(k, 0.0) + v
+        return cls(
+            status=np.concatenate([p.status for p in parts]),
+            mismatch=np.concatenate([p.mismatch for p in parts]),
+            hashes=np.concatenate([p.hashes for p in parts]),
+            scales=None if parts[0].scales is None else np.concatenate([p.scales for p in parts]),
+            sums=sums,
+        )
+
+
+def chunks(num_rows: int, num_heads: int, head_size: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, num_heads * head_size))
+    return [slice(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)] or [slice(0, 0)]
+
+
+def stored_codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
+    """The NumPy implementation's codec for rows as stored: a rotated mode's rows without the
+    rotation (its codes hold the rotated row)."""
+    return dataclasses.replace(numpy_codec(mode, rounding), rotation=None)
+
+
+def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding: str) -> np.ndarray:
+    """Codes [m, W] of rows the round trip then holds to round-to-nearest's fixed point.
+
+    Two valid rows are not fixed points: int8 "trunc" lands a row's largest element on 126 when
+    absmax * inv falls just under 127 (SPEC.md section 3), which lifting 126 to 127 undoes; int4
+    rounds its zero point half up through a float32 add (SPEC.md 12.3), so where -lo / scale is
+    just under k + 1/2 the zero point is k + 1 and the row's lowest code is 1, not 0, which
+    lowering 1 to 0 undoes. Other rows are returned as they are.
+    """
+    fmt = mode.format
+    if rounding == "trunc":
+        signed = codes.view(np.int8).astype(np.int16)
+        magnitude = np.abs(signed)
+        lift = (magnitude.max(axis=-1, keepdims=True) == 126) & (magnitude == 126)
+        if lift.any():
+            codes = np.where(lift, np.where(signed > 0, 127, -127).astype(np.int8).view(np.uint8), codes)
+    if fmt.row_zero_point:
+        unpacked = fmt.unpack(codes)
+        _, zero_points = fmt.split_scale_words(words)
+        lift = (unpacked.min(axis=-1) == 1) & (zero_points > 0)
+        if lift.any():
+            unpacked[lift] = np.where(unpacked[lift] == 1, np.uint8(0), unpacked[lift])
+            codes = fmt.pack(unpacked)
+    return codes
+
+
+def round_trip_fails(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding: str) -> np.ndarray:
+    """bool [m]: rows (codes uint8 [m, W], scale words float32 [m]) of a per-token-head mode
+    that no input encodes to: decoded, re-quantized to nearest, their bytes differ."""
+    if not len(codes):
+        return np.zeros(0, bool)
+    codec = stored_codec(mode)
+    lifted = lifted_codes(codes, words, mode, rounding)
+    decoded = vectorized.decode(lifted, words, codec)
+    again, again_words = vectorized.quantize_rows(decoded, codec)
+    return (again != lifted).any(axis=-1) | (again_words.view(np.uint32) != words.view(np.uint32))
+
+
+def _hash_rows(raw: np.ndarray, words: np.ndarray | None) -> np.ndarray:
+    """uint64 [n, H]: a hash of each row's bytes (and scale word); 0 for a row whose bytes are
+    all equal (zeros, a constant row), which says nothing about where it came from."""
+    n, h, width = raw.shape
+    padded = np.zeros((n, h, -(-width // 8) * 8), np.uint8)
+    padded[..., :width] = raw
+    lanes = padded.view(np.uint64)
+    # Odd multipliers per lane; the sum wraps modulo 2^64, as intended.
+    mult = (np.arange(1, lanes.shape[-1] + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        acc = (lanes * mult).sum(axis=-1, dtype=np.uint64)
+        if words is not None:
+            acc ^= words.view(np.uint32).astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
+        acc ^= acc >> np.uint64(31)
+        acc *= np.uint64(0xBF58476D1CE4E5B9)
+        acc ^= acc >> np.uint64(29)
+    constant = (raw == raw[..., :1]).all(axis=-1)
+    acc[constant] = 0
+    acc[(acc == 0) & ~constant] = 1
+    return acc
+
+
+def check_rows(cache: CacheRows, live: LiveRows, rows: slice) -> RowResults:
+    """Check live rows `rows` (a slice of `live`) of one cache: statuses, reference mismatches,
+    hashes, the scales, and the sums behind the per-layer table."""
+    mode, fmt = cache.mode, cache.mode.format
+    block, slot = live.block[rows], live.slot[rows]
+    codes = cache.codes[block, slot]  # [n, H, W]
+    n, heads = codes.shape[:2]
+    status = np.zeros((n, heads), np.int8)
+    sums: dict[str, float] = {}
+    words = scales = None
+    if fmt is None:
+        raw = codes.view(np.uint8).reshape(n, heads, -1)
+        decoded = codes.astype(np.float32)
+        bad = ~np.isfinite(decoded).all(axis=-1)
+        status[bad] = _STATUS["value_nonfinite"]
+    else:
+        raw = codes
+        tables = byte_tables(fmt)
+        codec = stored_codec(mode)
+        if mode.per_token_head:
+            words = cache.words[block, slot]
+            scales, _ = fmt.split_scale_words(words)
+            _scale_status(status, scales)
+            row_scale = scales
+        else:
+            row_scale = np.full((n, heads), cache.static, np.float32)
+        with np.errstate(all="ignore"):
+            decoded = vectorized.decode(codes, words if mode.per_token_head else cache.static, codec)
+        open_rows = status == 0
+        status[open_rows & tables.nan[codes].any(axis=-1)] = _STATUS["code_nan"]
+        status[(status == 0) & tables.inf[codes].any(axis=-1)] = _STATUS["code_inf"]
+        if mode.per_token_head:
+            check = status == 0
+            fails = round_trip_fails(codes[check], words[check], mode, cache.rounding)
+            status.reshape(-1)[np.flatnonzero(check.ravel())[fails]] = _STATUS["not_encoder_output"]
+        clean = status == 0
+        sums["clamp"] = float(tables.clamp[codes[clean]].sum())
+        scale2 = row_scale[clean].astype(np.float64) ** 2
+        sums["step2"] = float((tables.step2[codes[clean]].sum(axis=-1) * scale2).sum())
+    if not mode.per_token_head:
+        status[(status == 0) & (raw == 0).all(axis=-1)] = _STATUS["row_zero"]
+    clean = status == 0
+    good = decoded[clean].astype(np.float64)
+    sums["rows"] = float(clean.sum())
+    sums["elements"] = float(good.size)
+    sums["value2"] = float((good**2).sum())
+    sums["absmax"] = float(np.abs(good).max()) if good.size else 0.0
+    mismatch = np.zeros((n, heads), bool)
+    if cache.reference is not None:
+        mismatch = _against_reference(cache, live.token[rows], codes, words, decoded, sums)
+    return RowResults(status=status, mismatch=mismatch, hashes=_hash_rows(raw, words), scales=scales, sums=sums)
+
+
+def _scale_status(status: np.ndarray, scales: np.ndarray) -> None:
+    for kind, hit in (
+        ("scale_nan", np.isnan(scales)),
+        ("scale_inf", np.isinf(scales)),
+        ("scale_zero", scales == 0),
+        ("scale_negative", scales < 0),
+        ("scale_subnormal", np.abs(scales) < _TINY),
+    ):
+        status[(status == 0) & hit] = _STATUS[kind]
+
+
+def encode_reference(cache: CacheRows, reference: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(rows as stored float32 [n, H, D], the encoder's codes, its scale words or None) of
+    reference rows [n, H, D]: rotated where the mode rotates, in the reference's dtype as a write
+    rotates them (SPEC.md 12.2)."""
+    mode = cache.mode
+    xf = reference.astype(np.float32)
+    if mode.rotation is not None:
+        xf = vectorized.rotate_rows(xf, reference.dtype)
+    codec = stored_codec(mode, cache.rounding)
+    if mode.per_token_head:
+        codes, words = vectorized.quantize_rows(xf, codec)
+        return xf, codes, words
+    return xf, vectorized.quantize_static(xf, cache.static, codec), None
+
+
+def _against_reference(
+    cache: CacheRows,
+    tokens: np.ndarray,
+    codes: np.ndarray,
+    words: np.ndarray | None,
+    decoded: np.ndarray,
+    sums: dict[str, float],
+) -> np.ndarray:
+    """bool [n, H]: rows more than REFERENCE_STEPS code steps from kvzoo's encoding of the
+    reference; adds the reference error sums."""
+    mode, fmt = cache.mode, cache.mode.format
+    reference = cache.reference[tokens]
+    if fmt is None:
+        # Mode none stores the bits it is given: compare in the cache's dtype.
+        expected = reference.astype(cache.codes.dtype).astype(np.float32)
+        same = (decoded == expected) | (np.isnan(decoded) & np.isnan(expected))
+        stored, expected_decoded, exact = expected, expected, same.all(axis=-1)
+        mismatch = ~exact
+    else:
+        stored, ref_codes, ref_words = encode_reference(cache, reference)
+        codec = stored_codec(mode)
+        with np.errstate(all="ignore"):
+            if mode.per_token_head:
+                ref_scale, _ = fmt.split_scale_words(ref_words)
+                expected_decoded = vectorized.decode(ref_codes, ref_words, codec)
+            else:
+                ref_scale = np.full(ref_codes.shape[:2], cache.static, np.float32)
+                expected_decoded = vectorized.decode(ref_codes, cache.static, codec)
+            tables = byte_tables(fmt)
+            if fmt.codes_per_byte == 1:
+                step = tables.step[ref_codes] * ref_scale[..., None]
+            else:
+                step = np.broadcast_to(ref_scale[..., None], expected_decoded.shape)
+            far = np.abs(decoded - expected_decoded) > REFERENCE_STEPS * step
+        nan_differs = np.isnan(decoded) != np.isnan(expected_decoded)
+        mismatch = (far | nan_differs).any(axis=-1)
+        exact = (ref_codes == codes).all(axis=-1)
+        if ref_words is not None:
+            exact &= ref_words.view(np.uint32) == words.view(np.uint32)
+    finite = np.isfinite(decoded).all(axis=-1) & np.isfinite(stored).all(axis=-1)
+    diff = (decoded[finite] - stored[finite]).astype(np.float64)
+    sums["ref_diff2"] = float((diff**2).sum())
+    sums["ref_value2"] = float((stored[finite].astype(np.float64) ** 2).sum())
+    sums["ref_rows"] = float(exact.size)
+    sums["ref_exact"] = float(exact.sum())
+    return mismatch
