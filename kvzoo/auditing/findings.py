@@ -100,6 +100,14 @@ def _status_detail(kind: str, cache: CacheRows, block: int, slot: int, head: int
     )
 
 
+def static_scale_findings(out: Collector, layer: int, which: str, cache: CacheRows) -> None:
+    """A per-tensor scale that is not finite and > 0 (the write refuses one; a dump may hold it)."""
+    s = cache.static
+    if s is not None and not (np.isfinite(s) and s > 0):
+        detail = f"{which[0]}_scale is {float(s)!r}: every code decodes to {float(s)!r} times its value"
+        out.one(Finding("static_scale_invalid", layer, None, None, None, detail, cache=which))
+
+
 def status_findings(out: Collector, layer: int, which: str, cache: CacheRows, live: LiveRows, res: RowResults) -> None:
     for kind in ROW_KINDS:
         hit = res.status == _STATUS[kind]
@@ -123,11 +131,13 @@ def reference_findings(
         r = int(rows[i])
         heads = np.flatnonzero(res.mismatch[r])
         h = int(heads[0])
-        stored, _, _ = encode_reference(cache, cache.reference[live.token[r]][None, h : h + 1])
+        reference = cache.reference[live.token[r]][None, h : h + 1]
         codes = cache.codes[live.block[r], live.slot[r], h]
         if cache.mode.format is None:
+            stored = reference.astype(np.float32)
             decoded = codes.astype(np.float32)
         else:
+            stored, _, _ = encode_reference(cache, reference)
             scale = cache.words[live.block[r], live.slot[r], h][None] if cache.words is not None else cache.static
             with np.errstate(all="ignore"):
                 decoded = vectorized.decode(codes[None], scale, stored_codec(cache.mode))[0]
@@ -234,29 +244,28 @@ def _equal_bytes(cache: CacheRows, live: LiveRows, rows: np.ndarray, heads: np.n
     return [ids[inverse.reshape(-1) == k] for k in np.flatnonzero(counts > 1)]
 
 
-def stale_findings(
-    out: Collector, layer: int, which: str, cache: CacheRows, stale: list[tuple[int, int, np.ndarray]]
-) -> None:
+def stale_findings(out: Collector, layer: int, which: str, cache: CacheRows, stale: tuple[np.ndarray, ...]) -> None:
     """One finding per sequence whose last block holds bytes past its seq_len."""
-    hits = []
-    for seq, block, slots in stale:
-        raw = cache.codes[block, slots].view(np.uint8).reshape(len(slots), -1)
-        held = (raw != 0).any(axis=1)
-        if cache.words is not None:
-            held |= (cache.words[block, slots].view(np.uint32) != 0).any(axis=1)
-        if held.any():
-            hits.append((seq, block, slots[held]))
+    seq, block, slot = stale
+    if not len(seq):
+        return
+    raw = cache.codes[block, slot].view(np.uint8).reshape(len(seq), -1)
+    held = (raw != 0).any(axis=1)
+    if cache.words is not None:
+        held |= (cache.words[block, slot].view(np.uint32) != 0).any(axis=1)
+    seqs = np.unique(seq[held])
 
     def make(i: int) -> Finding:
-        seq, block, slots = hits[i]
+        mine = held & (seq == seqs[i])
+        slots = slot[mine]
         return Finding(
             "stale_rows",
             layer,
-            seq,
-            block,
+            int(seqs[i]),
+            int(block[mine][0]),
             int(slots[0]),
             f"{len(slots)} rows past seq_len hold bytes (slots {slots[:8].tolist()})",
             cache=which,
         )
 
-    out.add("stale_rows", layer, which, len(hits), make)
+    out.add("stale_rows", layer, which, len(seqs), make)

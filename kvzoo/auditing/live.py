@@ -143,20 +143,17 @@ def _sharing_findings(dump: CacheDump, lens: np.ndarray, used: np.ndarray, usabl
     return findings
 
 
-def stale_slots(
-    dump: CacheDump, live: LiveRows, usable: np.ndarray, lens: np.ndarray
-) -> list[tuple[int, int, np.ndarray]]:
-    """(seq, block, slots int64) for each usable sequence whose last block is partly filled: the
+def stale_slots(dump: CacheDump, live: LiveRows, usable: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(seq, block, slot) int64 [m]: in each usable sequence's partly filled last block, the
     slots past its seq_len that no sequence reads, where stale bytes are looked for."""
     bs = dump.block_size
+    partial = np.flatnonzero(usable & (lens % bs != 0))
+    free = bs - lens[partial] % bs
+    seq = np.repeat(partial, free)
+    slot = np.arange(int(free.sum()), dtype=np.int64) - np.repeat(np.cumsum(free) - free, free)
+    slot += np.repeat(lens[partial] % bs, free)
+    block = dump.block_tables[seq, (lens[seq] - 1) // bs] if len(seq) else np.zeros(0, np.int64)
     keys = live.block * bs + live.slot  # sorted (live_rows' order)
-    out = []
-    for s in np.flatnonzero(usable & (lens % bs != 0)).tolist():
-        block = int(dump.block_tables[s, -(-int(lens[s]) // bs) - 1])
-        slots = np.arange(int(lens[s] % bs), bs, dtype=np.int64)
-        candidates = block * bs + slots
-        at = np.minimum(np.searchsorted(keys, candidates), max(len(keys) - 1, 0))
-        read = keys[at] == candidates if len(keys) else np.zeros(len(slots), bool)
-        if (~read).any():
-            out.append((s, block, slots[~read]))
-    return out
+    candidates = block * bs + slot
+    read = np.isin(candidates, keys, assume_unique=False)
+    return seq[~read], block[~read], slot[~read]

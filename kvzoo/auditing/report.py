@@ -37,7 +37,11 @@ KINDS: dict[str, tuple[str, str]] = {
         "a live row's scale is NaN: K/V held a NaN or an Inf when written (SPEC.md section 4), or the word was "
         "overwritten; attention of every query reading it is NaN",
     ),
-    "scale_inf": (ERROR, "a live row's scale is infinite: no write stores that; the word was overwritten"),
+    "scale_inf": (
+        ERROR,
+        "a live row's scale is +Inf: K/V held an infinity when written (SPEC.md section 4; the row reads back as "
+        "NaN), or the word was overwritten",
+    ),
     "scale_negative": (ERROR, "a live row's scale is negative: no write stores that; the word was overwritten"),
     "scale_subnormal": (
         ERROR,
@@ -82,8 +86,9 @@ KINDS: dict[str, tuple[str, str]] = {
     ),
     "duplicate_row": (
         WARNING,
-        "live rows at different positions or heads hold identical bytes: a write that went to the wrong slot (or, "
-        "legitimately, repeated tokens of a model without rotary positions)",
+        "live K rows at different positions or heads hold identical bytes: a write that went to the wrong slot "
+        "(or, legitimately, a repeated token in a model without rotary positions); V is not compared, as a "
+        "repeated token's V rows are equal in the first layer",
     ),
     "stale_rows": (
         WARNING,

@@ -41,8 +41,9 @@ ROW_KINDS = (
     "not_encoder_output",
 )
 _STATUS = {kind: i + 1 for i, kind in enumerate(ROW_KINDS)}
-# Elements of one chunk of rows: bounds the float32 temporaries (about ten of this size).
-CHUNK_ELEMENTS = 1 << 21
+# Elements of one chunk of rows: its float32 temporaries (about ten of this size) stay in the
+# CPU caches, which measured 1.5x faster than 2M-element chunks.
+CHUNK_ELEMENTS = 1 << 18
 _TINY = np.float32(np.finfo(np.float32).tiny)
 # A reference row may sit this many code steps from what the cache decodes to: one step for an
 # encoder that rounds the other way at a boundary (vLLM's FMA, SPEC.md 12.4), and a half more
@@ -56,7 +57,7 @@ class ByteTables:
 
     nan: np.ndarray  # bool: the byte holds a NaN code
     inf: np.ndarray  # bool: the byte holds an infinity
-    clamp: np.ndarray  # int64: codes in the byte at the clamp (largest magnitude, or an end of an unsigned range)
+    clamp: np.ndarray  # uint8: codes in the byte at the clamp (largest magnitude, or an end of an unsigned range)
     step2: np.ndarray  # float64: sum of its codes' squared spacing (the distance between neighbouring values)
     step: np.ndarray  # float32: the spacing at a one-code byte's value (unused for packed formats)
 
@@ -78,7 +79,7 @@ def byte_tables(fmt: CodeFormat) -> ByteTables:
     return ByteTables(
         nan=np.isnan(values)[codes].any(axis=1),
         inf=np.isinf(values)[codes].any(axis=1),
-        clamp=at_clamp[codes].sum(axis=1).astype(np.int64),
+        clamp=at_clamp[codes].sum(axis=1).astype(np.uint8),
         step2=(step[codes] ** 2).sum(axis=1),
         step=step.astype(np.float32)[np.arange(256) % len(values)],
     )
@@ -95,6 +96,8 @@ class CacheRows:
     static: np.float32 | None  # the per-tensor scale
     reference: np.ndarray | None  # [tokens, H, D] K or V given with the dump
     head_size: int
+    # Hash rows for duplicate_row (K only: kvzoo.auditing.core says why).
+    hash_rows: bool = False
 
 
 @dataclass
@@ -136,11 +139,14 @@ def stored_codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec
 def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding: str) -> np.ndarray:
     """Codes [m, W] of rows the round trip then holds to round-to-nearest's fixed point.
 
-    Two valid rows are not fixed points: int8 "trunc" lands a row's largest element on 126 when
-    absmax * inv falls just under 127 (SPEC.md section 3), which lifting 126 to 127 undoes; int4
-    rounds its zero point half up through a float32 add (SPEC.md 12.3), so where -lo / scale is
-    just under k + 1/2 the zero point is k + 1 and the row's lowest code is 1, not 0, which
-    lowering 1 to 0 undoes. Other rows are returned as they are.
+    Rows an encoder writes whose own decode re-quantizes differently, lifted to one that does
+    not: int8 "trunc" lands a row's largest element on 126 when absmax * inv falls just under
+    127 (SPEC.md section 3): 126 is lifted to 127. int4 (SPEC.md 12.3) puts the ends of a row's
+    range at y = zp - t and 15 - t + zp, where t = -lo / scale and zp rounds t half up through a
+    float32 add; where t's fraction is within rounding of 1/2 an end lands one code inside,
+    on 1 (zp rounded up) or on 14 (rounded down, with r * inv rounded below 8.5): 1 is lowered
+    to 0 where the zero point is above 0, and 14 lifted to 15 where it is below 15. Other rows
+    are returned as they are.
     """
     fmt = mode.format
     if rounding == "trunc":
@@ -152,22 +158,34 @@ def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding
     if fmt.row_zero_point:
         unpacked = fmt.unpack(codes)
         _, zero_points = fmt.split_scale_words(words)
-        lift = (unpacked.min(axis=-1) == 1) & (zero_points > 0)
-        if lift.any():
-            unpacked[lift] = np.where(unpacked[lift] == 1, np.uint8(0), unpacked[lift])
+        low, high = int(fmt.qmin), int(fmt.qmax)
+        up = (unpacked.min(axis=-1) == low + 1) & (zero_points > low)
+        down = (unpacked.max(axis=-1) == high - 1) & (zero_points < high)
+        if up.any() or down.any():
+            unpacked = np.where(up[:, None] & (unpacked == low + 1), np.uint8(low), unpacked)
+            unpacked = np.where(down[:, None] & (unpacked == high - 1), np.uint8(high), unpacked)
             codes = fmt.pack(unpacked)
     return codes
 
 
-def round_trip_fails(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding: str) -> np.ndarray:
+def round_trip_fails(
+    codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding: str, decoded: np.ndarray | None = None
+) -> np.ndarray:
     """bool [m]: rows (codes uint8 [m, W], scale words float32 [m]) of a per-token-head mode
-    that no input encodes to: decoded, re-quantized to nearest, their bytes differ."""
+    that no input encodes to: decoded, re-quantized to nearest, their bytes differ. decoded:
+    their stored-domain decode (float32 [m, D]) where the caller has it already."""
     if not len(codes):
         return np.zeros(0, bool)
     codec = stored_codec(mode)
     lifted = lifted_codes(codes, words, mode, rounding)
-    decoded = vectorized.decode(lifted, words, codec)
-    again, again_words = vectorized.quantize_rows(decoded, codec)
+    if decoded is None:
+        decoded = vectorized.decode(lifted, words, codec)
+    elif lifted is not codes:
+        changed = (lifted != codes).any(axis=-1)
+        decoded = decoded.copy()
+        decoded[changed] = vectorized.decode(lifted[changed], words[changed], codec)
+    with np.errstate(all="ignore"):
+        again, again_words = vectorized.quantize_rows(decoded, codec)
     return (again != lifted).any(axis=-1) | (again_words.view(np.uint32) != words.view(np.uint32))
 
 
@@ -201,49 +219,78 @@ def check_rows(cache: CacheRows, live: LiveRows, rows: slice) -> RowResults:
     codes = cache.codes[block, slot]  # [n, H, W]
     n, heads = codes.shape[:2]
     status = np.zeros((n, heads), np.int8)
-    sums: dict[str, float] = {}
     words = scales = None
     if fmt is None:
         raw = codes.view(np.uint8).reshape(n, heads, -1)
         decoded = codes.astype(np.float32)
-        bad = ~np.isfinite(decoded).all(axis=-1)
-        status[bad] = _STATUS["value_nonfinite"]
+        mark(status, "value_nonfinite", ~np.isfinite(decoded).all(axis=-1))
     else:
         raw = codes
         tables = byte_tables(fmt)
-        codec = stored_codec(mode)
         if mode.per_token_head:
             words = cache.words[block, slot]
             scales, _ = fmt.split_scale_words(words)
             _scale_status(status, scales)
-            row_scale = scales
-        else:
-            row_scale = np.full((n, heads), cache.static, np.float32)
         with np.errstate(all="ignore"):
-            decoded = vectorized.decode(codes, words if mode.per_token_head else cache.static, codec)
-        open_rows = status == 0
-        status[open_rows & tables.nan[codes].any(axis=-1)] = _STATUS["code_nan"]
-        status[(status == 0) & tables.inf[codes].any(axis=-1)] = _STATUS["code_inf"]
+            decoded = vectorized.decode(codes, words if mode.per_token_head else cache.static, stored_codec(mode))
+        if tables.nan.any():
+            mark(status, "code_nan", tables.nan[codes].any(axis=-1))
+        if tables.inf.any():
+            mark(status, "code_inf", tables.inf[codes].any(axis=-1))
         if mode.per_token_head:
-            check = status == 0
-            fails = round_trip_fails(codes[check], words[check], mode, cache.rounding)
-            status.reshape(-1)[np.flatnonzero(check.ravel())[fails]] = _STATUS["not_encoder_output"]
-        clean = status == 0
-        sums["clamp"] = float(tables.clamp[codes[clean]].sum())
-        scale2 = row_scale[clean].astype(np.float64) ** 2
-        sums["step2"] = float((tables.step2[codes[clean]].sum(axis=-1) * scale2).sum())
+            _mark_round_trip(status, codes, words, decoded, mode, cache.rounding)
     if not mode.per_token_head:
-        status[(status == 0) & (raw == 0).all(axis=-1)] = _STATUS["row_zero"]
-    clean = status == 0
-    good = decoded[clean].astype(np.float64)
-    sums["rows"] = float(clean.sum())
-    sums["elements"] = float(good.size)
-    sums["value2"] = float((good**2).sum())
-    sums["absmax"] = float(np.abs(good).max()) if good.size else 0.0
+        mark(status, "row_zero", (raw == 0).all(axis=-1))
+    sums = _sums(cache, status, codes, scales, decoded)
     mismatch = np.zeros((n, heads), bool)
     if cache.reference is not None:
         mismatch = _against_reference(cache, live.token[rows], codes, words, decoded, sums)
-    return RowResults(status=status, mismatch=mismatch, hashes=_hash_rows(raw, words), scales=scales, sums=sums)
+    hashes = _hash_rows(raw, words) if cache.hash_rows else np.zeros((n, heads), np.uint64)
+    return RowResults(status=status, mismatch=mismatch, hashes=hashes, scales=scales, sums=sums)
+
+
+def _mark_round_trip(status, codes, words, decoded, mode: QuantMode, rounding: str) -> None:
+    """not_encoder_output for the rows without a finding yet (all of them, usually: no gather)."""
+    n, heads, width = codes.shape
+    check = status == 0
+    if check.all():
+        fails = round_trip_fails(
+            codes.reshape(-1, width), words.reshape(-1), mode, rounding, decoded.reshape(n * heads, -1)
+        ).reshape(n, heads)
+    else:
+        fails = np.zeros((n, heads), bool)
+        fails[check] = round_trip_fails(codes[check], words[check], mode, rounding, decoded[check])
+    mark(status, "not_encoder_output", fails)
+
+
+def _sums(cache: CacheRows, status, codes, scales, decoded) -> dict[str, float]:
+    """The per-layer table's sums over the rows with no finding: per row in float32 (one pass
+    each), then over rows in float64."""
+    fmt = cache.mode.format
+    clean = status == 0
+    sums = {"rows": float(clean.sum()), "elements": float(clean.sum()) * decoded.shape[-1]}
+    with np.errstate(all="ignore"):
+        value2 = np.einsum("...d,...d->...", decoded, decoded)
+        largest = np.maximum(decoded.max(axis=-1), -decoded.min(axis=-1))
+    sums["value2"] = float(value2[clean].sum(dtype=np.float64))
+    sums["absmax"] = float(largest[clean].max()) if clean.any() else 0.0
+    if fmt is None:
+        return sums
+    tables = byte_tables(fmt)
+    sums["clamp"] = float(np.add.reduce(tables.clamp[codes], axis=-1, dtype=np.int64)[clean].sum())
+    row_scale = scales if scales is not None else np.float32(cache.static)
+    if np.all(tables.step2 == tables.step2[0]):
+        step2 = np.full(codes.shape[:2], tables.step2[0] * codes.shape[-1])
+    else:
+        step2 = np.add.reduce(tables.step2.astype(np.float32)[codes], axis=-1, dtype=np.float64)
+    scale2 = np.broadcast_to(np.asarray(row_scale, np.float64) ** 2, step2.shape)
+    sums["step2"] = float((step2 * scale2)[clean].sum())
+    return sums
+
+
+def mark(status: np.ndarray, kind: str, hit: np.ndarray) -> None:
+    """Give `kind` to the rows in `hit` that have no finding yet (a row keeps its first)."""
+    status[(status == 0) & hit] = _STATUS[kind]
 
 
 def _scale_status(status: np.ndarray, scales: np.ndarray) -> None:
@@ -254,7 +301,7 @@ def _scale_status(status: np.ndarray, scales: np.ndarray) -> None:
         ("scale_negative", scales < 0),
         ("scale_subnormal", np.abs(scales) < _TINY),
     ):
-        status[(status == 0) & hit] = _STATUS[kind]
+        mark(status, kind, hit)
 
 
 def encode_reference(cache: CacheRows, reference: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
