@@ -530,3 +530,19 @@ def test_every_encoder_output_round_trips(mode_name, rounding, dist):
         finite = np.isfinite(words)
         fails = round_trip_fails(codes[finite], words[finite], mode, rounding)
         assert not fails.any(), f"{int(fails.sum())} rows (seed {SEED}), first {np.flatnonzero(fails)[:4]}"
+
+
+def test_readme_audit_example_runs(tmp_path, monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    blocks = re.findall(r"```python\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(), flags=re.S)
+    plan = next(b for b in blocks if "plan_step" in b)
+    example = next(b for b in blocks if "kvzoo.audit(" in b)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"torch": torch, "kvzoo": kvzoo}
+    exec(compile(plan, "README.md", "exec"), scope)
+    exec(compile(example, "README.md", "exec"), scope)
+    assert scope["report"].ok and not scope["report"].counts
+    assert "layer  kv  rows" in capsys.readouterr().out
+    assert main(["audit", str(tmp_path / "cache.pt")]) == 0
