@@ -60,6 +60,9 @@ class ByteTables:
     clamp: np.ndarray  # uint8: codes in the byte at the clamp (largest magnitude, or an end of an unsigned range)
     step2: np.ndarray  # float64: sum of its codes' squared spacing (the distance between neighbouring values)
     step: np.ndarray  # float32: the spacing at a one-code byte's value (unused for packed formats)
+    low: np.ndarray  # uint8: the smallest code (as an unsigned pattern) in the byte
+    high: np.ndarray  # uint8: the largest
+    magnitude: np.ndarray  # float32: the largest |value| of its codes (NaN codes: NaN)
 
 
 @functools.cache
@@ -82,6 +85,9 @@ def byte_tables(fmt: CodeFormat) -> ByteTables:
         clamp=at_clamp[codes].sum(axis=1).astype(np.uint8),
         step2=(step[codes] ** 2).sum(axis=1),
         step=step.astype(np.float32)[np.arange(256) % len(values)],
+        low=codes.min(axis=1),
+        high=codes.max(axis=1),
+        magnitude=np.abs(values)[codes].max(axis=1).astype(np.float32),
     )
 
 
@@ -149,22 +155,27 @@ def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding
     are returned as they are.
     """
     fmt = mode.format
+    tables = byte_tables(fmt)
     if rounding == "trunc":
-        signed = codes.view(np.int8).astype(np.int16)
-        magnitude = np.abs(signed)
-        lift = (magnitude.max(axis=-1, keepdims=True) == 126) & (magnitude == 126)
+        lift = tables.magnitude[codes].max(axis=-1) == 126
         if lift.any():
-            codes = np.where(lift, np.where(signed > 0, 127, -127).astype(np.int8).view(np.uint8), codes)
+            rows = codes[lift]
+            signed = rows.view(np.int8)
+            top = np.abs(signed.astype(np.int16)) == 126
+            codes = codes.copy()
+            codes[lift] = np.where(top, np.where(signed > 0, 127, -127).astype(np.int8).view(np.uint8), rows)
     if fmt.row_zero_point:
-        unpacked = fmt.unpack(codes)
         _, zero_points = fmt.split_scale_words(words)
         low, high = int(fmt.qmin), int(fmt.qmax)
-        up = (unpacked.min(axis=-1) == low + 1) & (zero_points > low)
-        down = (unpacked.max(axis=-1) == high - 1) & (zero_points < high)
-        if up.any() or down.any():
-            unpacked = np.where(up[:, None] & (unpacked == low + 1), np.uint8(low), unpacked)
-            unpacked = np.where(down[:, None] & (unpacked == high - 1), np.uint8(high), unpacked)
-            codes = fmt.pack(unpacked)
+        up = (tables.low[codes].min(axis=-1) == low + 1) & (zero_points > low)
+        down = (tables.high[codes].max(axis=-1) == high - 1) & (zero_points < high)
+        lift = up | down
+        if lift.any():
+            unpacked = fmt.unpack(codes[lift])
+            unpacked = np.where(up[lift][:, None] & (unpacked == low + 1), np.uint8(low), unpacked)
+            unpacked = np.where(down[lift][:, None] & (unpacked == high - 1), np.uint8(high), unpacked)
+            codes = codes.copy()
+            codes[lift] = fmt.pack(unpacked)
     return codes
 
 
