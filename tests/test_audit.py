@@ -546,3 +546,24 @@ def test_readme_audit_example_runs(tmp_path, monkeypatch, capsys):
     assert scope["report"].ok and not scope["report"].counts
     assert "layer  kv  rows" in capsys.readouterr().out
     assert main(["audit", str(tmp_path / "cache.pt")]) == 0
+
+
+@pytest.mark.parametrize(
+    "tables, lens, expected",
+    [
+        ([], [], {}),  # no sequence
+        ([[0, 1], [2, 3]], [0, 0], {}),  # nothing live
+        ([[0, 1]], [-3], {"seq_len_out_of_range": 1}),
+        ([[0, 1]], [9], {"seq_len_out_of_range": 1}),  # checked up to the 8 the row holds
+        ([[0, 0]], [8], {"block_repeated": 1}),
+    ],
+)
+def test_table_edge_cases(tables, lens, expected):
+    w = _numpy_cache("fp8_per_token_head")
+    dump = {
+        **w.dump(),
+        "block_tables": torch.tensor(tables, dtype=torch.int32).reshape(len(tables), 2),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+    }
+    report = audit(dump, replay=1, replay_impls=["numpy"], workers=2)
+    assert {k: n for k, n in report.counts.items() if not k.startswith("scale_")} == expected, report.format_text()

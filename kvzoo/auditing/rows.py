@@ -266,7 +266,7 @@ def _mark_round_trip(status, codes, words, decoded, mode: QuantMode, rounding: s
     check = status == 0
     if check.all():
         fails = round_trip_fails(
-            codes.reshape(-1, width), words.reshape(-1), mode, rounding, decoded.reshape(n * heads, -1)
+            codes.reshape(-1, width), words.reshape(-1), mode, rounding, decoded.reshape(n * heads, decoded.shape[-1])
         ).reshape(n, heads)
     else:
         fails = np.zeros((n, heads), bool)
