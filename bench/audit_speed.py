@@ -132,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(int(a.numel() * a.element_size()) for a in arrays)
     built = time.perf_counter() - t0
     copy = copy_seconds(arrays)
-    times, report = [], None
+    times, cpu, report = [], [], None
     for _ in range(args.runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = kvzoo.audit(dump, workers=args.workers)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     median = float(np.median(times))
     rows = sum(layer.key.rows + layer.value.rows for layer in report.layers)
     commit = subprocess.run(
@@ -154,13 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers or os.cpu_count(),
         "audit_seconds": times,
         "audit_median_s": median,
+        # CPU seconds of all the process's threads: on a loaded machine wall time exceeds
+        # cpu / workers by the time the threads waited for a core.
+        "audit_cpu_s": cpu,
         "copy_median_s": copy,
         "findings": dict(report.counts),
     }
     print(
         f"kvzoo.audit of {nbytes / 2**30:.2f} GiB ({args.mode}, {args.layout}; {LAYERS} layers, "
         f"{dump['block_tables'].shape[0]} sequences, {rows:,} live rows; built in {built:.0f} s): median "
-        f"{median:.1f} s of {args.runs} ({', '.join(f'{t:.1f}' for t in times)}), {nbytes / median / 1e6:,.0f} MB/s; "
+        f"{median:.1f} s of {args.runs} ({', '.join(f'{t:.1f}' for t in times)}; CPU time "
+        f"{', '.join(f'{t:.1f}' for t in cpu)} s), {nbytes / median / 1e6:,.0f} MB/s; "
         f"np.copy of the same bytes {copy:.2f} s ({nbytes / copy / 1e9:.2f} GB/s): the audit at "
         f"{100 * copy / median:.1f}% of the copy's rate. Findings: {dict(report.counts) or 'none'}. "
         f"{facts['machine']}; {facts['date']}, commit {facts['commit']}."
