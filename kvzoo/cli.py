@@ -203,6 +203,7 @@ def _audit(args: argparse.Namespace) -> int:
             seed=args.seed,
             outlier_ratio=args.outlier_ratio,
             max_findings=args.max_findings,
+            impl=args.write_impl,
         )
     except ValueError as bad:
         print(f"kvzoo audit: {bad}", file=sys.stderr)
@@ -266,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         help="replay attention for N random query rows per sequence and layer on every available implementation",
     )
     audit.add_argument("--impl", action="append", help="replay only this implementation (repeatable)")
+    audit.add_argument(
+        "--write-impl",
+        metavar="NAME",
+        help="the write implementation that re-quantizes rows in the round trip (default: the fastest on the CPU; "
+        "numpy avoids Numba's first compilation)",
+    )
     audit.add_argument("--plot", metavar="DIR", help="write per-layer scale histograms (PNG) into DIR")
     audit.add_argument("--max-findings", type=int, default=100, help="findings listed per layer and kind")
     audit.add_argument(

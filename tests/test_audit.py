@@ -309,7 +309,7 @@ def test_dump_file_round_trip_and_cli(tmp_path, capsys):
     clean_path = tmp_path / "clean.pt"
     save_cache_dump(clean_path, w.dump())
     assert set(load_cache_dump(clean_path)["layers"][0]) == {"buffer"}  # the page itself
-    assert main(["audit", str(clean_path)]) == 0
+    assert main(["audit", str(clean_path), "--write-impl", "numpy"]) == 0
     expected = plant_defects(w, rng_for("audit-cli"))
     bad_path = tmp_path / "bad.pt"
     save_cache_dump(bad_path, w.dump())
@@ -503,6 +503,14 @@ def test_each_planted_defect_needs_its_detector(kind, monkeypatch):
     assert kind not in {f[0] for f in found}
 
 
+def _cpu_writers() -> list[str]:
+    return [
+        i.name
+        for i in registry.default().implementations("reshape_and_cache")
+        if i.available and i.platform in ("any", "cpu")
+    ]
+
+
 @pytest.mark.parametrize(
     "mode_name, rounding",
     [(m.name, r) for m in MODES.values() if m.per_token_head for r in m.roundings],
@@ -511,8 +519,9 @@ def test_each_planted_defect_needs_its_detector(kind, monkeypatch):
 def test_every_encoder_output_round_trips(mode_name, rounding, dist):
     """The round trip holds every row an encoder writes, the rounding midpoints (int4's zero
     point ties among them) and rows at the scale floor included; the rows of the conformance
-    suite's distributions, in every input dtype."""
-    from kvzoo.auditing.rows import round_trip_fails
+    suite's distributions, in every input dtype, re-quantized by every CPU implementation; and
+    each finds the same random rows foreign."""
+    from kvzoo.auditing.rows import Requantizer, round_trip_fails
     from kvzoo.backends.numpy_vectorized import codec as numpy_codec
     from kvzoo.conformance.inputs import make_rows
 
@@ -528,8 +537,14 @@ def test_every_encoder_output_round_trips(mode_name, rounding, dist):
         # A row holding an infinity (a float16 outlier) is stored with scale +Inf (SPEC.md 4): an
         # error of its own kind, scale_inf, which the round trip never sees.
         finite = np.isfinite(words)
-        fails = round_trip_fails(codes[finite], words[finite], mode, rounding)
-        assert not fails.any(), f"{int(fails.sum())} rows (seed {SEED}), first {np.flatnonzero(fails)[:4]}"
+        garbage = rng.integers(0, 256, codes.shape, dtype=np.uint8)
+        garbage_found = []
+        for impl in _cpu_writers():
+            again = Requantizer(mode, impl)
+            fails = round_trip_fails(codes[finite], words[finite], mode, rounding, requantize=again)
+            assert not fails.any(), f"{impl}: {int(fails.sum())} rows (seed {SEED}), first {np.flatnonzero(fails)[:4]}"
+            garbage_found.append(round_trip_fails(garbage[finite], words[finite], mode, rounding, requantize=again))
+        assert all(np.array_equal(g, garbage_found[0]) for g in garbage_found)
 
 
 def test_readme_audit_example_runs(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from . import findings as found
 from .dump import CacheDump, load_cache_dump, read_dump
 from .live import LiveRows, live_rows, stale_slots, table_findings
 from .report import ERROR, KINDS, WARNING, AuditReport, CacheStats, Finding, LayerReport
-from .rows import CacheRows, RowResults, check_rows, chunks
+from .rows import CacheRows, Requantizer, RowResults, check_rows, chunks, requantizer
 
 CACHES = ("key", "value")
 
@@ -30,14 +30,17 @@ def _as_dump(source: str | os.PathLike[str] | Mapping[str, Any] | CacheDump) -> 
     return read_dump(source)
 
 
-def _cache_rows(dump: CacheDump) -> list[tuple[int, str, CacheRows]]:
+def _cache_rows(dump: CacheDump, requantize: Requantizer | None) -> list[tuple[int, str, CacheRows]]:
     out = []
     for i, layer in enumerate(dump.layers):
         for which in CACHES:
             codes, words, static, reference = layer.cache(which)
             # Rotary positions make every position's K row differ; V rows of one token repeated
             # are equal in the first layer (its V depends on the token alone): V is not compared.
-            rows = CacheRows(dump.mode, dump.rounding, codes, words, static, reference, layer.head_size, which == "key")
+            hashed = which == "key"
+            rows = CacheRows(
+                dump.mode, dump.rounding, codes, words, static, reference, layer.head_size, hashed, requantize
+            )
             out.append((i, which, rows))
     return out
 
@@ -108,6 +111,7 @@ def audit(
     outlier_ratio: float = 100.0,
     max_findings: int = 100,
     workers: int | None = None,
+    impl: str | None = None,
     registry: _registry.Registry | None = None,
 ) -> AuditReport:
     """Audit a quantized paged KV cache: what is wrong with it, where, and how it reads.
@@ -131,8 +135,11 @@ def audit(
         Findings kept per layer, cache and kind (all are counted in report.counts).
     workers : int, optional
         Threads (default: the CPUs).
+    impl : str, optional
+        The write implementation that re-quantizes the rows in the round trip ("numpy",
+        "numba": byte for byte the same); default the registry's fastest on the CPU.
     registry : Registry, optional
-        The implementations the replay runs (default: kvzoo's).
+        The implementations the replay runs and impl is chosen from (default: kvzoo's).
 
     Returns
     -------
@@ -159,7 +166,8 @@ def audit(
     for f in tables:
         out.one(f)
     live = live_rows(dump, usable, lens)
-    caches = _cache_rows(dump)
+    requantize = requantizer(dump.mode, impl, registry) if dump.mode.per_token_head else None
+    caches = _cache_rows(dump, requantize)
     for layer, which, cache in caches:
         found.static_scale_findings(out, layer, which, cache)
     results = _check_all(caches, live, workers or os.cpu_count() or 1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends.numpy_vectorized import kernels as vectorized
+from ..modes import SCALE_FLOOR
 from .live import LiveRows
 from .report import Finding
 from .rows import (
@@ -159,10 +160,11 @@ def reference_findings(
 
 def outlier_findings(out: Collector, layer: int, which: str, live: LiveRows, res: RowResults, ratio: float) -> None:
     """Rows whose scale is more than `ratio` times from the median of their head's (over the rows
-    with no finding)."""
+    with no finding). Rows at the scale floor are left out: the encoder gives it to every row of
+    zeros (a padding token's K and V in the first layer, say), whatever its neighbours."""
     if res.scales is None or not len(live):
         return
-    usable = res.status == 0
+    usable = (res.status == 0) & (res.scales > SCALE_FLOOR)
     logs = np.where(usable, np.log2(np.where(usable, res.scales, 1).astype(np.float64)), np.nan)
     with np.errstate(all="ignore"):
         median = np.nanmedian(logs, axis=0) if usable.any() else np.full(logs.shape[1], np.nan)

@@ -81,8 +81,8 @@ KINDS: dict[str, tuple[str, str]] = {
     ),
     "scale_outlier": (
         WARNING,
-        "a live row's scale is far from the median of its layer, cache and head (--outlier-ratio): an attention "
-        "sink token, or a row written from the wrong data",
+        "a live row's scale is far from the median of its layer, cache and head (--outlier-ratio; rows at the "
+        "scale floor, rows of zeros, left out): an attention sink token, or a row written from the wrong data",
     ),
     "duplicate_row": (
         WARNING,
