@@ -1,8 +1,8 @@
 """The checks of each live row (one token, one KV head) of one layer's K or V cache.
 
-A row is decoded and re-quantized with the NumPy implementation's encoder (the one the
-conformance suite holds byte for byte to the oracle), in the stored domain: an int4 row is
-re-quantized as it is stored (rotated), not rotated again. A row the encoder wrote comes back
+A row is decoded (NumPy's kernels) and re-quantized by a write implementation (Numba's or
+NumPy's: the conformance suite holds both byte for byte to the oracle), in the stored domain:
+an int4 row is re-quantized as it is stored (rotated), not rotated again. A row the encoder wrote comes back
 to the same bytes; one whose bytes are corrupted, or whose codes and scale come from two
 different writes, usually does not. Two encoder rules are not fixed points of that round trip,
 and the check allows for them (lifted_codes). How much of random damage it sees depends on the
@@ -10,7 +10,8 @@ format: codes alone say little (most random int8 / fp8 rows that reach the clamp
 almost every int4 row does), the scale word much more.
 
 Rows are processed in chunks, on a thread pool (NumPy releases the GIL in its loops), so
-that temporaries stay small however large the cache.
+that temporaries stay small however large the cache; a compiled write runs one call at a time
+(Requantizer).
 """
 
 from __future__ import annotations
