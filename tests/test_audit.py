@@ -521,7 +521,7 @@ def test_every_encoder_output_round_trips(mode_name, rounding, dist):
     point ties among them) and rows at the scale floor included; the rows of the conformance
     suite's distributions, in every input dtype, re-quantized by every CPU implementation; and
     each finds the same random rows foreign."""
-    from kvzoo.auditing.rows import Requantizer, round_trip_fails
+    from kvzoo.auditing.rows import requantizer, round_trip_fails
     from kvzoo.backends.numpy_vectorized import codec as numpy_codec
     from kvzoo.conformance.inputs import make_rows
 
@@ -540,7 +540,7 @@ def test_every_encoder_output_round_trips(mode_name, rounding, dist):
         garbage = rng.integers(0, 256, codes.shape, dtype=np.uint8)
         garbage_found = []
         for impl in _cpu_writers():
-            again = Requantizer(mode, impl)
+            again = requantizer(mode, impl)
             fails = round_trip_fails(codes[finite], words[finite], mode, rounding, requantize=again)
             assert not fails.any(), f"{impl}: {int(fails.sum())} rows (seed {SEED}), first {np.flatnonzero(fails)[:4]}"
             garbage_found.append(round_trip_fails(garbage[finite], words[finite], mode, rounding, requantize=again))
