@@ -13,6 +13,8 @@ What it measures, in one run, on text that ships with Python (the standard libra
    transformers' QuantizedCache backends that install here (quanto, HQQ, fp8; each keeps the
    latest <= 128 tokens in full precision and attends the current chunk at full precision,
    so it is favoured against kvzoo, which attends its own codes for the current chunk too).
+   Each kvzoo cache the last window leaves is audited (kvzoo.audit): its findings, and for
+   int8 nearest (--audit: every format) the per-layer table.
 2. Per-layer K/V statistics over one window (DynamicCache): absmax of K and V, outlier
    channels (a channel's absmax over tokens above 4x the median channel's, per head), and
    the spread of the per-(token, head) row absmax (max / median), which is what a per-tensor
@@ -303,6 +305,20 @@ def score(
                 chunks.append((-float(logp.double().sum()), int(piece.shape[1])))
             last = logits[:, -1:]
     return sum(n for n, _ in chunks), sum(c for _, c in chunks), cache, chunks
+
+
+# The kvzoo format whose audit table section 1 always prints (--audit: every kvzoo format's).
+AUDIT_SHOWN = "kvzoo int8 nearest"
+
+
+def audit_cache(fmt: Format, cache: Any, full: bool) -> None:
+    """kvzoo.audit of the cache a format's last window left: its verdict, and the per-layer table."""
+    report = cache.audit()
+    fmt.results["audit"] = report.summary()
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) or "no findings"
+    print(f"    audit: {counts} ({report.live_tokens} tokens, {report.nbytes / 2**20:.1f} MiB, {report.seconds:.2f} s)")
+    if full:
+        print("\n" + "\n".join("    " + line for line in report.table().splitlines()) + "\n", flush=True)
 
 
 def tensor_bytes(x: Any) -> int:
@@ -1063,6 +1079,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--decode-rounds", type=int, default=5, help="rounds of every format at every context")
     parser.add_argument(
+        "--audit",
+        action="store_true",
+        help=f"print kvzoo.audit's per-layer table for every kvzoo format's cache (default: {AUDIT_SHOWN}'s)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -1144,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
             chunk_nll=chunk_nll,
         )
         print(f"  {fmt.label:22s} ppl {fmt.results['ppl']:.4f}  ({fmt.results['seconds']:.0f} s)", flush=True)
+        if fmt.kind == "kvzoo":
+            audit_cache(fmt, cache, full=args.audit or fmt.label == AUDIT_SHOWN)
     base = fmts[0].results["ppl"]
     unquantized = next(f for f in fmts if f.mode == "none").results["ppl"]
     trunc = next(f for f in fmts if f.label == "kvzoo int8 trunc").results["ppl"]

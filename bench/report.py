@@ -6,11 +6,12 @@ from the run, and the words around the figures say why.
     OUT=/tmp/run python3 bench/host_cost.py                       # optional: /tmp/run/host_cost.json
     python bench/real_model.py --json /tmp/run/real_model.json    # optional, CPU: the real-model table
     python bench/scaleout_transfer.py --json /tmp/run/scaleout_transfer.json   # optional: scale-out
+    python bench/audit_speed.py --json /tmp/run/audit_speed.json  # optional, CPU: kvzoo.audit's rate
     python bench/report.py /tmp/run                               # writes bench/RESULTS.md, bench/plots/
 
-RUN is a folder holding bench.json (and, when present, host_cost.json, real_model.json and
-scaleout_transfer.json) or a
-bench.json itself. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
+RUN is a folder holding bench.json (and, when present, host_cost.json, real_model.json,
+scaleout_transfer.json and audit_speed*.json) or a bench.json itself; --scaleout and
+--audit-speed name those JSONs elsewhere. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
 plots need `pip install "kvzoo[plots]"`). The JSON shapes read here are the ones gpu_bench.py,
 host_cost.py and real_model.py write; a section whose JSON is absent says where its last
 figures are instead.
@@ -120,6 +121,8 @@ class Run:
     scaleout: dict | None = None
     # real_model.py --ablate runs (real_model_ablate*.json beside bench.json), by file name.
     ablations: list[dict] = field(default_factory=list)
+    # audit_speed.py runs (audit_speed*.json beside bench.json, or --audit-speed).
+    audit_speeds: list[dict] = field(default_factory=list)
 
     @property
     def dry(self) -> bool:
@@ -154,7 +157,11 @@ class Run:
 
 
 def load(
-    source: Path, host_cost: Path | None = None, real_model: Path | None = None, scaleout: Path | None = None
+    source: Path,
+    host_cost: Path | None = None,
+    real_model: Path | None = None,
+    scaleout: Path | None = None,
+    audit_speed: list[Path] | None = None,
 ) -> Run:
     """The run in `source` (a folder holding bench.json, or the file), with the optional JSONs
     found beside it unless given."""
@@ -193,6 +200,8 @@ def load(
         if path.exists():
             setattr(run, attr, json.loads(path.read_text()))
     run.ablations = [json.loads(p.read_text()) for p in sorted(folder.glob("real_model_ablate*.json"))]
+    paths = audit_speed if audit_speed else sorted(folder.glob("audit_speed*.json"))
+    run.audit_speeds = [json.loads(Path(p).read_text()) for p in paths]
     return run
 
 
@@ -831,6 +840,34 @@ def real_model_section(run: Run) -> list[str]:
     return out
 
 
+def audit_section(run: Run) -> list[str]:
+    """kvzoo.audit's rate on a large cache (bench/audit_speed.py), against np.copy of the same bytes."""
+    if not run.audit_speeds:
+        return [
+            "**Auditing a cache** (`kvzoo audit`, CPU): not part of this run (`python bench/audit_speed.py --json "
+            "DIR/audit_speed.json`); the last figures are in the README (Auditing a cache)."
+        ]
+    first = run.audit_speeds[0]
+    out = [
+        f"**Auditing a cache** (`kvzoo.audit`, {first['date']}, commit {first['commit']}; {first['machine']}): "
+        "the median of the runs (CPU time: all threads' seconds, which a loaded machine stretches less than the "
+        "wall time), against np.copy of the same bytes (a read and a write of each, the physical limit; the "
+        "audit decodes, re-quantizes and compares each element, a few dozen float32 operations).",
+        "",
+        "| cache | command | audit | its CPU time | rate | np.copy | audit / copy rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in run.audit_speeds:
+        gib, median, copy = a["bytes"] / 2**30, a["audit_median_s"], a["copy_median_s"]
+        out.append(
+            f"| {gib:.2f} GiB {a['mode']}, {a['layout']}, {a['live_rows']:,} live rows | `{a['command'].strip()}` | "
+            f"{median:.1f} s ({', '.join(f'{t:.1f}' for t in a['audit_seconds'])}) | "
+            f"{', '.join(f'{t:.1f}' for t in a.get('audit_cpu_s', []))} s | "
+            f"{a['bytes'] / median / 1e6:,.0f} MB/s | {copy:.2f} s | {100 * copy / median:.2f}% |"
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the page
 
@@ -888,6 +925,7 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
         ]
     out += ["", *host_cost_section(run), "", *real_model_section(run), *ablation_section(run)]
     out += ["", *scaleout_section(run)]
+    out += ["", *audit_section(run)]
     out += [
         "",
         "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
@@ -1041,11 +1079,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-cost", type=Path, help="host_cost.json (default: beside bench.json)")
     ap.add_argument("--real-model", type=Path, help="real_model.py's --json output (default: beside bench.json)")
     ap.add_argument("--scaleout", type=Path, help="scaleout_transfer.py's --json output (default: beside bench.json)")
+    ap.add_argument(
+        "--audit-speed",
+        type=Path,
+        action="append",
+        help="audit_speed.py's --json output (repeatable; default: audit_speed*.json beside bench.json)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the page (default bench/RESULTS.md)")
     ap.add_argument("--plots", type=Path, default=HERE / "plots", help="the plots' folder (default bench/plots)")
     ap.add_argument("--no-plots", action="store_true", help="the page without plots (no matplotlib needed)")
     args = ap.parse_args(argv)
-    run = load(args.run, args.host_cost, args.real_model, args.scaleout)
+    run = load(args.run, args.host_cost, args.real_model, args.scaleout, args.audit_speed)
     plots = None
     if not args.no_plots:
         try:

@@ -1,4 +1,5 @@
-"""`kvzoo list` (the registry) and `kvzoo check` (the conformance matrix on this machine)."""
+"""`kvzoo list` (the registry), `kvzoo check` (the conformance matrix on this machine) and
+`kvzoo audit FILE` (what is wrong with a dumped paged cache)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,43 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    import json
+
+    from .auditing import CacheDumpError, audit, load_cache_dump, read_dump
+    from .auditing.plot import require_matplotlib, scale_histograms
+
+    if args.plot:
+        try:
+            require_matplotlib()
+        except ImportError as missing:
+            print(missing, file=sys.stderr)
+            return 2
+    try:
+        dump = read_dump(load_cache_dump(args.file))
+    except CacheDumpError as bad:
+        print(f"kvzoo audit: {bad}", file=sys.stderr)
+        return 2
+    try:
+        report = audit(
+            dump,
+            replay=args.replay,
+            replay_impls=args.impl,
+            seed=args.seed,
+            outlier_ratio=args.outlier_ratio,
+            max_findings=args.max_findings,
+            impl=args.write_impl,
+        )
+    except ValueError as bad:
+        print(f"kvzoo audit: {bad}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
+    if args.plot:
+        written = scale_histograms(dump, args.plot)
+        print(f"kvzoo audit: {len(written)} histograms in {args.plot}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for n, row in enumerate(rows):
@@ -213,11 +251,39 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     check.add_argument("-v", "--verbose", action="store_true", help="skip reasons, and tracebacks for failures")
     sub.add_parser("warmup", help="compile the numba CPU kernels ahead of the first call (cached on disk)")
+    audit = sub.add_parser(
+        "audit",
+        help="check a dumped paged cache (kvzoo.save_cache_dump): exit 1 on an error found, 2 if unreadable",
+        description="Read a torch.save'd cache dump (README, 'Auditing a cache') and report what is wrong "
+        "with it, where: exit status 1 when an error is found, 0 otherwise, 2 for a file it cannot read.",
+    )
+    audit.add_argument("file", help="the dump file")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON (findings, layers, summary)")
+    audit.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replay attention for N random query rows per sequence and layer on every available implementation",
+    )
+    audit.add_argument("--impl", action="append", help="replay only this implementation (repeatable)")
+    audit.add_argument(
+        "--write-impl",
+        metavar="NAME",
+        help="the write implementation that re-quantizes rows in the round trip (default: the fastest on the CPU; "
+        "numpy avoids Numba's first compilation)",
+    )
+    audit.add_argument("--plot", metavar="DIR", help="write per-layer scale histograms (PNG) into DIR")
+    audit.add_argument("--max-findings", type=int, default=100, help="findings listed per layer and kind")
+    audit.add_argument(
+        "--outlier-ratio", type=float, default=100.0, help="a scale this far from its head's median is a warning"
+    )
+    audit.add_argument("--seed", type=int, help="seed of the replay's positions and queries")
     args = parser.parse_args(argv)
     if getattr(args, "interpret", False):
         # Must be set before triton decorates the kernels, i.e. before the registry loads.
         os.environ["TRITON_INTERPRET"] = "1"
-    return {"list": _list, "check": _check, "warmup": _warmup}[args.command](args)
+    return {"list": _list, "check": _check, "warmup": _warmup, "audit": _audit}[args.command](args)
 
 
 if __name__ == "__main__":
