@@ -56,7 +56,7 @@ from types import ModuleType
 from typing import Any
 
 from .capabilities import Capabilities, required
-from .errors import KVZooInputError
+from .errors import KVZooInputError, did_you_mean
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import OPS
 
@@ -286,7 +286,9 @@ class Registry:
             if i.op == op and i.name == name:
                 return i
         known = sorted({i.name for i in self._impls if i.op == op})
-        raise KVZooInputError(f"impl: no implementation named {name!r} for {op}; registered: {known}")
+        raise KVZooInputError(
+            f"impl: no implementation named {name!r} for {op}{did_you_mean(name, known)}; registered: {known}"
+        )
 
     def _candidates(self, op: str, mode_name: str, device: str) -> tuple[Implementation, ...]:
         # The one ordering and filter behind candidates(), best() and select().

@@ -149,3 +149,25 @@ def test_readme_step_ops_example_runs_after_the_plan_example():
     out, lse = scope["out"], scope["lse"]
     assert tuple(out.shape) == (25, 4, 64) and tuple(lse.shape) == (25, 4)
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+
+
+def test_list_and_check_speak_json(capsys):
+    import json
+
+    assert cli.main(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    names = {(i["name"], i["op"]) for i in listed["implementations"]}
+    assert ("numpy", "paged_attention") in names
+    assert all(i["available"] == (not i["unavailable"]) for i in listed["implementations"])
+    argv = ["check", "--impl", "numpy", "--op", "dequantize", "--mode", "int8_per_token_head", "--json", "-q"]
+    assert cli.main([*argv, "--seed", "12345"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["seed"] == 12345 and first["failed"] == 0 and first["passed"] > 0
+    assert first["by_implementation"][0]["implementation"] == "numpy"
+
+
+def test_a_mistyped_name_gets_a_suggestion(capsys):
+    assert cli.main(["check", "--impl", "numbaa", "-q"]) == 2
+    assert "did you mean 'numba'" in capsys.readouterr().err
+    assert cli.main(["check", "--impl", "numpy", "--mode", "int8_per_tokenhead", "-q"]) == 2
+    assert "did you mean 'int8_per_token_head'" in capsys.readouterr().err
