@@ -210,8 +210,18 @@ def _warmup(args: argparse.Namespace) -> int:
     if why:
         print(f"kvzoo warmup: nothing to compile: {'; '.join(why)}", file=sys.stderr)
         return 1
+    from .warmup import STEPS, run_every_signature
+
     start = time.perf_counter()
-    numba_cpu.warmup()
+    print(f"kvzoo warmup: {STEPS} signatures (mode x input dtype); a cold cache takes {numba_cpu.COMPILE_ESTIMATE}")
+    done = [0]
+
+    def progress(step: str) -> None:
+        # A line per step, on a terminal or in a log alike: a first compile must show it moves.
+        done[0] += 1
+        print(f"  [{done[0]}/{STEPS}] {step} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+    run_every_signature(progress=progress)
     print(
         f"kvzoo warmup: numba kernels compiled or loaded for every mode and input dtype in "
         f"{time.perf_counter() - start:.1f}s"

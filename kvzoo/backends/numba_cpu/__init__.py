@@ -91,13 +91,6 @@ def _kernels() -> Any:
     return kernels
 
 
-def warmup() -> None:
-    """Compile (or load from the disk cache) every numba kernel for every mode and input dtype."""
-    from .warmup import run_every_signature
-
-    run_every_signature()
-
-
 def _f32(x: Any) -> np.float32:
     return np.float32(np.asarray(x).reshape(-1)[0])
 
