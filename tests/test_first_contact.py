@@ -171,3 +171,16 @@ def test_a_mistyped_name_gets_a_suggestion(capsys):
     assert "did you mean 'numba'" in capsys.readouterr().err
     assert cli.main(["check", "--impl", "numpy", "--mode", "int8_per_tokenhead", "-q"]) == 2
     assert "did you mean 'int8_per_token_head'" in capsys.readouterr().err
+
+
+def test_every_readme_python_block_runs_on_its_own(tmp_path, monkeypatch):
+    """Each ```python block of the README, alone in a fresh namespace (in a scratch directory:
+    some write files), as a new user pastes it."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)
+    for n, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"README.md python block {n}", "exec"), {"__name__": "__readme__"})
+        except ImportError as missing:  # an optional extra (safetensors for kvzoo.distributed)
+            pytest.skip(f"README block {n} needs an extra not installed here: {missing}")
