@@ -504,7 +504,7 @@ def attention_reasons(p: Any) -> list[str]:
 
 def register(registry: Any) -> None:
     modes = _MODES
-    common = dict(
+    common: dict[str, Any] = dict(
         platform="cpu",
         modes=modes,
         array_kind="numpy",
