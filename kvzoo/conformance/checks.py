@@ -98,8 +98,9 @@ def check_reshape_and_cache(impl, case: WriteCase):
         index_dtype="int32" if case.num_tokens % 2 else "int64",
     )
     caches, key, value, static = w.caches, w.key, w.value, w.static_scale
-    before = [None if c is None else host_bytes(c).copy() for c in w.cache_arrays()]
-    key_before, value_before = host_bytes(caches.key_cache).copy(), host_bytes(caches.value_cache).copy()
+    key_cache, value_cache, k_scale_cache, v_scale_cache = w.cache_arrays()
+    key_before, value_before = host_bytes(key_cache).copy(), host_bytes(value_cache).copy()
+    scales_before = [None if c is None else host_bytes(c).copy() for c in (k_scale_cache, v_scale_cache)]
     api.reshape_and_cache(
         key,
         value,
@@ -124,7 +125,7 @@ def check_reshape_and_cache(impl, case: WriteCase):
         # In the input dtype (exact): a rotated mode rounds its rotated rows to it.
         expect_key, expect_value = (x.astype(numpy_dtype(case.dtype)) for x in (w.key32, w.value32))
         expect_caches = [key_before[..., 0], value_before[..., 0]]
-    scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
+    scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in scales_before]
     expected = samples.oracle_write(
         mode,
         expect_key,
