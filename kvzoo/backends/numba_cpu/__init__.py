@@ -238,8 +238,8 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
         return _nothing
     k = _kernels()
     at = _positions(p)
-    kind, carrier = KINDS[dtype_name(p.key)]
-    kind = np.int64(kind)
+    kind_code, carrier = KINDS[dtype_name(p.key)]
+    kind = np.int64(kind_code)
     key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
     bs = np.int64(p.block_size)
     num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
@@ -520,7 +520,7 @@ def attention_reasons(p: Any) -> list[str]:
 
 def register(registry: Any) -> None:
     modes = _MODES
-    common = dict(
+    common: dict[str, Any] = dict(
         platform="cpu",
         modes=modes,
         array_kind="numpy",
