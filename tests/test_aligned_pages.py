@@ -1,0 +1,103 @@
+"""Aligned inline pages (kvzoo.layout, row_align): the row sizes, what is refused, and that no
+implementation writes a padded row's padding (the conformance suite checks the bytes)."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvzoo
+from kvzoo import registry
+from kvzoo.conformance.inputs import device_for
+from kvzoo.layout import inline_row_bytes, inline_views
+
+from support import assert_same_bytes, host_bytes, rng_for
+
+
+@pytest.mark.parametrize(
+    "head_size, row_align, row",
+    [(128, None, 132), (128, 16, 144), (128, "pow2", 256), (128, 64, 192), (64, 16, 80), (64, "pow2", 128)]
+    + [(80, 16, 96), (96, "pow2", 128), (4, "pow2", 16), (12, 16, 16), (256, "pow2", 512)],
+)
+def test_row_bytes(head_size, row_align, row):
+    assert inline_row_bytes(head_size, row_align) == row
+    t = kvzoo.allocate_inline(2, 4, 3, head_size, "int8_per_token_head", device=None, row_align=row_align)
+    assert t.buffer.shape == (2, 2, 4, 3, row)
+    assert t.key_cache.shape == (2, 4, 3, head_size) and t.k_scale_cache.shape == (2, 4, 3)
+    # A page is block_size x H x 2 rows: with "pow2" (and H a power of two) a power of two
+    # times the block size.
+    assert t.buffer[0].nbytes == 4 * 3 * 2 * row
+
+
+@pytest.mark.parametrize("last", [131, 133, 140, 128, 112, 100])
+def test_a_row_neither_vllms_nor_16_aligned_is_refused(last):
+    """D = 128: rows of 132 bytes (vLLM's) or a multiple of 16 from 144 up; anything else
+    would put the scale where the buffer's row does not say."""
+    buf = np.zeros((2, 2, 4, 1, last), np.uint8)
+    with pytest.raises(
+        kvzoo.KVZooInputError,
+        match=r"buffer: expected uint8 \[num_blocks, 2, block_size, H, row bytes\] "
+        r"with row bytes 132 \(head_size \+ 4\) or a multiple of 16 over it \(a padded row\), got "
+        rf"\(2, 2, 4, 1, {last}\)",
+    ):
+        inline_views(buf, 128, "int8_per_token_head")
+
+
+@pytest.mark.parametrize("row_align", [12, 0, -16, 8, True, "pow3", 16.0])
+def test_a_bad_row_align_is_refused(row_align):
+    with pytest.raises(kvzoo.KVZooInputError, match="row_align: expected None, 'pow2' or a positive multiple of 16"):
+        kvzoo.allocate_inline(2, 4, 1, 64, "int8_per_token_head", row_align=row_align)
+
+
+def test_row_align_needs_the_inline_layout():
+    with pytest.raises(kvzoo.KVZooInputError, match="row_align: pads the inline layout's rows"):
+        kvzoo.PagedKVCache(2, 4, 1, 64, "int8_per_token_head", row_align=16)
+
+
+def _writers():
+    # int8, and the e4m3fnuz format that only triton-rocm's own cases run under the interpreter.
+    return [
+        pytest.param(impl, mode, id=f"{impl.name}-{mode}")
+        for impl in registry.default().implementations("reshape_and_cache")
+        for mode in ("int8_per_token_head", "fp8_e4m3fnuz_per_token_head")
+        if mode in impl.modes
+    ]
+
+
+@pytest.mark.parametrize("impl, mode", _writers())
+@pytest.mark.parametrize("row_align", [16, "pow2"])
+def test_padding_is_never_written(impl, mode, row_align):
+    """A PagedKVCache on an aligned page, the padding random bytes: writes, reads and attention
+    on every implementation leave it as it was, and give the unpadded page's numbers."""
+    if impl.unavailable():
+        pytest.skip("; ".join(impl.unavailable()))
+    rng = rng_for("aligned-padding", impl.name, row_align)
+    device = device_for(impl)
+    nb, bs, h, d = 3, 4, 2, 64
+    plain = kvzoo.PagedKVCache(nb, bs, h, d, mode, layout="inline", device=device)
+    padded = kvzoo.PagedKVCache(nb, bs, h, d, mode, layout="inline", device=device, row_align=row_align)
+    page = padded.tensors.buffer
+    pad = page[..., d + 4 :]
+    pad.copy_(torch.from_numpy(rng.integers(0, 256, tuple(pad.shape), dtype=np.uint8)))
+    padding_before = host_bytes(page[..., d + 4 :])[..., 0].copy()
+    tokens = 7
+    k, v = (torch.from_numpy(rng.standard_normal((tokens, h, d)).astype(np.float32)).to(device) for _ in range(2))
+    slots = torch.from_numpy(rng.permutation(nb * bs)[:tokens]).to(device)
+    for cache in (plain, padded):
+        cache.write(k, v, slots, impl=impl.name)
+    assert_same_bytes(page[..., d + 4 :], padding_before, f"{impl.name} wrote into the padding")
+    assert_same_bytes(page[..., : d + 4], plain.tensors.buffer, f"{impl.name} codes and scales")
+    tables = torch.arange(nb, device=device)[None].to(torch.int32)
+    lens = torch.tensor([nb * bs], dtype=torch.int32, device=device)
+    read_impl = impl.name if impl.name in [i.name for i in registry.default().implementations("dequantize")] else None
+    for which in ("key", "value"):
+        got = padded.read(which, block_tables=tables, seq_lens=lens, impl=read_impl)
+        want = plain.read(which, block_tables=tables, seq_lens=lens, impl=read_impl)
+        assert torch.equal(torch.as_tensor(got).nan_to_num(7.0), torch.as_tensor(want).nan_to_num(7.0))
+    q = torch.from_numpy(rng.standard_normal((2, 4, d)).astype(np.float32)).to(device)
+    meta = dict(block_tables=tables.repeat(2, 1), seq_lens=torch.tensor([5, nb * bs], dtype=torch.int32, device=device))
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    got = padded.attention(q, query_start_loc=qsl, impl=impl.name, **meta)
+    want = plain.attention(q, query_start_loc=qsl, impl=impl.name, **meta)
+    # Not bitwise: Triton picks its decode tile by the rows' alignment, and so its sum's order.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_same_bytes(page[..., d + 4 :], padding_before, f"{impl.name} reads wrote into the padding")
