@@ -101,3 +101,35 @@ def test_padding_is_never_written(impl, mode, row_align):
     # Not bitwise: Triton picks its decode tile by the rows' alignment, and so its sum's order.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert_same_bytes(page[..., d + 4 :], padding_before, f"{impl.name} reads wrote into the padding")
+
+
+def test_pages_move_between_aligned_and_unaligned_inline_pages():
+    """kvzoo.distributed reads and places through the views: the padding stays on each side."""
+    from kvzoo.distributed import gather_pages, place_pages
+
+    rng = rng_for("aligned-pages-transfer")
+    mode, d = "int8_per_token_head", 16
+    spec = kvzoo.CacheSpec(mode, num_blocks=8, block_size=4, num_kv_heads=2, head_size=d, layout="inline")
+    src = kvzoo.allocate_inline(8, 4, 2, d, mode, row_align=16)
+    src.buffer[..., d + 4 :] = 0xAB
+    k, v = (torch.from_numpy(rng.standard_normal((6, 2, d)).astype(np.float32)) for _ in range(2))
+    slots = torch.tensor([12, 13, 14, 15, 4, 5])
+    kvzoo.reshape_and_cache(
+        k,
+        v,
+        src.key_cache,
+        src.value_cache,
+        slots,
+        mode=mode,
+        k_scale_cache=src.k_scale_cache,
+        v_scale_cache=src.v_scale_cache,
+        impl="numpy",
+    )
+    pages = gather_pages(src, spec, torch.tensor([[3, 1]]), torch.tensor([6])).to_host()
+    for dst in (kvzoo.allocate_inline(8, 4, 2, d, mode, row_align="pow2"), spec.allocate()):
+        dst.buffer[..., d + 4 :] = 0xCD
+        place_pages(pages, dst, spec, allocate=[6, 0])
+        for to, frm in ((6, 3), (0, 1)):
+            assert torch.equal(dst.buffer[to, ..., : d + 4], src.buffer[frm, ..., : d + 4])
+        assert bool((dst.buffer[..., d + 4 :] == 0xCD).all())
+    assert bool((src.buffer[..., d + 4 :] == 0xAB).all())
