@@ -133,3 +133,25 @@ def test_pages_move_between_aligned_and_unaligned_inline_pages():
             assert torch.equal(dst.buffer[to, ..., : d + 4], src.buffer[frm, ..., : d + 4])
         assert bool((dst.buffer[..., d + 4 :] == 0xCD).all())
     assert bool((src.buffer[..., d + 4 :] == 0xAB).all())
+
+
+@pytest.mark.parametrize("row_align", [16, "pow2", 64])
+def test_views_of_a_padded_page_read_the_oracles_rows(row_align):
+    """SPEC.md section 5's table: kvzoo's views of oracle.pack_inline(row_bytes=R) read the same
+    codes and scale bits back, and unpack_inline(head_size=D) inverts it."""
+    from kvzoo_spec import oracle
+
+    rng = rng_for("aligned-oracle", row_align)
+    nb, bs, h, d = 2, 3, 2, 40
+    kc, vc = (rng.integers(0, 256, (nb, bs, h, d)).astype(np.uint8) for _ in range(2))
+    ks, vs = (rng.standard_normal((nb, bs, h)).astype(np.float32) for _ in range(2))
+    row = inline_row_bytes(d, row_align)
+    buf = oracle.pack_inline(kc, vc, ks, vs, row_bytes=row)
+    assert buf.shape == (nb, 2, bs, h, row) and not buf[..., d + 4 :].any()
+    t = inline_views(buf, d, "int8_per_token_head")
+    for got, want in zip((t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache), (kc, vc, ks, vs)):
+        assert_same_bytes(got, want.view(got.dtype), "view")
+    for got, want in zip(oracle.unpack_inline(buf, head_size=d), (kc, vc, ks, vs)):
+        assert_same_bytes(got, want, "unpack_inline")
+    with pytest.raises(ValueError, match="row_bytes: expected 44 or a multiple of 16 over it, got 50"):
+        oracle.pack_inline(kc, vc, ks, vs, row_bytes=50)
