@@ -155,3 +155,16 @@ def test_views_of_a_padded_page_read_the_oracles_rows(row_align):
         assert_same_bytes(got, want, "unpack_inline")
     with pytest.raises(ValueError, match="row_bytes: expected 44 or a multiple of 16 over it, got 50"):
         oracle.pack_inline(kc, vc, ks, vs, row_bytes=50)
+
+
+@pytest.mark.parametrize("row_align, want", [(None, 4), (16, 16), ("pow2", 16)])
+def test_triton_sees_an_aligned_page_as_16_byte_rows(row_align, want):
+    """The alignment the Triton kernels take (decode's tile table, the write's wide-row layout,
+    their tl.multiple_of hints) comes from the views' strides: an aligned page gets the separate
+    layout's 16-byte path with no kernel change."""
+    from kvzoo.backends.triton.alignment import row_align as triton_row_align
+
+    for d in (64, 128):
+        t = kvzoo.allocate_inline(4, 16, 8, d, "fp8_per_token_head", row_align=row_align)
+        assert triton_row_align(t.key_cache, t.value_cache) == want
+        assert (t.value_cache.data_ptr() - t.key_cache.data_ptr()) % 16 == 0
