@@ -115,6 +115,11 @@ MAX_SETS = 8
 ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw query, also for +qq)
 
 
+# Rows of the "+inline" variants' pages (kvzoo.allocate_inline's row_align): None is vLLM's
+# head_size + 4; bench/inline_probe.py --row-align sets it for its aligned-page variants.
+INLINE_ROW_ALIGN: int | str | None = None
+
+
 def _variant(variant: str) -> tuple[str, bool]:
     """(cache mode, quantize_query) of an attention variant name (fp8_dots: FP8D in it)."""
     return variant.removesuffix(DIRECT).removesuffix(INLINE).removesuffix(QQ).removesuffix(FP8D), QQ in variant
@@ -310,7 +315,9 @@ def _write_set(tokens: int, mode: str, rng: np.random.Generator):
     )
     caches = w.caches
     if mode.endswith(INLINE):
-        caches = kvzoo.allocate_inline(*w.caches.key_cache.shape[:3], D, _variant(mode)[0], device=DEVICE)
+        caches = kvzoo.allocate_inline(
+            *w.caches.key_cache.shape[:3], D, _variant(mode)[0], device=DEVICE, row_align=INLINE_ROW_ALIGN
+        )
     static = None if w.static_scale is None else float(w.static_scale)
     return dict(
         key=w.key,
@@ -599,7 +606,9 @@ def _attn_set(variant, q_lens, seq_lens, rng: np.random.Generator) -> AttnSet:
     if variant.endswith(INLINE):
         # The same codes and scales copied into an inline page (drawn separate: the device fill
         # builds separate caches only).
-        caches = kvzoo.allocate_inline(*s.caches.key_cache.shape[:3], D, _variant(variant)[0], device=DEVICE)
+        caches = kvzoo.allocate_inline(
+            *s.caches.key_cache.shape[:3], D, _variant(variant)[0], device=DEVICE, row_align=INLINE_ROW_ALIGN
+        )
         for name in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"):
             getattr(caches, name).copy_(getattr(s.caches, name))
     return AttnSet(

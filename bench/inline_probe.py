@@ -2,10 +2,11 @@
 process, on gpu_bench.py's shapes and checks: decode on the inline page at its table row
 (attention_tables.UNALIGNED_DECODE_TILES) and at the other tiles timed for that row, the
 separate layout at its own (DECODE_TILES); writes with and without wide_rows' layout, at one
-warp a program, and at four heads a program.
+warp a program, and at four heads a program. --row-align 16 (or pow2) adds the aligned inline
+page (rows padded to 16 bytes: the separate layout's tiles and write path) to decode and writes.
 
     PYTHONPATH=. python3 bench/inline_probe.py [--shapes 64x16384,8x65536] [--tiles 32:1:2,64:1:1]
-        [--write-tokens 4096,32768]                 (--shapes "": writes only; --write-tokens "": decode only)
+        [--write-tokens 4096,32768] [--row-align 16]  (--shapes "": writes only; --write-tokens "": decode only)
     OUT=DIR ...                                                    (also DIR/inline_probe.json)
     PYTHONPATH=. python bench/inline_probe.py --dry-run            (CPU, Triton interpreter: checks the script)
 
@@ -41,12 +42,13 @@ def _forget() -> None:
     api._PREPARED.clear()
 
 
-def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, ceil) -> dict:
+def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, ceil, row_align=None) -> dict:
     table = attention_kernels.UNALIGNED_DECODE_TILES
     kept = dict(table)
     if tile is not None:
         for key in table:
             table[key] = DecodeTile(*tile, NOT_TIMED)
+    gb.INLINE_ROW_ALIGN = row_align
     _forget()
     try:
         rng = gb.rng_for("inline_probe", variant, len(seq_lens))
@@ -59,12 +61,19 @@ def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, cei
         gb.free()
     finally:
         table.update(kept)
+        gb.INLINE_ROW_ALIGN = None
     pct = 100 * nbytes / t / 1e9 / ceil["copy_GBps"]
     return {"us": t * 1e6, "pct": pct, "check": check, "how": how}
 
 
 def _time_write(
-    mode: str, tokens: int, ceil, wide: bool = True, warps: int | None = None, tile_elements: int | None = None
+    mode: str,
+    tokens: int,
+    ceil,
+    wide: bool = True,
+    warps: int | None = None,
+    tile_elements: int | None = None,
+    row_align=None,
 ) -> dict:
     """A write of `tokens` rows as gpu_bench times it; warps: every program's, instead of the
     kernel's rule; tile_elements: write_kernels._TILE_ELEMENTS (fewer heads a program)."""
@@ -73,6 +82,7 @@ def _time_write(
     write_kernels._TILE_ELEMENTS = tile_elements or tile
     if warps is not None:
         write_kernels._write_warps = lambda *a, **k: warps
+    gb.INLINE_ROW_ALIGN = row_align
     _forget()
     try:
         nbytes = gb._write_bytes(tokens, mode)
@@ -85,6 +95,7 @@ def _time_write(
     finally:
         write_kernels._write_warps, write_kernels._TILE_ELEMENTS = rule, tile
         wide_rows.ENABLED = enabled
+        gb.INLINE_ROW_ALIGN = None
     return {"us": t * 1e6, "pct": 100 * nbytes / t / 1e9 / ceil["copy_GBps"], "check": check, "how": how}
 
 
@@ -104,13 +115,15 @@ def _side_by_side(shape: str, mode: str, time_separate, variants, rows: list) ->
         )
 
 
-def _writes(tokens_list, modes, ceil, rows: list) -> None:
-    options = (
+def _writes(tokens_list, modes, ceil, rows: list, row_align=None) -> None:
+    options: tuple[tuple[str, dict], ...] = (
         ("inline write", {}),
         ("inline write, narrow", {"wide": False}),
         ("inline write, 1 warp", {"warps": 1}),
         ("inline write, 4 heads a program", {"tile_elements": 512}),
     )
+    if row_align is not None:
+        options += ((f"aligned inline write (row_align={row_align})", {"row_align": row_align}),)
     for tokens in tokens_list:
         for mode in modes:
             variants = [
@@ -129,8 +142,10 @@ def main() -> int:
     ap.add_argument("--modes", default="int8_per_token_head,fp8_per_token_head")
     ap.add_argument("--tiles", default=OTHER_TILES, help="other inline tiles, block_n:warps:stages, comma list")
     ap.add_argument("--write-tokens", default="4096,32768", help="write sizes, comma list (empty: none)")
+    ap.add_argument("--row-align", default="", help="also the aligned inline page: 16, 32, ... or pow2 (empty: not)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (gpu_bench reads the flag)")
     args = ap.parse_args()
+    row_align = None if not args.row_align else args.row_align if args.row_align == "pow2" else int(args.row_align)
     if args.dry_run:
         args.shapes, args.tiles, args.write_tokens = "2x40", "64:1:1", "40"
     ceil = gb.ceilings(quick=True)
@@ -144,8 +159,11 @@ def main() -> int:
             variants = [
                 (name, functools.partial(_time, mode + gb.INLINE, t, q_lens, seq_lens, ceil)) for name, t in inline
             ]
+            if row_align is not None:
+                aligned = functools.partial(_time, mode + gb.INLINE, None, q_lens, seq_lens, ceil, row_align)
+                variants.append((f"aligned inline (row_align={row_align})", aligned))
             _side_by_side(shape, mode, functools.partial(_time, mode, None, q_lens, seq_lens, ceil), variants, rows)
-    _writes([int(t) for t in args.write_tokens.split(",") if t], args.modes.split(","), ceil, rows)
+    _writes([int(t) for t in args.write_tokens.split(",") if t], args.modes.split(","), ceil, rows, row_align)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

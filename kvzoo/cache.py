@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import api
-from .layout import KVCacheTensors, allocate_inline, allocate_separate
+from .layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
 from .registry import Implementation
 from .validate import fail
@@ -28,6 +28,10 @@ class PagedKVCache:
         ``"fp8_per_tensor"``, ``"none"``, ... (``kvzoo.MODES``; engine strings such as ``"fp8"``).
     layout : {"separate", "inline"}
         vLLM's separate tensors, or one page buffer with each row's scale after its codes.
+    row_align : None, int or "pow2"
+        The inline layout only: None keeps vLLM's rows of head_size + 4 bytes; 16 (or another
+        multiple of 16) pads each row to a multiple of it, so every row starts on 16 bytes;
+        "pow2" pads it to a power of two (``kvzoo.allocate_inline``).
     model_dtype : {"bfloat16", "float16", "float32"}
         The K/V dtype; the cache dtype of mode ``"none"``.
     device : str or None
@@ -59,8 +63,11 @@ class PagedKVCache:
         device: str | None = "cpu",
         k_scale: float | None = None,
         v_scale: float | None = None,
+        row_align: RowAlign = None,
     ) -> None:
         self.mode = get_kv_quant_mode(mode)
+        if row_align is not None and layout != "inline":
+            fail(f"row_align: pads the inline layout's rows; layout {layout!r} has none (pass layout='inline')")
         if layout == "separate":
             self.tensors: KVCacheTensors = allocate_separate(
                 num_blocks,
@@ -72,7 +79,9 @@ class PagedKVCache:
                 device=device,
             )
         elif layout == "inline":
-            self.tensors = allocate_inline(num_blocks, block_size, num_kv_heads, head_size, self.mode, device=device)
+            self.tensors = allocate_inline(
+                num_blocks, block_size, num_kv_heads, head_size, self.mode, device=device, row_align=row_align
+            )
         else:
             fail(f"layout: expected 'separate' or 'inline', got {layout!r}")
         self.layout = layout

@@ -5,6 +5,9 @@ separate: vLLM's tensors, key_cache/value_cache [num_blocks, block_size, H, D] a
 inline: one byte buffer [num_blocks, 2, block_size, H, D + 4]; each (slot, head) row holds its
     D codes then its float32 scale (little-endian), so a page decodes with no side tensor.
     Byte-compatible with vLLM's later Triton backend (K at index 0, V at index 1).
+aligned inline (row_align): the same page with each row padded to row_bytes, a multiple of 16
+    (or a power of two), [num_blocks, 2, block_size, H, row_bytes]: codes, scale, then padding
+    no kernel reads or writes. Every row then starts on 16 bytes, which wide loads need.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from .modes import QuantMode, get_kv_quant_mode
 from .validate import FLOAT_INPUTS, fail, int_scalar
 
 SCALE_BYTES = 4
+# Rows of an aligned inline page start on multiples of this many bytes.
+ROW_ALIGN_BYTES = 16
+
+RowAlign = int | str | None
 
 
 @dataclass(frozen=True)
@@ -85,13 +92,33 @@ def allocate_inline(
     mode: str | QuantMode,
     *,
     device: str | None = "cpu",
+    row_align: RowAlign = None,
 ) -> KVCacheTensors:
-    """A zero-filled inline-layout page buffer and its four views (device=None gives NumPy)."""
+    """A zero-filled inline-layout page buffer and its four views (device=None gives NumPy).
+
+    row_align: None, vLLM's rows of head_size + 4 bytes; an int (a multiple of 16), each row
+    padded to a multiple of it; "pow2", each row padded to a power of two (at least 16), so a
+    page holds block_size * num_kv_heads * 2 * a power of two bytes (inline_row_bytes)."""
     mode = get_kv_quant_mode(mode)
     _require_inline(mode)
     _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
-    buffer = _zeros((num_blocks, 2, block_size, num_kv_heads, head_size + SCALE_BYTES), "uint8", device)
+    row = inline_row_bytes(head_size, row_align)
+    buffer = _zeros((num_blocks, 2, block_size, num_kv_heads, row), "uint8", device)
     return inline_views(buffer, head_size, mode)
+
+
+def inline_row_bytes(head_size: int, row_align: RowAlign = None) -> int:
+    """Bytes of one (slot, head) row of an inline page: head_size codes and a float32 scale,
+    padded as row_align asks (allocate_inline)."""
+    int_scalar("head_size", head_size, 1)
+    row = head_size + SCALE_BYTES
+    if row_align is None:
+        return row
+    if row_align == "pow2":
+        return max(ROW_ALIGN_BYTES, 1 << (row - 1).bit_length())
+    if isinstance(row_align, bool) or not isinstance(row_align, int) or row_align <= 0 or row_align % ROW_ALIGN_BYTES:
+        fail(f"row_align: expected None, 'pow2' or a positive multiple of {ROW_ALIGN_BYTES} (bytes), got {row_align!r}")
+    return -(-row // row_align) * row_align
 
 
 def _require_inline(mode: QuantMode) -> None:
@@ -101,14 +128,21 @@ def _require_inline(mode: QuantMode) -> None:
 
 
 def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheTensors:
-    """Code and scale views of an inline-layout byte buffer."""
+    """Code and scale views of an inline-layout byte buffer, its rows unpadded (head_size + 4
+    bytes) or padded (a multiple of 16 bytes, at least head_size + 4): the row's bytes are the
+    buffer's last dimension."""
     mode = get_kv_quant_mode(mode)
     _require_inline(mode)
     if head_size % SCALE_BYTES:
         fail(f"head_size: the inline layout needs a multiple of 4 (float32 scale alignment), got {head_size}")
-    if tuple(buffer.shape[1:2]) != (2,) or buffer.shape[-1] != head_size + SCALE_BYTES or len(buffer.shape) != 5:
+    row = head_size + SCALE_BYTES
+    if tuple(buffer.shape[1:2]) != (2,) or len(buffer.shape) != 5:
+        fail(f"buffer: expected uint8 [num_blocks, 2, block_size, H, {row}], got {tuple(buffer.shape)}")
+    last = int(buffer.shape[-1])
+    if last != row and (last < row or last % ROW_ALIGN_BYTES):
         fail(
-            f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}"
+            f"buffer: expected uint8 [num_blocks, 2, block_size, H, row bytes] with row bytes {row} (head_size + 4) "
+            f"or a multiple of {ROW_ALIGN_BYTES} over it (a padded row), got {tuple(buffer.shape)}"
         )
     code_dtype = mode.code_format.storage_dtype  # _require_inline refused mode "none"
     if is_torch(buffer):
@@ -120,4 +154,4 @@ def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheT
     return KVCacheTensors(codes[:, 0], codes[:, 1], words[:, 0], words[:, 1], buffer=buffer)
 
 
-__all__ = ["KVCacheTensors", "allocate_separate", "allocate_inline", "inline_views"]
+__all__ = ["KVCacheTensors", "allocate_separate", "allocate_inline", "inline_row_bytes", "inline_views"]

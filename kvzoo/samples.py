@@ -27,7 +27,15 @@ from kvzoo_spec import oracle
 
 from .arrays import as_numpy, as_torch, is_torch, numpy_dtype, torch_dtype
 from .conformance.inputs import SEED, make_rows, random_bytes, tensor
-from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_views
+from .layout import (
+    SCALE_BYTES,
+    KVCacheTensors,
+    RowAlign,
+    allocate_inline,
+    allocate_separate,
+    inline_row_bytes,
+    inline_views,
+)
 from .modes import QuantMode, get_kv_quant_mode
 
 Kind = Literal["torch", "numpy"]
@@ -682,6 +690,7 @@ def _placed_caches(
     layout: str,
     kind: str,
     device: str,
+    row_align: RowAlign = None,
 ) -> KVCacheTensors:
     """Host (codes, codes, scales, scales) as caches of layout on kind/device, bits unchanged."""
     kc, vc, ks, vs = host
@@ -692,7 +701,10 @@ def _placed_caches(
                 for a, dt in ((kc, mode.code_dtype), (vc, mode.code_dtype), (ks, None), (vs, None))
             )
         )
-    caches = allocate_inline(*shape, mode, device=None if kind == "numpy" else device)
+    caches = allocate_inline(*shape, mode, device=None if kind == "numpy" else device, row_align=row_align)
+    if row_align is not None:
+        # All-ones padding (NaN as a scale or an fp8 code): a kernel that read it would show.
+        caches.buffer[..., shape[-1] + SCALE_BYTES :] = 255
     for dst, src in ((caches.key_cache, kc), (caches.value_cache, vc)):
         if kind == "numpy":
             dst.view(np.uint8)[...] = src
@@ -720,6 +732,7 @@ def paged_sample(
     layout: str = "separate",
     kind: Kind = "torch",
     device: str = "cpu",
+    row_align: RowAlign = None,
     sinks: bool = False,
     poison: bool = False,
     static_scales: Any = "unit",
@@ -732,7 +745,7 @@ def paged_sample(
 
     Lengths are given (q_lens, seq_lens) or drawn by `batch` kind; block tables scatter pages
     (scattered_tables); caches hold fill_quantized's codes and scales in `layout` ("separate"
-    or "inline"); cache_dtype is mode none's cache dtype (default: the query's). static_scales:
+    or "inline", its rows padded as row_align asks: allocate_inline); cache_dtype is mode none's cache dtype (default: the query's). static_scales:
     "unit", "wide" (wide_static_scale) or a (k, v) pair, per-tensor modes only. poison: the key
     that sequence 0's last query attends to, in KV head 0, is NaN (its scale, its code or its
     value), so every output row of that head group must come out non-finite (SPEC.md section
@@ -774,7 +787,7 @@ def paged_sample(
             kc[block, off, 0, 0] = np.nan
 
     if host:
-        caches = _placed_caches(mode, (kc, vc, ks, vs), shape, layout, kind, device)
+        caches = _placed_caches(mode, (kc, vc, ks, vs), shape, layout, kind, device, row_align)
         q32 = rng.standard_normal((b.num_tokens, num_q_heads, head_size)).astype(np.float32)
         query = tensor(q32, query_dtype, device, kind)
     else:
@@ -823,6 +836,7 @@ def poisoned_caches(
     layout: str = "separate",
     kind: Kind = "torch",
     device: str = "cpu",
+    row_align: RowAlign = None,
 ) -> KVCacheTensors:
     """Caches of random bytes (never zero bytes, NaN codes included) in layout: a slot a write
     leaves alone, or an unwritten byte of a written one, keeps a value no encoder produces
@@ -830,7 +844,7 @@ def poisoned_caches(
     mode = get_kv_quant_mode(mode)
     nb, bs, h, d = shape
     if layout == "inline":
-        buf = random_bytes(rng, (nb, 2, bs, h, d + 4), "uint8", device, kind)
+        buf = random_bytes(rng, (nb, 2, bs, h, inline_row_bytes(d, row_align)), "uint8", device, kind)
         return inline_views(buf, d, mode)
     dtype = mode.code_dtype or model_dtype
     code_shape = (nb, bs, h, mode.cache_width(d))
@@ -959,6 +973,7 @@ def write_sample(
     layout: str = "separate",
     kind: Kind = "torch",
     device: str = "cpu",
+    row_align: RowAlign = None,
     slot_order: Literal["random", "paged"] = "random",
     negative_slots: bool = False,
     wild_slots: bool = False,
@@ -977,7 +992,7 @@ def write_sample(
     key32/value32, exactly representable in dtype), as plain arrays or (strided) views into a
     fused QKV-like buffer; slots from write_slots; the caches hold random bytes (poison) or
     zeros, with guard_blocks more blocks after the num_blocks given to the API (default
-    max(1, blocks needed) + 2). static_scale: "unit", "wide" or a value, per-tensor modes only.
+    max(1, blocks needed) + 2); an inline page's rows padded as row_align asks. static_scale: "unit", "wide" or a value, per-tensor modes only.
     """
     mode = get_kv_quant_mode(mode)
     T, H, D, BS = num_tokens, num_kv_heads, head_size, block_size
@@ -991,9 +1006,11 @@ def write_sample(
     )
     shape = (num_blocks + guard_blocks, BS, H, D)
     if poison:
-        padded = poisoned_caches(rng, mode, shape, model_dtype=dtype, layout=layout, kind=kind, device=device)
+        padded = poisoned_caches(
+            rng, mode, shape, model_dtype=dtype, layout=layout, kind=kind, device=device, row_align=row_align
+        )
     elif layout == "inline":
-        padded = allocate_inline(*shape, mode, device=None if kind == "numpy" else device)
+        padded = allocate_inline(*shape, mode, device=None if kind == "numpy" else device, row_align=row_align)
     else:
         padded = allocate_separate(*shape, mode, model_dtype=dtype, device=None if kind == "numpy" else device)
     arrays = (padded.key_cache, padded.value_cache, padded.k_scale_cache, padded.v_scale_cache)

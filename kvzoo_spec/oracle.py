@@ -523,30 +523,36 @@ def gather_dequantize(codes_cache, scale_cache, block_tables, seq_lens, mode_nam
 # inline page layout
 
 
-def pack_inline(key_codes, value_codes, k_scales, v_scales) -> np.ndarray:
-    """The inline page buffer uint8 [NB, 2, BS, H, D + 4] from separate caches.
+def pack_inline(key_codes, value_codes, k_scales, v_scales, row_bytes=None) -> np.ndarray:
+    """The inline page buffer uint8 [NB, 2, BS, H, R] from separate caches (R = row_bytes,
+    default D + 4; SPEC.md section 5's table).
 
-    Row (block, kv, offset, head): D code bytes, then the row's float32 scale little-endian.
+    Row (block, kv, offset, head): D code bytes, then the row's float32 scale little-endian,
+    then R - (D + 4) zero bytes of padding.
     """
     key_codes, value_codes = np.asarray(key_codes, np.uint8), np.asarray(value_codes, np.uint8)
     NB, BS, H, D = key_codes.shape
-    buf = np.empty((NB, 2, BS, H, D + 4), dtype=np.uint8)
+    R = D + 4 if row_bytes is None else int(row_bytes)
+    if R != D + 4 and (R < D + 4 or R % 16):
+        raise ValueError(f"row_bytes: expected {D + 4} or a multiple of 16 over it, got {R}")
+    buf = np.zeros((NB, 2, BS, H, R), dtype=np.uint8)
     for kv, (codes, scales) in enumerate(((key_codes, k_scales), (value_codes, v_scales))):
         buf[:, kv, :, :, :D] = codes
         scale_bytes = np.asarray(scales, dtype="<f4").reshape(NB, BS, H, 1).view(np.uint8)
-        buf[:, kv, :, :, D:] = scale_bytes
+        buf[:, kv, :, :, D : D + 4] = scale_bytes
     return buf
 
 
-def unpack_inline(buf) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of pack_inline: (key_codes, value_codes, k_scales, v_scales), copies."""
+def unpack_inline(buf, head_size=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of pack_inline: (key_codes, value_codes, k_scales, v_scales), copies. head_size:
+    D of a padded row (default: the row is D + 4 bytes)."""
     buf = np.asarray(buf, dtype=np.uint8)
-    D = buf.shape[-1] - 4
+    D = buf.shape[-1] - 4 if head_size is None else int(head_size)
     out = []
     for kv in range(2):
         out.append(buf[:, kv, :, :, :D].copy())
     for kv in range(2):
-        out.append(np.ascontiguousarray(buf[:, kv, :, :, D:]).view("<f4")[..., 0].astype(np.float32))
+        out.append(np.ascontiguousarray(buf[:, kv, :, :, D : D + 4]).view("<f4")[..., 0].astype(np.float32))
     return out[0], out[1], out[2], out[3]
 
 

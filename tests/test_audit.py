@@ -23,7 +23,7 @@ import torch
 import kvzoo
 from kvzoo import api, registry
 from kvzoo.arrays import as_numpy
-from kvzoo.auditing import CacheDumpError, audit, cache_dump, load_cache_dump, save_cache_dump
+from kvzoo.auditing import CacheDumpError, audit, cache_dump, load_cache_dump, read_dump, save_cache_dump
 from kvzoo.auditing.rows import stored_codec
 from kvzoo.backends.numpy_vectorized import kernels as vectorized
 from kvzoo.capabilities import Requirements
@@ -103,7 +103,9 @@ class Written:
         return as_numpy(t.k_scale_cache if which == "key" else t.v_scale_cache)
 
 
-def write_cache(impl: Implementation, mode_name: str, layout: str, rounding: str, rng: np.random.Generator) -> Written:
+def write_cache(
+    impl: Implementation, mode_name: str, layout: str, rounding: str, rng: np.random.Generator, row_align=None
+) -> Written:
     mode = MODES[mode_name]
     device = device_for(impl)
     tables = np.full((len(LENS), 3), -1, np.int32)
@@ -117,7 +119,7 @@ def write_cache(impl: Implementation, mode_name: str, layout: str, rounding: str
     )
     tokens = len(slots)
     if layout == "inline":
-        t = kvzoo.allocate_inline(NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, mode, device=device)
+        t = kvzoo.allocate_inline(NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, mode, device=device, row_align=row_align)
     else:
         t = kvzoo.allocate_separate(NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, mode, model_dtype=DTYPE, device=device)
     # Rows of a few sizes, never zero: a scale outlier is 1024x, far beyond their spread.
@@ -152,7 +154,7 @@ def write_cache(impl: Implementation, mode_name: str, layout: str, rounding: str
 
 def _copy(t: kvzoo.KVCacheTensors, mode: kvzoo.QuantMode) -> kvzoo.KVCacheTensors:
     if t.buffer is not None:
-        return kvzoo.inline_views(t.buffer.clone(), t.buffer.shape[-1] - 4, mode)
+        return kvzoo.inline_views(t.buffer.clone(), t.key_cache.shape[-1], mode)
     return kvzoo.KVCacheTensors(
         *(None if x is None else x.clone() for x in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache))
     )
@@ -409,6 +411,42 @@ def test_replay_passes_on_every_available_implementation():
     assert {r.impl for r in ran} >= {"numpy"} and all(not r.failed for r in ran), report.format_text()
     assert all(r.rows == sum(min(2, n) for n in LENS) for r in ran)
     assert report.ok
+
+
+@pytest.mark.parametrize("row_align", [16, "pow2"])
+def test_an_aligned_inline_page_is_audited_and_replayed(row_align, tmp_path):
+    """Rows of 32 bytes (20 of data): the dump says its head size, the audit finds every planted
+    defect at its place, and the CPU implementations replay attention on the padded page."""
+    impl = registry.get("reshape_and_cache", "numpy")
+    rng = rng_for("audit-aligned", row_align)
+    w = write_cache(impl, "int8_per_token_head", "inline", "nearest", rng, row_align=row_align)
+    assert w.layers[0].buffer.shape[-1] == 32
+    dump = w.dump()
+    assert dump["head_size"] == HEAD_SIZE
+    path = tmp_path / "aligned.pt"
+    save_cache_dump(path, dump)
+    cpu = [i.name for i in registry.default().implementations("paged_attention") if i.platform in ("any", "cpu")]
+    clean = audit(load_cache_dump(path), replay=2, replay_impls=cpu, seed=SEED, workers=1)
+    ran = [r for r in clean.replay if r.skipped is None]
+    assert {r.impl for r in ran} >= {"numpy"} and all(not r.failed for r in ran), clean.format_text()
+    assert clean.ok and not clean.findings, clean.format_text()
+    expected = plant_defects(w, rng)
+    report = audit(w.dump(), workers=1)
+    assert _found(report) == expected, report.format_text()
+
+
+def test_an_aligned_inline_dump_is_refused_without_a_fitting_head_size():
+    w = _numpy_cache("int8_per_token_head", "inline")
+    dump = w.dump()
+    assert "head_size" not in dump  # vLLM's page: the row tells it
+    page = dump["layers"][0]["buffer"]
+    odd = torch.zeros((*page.shape[:-1], 24), dtype=torch.uint8)  # neither 20 nor 16-aligned
+    with pytest.raises(
+        CacheDumpError, match=r"layers\[0\]\['buffer'\].*row bytes 20 \(head_size \+ 4\) or a multiple of 16"
+    ):
+        read_dump({**dump, "head_size": HEAD_SIZE, "layers": [{"buffer": odd}]})
+    with pytest.raises(CacheDumpError, match="head_size: only an inline dump"):
+        read_dump({**_numpy_cache("int8_per_token_head").dump(), "head_size": HEAD_SIZE})
 
 
 def _broken_attention(reg: Registry) -> None:

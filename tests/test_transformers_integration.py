@@ -278,6 +278,26 @@ def test_inline_layout_gives_the_separate_layouts_numbers(model):
     assert torch.equal(separate, inline)
 
 
+@pytest.mark.parametrize("row_align", [16, "pow2"])
+def test_an_aligned_inline_page_gives_the_separate_layouts_numbers(model, row_align):
+    seq = random_ids(2, 20)
+    separate = teacher_forced(model, kvzoo(model, "int8_per_token_head"), seq, 12)
+    cache = kvzoo(model, "int8_per_token_head", layout="inline", row_align=row_align)
+    aligned = teacher_forced(model, cache, seq, 12)
+    assert torch.equal(separate, aligned)
+    head = model.config.head_dim
+    row = cache.layers[0].store.tensors.buffer.shape[-1]
+    assert row >= head + 4 and row % 16 == 0 and (row_align != "pow2" or row & (row - 1) == 0)
+    assert cache.audit().ok
+
+
+def test_row_align_is_refused_without_an_inline_page(model):
+    with pytest.raises(ValueError, match="row_align: pads the inline layout's rows"):
+        KVZooCache(model.config, mode="int8_per_token_head", row_align=16)
+    with pytest.raises(ValueError, match="row_align: expected None, 'pow2' or a positive multiple of 16"):
+        KVZooCache(model.config, mode="int8_per_token_head", layout="inline", row_align=12)
+
+
 def test_crop_rolls_back_exactly(model):
     seq = random_ids(2, 16)
     cache = kvzoo(model, "int8_per_token_head")

@@ -9,7 +9,9 @@ tensors can be written into by hand::
 
 Scale caches appear exactly for the per-token-head modes; the per-tensor modes give each layer
 "k_scale" and "v_scale" (one float32 each). An inline layer gives "buffer" instead: vLLM's page,
-uint8 [num_blocks, 2, block_size, num_kv_heads, head_size + 4]. Optional: "rounding" ("trunc"
+uint8 [num_blocks, 2, block_size, num_kv_heads, head_size + 4], or an aligned page (rows padded
+to a multiple of 16 bytes: kvzoo.allocate_inline's row_align), which needs "head_size" (an int)
+in the dict: a padded row's length does not tell it. Optional: "rounding" ("trunc"
 for vLLM's old int8 store; "nearest" when absent) and, per layer, "key" / "value": the
 unquantized K/V of the live tokens, [sum(seq_lens), num_kv_heads, head_size] in sequence order
 (what dequantize returns), to measure the cache against.
@@ -173,6 +175,7 @@ def _layer(
     block_size: int,
     num_blocks: int | None,
     num_tokens: int,
+    inline_head_size: int | None = None,
 ) -> LayerPages:
     where = f"layers[{index}]"
     if not isinstance(raw, Mapping):
@@ -186,8 +189,9 @@ def _layer(
                 f"{where}['buffer']: expected shape {page} with block_size {block_size}, "
                 f"got {_shape_text(buffer.shape)}"
             )
-        head_size = int(buffer.shape[-1]) - SCALE_BYTES
-        if head_size < SCALE_BYTES or head_size % SCALE_BYTES:
+        # Given, it admits a padded row; absent, the row is vLLM's head_size + 4 bytes.
+        head_size = int(buffer.shape[-1]) - SCALE_BYTES if inline_head_size is None else inline_head_size
+        if inline_head_size is None and (head_size < SCALE_BYTES or head_size % SCALE_BYTES):
             _fail(
                 f"{where}['buffer']: its rows of {buffer.shape[-1]} bytes hold no head size (a multiple of 4 "
                 "code bytes, then the 4-byte scale)"
@@ -344,10 +348,15 @@ def read_dump(source: Mapping[str, Any]) -> CacheDump:
         _fail(f"layers: expected a non-empty list of per-layer dicts, got {type(raw_layers).__name__}")
     lens64 = lens.astype(np.int64)
     num_tokens = int(np.clip(lens64, 0, None).sum())
+    head_size = source.get("head_size")
+    if head_size is not None:
+        if layout != "inline":
+            _fail("head_size: only an inline dump takes it (its padded rows' head size); leave it out")
+        head_size = _int("head_size", head_size, 1)
     layers: list[LayerPages] = []
     for i, raw in enumerate(raw_layers):
         num_blocks = int(layers[0].key_cache.shape[0]) if layers else None
-        layers.append(_layer(i, raw, mode, layout, block_size, num_blocks, num_tokens))
+        layers.append(_layer(i, raw, mode, layout, block_size, num_blocks, num_tokens, head_size))
     return CacheDump(
         mode=mode,
         layout=layout,
@@ -396,9 +405,11 @@ def cache_dump(
     """
     mode = get_kv_quant_mode(mode)
     out_layers = []
+    padded = False
     for i, tensors in enumerate(layers):
         if tensors.buffer is not None:
             layer: dict[str, Any] = {"buffer": tensors.buffer}
+            padded |= int(tensors.buffer.shape[-1]) != int(tensors.key_cache.shape[-1]) + SCALE_BYTES
         else:
             layer = {"key_cache": tensors.key_cache, "value_cache": tensors.value_cache}
             if tensors.k_scale_cache is not None:
@@ -407,7 +418,7 @@ def cache_dump(
             if given is not None and given[i] is not None:
                 layer[name] = given[i]
         out_layers.append(layer)
-    return {
+    dump = {
         "mode": mode.name,
         "layout": "inline" if layers and layers[0].buffer is not None else "separate",
         "rounding": rounding,
@@ -416,6 +427,10 @@ def cache_dump(
         "seq_lens": seq_lens,
         "layers": out_layers,
     }
+    if padded:
+        # Inline codes are one byte each: the key view's width is the head size.
+        dump["head_size"] = int(layers[0].key_cache.shape[-1])
+    return dump
 
 
 def _torch(what: str) -> Any:

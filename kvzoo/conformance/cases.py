@@ -30,6 +30,11 @@ def _inline(mode: str) -> bool:
     return "inline" in MODES[mode].layouts
 
 
+def _row_part(row_align: int | str | None) -> list[str]:
+    """The id part of an aligned inline page (kvzoo.layout.allocate_inline's row_align)."""
+    return [] if row_align is None else [f"row{row_align}"]
+
+
 @dataclass(frozen=True)
 class WriteCase:
     mode: str
@@ -46,6 +51,7 @@ class WriteCase:
     kind: Kind = "torch"  # "numpy": pass NumPy arrays instead of torch tensors
     # validate=False with slots past the cache's end: skipped, nothing written out of bounds.
     wild_slots: bool = False
+    row_align: int | str | None = None  # the inline page's rows padded (allocate_inline)
 
     @property
     def id(self) -> str:
@@ -69,7 +75,7 @@ class WriteCase:
             )
             if on
         ]
-        return "-".join(parts)
+        return "-".join(parts + _row_part(self.row_align))
 
     def requirements(self) -> Requirements:
         options = {"trunc_rounding"} if self.rounding == "trunc" else set()
@@ -114,6 +120,23 @@ def write_cases() -> list[WriteCase]:
             )
         )
         cases.append(WriteCase(mode, num_tokens=20, block_size=4, wild_slots=True))
+        if _inline(mode):
+            # Aligned pages (rows of 144 and 128 bytes for 132 and 84 of data), the padding
+            # poisoned: the write must leave every padding byte as it was.
+            cases.append(WriteCase(mode, num_tokens=40, num_kv_heads=3, head_size=128, layout="inline", row_align=16))
+            cases.append(
+                WriteCase(
+                    mode,
+                    "float32",
+                    num_tokens=11,
+                    head_size=80,
+                    block_size=4,
+                    layout="inline",
+                    strided=True,
+                    kind="numpy",
+                    row_align="pow2",
+                )
+            )
         # A mode with bounds on its head sizes meets both ends of them, in every input dtype
         # (int4: D = 2 and the rotation's largest, 512).
         rule = MODES[mode].head_sizes
@@ -132,6 +155,7 @@ class DequantCase:
     block_size: int = 16
     whole_cache: bool = False
     layout: str = "separate"
+    row_align: int | str | None = None
 
     @property
     def id(self) -> str:
@@ -139,6 +163,7 @@ class DequantCase:
             [self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
             + (["whole"] if self.whole_cache else [])
             + (["inline"] if self.layout == "inline" else [])
+            + _row_part(self.row_align)
         )
 
     def requirements(self) -> Requirements:
@@ -154,6 +179,18 @@ def dequant_cases() -> list[DequantCase]:
         )
         if _inline(mode):
             cases.append(DequantCase(mode, head_size=128, block_size=1, layout="inline"))
+            cases.append(DequantCase(mode, head_size=128, block_size=1, layout="inline", row_align=16))
+            cases.append(
+                DequantCase(
+                    mode,
+                    head_size=96,
+                    num_kv_heads=3,
+                    block_size=16,
+                    whole_cache=True,
+                    layout="inline",
+                    row_align="pow2",
+                )
+            )
         rule = MODES[mode].head_sizes
         if rule.highest is not None:
             cases.append(DequantCase(mode, head_size=rule.lowest, block_size=4))
@@ -178,6 +215,7 @@ class AttentionCase:
     poison: bool = False
     quantize_query: bool = False  # SPEC.md section 8.1 (int8 caches)
     fp8_dots: bool = False  # SPEC.md section 8.3 (fp8 e4m3fn caches)
+    row_align: int | str | None = None  # the inline page's rows padded (allocate_inline)
 
     @property
     def id(self) -> str:
@@ -204,7 +242,7 @@ class AttentionCase:
             parts.append("qint8")
         if self.fp8_dots:
             parts.append("fp8dots")
-        return "-".join(parts)
+        return "-".join(parts + _row_part(self.row_align))
 
     def requirements(self) -> Requirements:
         options = {
@@ -269,6 +307,24 @@ def attention_cases() -> list[AttentionCase]:
                     poison=MODES[mode].holds_nan,
                 )
             )
+            # Aligned pages: rows of 144 bytes (16-byte aligned, 132 of data) and of 128 (a
+            # power of two, 68 of data), padding all ones (NaN were it read as a scale).
+            cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline", row_align=16))
+            cases.append(
+                AttentionCase(
+                    mode,
+                    "decode",
+                    num_q_heads=16,
+                    num_kv_heads=4,
+                    head_size=64,
+                    layout="inline",
+                    sliding_window=19,
+                    softcap=30.0,
+                    sinks=True,
+                    poison=MODES[mode].holds_nan,
+                    row_align="pow2",
+                )
+            )
         if MODES[mode].holds_nan:
             cases.append(AttentionCase(mode, "decode", poison=True))
         rule = MODES[mode].head_sizes
@@ -299,6 +355,9 @@ def attention_cases() -> list[AttentionCase]:
         )
         cases.append(AttentionCase(mode, "decode", poison=True, **on))
     cases.append(AttentionCase("fp8_per_token_head", "mixed", head_size=128, layout="inline", fp8_dots=True))
+    cases.append(
+        AttentionCase("fp8_per_token_head", "mixed", head_size=128, layout="inline", fp8_dots=True, row_align=16)
+    )
     # float32 queries hold the probability tile (SPEC.md 8.3) to attention_rtol: at bf16's
     # 3.9e-3 a declared tile of 32 or 128 passed the cases above, while long float32 rows
     # catch either.

@@ -90,6 +90,7 @@ def check_reshape_and_cache(impl, case: WriteCase):
         layout=case.layout,
         kind=kind,
         device=device,
+        row_align=case.row_align,
         negative_slots=case.negative_slots,
         wild_slots=case.wild_slots,
         strided=case.strided,
@@ -101,6 +102,7 @@ def check_reshape_and_cache(impl, case: WriteCase):
     key_cache, value_cache, k_scale_cache, v_scale_cache = w.cache_arrays()
     key_before, value_before = host_bytes(key_cache).copy(), host_bytes(value_cache).copy()
     scales_before = [None if c is None else host_bytes(c).copy() for c in (k_scale_cache, v_scale_cache)]
+    buffer_before = None if caches.buffer is None else host_bytes(caches.buffer)[..., 0].copy()
     api.reshape_and_cache(
         key,
         value,
@@ -147,8 +149,12 @@ def check_reshape_and_cache(impl, case: WriteCase):
         if want is not None:
             assert_same_bytes(got, want, f"{impl.name} {name}")
     if case.layout == "inline":
-        # The views cover every byte of the page buffer: nothing else may change either.
-        want_buf = oracle.pack_inline(expected[0], expected[1], expected[2], expected[3])
+        # The views cover every byte of the page buffer but an aligned row's padding, which
+        # keeps its poison: nothing else may change.
+        assert buffer_before is not None
+        packed = oracle.pack_inline(expected[0], expected[1], expected[2], expected[3])
+        want_buf = buffer_before
+        want_buf[..., : packed.shape[-1]] = packed
         assert_same_bytes(caches.buffer, want_buf, f"{impl.name} inline buffer")
 
 
@@ -189,13 +195,20 @@ def check_dequantize(impl, case: DequantCase):
     num_blocks, BS, H, D = 7, case.block_size, case.num_kv_heads, case.head_size
     codes, scales = _random_codes_and_scales(mode, rng, (num_blocks, BS, H, D))
     static = samples.wide_static_scale(rng) if mode.per_tensor else None
+    page, page_before = None, None
     if case.layout == "inline":
-        views = allocate_inline(num_blocks, BS, H, D, mode, device=device)
-        if views.k_scale_cache is None:
-            raise ValueError(f"allocate_inline gave no scale cache for mode {mode.name!r}")
+        views = allocate_inline(num_blocks, BS, H, D, mode, device=device, row_align=case.row_align)
+        if views.k_scale_cache is None or views.buffer is None:
+            raise ValueError(f"allocate_inline gave no scale cache or page for mode {mode.name!r}")
+        page = views.buffer
+        if case.row_align is not None:
+            # Padding of random bytes: a read that strayed into it would decode them.
+            padding = page[..., D + 4 :]
+            padding.copy_(torch.from_numpy(rng.integers(0, 256, tuple(padding.shape), dtype=np.uint8)))
         views.key_cache.view(torch.uint8).copy_(torch.from_numpy(codes))
         views.k_scale_cache.copy_(torch.from_numpy(scales))
         cache, scale_cache = views.key_cache, views.k_scale_cache
+        page_before = host_bytes(page)[..., 0].copy()
     else:
         cache = (
             torch.from_numpy(codes).view(getattr(torch, mode.code_dtype))
@@ -221,6 +234,8 @@ def check_dequantize(impl, case: DequantCase):
         )
         want = samples.oracle_gathered(mode, raw, scales, tables, seq_lens, static)
     _assert_same_floats(got, want, f"{impl.name} dequantize")
+    if page_before is not None:
+        assert_same_bytes(page, page_before, f"{impl.name} dequantize wrote to the inline page")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,11 +256,13 @@ def check_paged_attention(impl, case: AttentionCase):
         query_dtype=case.query_dtype,
         layout=case.layout,
         device=device,
+        row_align=case.row_align,
         sinks=case.sinks,
         poison=case.poison,
         static_scales="wide",
     )
     out = s.new_out()
+    page_before = None if s.caches.buffer is None else host_bytes(s.caches.buffer)[..., 0].copy()
     api.paged_attention(
         s.query,
         s.caches.key_cache,
@@ -268,6 +285,8 @@ def check_paged_attention(impl, case: AttentionCase):
     assert isinstance(ref, np.ndarray)
     got = host_float32(out)
     samples.assert_attention_close(impl, got, ref, s.qsl, case.query_dtype, fp8_dots=case.fp8_dots)
+    if page_before is not None:
+        assert_same_bytes(s.caches.buffer, page_before, f"{impl.name} attention wrote to the inline page")
     if case.fp8_dots and impl.probability_tile is not None:
         # The probabilities' rounding at the implementation's own tile: attention_rtol again,
         # plus one code step wherever float32 weights may round the other way (the oracle's slack).

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...layout import KVCacheTensors, allocate_inline, allocate_separate
+from ...layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
 from ...modes import QuantMode, get_kv_quant_mode
 from ...plan import CacheSpec
 
@@ -39,7 +39,8 @@ def _raw(x: torch.Tensor) -> torch.Tensor:
 class LayerStore:
     """Code (and scale) tensors of one attention layer, [num_blocks, block_size, Hkv, ...].
 
-    mode, layout: as kvzoo.PagedKVCache ("separate" or "inline"). model_dtype: the dtype of the
+    mode, layout, row_align: as kvzoo.PagedKVCache ("separate" or "inline"; row_align pads the
+    inline rows). model_dtype: the dtype of the
     model's K/V (the cache dtype of mode "none"). k_scale / v_scale: a per-tensor mode's static
     scales (floats), kept here as one-element float32 device tensors.
     """
@@ -56,8 +57,10 @@ class LayerStore:
         device: torch.device | str,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        row_align: RowAlign = None,
     ) -> None:
         self.mode = get_kv_quant_mode(mode)
+        self.row_align = row_align
         if model_dtype not in MODEL_DTYPES:
             raise TypeError(f"model_dtype: kvzoo takes {[str(d) for d in MODEL_DTYPES]}, got {model_dtype}")
         self.layout, self.block_size = layout, block_size
@@ -76,7 +79,13 @@ class LayerStore:
     def _allocate(self, num_blocks: int) -> KVCacheTensors:
         if self.layout == "inline":
             return allocate_inline(
-                num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.mode, device=str(self.device)
+                num_blocks,
+                self.block_size,
+                self.num_kv_heads,
+                self.head_size,
+                self.mode,
+                device=str(self.device),
+                row_align=self.row_align,
             )
         return allocate_separate(
             num_blocks,

@@ -51,6 +51,7 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...layout import inline_row_bytes
 from ...modes import QuantMode, get_kv_quant_mode
 from ._pages import PageTable
 from ._store import LayerStore
@@ -276,6 +277,9 @@ class KVZooCache(Cache):
     mode: a kvzoo mode or engine string ("none", "int8_per_token_head", "fp8_per_token_head",
         "fp8_e4m3fnuz_per_token_head", "fp8_per_tensor", "fp8", "int8_per_tensor", "fp8_e5m2", ...).
     layout: "separate" (vLLM's tensors) or "inline" (one page buffer; the modes that define it).
+        row_align: the inline layout's rows padded to a multiple of 16 bytes (16) or to a power
+        of two ("pow2"), so each starts on 16 bytes; None keeps vLLM's head_size + 4
+        (kvzoo.allocate_inline).
     block_size: tokens per page. num_blocks: pages allocated up front per page table (the pool
         grows by what a step needs, and by at least 1/32 of itself, when it runs out);
         max_num_blocks: a ceiling (None: none). max_cache_len: tokens per row the cache will
@@ -303,6 +307,7 @@ class KVZooCache(Cache):
         *,
         mode: str | QuantMode = "int8_per_token_head",
         layout: str = "separate",
+        row_align: int | str | None = None,
         block_size: int = 16,
         num_blocks: int = 0,
         max_num_blocks: int | None = None,
@@ -322,6 +327,12 @@ class KVZooCache(Cache):
         if layout not in ("separate", "inline"):
             raise ValueError(f"layout: expected 'separate' or 'inline', got {layout!r}")
         _refuse_geometry(self.mode, layout, _head_size(text))
+        if row_align is not None:
+            if layout != "inline":
+                raise ValueError(f"row_align: pads the inline layout's rows; layout {layout!r} has none")
+            head = _head_size(text)
+            inline_row_bytes(head or 4, row_align)  # a bad row_align fails here, not at the first step
+        self.row_align = row_align
         if rounding not in self.mode.roundings:
             raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
         if max_cache_len is not None and max_cache_len < 1:
@@ -374,6 +385,7 @@ class KVZooCache(Cache):
             device=device,
             k_scale=self._k_scales[index],
             v_scale=self._v_scales[index],
+            row_align=self.row_align,
         )
 
     def _check_attention_implementation(self) -> None:
