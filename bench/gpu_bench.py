@@ -55,7 +55,7 @@ DEVICE = "cpu" if DRY else "cuda"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvzoo  # noqa: E402
 from kvzoo import samples  # noqa: E402
-from kvzoo.conformance.inputs import SEED, rng_for  # noqa: E402
+from kvzoo.inputs import SEED, rng_for  # noqa: E402
 
 IMPL = "triton-cuda"
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

@@ -693,7 +693,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     codes = _cache_codes(p)
     size = _size_class(p.head_size)
     # Quantized tiles of the group's real rows run fewer instructions per key tile
-    # (bench/offline_facts.py counts them) in less shared memory; the bf16 tile
+    # (bench/probes/offline_facts.py counts them) in less shared memory; the bf16 tile
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and codes is not CacheCodes.MODEL_DTYPE else 16
@@ -862,7 +862,7 @@ def same_kv_strides(p: Attention) -> bool:
 
 @dataclass
 class KernelCall:
-    """One launch of an attention kernel: what _launch runs, and what bench/offline_facts.py
+    """One launch of an attention kernel: what _launch runs, and what bench/probes/offline_facts.py
     compiles for a GPU it does not have."""
 
     kernel: Any  # _attention_kernel or _staged_attention_kernel

@@ -614,7 +614,7 @@ class Int4Tiles:
 
 _OFFLINE = (
     Run(
-        "python bench/int4_offline_facts.py",
+        "python bench/probes/int4_offline_facts.py",
         "",
         "the variants without spills on sm_90a and the fewest instructions per key; not timed",
     ),
@@ -629,7 +629,7 @@ _OFFLINE = (
 # Direct prefill: 32-key tiles (64 spill on sm_90a).
 _TIMED_DECODE = (
     Run(
-        "python3 bench/attention_probe.py --sections int4",
+        "python3 bench/probes/attention_probe.py --sections int4",
         "aa45772",
         "32 keys on 1 warp, 5 stages, no register cap: 1.00-1.16x the capped tile; 64-key, 2- and "
         "4-warp tiles slower; 4 or 6 stages (timed capped only) slower or equal",

@@ -463,8 +463,7 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         k_scale_cache=page_scales[0][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
         v_scale_cache=page_scales[1][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
     )
-    staged = dataclasses.replace(
-        p,
+    staged = p.replace(
         query=ws_q,
         key_cache=ws_k,
         value_cache=ws_v,
