@@ -13,6 +13,8 @@ What it measures, in one run, on text that ships with Python (the standard libra
    transformers' QuantizedCache backends that install here (quanto, HQQ, fp8; each keeps the
    latest <= 128 tokens in full precision and attends the current chunk at full precision,
    so it is favoured against kvzoo, which attends its own codes for the current chunk too).
+   Each kvzoo cache the last window leaves is audited (kvzoo.audit): its findings, and for
+   int8 nearest (--audit: every format) the per-layer table.
 2. Per-layer K/V statistics over one window (DynamicCache): absmax of K and V, outlier
    channels (a channel's absmax over tokens above 4x the median channel's, per head), and
    the spread of the per-(token, head) row absmax (max / median), which is what a per-tensor
@@ -68,6 +70,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -304,6 +307,20 @@ def score(
     return sum(n for n, _ in chunks), sum(c for _, c in chunks), cache, chunks
 
 
+# The kvzoo format whose audit table section 1 always prints (--audit: every kvzoo format's).
+AUDIT_SHOWN = "kvzoo int8 nearest"
+
+
+def audit_cache(fmt: Format, cache: Any, full: bool) -> None:
+    """kvzoo.audit of the cache a format's last window left: its verdict, and the per-layer table."""
+    report = cache.audit()
+    fmt.results["audit"] = report.summary()
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) or "no findings"
+    print(f"    audit: {counts} ({report.live_tokens} tokens, {report.nbytes / 2**20:.1f} MiB, {report.seconds:.2f} s)")
+    if full:
+        print("\n" + "\n".join("    " + line for line in report.table().splitlines()) + "\n", flush=True)
+
+
 def tensor_bytes(x: Any) -> int:
     """Storage of tensors inside x (quanto's tensor subclasses, HQQ's meta dicts, lists)."""
     if isinstance(x, torch.Tensor):
@@ -468,6 +485,32 @@ def decode_speed(model: Any, fmt: Format, prompt: torch.Tensor, tokens: int, rep
                 token = logits[:, -1:].argmax(-1)
             best = min(best, time.perf_counter() - begin)
     return tokens / best
+
+
+DECODE_FORMATS = ("DynamicCache", "kvzoo int8 nearest", "kvzoo fp8 e4m3fn")
+
+
+def decode_by_context(model: Any, fmts: list, ids: torch.Tensor, contexts: list[int], settings: Any, rounds: int):
+    """Decode tokens/s by prompt length: every format once per round, rounds interleaved (this
+    machine's load moves between rounds, not within one), the median round per format, and each
+    format's ratio to DynamicCache's median."""
+    chosen = [f for f in fmts if f.label in DECODE_FORMATS]
+    result: dict[int, dict[str, float]] = {}
+    print(f"\n## Decode tokens/s by context (batch 1, {settings.decode_tokens} tokens, median of {rounds} rounds)\n")
+    print("| context | " + " | ".join(f.label for f in chosen) + " | " + " | ".join(
+        f"{f.label} / DynamicCache" for f in chosen[1:]) + " |")  # fmt: skip
+    print("|---" * (2 * len(chosen)) + "|")
+    for context in contexts:
+        runs: dict[str, list[float]] = {f.label: [] for f in chosen}
+        for _ in range(rounds):
+            for fmt in chosen:
+                runs[fmt.label].append(decode_speed(model, fmt, ids[:context], settings.decode_tokens, 1))
+        medians = {label: statistics.median(v) for label, v in runs.items()}
+        result[context] = medians
+        base = medians["DynamicCache"]
+        cells = [f"{medians[f.label]:.1f}" for f in chosen] + [f"{medians[f.label] / base:.2f}x" for f in chosen[1:]]
+        print(f"| {context} | " + " | ".join(cells) + " |", flush=True)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1029,6 +1072,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--windows", type=int, help="number of text windows (default 3, --quick 1)")
     parser.add_argument(
+        "--decode-contexts",
+        default="",
+        help="instead of sections 1-4: decode tokens/s of DynamicCache and kvzoo int8/fp8 after prompts of "
+        "these lengths (comma-separated), rounds interleaved, median of --decode-rounds",
+    )
+    parser.add_argument("--decode-rounds", type=int, default=5, help="rounds of every format at every context")
+    parser.add_argument(
+        "--audit",
+        action="store_true",
+        help=f"print kvzoo.audit's per-layer table for every kvzoo format's cache (default: {AUDIT_SHOWN}'s)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -1071,6 +1126,14 @@ def main(argv: list[str] | None = None) -> int:
         f"chunks of {settings.chunk} (chunk 0 prefilled, not scored)",
         "skipped": skipped,
     }
+    if args.decode_contexts:
+        print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
+        contexts = [int(c) for c in args.decode_contexts.split(",")]
+        report["decode_by_context"] = decode_by_context(model, fmts, ids, contexts, settings, args.decode_rounds)
+        report["seconds"] = time.perf_counter() - began
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     if args.ablate:
         print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
         report["ablation"] = run_ablation(model, texts, settings, [p for p in args.only.split(",") if p])
@@ -1102,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
             chunk_nll=chunk_nll,
         )
         print(f"  {fmt.label:22s} ppl {fmt.results['ppl']:.4f}  ({fmt.results['seconds']:.0f} s)", flush=True)
+        if fmt.kind == "kvzoo":
+            audit_cache(fmt, cache, full=args.audit or fmt.label == AUDIT_SHOWN)
     base = fmts[0].results["ppl"]
     unquantized = next(f for f in fmts if f.mode == "none").results["ppl"]
     trunc = next(f for f in fmts if f.label == "kvzoo int8 trunc").results["ppl"]

@@ -5,10 +5,13 @@ from the run, and the words around the figures say why.
     OUT=/tmp/run python3 bench/gpu_bench.py                       # on the GPU: /tmp/run/bench.json
     OUT=/tmp/run python3 bench/host_cost.py                       # optional: /tmp/run/host_cost.json
     python bench/real_model.py --json /tmp/run/real_model.json    # optional, CPU: the real-model table
+    python bench/scaleout_transfer.py --json /tmp/run/scaleout_transfer.json   # optional: scale-out
+    python bench/audit_speed.py --json /tmp/run/audit_speed.json  # optional, CPU: kvzoo.audit's rate
     python bench/report.py /tmp/run                               # writes bench/RESULTS.md, bench/plots/
 
-RUN is a folder holding bench.json (and, when present, host_cost.json and real_model.json) or a
-bench.json itself. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
+RUN is a folder holding bench.json (and, when present, host_cost.json, real_model.json,
+scaleout_transfer.json and audit_speed*.json) or a bench.json itself; --scaleout and
+--audit-speed name those JSONs elsewhere. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
 plots need `pip install "kvzoo[plots]"`). The JSON shapes read here are the ones gpu_bench.py,
 host_cost.py and real_model.py write; a section whose JSON is absent says where its last
 figures are instead.
@@ -115,8 +118,11 @@ class Run:
     failed: list[str] = field(default_factory=list)
     host_cost: dict | None = None
     real_model: dict | None = None
+    scaleout: dict | None = None
     # real_model.py --ablate runs (real_model_ablate*.json beside bench.json), by file name.
     ablations: list[dict] = field(default_factory=list)
+    # audit_speed.py runs (audit_speed*.json beside bench.json, or --audit-speed).
+    audit_speeds: list[dict] = field(default_factory=list)
 
     @property
     def dry(self) -> bool:
@@ -150,7 +156,13 @@ class Run:
         return next((r for r in self.rows if r.op == "decode" and r.impl == EAGER), None)
 
 
-def load(source: Path, host_cost: Path | None = None, real_model: Path | None = None) -> Run:
+def load(
+    source: Path,
+    host_cost: Path | None = None,
+    real_model: Path | None = None,
+    scaleout: Path | None = None,
+    audit_speed: list[Path] | None = None,
+) -> Run:
     """The run in `source` (a folder holding bench.json, or the file), with the optional JSONs
     found beside it unless given."""
     folder = source if source.is_dir() else source.parent
@@ -182,11 +194,14 @@ def load(source: Path, host_cost: Path | None = None, real_model: Path | None = 
     for attr, given, name in (
         ("host_cost", host_cost, "host_cost.json"),
         ("real_model", real_model, "real_model.json"),
+        ("scaleout", scaleout, "scaleout_transfer.json"),
     ):
         path = given or folder / name
         if path.exists():
             setattr(run, attr, json.loads(path.read_text()))
     run.ablations = [json.loads(p.read_text()) for p in sorted(folder.glob("real_model_ablate*.json"))]
+    paths = audit_speed if audit_speed else sorted(folder.glob("audit_speed*.json"))
+    run.audit_speeds = [json.loads(Path(p).read_text()) for p in paths]
     return run
 
 
@@ -734,6 +749,71 @@ def ablation_section(run: Run) -> list[str]:
     return out
 
 
+def _gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _scaleout_cell(row: dict, key: str, raw: str | None = None) -> str:
+    if key + "_s" not in row:  # a --transfer-only run
+        return "-"
+    kvzoo_s, raw_s = row[key + "_s"], row["raw_" + (raw or key) + "_s"]
+    rate = f"{_gbps(row['bytes'], kvzoo_s):.2f} GB/s"
+    if key.startswith("send") and "pages" in row:
+        rate += f", {row['pages'] / kvzoo_s:,.0f} pages/s"
+    return f"{kvzoo_s * 1e3:.1f} / {raw_s * 1e3:.1f} ms ({rate})"
+
+
+def scaleout_table(result: dict, rows: list[dict] | None = None) -> list[str]:
+    """bench/scaleout_transfer.py's rows (all, or those given): each operation's time against the
+    raw tensor's, and its rate."""
+    rows = result["rows"] if rows is None else rows
+    out = [
+        "| mode | tokens | bytes/token/layer (x bf16) | transfer / raw send | transfer, workspace kept / raw send "
+        "| save / raw save | load + place / raw load | offload + back / raw copies |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_token = r["bytes_per_token_layer"]
+        out.append(
+            f"| {r['mode']} | {r['tokens']} | {per_token:.0f} ({per_token / r['bf16_bytes_per_token_layer']:.3f}x) "
+            f"| {_scaleout_cell(r, 'send')} | {_scaleout_cell(r, 'send_workspace', 'send')} "
+            f"| {_scaleout_cell(r, 'save')} | {_scaleout_cell(r, 'load')} | {_scaleout_cell(r, 'offload')} |"
+        )
+    copies = "; ".join(
+        f"{r['mode']} {r['tokens']}: gather {r['gather_s'] * 1e3:.1f}, place {r['place_s'] * 1e3:.1f}"
+        for r in rows
+        if "gather_s" in r
+    )
+    link = result["link"]
+    if copies:
+        out += ["", f"The copies a raw tensor does not make, alone (ms): {copies}."]
+    return out + [
+        "",
+        f"Link: one raw message of {link['bytes'] / 2**20:.0f} MiB in {link['seconds'] * 1e3:.1f} ms, "
+        f"{_gbps(link['bytes'], link['seconds']):.2f} GB/s.",
+    ]
+
+
+def scaleout_section(run: Run) -> list[str]:
+    so = run.scaleout
+    if so is None:
+        return [
+            "**Scale-out** (page transfer, page files and offload against one raw tensor of the same bytes): not "
+            "part of this run (`python bench/scaleout_transfer.py --json DIR/scaleout_transfer.json`); the last "
+            f"figures are in [the archive]({ARCHIVE})."
+        ]
+    i = so["info"]
+    largest = max(r["tokens"] for r in so["rows"])
+    return [
+        f"**Scale-out** ({i['date']}, {i['machine']}, torch {i['torch']}, {i['backend']}, commit {i['commit']}, "
+        f"`{i['command']}`, load average {i.get('load_average') or 0:.1f} at the start): kvzoo.distributed's page "
+        "transfer, page files and host offload against moving or saving the same bytes as one raw tensor, "
+        f"medians (kvzoo / raw, and kvzoo's rate) at {largest} tokens (every size: the run's JSON, and the archive):",
+        "",
+        *scaleout_table(so, [r for r in so["rows"] if r["tokens"] == largest]),
+    ]
+
+
 def real_model_section(run: Run) -> list[str]:
     rm = run.real_model
     if rm is None or not rm.get("formats"):
@@ -757,6 +837,34 @@ def real_model_section(run: Run) -> list[str]:
     speeds = rm.get("decode_tokens_per_s") or {}
     if speeds:
         out += ["", "CPU decode, tokens/s: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items()) + "."]
+    return out
+
+
+def audit_section(run: Run) -> list[str]:
+    """kvzoo.audit's rate on a large cache (bench/audit_speed.py), against np.copy of the same bytes."""
+    if not run.audit_speeds:
+        return [
+            "**Auditing a cache** (`kvzoo audit`, CPU): not part of this run (`python bench/audit_speed.py --json "
+            "DIR/audit_speed.json`); the last figures are in the README (Auditing a cache)."
+        ]
+    first = run.audit_speeds[0]
+    out = [
+        f"**Auditing a cache** (`kvzoo.audit`, {first['date']}, commit {first['commit']}; {first['machine']}): "
+        "the median of the runs (CPU time: all threads' seconds, which a loaded machine stretches less than the "
+        "wall time), against np.copy of the same bytes (a read and a write of each, the physical limit; the "
+        "audit decodes, re-quantizes and compares each element, a few dozen float32 operations).",
+        "",
+        "| cache | command | audit | its CPU time | rate | np.copy | audit / copy rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in run.audit_speeds:
+        gib, median, copy = a["bytes"] / 2**30, a["audit_median_s"], a["copy_median_s"]
+        out.append(
+            f"| {gib:.2f} GiB {a['mode']}, {a['layout']}, {a['live_rows']:,} live rows | `{a['command'].strip()}` | "
+            f"{median:.1f} s ({', '.join(f'{t:.1f}' for t in a['audit_seconds'])}) | "
+            f"{', '.join(f'{t:.1f}' for t in a.get('audit_cpu_s', []))} s | "
+            f"{a['bytes'] / median / 1e6:,.0f} MB/s | {copy:.2f} s | {100 * copy / median:.2f}% |"
+        )
     return out
 
 
@@ -816,6 +924,8 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
             f"![kvzoo against the alternatives, per case]({plots['alternatives']})",
         ]
     out += ["", *host_cost_section(run), "", *real_model_section(run), *ablation_section(run)]
+    out += ["", *scaleout_section(run)]
+    out += ["", *audit_section(run)]
     out += [
         "",
         "Not measured here: ROCm (the `triton-rocm` kernels are checked only under the Triton interpreter). "
@@ -968,11 +1078,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--host-cost", type=Path, help="host_cost.json (default: beside bench.json)")
     ap.add_argument("--real-model", type=Path, help="real_model.py's --json output (default: beside bench.json)")
+    ap.add_argument("--scaleout", type=Path, help="scaleout_transfer.py's --json output (default: beside bench.json)")
+    ap.add_argument(
+        "--audit-speed",
+        type=Path,
+        action="append",
+        help="audit_speed.py's --json output (repeatable; default: audit_speed*.json beside bench.json)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the page (default bench/RESULTS.md)")
     ap.add_argument("--plots", type=Path, default=HERE / "plots", help="the plots' folder (default bench/plots)")
     ap.add_argument("--no-plots", action="store_true", help="the page without plots (no matplotlib needed)")
     args = ap.parse_args(argv)
-    run = load(args.run, args.host_cost, args.real_model)
+    run = load(args.run, args.host_cost, args.real_model, args.scaleout, args.audit_speed)
     plots = None
     if not args.no_plots:
         try:

@@ -47,6 +47,19 @@ _TORCH_DTYPE_NAMES: dict[Any, str] = {}
 _NUMPY_DTYPE_NAMES: dict[Any, str] = {}
 
 
+def require_torch(what: str, alternative: str = "") -> Any:
+    """The torch module, or an error saying in one line that `what` needs it and how to get it
+    (kvzoo itself runs without torch: NumPy arrays and the NumPy implementation)."""
+    if torch is None:
+        from .errors import KVZooInputError
+
+        raise KVZooInputError(
+            f"{what} needs torch, which is not installed: pip install 'kvzoo[cpu]' (CPU) or 'kvzoo[triton]' (GPU)"
+            + (f"; {alternative}" if alternative else "")
+        )
+    return torch
+
+
 def is_torch(x: Any) -> bool:
     return isinstance(x, _TENSOR)
 

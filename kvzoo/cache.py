@@ -7,7 +7,10 @@ from typing import Any
 from . import api
 from .layout import KVCacheTensors, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
+from .registry import Implementation
 from .validate import fail
+
+Array = Any  # torch.Tensor or numpy.ndarray
 
 
 class PagedKVCache:
@@ -15,10 +18,32 @@ class PagedKVCache:
 
     The cache starts zero-filled, so `read()` of a slot never written gives 0.
 
-    >>> cache = PagedKVCache(num_blocks=64, block_size=16, num_kv_heads=8, head_size=128,
-    ...                      mode="int8_per_token_head", device="cpu")
-    >>> cache.write(key, value, slot_mapping)
-    >>> out = cache.attention(query, block_tables=bt, seq_lens=lens, query_start_loc=qsl)
+    Parameters
+    ----------
+    num_blocks, block_size, num_kv_heads, head_size : int
+        The cache holds ``num_blocks * block_size`` slots of ``num_kv_heads`` rows of
+        ``head_size`` elements, for K and for V.
+    mode : str or QuantMode
+        ``"int8_per_token_head"``, ``"fp8_per_token_head"``, ``"int4_per_token_head"``,
+        ``"fp8_per_tensor"``, ``"none"``, ... (``kvzoo.MODES``; engine strings such as ``"fp8"``).
+    layout : {"separate", "inline"}
+        vLLM's separate tensors, or one page buffer with each row's scale after its codes.
+    model_dtype : {"bfloat16", "float16", "float32"}
+        The K/V dtype; the cache dtype of mode ``"none"``.
+    device : str or None
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"``: torch tensors there; None: NumPy arrays (no torch
+        needed).
+    k_scale, v_scale : float, optional
+        A per-tensor mode's static scales.
+
+    Example
+    -------
+    >>> import numpy as np, kvzoo
+    >>> cache = kvzoo.PagedKVCache(8, 16, 2, 64, "int8_per_token_head", device=None)  # NumPy arrays
+    >>> rows = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(np.float32)
+    >>> cache.write(rows, rows, np.arange(20), impl="numpy")
+    >>> cache.read("key", block_tables=np.array([[0, 1]]), seq_lens=np.array([20]), impl="numpy").shape
+    (20, 2, 64)
     """
 
     def __init__(
@@ -59,8 +84,29 @@ class PagedKVCache:
             k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=self.k_scale, v_scale=self.v_scale
         )
 
-    def write(self, key: Any, value: Any, slot_mapping: Any, **options: Any) -> None:
-        _refuse_own(options, _WRITE_OWN)
+    def write(
+        self,
+        key: Array,
+        value: Array,
+        slot_mapping: Array,
+        *,
+        rounding: str = "nearest",
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        """Quantize rows of K and V into their slots (``kvzoo.reshape_and_cache``).
+
+        Parameters
+        ----------
+        key, value : torch.Tensor or numpy.ndarray
+            ``[num_tokens, num_kv_heads, head_size]``, bfloat16, float16 or float32.
+        slot_mapping : torch.Tensor or numpy.ndarray
+            ``[num_tokens]`` int32 or int64: ``block * block_size + offset`` of each token, negative
+            to skip it.
+        rounding, impl, validate, check_finite
+            As ``kvzoo.reshape_and_cache``.
+        """
         api.reshape_and_cache(
             key,
             value,
@@ -68,39 +114,106 @@ class PagedKVCache:
             self.tensors.value_cache,
             slot_mapping,
             mode=self.mode,
+            rounding=rounding,
+            impl=impl,
+            validate=validate,
+            check_finite=check_finite,
             **self._scales(),
-            **options,
         )
 
-    def read(self, which: str = "key", *, block_tables: Any = None, seq_lens: Any = None, **options: Any) -> Any:
-        """Decoded float32 keys or values (whole cache, or the tokens of given sequences)."""
+    def read(
+        self,
+        which: str = "key",
+        *,
+        block_tables: Array | None = None,
+        seq_lens: Array | None = None,
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+    ) -> Array:
+        """Decoded float32 keys or values (``kvzoo.dequantize``): the whole cache
+        ``[num_blocks, block_size, num_kv_heads, head_size]``, or with block_tables
+        ``[num_seqs, max_blocks]`` and seq_lens ``[num_seqs]`` the tokens of those sequences,
+        packed, ``[sum(seq_lens), num_kv_heads, head_size]``."""
         if which not in ("key", "value"):
             fail(f"which: expected 'key' or 'value', got {which!r}")
         t = self.tensors
         cache, scale_cache = (t.key_cache, t.k_scale_cache) if which == "key" else (t.value_cache, t.v_scale_cache)
         scale = self.k_scale if which == "key" else self.v_scale
-        _refuse_own(options, _READ_OWN)
         return api.dequantize(
-            cache, scale_cache, mode=self.mode, scale=scale, block_tables=block_tables, seq_lens=seq_lens, **options
+            cache,
+            scale_cache,
+            mode=self.mode,
+            scale=scale,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            impl=impl,
+            validate=validate,
         )
 
-    def attention(self, query: Any, **kwargs: Any) -> Any:
-        _refuse_own(kwargs, _ATTENTION_OWN)
+    def attention(
+        self,
+        query: Array,
+        *,
+        block_tables: Array,
+        seq_lens: Array,
+        query_start_loc: Array,
+        softmax_scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Array | None = None,
+        out: Array | None = None,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        num_prefills: int | None = None,
+        batch_invariant: bool = False,
+        quantize_query: bool = False,
+        fp8_dots: bool = False,
+        return_lse: bool = False,
+        lse: Array | None = None,
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+    ) -> Array | tuple[Array, Array]:
+        """Causal paged attention over this cache (``kvzoo.paged_attention``).
+
+        Parameters
+        ----------
+        query : torch.Tensor or numpy.ndarray
+            ``[num_tokens, num_q_heads, head_size]``, bfloat16, float16 or float32 (num_q_heads a
+            multiple of the cache's num_kv_heads).
+        block_tables : ``[num_seqs, max_blocks_per_seq]`` int32/int64
+        seq_lens : ``[num_seqs]`` int32/int64, each sequence's context, this step's tokens included
+        query_start_loc : ``[num_seqs + 1]`` int32/int64, sequence s owns query rows
+            ``query_start_loc[s]:query_start_loc[s+1]``
+        the rest
+            As ``kvzoo.paged_attention``.
+
+        Returns
+        -------
+        out ``[num_tokens, num_q_heads, head_size]`` in the query's dtype, or ``(out, lse)`` with
+        return_lse (lse float32 ``[num_tokens, num_q_heads]``).
+        """
         return api.paged_attention(
-            query, self.tensors.key_cache, self.tensors.value_cache, mode=self.mode, **self._scales(), **kwargs
+            query,
+            self.tensors.key_cache,
+            self.tensors.value_cache,
+            mode=self.mode,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            out=out,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_prefills=num_prefills,
+            batch_invariant=batch_invariant,
+            quantize_query=quantize_query,
+            fp8_dots=fp8_dots,
+            return_lse=return_lse,
+            lse=lse,
+            impl=impl,
+            validate=validate,
+            **self._scales(),
         )
-
-
-# What a PagedKVCache passes itself: given again per call, Python would raise a bare TypeError.
-_WRITE_OWN = ("mode", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale")
-_ATTENTION_OWN = _WRITE_OWN
-_READ_OWN = ("mode", "cache", "scale_cache", "scale")
-
-
-def _refuse_own(options: dict[str, Any], own: tuple[str, ...]) -> None:
-    for name in own:
-        if name in options:
-            fail(
-                f"{name}: a PagedKVCache passes its own (mode, caches and static scales are fixed when it "
-                "is built); leave it out of the call"
-            )

@@ -1,8 +1,10 @@
-"""`kvzoo list` (the registry) and `kvzoo check` (the conformance matrix on this machine)."""
+"""`kvzoo list` (the registry), `kvzoo check` (the conformance matrix on this machine) and
+`kvzoo audit FILE` (what is wrong with a dumped paged cache)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
@@ -12,6 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from . import __version__
+from .errors import did_you_mean
 from .modes import get_kv_quant_mode
 
 if TYPE_CHECKING:
@@ -45,6 +48,21 @@ def _list(args: argparse.Namespace) -> int:
     reg = _registry(args, "list")
     if reg is None:
         return 2
+    if args.json:
+        listed = [
+            {
+                "name": impl.name,
+                "op": impl.op,
+                "platform": impl.platform,
+                "priority": impl.priority,
+                "modes": sorted(impl.modes),
+                "available": not impl.unavailable(),
+                "unavailable": impl.unavailable(),
+            }
+            for impl in sorted(reg.implementations(), key=lambda i: (i.op, -i.priority, i.name))
+        ]
+        print(json.dumps({"implementations": listed, "import_errors": reg.import_errors}, indent=1))
+        return 0
     # Mode names are long: a short code per mode keeps the table within 100 columns.
     short = {name: str(n) for n, name in enumerate(MODES)}
     rows = [("implementation", "operation", "platform", "prio", "modes", "status")]
@@ -79,7 +97,10 @@ def _list(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .conformance import SEED, NotApplicable, matrix
+    from .conformance import NotApplicable, inputs, matrix
+
+    if args.seed is not None:
+        inputs.SEED = args.seed  # read by every draw (inputs.rng_for), as KVZOO_SEED sets it
 
     reg = _registry(args, "check")
     if reg is None:
@@ -101,7 +122,9 @@ def _check(args: argparse.Namespace) -> int:
             print(f"kvzoo check: --{bad}", file=sys.stderr)
             return 2
         checks = [c for c in checks if modes & set(c.case_id.split("-"))]
-    print(f"kvzoo check: {len(checks)} checks, seed {SEED} (replay with KVZOO_SEED={SEED})")
+    seed = inputs.SEED
+    out = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the JSON alone
+    print(f"kvzoo check: {len(checks)} checks, seed {seed} (replay with --seed {seed} or KVZOO_SEED={seed})", file=out)
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     failures = []
     skips = []
@@ -119,22 +142,39 @@ def _check(args: argparse.Namespace) -> int:
             failures.append((check, exc))
             if args.exitfirst:
                 break
-    rows = [("implementation", "operation", "passed", "failed", "skipped")]
-    rows += [(impl, op, str(p), str(f), str(s)) for (impl, op), (p, f, s) in sorted(counts.items())]
-    _print_table(rows)
-    if args.verbose:
-        for check, why in skips:
-            print(f"SKIPPED {check.op} {check.id}: {why}")
-    for check, exc in failures[:20]:
-        print(f"\nFAILED {check.op} {check.id}: {type(exc).__name__}: {exc}"[:2000])
-        if args.verbose:
-            traceback.print_exception(exc)
     total_failed = sum(f for _, f, _ in counts.values())
     total_passed = sum(p for p, _, _ in counts.values())
-    print(
-        f"\n{total_passed} passed, {total_failed} failed, "
-        f"{sum(s for _, _, s in counts.values())} skipped in {time.perf_counter() - start:.1f}s"
-    )
+    total_skipped = sum(s for _, _, s in counts.values())
+    seconds = time.perf_counter() - start
+    if args.json:
+        summary = {
+            "seed": seed,
+            "passed": total_passed,
+            "failed": total_failed,
+            "skipped": total_skipped,
+            "seconds": round(seconds, 1),
+            "by_implementation": [
+                {"implementation": impl, "operation": op, "passed": p, "failed": f, "skipped": n}
+                for (impl, op), (p, f, n) in sorted(counts.items())
+            ],
+            "failures": [
+                {"operation": c.op, "check": c.id, "error": f"{type(e).__name__}: {e}"[:2000]} for c, e in failures
+            ],
+            "skips": [{"operation": c.op, "check": c.id, "reason": str(why)} for c, why in skips],
+        }
+        print(json.dumps(summary, indent=1))
+    else:
+        rows = [("implementation", "operation", "passed", "failed", "skipped")]
+        rows += [(impl, op, str(p), str(f), str(n)) for (impl, op), (p, f, n) in sorted(counts.items())]
+        _print_table(rows)
+        if args.verbose:
+            for check, why in skips:
+                print(f"SKIPPED {check.op} {check.id}: {why}")
+        for check, exc in failures[:20]:
+            print(f"\nFAILED {check.op} {check.id}: {type(exc).__name__}: {exc}"[:2000])
+            if args.verbose:
+                traceback.print_exception(exc)
+        print(f"\n{total_passed} passed, {total_failed} failed, {total_skipped} skipped in {seconds:.1f}s")
     if not counts:
         print("kvzoo check: no check ran, so nothing was verified", file=sys.stderr)
         return 1
@@ -153,7 +193,9 @@ def _impl_problem(reg, names: list[str]) -> str:
     known = sorted({i.name for i in reg.implementations()})
     for name in names:
         if name not in known:
-            return f"no implementation named {name!r}; registered: {', '.join(known)}"
+            return (
+                f"--impl: no implementation named {name!r}{did_you_mean(name, known)}; registered: {', '.join(known)}"
+            )
         why = sorted({w for i in reg.implementations() if i.name == name for w in i.unavailable()})
         if why:
             hint = " (`kvzoo check --interpret` sets it)" if "TRITON_INTERPRET" in " ".join(why) else ""
@@ -168,8 +210,18 @@ def _warmup(args: argparse.Namespace) -> int:
     if why:
         print(f"kvzoo warmup: nothing to compile: {'; '.join(why)}", file=sys.stderr)
         return 1
+    from .warmup import STEPS, run_every_signature
+
     start = time.perf_counter()
-    numba_cpu.warmup()
+    print(f"kvzoo warmup: {STEPS} signatures (mode x input dtype); a cold cache takes {numba_cpu.COMPILE_ESTIMATE}")
+    done = [0]
+
+    def progress(step: str) -> None:
+        # A line per step, on a terminal or in a log alike: a first compile must show it moves.
+        done[0] += 1
+        print(f"  [{done[0]}/{STEPS}] {step} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+    run_every_signature(progress=progress)
     print(
         f"kvzoo warmup: numba kernels compiled or loaded for every mode and input dtype in "
         f"{time.perf_counter() - start:.1f}s"
@@ -177,12 +229,45 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from .auditing import CacheDumpError, audit, load_cache_dump, read_dump
+    from .auditing.plot import require_matplotlib, scale_histograms
+
+    if args.plot:
+        try:
+            require_matplotlib()
+        except ImportError as missing:
+            print(missing, file=sys.stderr)
+            return 2
+    try:
+        dump = read_dump(load_cache_dump(args.file))
+    except CacheDumpError as bad:
+        print(f"kvzoo audit: {bad}", file=sys.stderr)
+        return 2
+    try:
+        report = audit(
+            dump,
+            replay=args.replay,
+            replay_impls=args.impl,
+            seed=args.seed,
+            outlier_ratio=args.outlier_ratio,
+            max_findings=args.max_findings,
+            impl=args.write_impl,
+        )
+    except ValueError as bad:
+        print(f"kvzoo audit: {bad}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
+    if args.plot:
+        written = scale_histograms(dump, args.plot)
+        print(f"kvzoo audit: {len(written)} histograms in {args.plot}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for n, row in enumerate(rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+    from tabulate import tabulate
+
+    print(tabulate(rows[1:], headers=rows[0], tablefmt="simple", disable_numparse=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser("list", help="implementations, platforms, modes, and why any is unavailable")
     check = sub.add_parser("check", help="run the conformance matrix on every available implementation")
     for command in (listing, check):
+        command.add_argument("--json", action="store_true", help="print JSON (alone on stdout) instead of tables")
         command.add_argument(
             "--backend-module",
             action="append",
@@ -209,15 +295,44 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also check the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (slow)",
     )
+    check.add_argument("--seed", type=int, help="the inputs' seed (default: KVZOO_SEED, else a fresh one, printed)")
     check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     check.add_argument("-v", "--verbose", action="store_true", help="skip reasons, and tracebacks for failures")
     sub.add_parser("warmup", help="compile the numba CPU kernels ahead of the first call (cached on disk)")
+    audit = sub.add_parser(
+        "audit",
+        help="check a dumped paged cache (kvzoo.save_cache_dump): exit 1 on an error found, 2 if unreadable",
+        description="Read a torch.save'd cache dump (README, 'Auditing a cache') and report what is wrong "
+        "with it, where: exit status 1 when an error is found, 0 otherwise, 2 for a file it cannot read.",
+    )
+    audit.add_argument("file", help="the dump file")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON (findings, layers, summary)")
+    audit.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replay attention for N random query rows per sequence and layer on every available implementation",
+    )
+    audit.add_argument("--impl", action="append", help="replay only this implementation (repeatable)")
+    audit.add_argument(
+        "--write-impl",
+        metavar="NAME",
+        help="the write implementation that re-quantizes rows in the round trip (default: the fastest on the CPU; "
+        "numpy avoids Numba's first compilation)",
+    )
+    audit.add_argument("--plot", metavar="DIR", help="write per-layer scale histograms (PNG) into DIR")
+    audit.add_argument("--max-findings", type=int, default=100, help="findings listed per layer and kind")
+    audit.add_argument(
+        "--outlier-ratio", type=float, default=100.0, help="a scale this far from its head's median is a warning"
+    )
+    audit.add_argument("--seed", type=int, help="seed of the replay's positions and queries")
     args = parser.parse_args(argv)
     if getattr(args, "interpret", False):
         # Must be set before triton decorates the kernels, i.e. before the registry loads.
         os.environ["TRITON_INTERPRET"] = "1"
-    return {"list": _list, "check": _check, "warmup": _warmup}[args.command](args)
+    return {"list": _list, "check": _check, "warmup": _warmup, "audit": _audit}[args.command](args)
 
 
 if __name__ == "__main__":

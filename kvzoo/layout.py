@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import is_torch, numpy_dtype, torch_dtype
+from .arrays import is_torch, numpy_dtype, require_torch, torch_dtype
 from .modes import QuantMode, get_kv_quant_mode
 from .validate import FLOAT_INPUTS, fail, int_scalar
 
@@ -36,8 +36,7 @@ def _zeros(shape, dtype: str, device: str | None):
     # never to whatever bytes the allocator left there.
     if device is None:
         return np.zeros(shape, numpy_dtype(dtype))
-    import torch
-
+    torch = require_torch(f"device={device!r} (torch tensors)", "or pass device=None for NumPy arrays")
     return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
 
 

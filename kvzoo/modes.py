@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import fail
+from .errors import did_you_mean, fail
 from .formats import FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, INT8, UINT4, CodeFormat
 
 Granularity = Literal["none", "per_tensor", "per_token_head"]
@@ -272,5 +272,8 @@ def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
             f"implemented: {', '.join(sorted(_ALIASES))}"
         )
     if key not in _ALIASES:
-        fail(f"mode: unknown kv-cache quantization mode {name!r}; valid names: {', '.join(sorted(_ALIASES))}")
+        fail(
+            f"mode: unknown kv-cache quantization mode {name!r}{did_you_mean(key, _ALIASES)}; "
+            f"valid names: {', '.join(sorted(_ALIASES))}"
+        )
     return MODES[_ALIASES[key]]

@@ -49,13 +49,14 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from .capabilities import Capabilities, required
-from .errors import KVZooInputError
+from .errors import KVZooInputError, did_you_mean
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import OPS
 
@@ -68,6 +69,9 @@ BACKEND_MODULES: tuple[str, ...] = (
 )
 # Installed distributions add backends under this entry-point group.
 ENTRY_POINT_GROUP = "kvzoo.backends"
+
+# The registry's choices: which implementation ran a call (DEBUG), and why a faster one did not (INFO).
+log = logging.getLogger(__name__)
 
 
 def _nothing_missing() -> list[str]:
@@ -282,7 +286,9 @@ class Registry:
             if i.op == op and i.name == name:
                 return i
         known = sorted({i.name for i in self._impls if i.op == op})
-        raise KVZooInputError(f"impl: no implementation named {name!r} for {op}; registered: {known}")
+        raise KVZooInputError(
+            f"impl: no implementation named {name!r} for {op}{did_you_mean(name, known)}; registered: {known}"
+        )
 
     def _candidates(self, op: str, mode_name: str, device: str) -> tuple[Implementation, ...]:
         # The one ordering and filter behind candidates(), best() and select().
@@ -322,9 +328,19 @@ class Registry:
             return chosen
         # supports(), not problem_reasons() alone: it is where an implementation's every
         # condition on a call lives, and a candidate's availability may have changed since.
+        passed: list[str] = []
         for candidate in self._candidates(op, problem.mode.name, problem.device):
-            if not candidate.supports(problem):
+            reasons = candidate.supports(problem)
+            if not reasons:
+                if passed:
+                    # A faster implementation declined this call: it runs on a slower one.
+                    log.info("%s (%s on %s): %s, since %s", op, problem.mode.name, problem.device,
+                             candidate.name, "; ".join(passed))  # fmt: skip
+                elif log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s (%s on %s): %s, the first of %s", op, problem.mode.name, problem.device,
+                              candidate.name, [c.name for c in self._candidates(op, problem.mode.name, problem.device)])  # fmt: skip
                 return candidate
+            passed.extend(reasons)
         all_reasons = [
             r for i in sorted(self.implementations(op), key=lambda i: -i.priority) for r in i.supports(problem)
         ]

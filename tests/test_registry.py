@@ -6,6 +6,7 @@ import doctest
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -313,3 +314,25 @@ def test_typed_options_reach_run_with_the_call():
     assert triton.with_options(prefill="direct").options.prefill == "direct"
     with pytest.raises(KVZooInputError, match="prefill"):
         triton.with_options(prefill="sideways")
+
+
+def test_the_registry_says_what_it_chose_and_why_not_the_faster_one(caplog):
+    """Logging, not prints: the choice at DEBUG, a declined faster implementation at INFO with
+    its reason (on the "kvzoo" logger's children, silent unless the application asks)."""
+    import logging
+
+    rng = np.random.default_rng()
+    cache = kvzoo.PagedKVCache(2, 16, 2, 64, "int8_per_token_head", device=None)
+    rows = rng.standard_normal((20, 2, 64)).astype(np.float32)
+    cache.write(rows, rows, np.arange(20), impl="numpy")
+    query = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    index = dict(block_tables=np.array([[0, 1]], np.int32), seq_lens=np.array([20], np.int32),
+                 query_start_loc=np.array([0, 1], np.int32))  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="kvzoo"):
+        cache.read("key")
+        cache.attention(query, quantize_query=True, **index)  # numba declines quantize_query
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and r.name == "kvzoo.registry"]
+    info = [r for r in caplog.records if r.levelno == logging.INFO and r.name == "kvzoo.registry"]
+    assert any("dequantize (int8_per_token_head on cpu)" in r.getMessage() for r in debug), caplog.text
+    declined = [r.getMessage() for r in info if r.getMessage().startswith("paged_attention")]
+    assert declined and "numpy" in declined[0] and "quantize_query" in declined[0], caplog.text

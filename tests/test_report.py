@@ -133,6 +133,41 @@ REAL_MODEL = {
     "decode_tokens_per_s": {"DynamicCache": 13.5, "kvzoo int8 nearest": 11.0},
 }
 
+# scaleout_transfer.py --json (fixture): one row, round figures.
+SCALEOUT = {
+    "info": {
+        "date": "FIXTURE date",
+        "machine": "FIXTURE machine",
+        "torch": "FIXTURE torch",
+        "backend": "gloo",
+        "commit": "abc1234",
+        "command": "python bench/scaleout_transfer.py",
+        "load_average": 1.0,
+    },
+    "rows": [
+        {
+            "mode": "int8_per_token_head",
+            "tokens": 4096,
+            "bytes": 1e8,
+            "bytes_per_token_layer": 2112.0,
+            "bf16_bytes_per_token_layer": 4096,
+            "send_s": 0.2,
+            "send_workspace_s": 0.1,
+            "raw_send_s": 0.05,
+            "save_s": 0.4,
+            "raw_save_s": 0.2,
+            "load_s": 0.5,
+            "raw_load_s": 0.1,
+            "offload_s": 0.25,
+            "raw_offload_s": 0.05,
+            "gather_s": 0.01,
+            "place_s": 0.02,
+            "pages": 1000,
+        }
+    ],
+    "link": {"bytes": 2**28, "seconds": 0.25},
+}
+
 
 def _write(folder: Path, **files: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -232,6 +267,9 @@ def test_optional_runs_absent_and_present(report, tmp_path):
     alone = _page(report, _write(tmp_path / "alone", bench=HAND_BUILT))
     assert "**Host time per layer call**: not part of this run" in alone
     assert "**A real model** (perplexity per cache format, CPU): not part of this run" in alone
+    assert (
+        "**Scale-out** (page transfer, page files and offload against one raw tensor of the same bytes): not" in alone
+    )
 
     both = _page(report, _write(tmp_path / "both", bench=HAND_BUILT, host_cost=HOST_COST, real_model=REAL_MODEL))
     assert "the null op, `null op (torch.empty(0) + sync)`, takes 10.0 us" in both
@@ -243,6 +281,22 @@ def test_optional_runs_absent_and_present(report, tmp_path):
     assert "| DynamicCache | 10.0000 | - | 46,080 |" in both
     assert "| kvzoo int8 nearest | 10.0500 | +0.500% | 12,240 |" in both
     assert "CPU decode, tokens/s: DynamicCache 13.5, kvzoo int8 nearest 11.0." in both
+
+    scaleout = _page(report, _write(tmp_path / "scaleout", bench=HAND_BUILT, scaleout_transfer=SCALEOUT))
+    assert "**Scale-out** (FIXTURE date, FIXTURE machine, torch FIXTURE torch, gloo, commit abc1234" in scaleout
+    assert "at 4096 tokens (every size: the run's JSON, and the archive)" in scaleout
+    assert (
+        "| int8_per_token_head | 4096 | 2112 (0.516x) | 200.0 / 50.0 ms (0.50 GB/s, 5,000 pages/s) "
+        "| 100.0 / 50.0 ms (1.00 GB/s, 10,000 pages/s) "
+        "| 400.0 / 200.0 ms (0.25 GB/s) | 500.0 / 100.0 ms (0.20 GB/s) | 250.0 / 50.0 ms (0.40 GB/s) |" in scaleout
+    )
+    assert "alone (ms): int8_per_token_head 4096: gather 10.0, place 20.0." in scaleout
+    assert "Link: one raw message of 256 MiB in 250.0 ms, 1.07 GB/s." in scaleout
+    transfers_only = copy.deepcopy(SCALEOUT)
+    for key in ("save", "load", "offload", "gather", "place"):
+        transfers_only["rows"][0].pop(key + "_s")
+    only = _page(report, _write(tmp_path / "only", bench=HAND_BUILT, scaleout_transfer=transfers_only))
+    assert "| 100.0 / 50.0 ms (1.00 GB/s, 10,000 pages/s) | - | - | - |" in only and "alone (ms)" not in only
 
 
 def test_a_json_without_commit_or_command_still_reads(report, tmp_path):

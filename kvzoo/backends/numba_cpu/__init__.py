@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,10 @@ from .strided import KINDS, flat, flat_view, stride_problem
 NAME = "numba"
 PRIORITY = 50
 DISABLE_ENV = "KVZOO_DISABLE_NUMBA"
+# What a first compile of every kernel took: `kvzoo warmup` on a cold cache, 9.3 minutes on a
+# 2-core VM at load 4-6 (2026-12-07). A first call compiles only its own signatures.
+COMPILE_ESTIMATE = "up to about 10 minutes on a busy 2-core machine"
+log = logging.getLogger(__name__)
 # Query tokens per attention work item in prefill: rows = tokens x group, about 64 rows keeps
 # each decoded K/V tile reused across many dot products while leaving enough items to share.
 _PREFILL_ROWS = 64
@@ -75,21 +80,15 @@ def _kernels() -> Any:
     if not _announced:
         _announced = True
         if _cold_cache(kernels):
-            print(
-                "kvzoo: compiling the numba CPU kernels; the first use on this machine takes about a "
-                "minute (cached on disk after that). `kvzoo warmup` compiles them ahead; "
-                f"{DISABLE_ENV}=1 uses NumPy instead.",
-                file=sys.stderr,
-                flush=True,
+            # A warning, so Python's last-resort handler shows it where the application set up
+            # no logging: a first call that sits for minutes must say why.
+            log.warning(
+                "compiling the numba CPU kernels: the first use on this machine takes %s (cached on disk "
+                "after that). `kvzoo warmup` compiles them ahead; %s=1 uses NumPy instead.",
+                COMPILE_ESTIMATE,
+                DISABLE_ENV,
             )
     return kernels
-
-
-def warmup() -> None:
-    """Compile (or load from the disk cache) every numba kernel for every mode and input dtype."""
-    from .warmup import run_every_signature
-
-    run_every_signature()
 
 
 def _f32(x: Any) -> np.float32:

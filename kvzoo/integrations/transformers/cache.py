@@ -542,6 +542,29 @@ class KVZooCache(Cache):
         """Bytes allocated for pages over all layers."""
         return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
 
+    def audit(self, **options: Any) -> Any:
+        """kvzoo.audit of this cache's pages and block tables (read in place on the CPU, copied
+        from a GPU); options as kvzoo.audit's (replay=N, ...). Returns its AuditReport."""
+        from ...auditing import audit, cache_dump
+
+        stores = [layer.store for layer in self.layers if layer.store is not None and layer.store.tensors is not None]
+        if not stores or self.pages.tables is None:
+            raise ValueError("audit: the cache holds nothing yet (no forward step has written to it)")
+        rows = self.pages.tables
+        tables = np.full((len(rows), max(1, max(map(len, rows)))), -1, np.int32)
+        for b, row in enumerate(rows):
+            tables[b, : len(row)] = row
+        dump = cache_dump(
+            [store.tensors for store in stores],
+            mode=self.mode,
+            block_tables=tables,
+            seq_lens=self.pages.lens.astype(np.int32),
+            rounding=self.rounding,
+            k_scales=[store.k_scale for store in stores] if self.mode.per_tensor else None,
+            v_scales=[store.v_scale for store in stores] if self.mode.per_tensor else None,
+        )
+        return audit(dump, **options)
+
 
 PREFILL_ATTENTION = ("auto", "kvzoo")
 

@@ -1,26 +1,33 @@
-"""Runs every numba kernel once per mode and input dtype on tiny inputs, so that each compiled
-signature is on disk before a user's first real call (`kvzoo warmup`)."""
+"""`kvzoo warmup`: every Numba kernel once per mode and input dtype on tiny inputs, through the
+public API, so that each compiled signature is on disk before a user's first real call. Here,
+above the API it calls, not in the backend the API calls."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from ... import api
-from ...arrays import numpy_dtype
-from ...layout import allocate_separate
-from ...modes import MODES
+from . import api
+from .arrays import numpy_dtype
+from .layout import allocate_separate
+from .modes import MODES
 
 _BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, _TOKENS = 2, 4, 1, 8, 3
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
+STEPS = len(MODES) * len(INPUT_DTYPES)
 
 
-def run_every_signature(impl: str = "numba") -> int:
-    """The number of calls made (each op x mode x input dtype)."""
+def run_every_signature(impl: str = "numba", progress: Callable[[str], None] | None = None) -> int:
+    """The number of calls made (each op x mode x input dtype). progress, if given, is called with
+    the mode and dtype about to compile (a first compile takes minutes: say what is going on)."""
     rng = np.random.default_rng(0)
     calls = 0
     for mode in MODES.values():
         static = 0.5 if mode.per_tensor else None
         for dtype in INPUT_DTYPES:
+            if progress is not None:
+                progress(f"{mode.name} {dtype}")
             rows = rng.standard_normal((_TOKENS, _HEADS, _HEAD_SIZE)).astype(np.float32).astype(numpy_dtype(dtype))
             t = allocate_separate(_BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, mode, model_dtype=dtype, device=None)
             scales = dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=static, v_scale=static)
