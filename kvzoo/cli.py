@@ -97,6 +97,15 @@ def _list(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from .arrays import require_torch
+    from .errors import KVZooInputError
+
+    try:
+        require_torch("kvzoo check (the conformance matrix holds implementations to it on torch tensors)")
+    except KVZooInputError as missing:
+        print(f"kvzoo check: {missing}", file=sys.stderr)
+        return 2
+
     from .conformance import NotApplicable, inputs, matrix
 
     if args.seed is not None:

@@ -21,3 +21,40 @@ os.environ.setdefault("KVZOO_SEED", str(SEED))
 
 def pytest_report_header(config):
     return f"kvzoo: random seed {SEED} (replay with KVZOO_SEED={SEED}); TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+
+
+# Under the interpreter both Triton platforms run the same kernel source on the CPU; what is
+# triton-rocm's own is its format table (e4m3fnuz) and the tile tables its fp8 cases reach. The
+# default run keeps those and the every-implementation check, and leaves the cases triton-cuda
+# already runs through the same kernels to --all-platforms (about 1,070 cases, a fifth of the run).
+ALWAYS_RUN = {"test_every_available_implementation_passes_a_check"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--all-platforms",
+        action="store_true",
+        help="under the Triton interpreter, also run triton-rocm's cases in formats triton-cuda shares",
+    )
+
+
+def _interpreted_twin(item, own_modes: tuple[str, ...]) -> bool:
+    ident = getattr(getattr(item, "callspec", None), "id", "")
+    return (
+        "triton-rocm" in ident and item.originalname not in ALWAYS_RUN and not any(mode in ident for mode in own_modes)
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--all-platforms") or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    from kvzoo.backends.triton.formats import PLATFORM_FORMATS
+    from kvzoo.modes import MODES
+
+    own_formats = PLATFORM_FORMATS["rocm"] - PLATFORM_FORMATS["cuda"]
+    own_modes = tuple(m.name for m in MODES.values() if m.format is not None and m.format.name in own_formats)
+    assert own_modes, "triton-rocm has no format of its own any more: revisit the twin rule"
+    twins = [item for item in items if _interpreted_twin(item, own_modes)]
+    if twins:
+        config.hook.pytest_deselected(items=twins)
+        items[:] = [item for item in items if not _interpreted_twin(item, own_modes)]
