@@ -91,6 +91,7 @@ from .validate import (
     require_same_device,
     require_sizes,
     require_workspace,
+    require_writable,
     static_scale,
 )
 
@@ -202,12 +203,31 @@ class CacheSpec:
 class _Layer:
     """One caches object as the kernels take it: code-storage views, extents, static scales."""
 
-    __slots__ = ("arrays", "extents", "statics")
+    __slots__ = ("arrays", "extents", "statics", "write_checked")
 
     def __init__(self, arrays: tuple[Array, Array, Array | None, Array | None]) -> None:
         self.arrays = arrays  # key_cache, value_cache, k_scale_cache, v_scale_cache
         self.extents = tuple((name, a, memory.byte_extent(a)) for name, a in zip(_CACHE_NAMES, arrays) if a is not None)
         self.statics: dict[tuple[str, float], Array] = {}
+        self.write_checked = False
+
+    def check_written(self) -> None:
+        """What writing into the caches outside a call adds to their rules (kvzoo.distributed
+        places pages into them): writable, and no two elements at one address."""
+        if self.write_checked:
+            return
+        for name, a in zip(_CACHE_NAMES, self.arrays):
+            if a is not None:
+                require_writable(name, a)
+                if memory.self_overlap(a):
+                    fail(
+                        f"{name}: elements overlap one another (a stride-0 or overlapping view, shape "
+                        f"{tuple(a.shape)}); a written array needs one address per element"
+                    )
+        written = self.extents
+        for n, (name, a, extent) in enumerate(written):
+            _refuse_overlap(name, a, extent, written[n + 1 :], "write")
+        self.write_checked = True
 
     def static(self, name: str, value: Any, like: Array) -> Array:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -227,7 +227,8 @@ def static_array(value: Any, like: Any) -> Any:
     if is_array(value):
         return value.reshape(1)
     array = same_kind_empty(like, (1,), "float32")
-    array[0] = value
+    # A NumPy scalar (np.float32) is a number here; a torch tensor takes it as a Python float.
+    array[0] = float(value)
     return array
 
 
