@@ -7,7 +7,7 @@ views let a write through the backend's array land in the caller's storage.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, TypeAlias, TypeGuard
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +18,10 @@ try:
     import torch
 except ImportError:  # torch is optional for NumPy-only users
     torch = None  # type: ignore[assignment]
+
+# What kvzoo's calls take for an array argument: a NumPy array, or a torch tensor (CPU or GPU).
+# A string, so that it names torch.Tensor without importing torch where it is not installed.
+Array: TypeAlias = "torch.Tensor | np.ndarray"
 
 # Canonical dtype names used across kvzoo (errors, problems, registry checks).
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -41,8 +45,10 @@ _CARRIER = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 # These run dozens of times per call (argument checks), where eager callers pay for them.
-_TENSOR: tuple[type, ...] = (torch.Tensor,) if torch is not None else ()
-_ARRAY: tuple[type, ...] = (np.ndarray, *_TENSOR)
+# type[Any]: an isinstance check against them leaves the argument's type open (torch.Tensor or
+# np.ndarray, by which tuple), where tuple[type, ...] would narrow it to object.
+_TENSOR: tuple[type[Any], ...] = (torch.Tensor,) if torch is not None else ()
+_ARRAY: tuple[type[Any], ...] = (np.ndarray, *_TENSOR)
 _TORCH_DTYPE_NAMES: dict[Any, str] = {}
 _NUMPY_DTYPE_NAMES: dict[Any, str] = {}
 
@@ -60,7 +66,7 @@ def require_torch(what: str, alternative: str = "") -> Any:
     return torch
 
 
-def is_torch(x: Any) -> bool:
+def is_torch(x: object) -> TypeGuard[torch.Tensor]:
     return isinstance(x, _TENSOR)
 
 
@@ -119,7 +125,7 @@ def as_numpy(x: Any) -> np.ndarray:
     return x.numpy()
 
 
-def as_torch(x: Any) -> Any:
+def as_torch(x: Any) -> torch.Tensor:
     """A torch view of a NumPy array or tensor (no copy; strides kept)."""
     if is_torch(x):
         return x
@@ -137,7 +143,7 @@ def as_torch(x: Any) -> Any:
     return _from_numpy(x)
 
 
-def _from_numpy(x: np.ndarray) -> Any:
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
     name = x.dtype.name
     if name in _THROUGH_CARRIER:
         carrier = _CARRIER[x.dtype.itemsize]
@@ -145,7 +151,7 @@ def _from_numpy(x: np.ndarray) -> Any:
     return torch.from_numpy(x)
 
 
-def same_kind_empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+def same_kind_empty(like: Array, shape: tuple[int, ...], dtype: str) -> Array:
     """An uninitialised array of the same kind (and device) as `like`."""
     if is_torch(like):
         return torch.empty(shape, dtype=torch_dtype(dtype), device=like.device)

@@ -11,6 +11,7 @@ import textwrap
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from . import __version__
@@ -178,12 +179,12 @@ def _check(args: argparse.Namespace) -> int:
         rows += [(impl, op, str(p), str(f), str(n)) for (impl, op), (p, f, n) in sorted(counts.items())]
         _print_table(rows)
         if args.verbose:
-            for check, why in skips:
-                print(f"SKIPPED {check.op} {check.id}: {why}")
-        for check, exc in failures[:20]:
-            print(f"\nFAILED {check.op} {check.id}: {type(exc).__name__}: {exc}"[:2000])
+            for check, reason in skips:
+                print(f"SKIPPED {check.op} {check.id}: {reason}")
+        for check, error in failures[:20]:
+            print(f"\nFAILED {check.op} {check.id}: {type(error).__name__}: {error}"[:2000])
             if args.verbose:
-                traceback.print_exception(exc)
+                traceback.print_exception(error)
         print(f"\n{total_passed} passed, {total_failed} failed, {total_skipped} skipped in {seconds:.1f}s")
     if not counts:
         print("kvzoo check: no check ran, so nothing was verified", file=sys.stderr)
@@ -274,7 +275,7 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
     from tabulate import tabulate
 
     print(tabulate(rows[1:], headers=rows[0], tablefmt="simple", disable_numparse=True))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import NoReturn
 
 
 class KVZooInputError(ValueError):
     """A public call got an argument it cannot take; nothing was written."""
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     raise KVZooInputError(message)
 
 

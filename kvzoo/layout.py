@@ -110,7 +110,7 @@ def inline_views(buffer: Any, head_size: int, mode: str | QuantMode) -> KVCacheT
         fail(
             f"buffer: expected uint8 [num_blocks, 2, block_size, H, {head_size + SCALE_BYTES}], got {tuple(buffer.shape)}"
         )
-    code_dtype = mode.code_dtype
+    code_dtype = mode.code_format.storage_dtype  # _require_inline refused mode "none"
     if is_torch(buffer):
         codes = buffer[..., :head_size].view(torch_dtype(code_dtype))
         words = buffer.view(torch_dtype("float32"))[..., head_size // SCALE_BYTES]

@@ -22,12 +22,10 @@ exactly. The sink's term belongs to one part only: pass sinks to one of the call
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from . import memory
-from .arrays import dtype_name, is_torch, same_kind_empty, torch
+from .arrays import Array, dtype_name, is_torch, same_kind_empty, torch
 from .validate import (
     FLOAT_INPUTS,
     fail,
@@ -37,8 +35,6 @@ from .validate import (
     require_shape,
     require_writable,
 )
-
-Array = Any  # torch.Tensor or numpy.ndarray
 
 __all__ = ["merge_attention_states"]
 

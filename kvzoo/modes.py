@@ -120,6 +120,13 @@ class QuantMode:
         return self.granularity == "per_tensor"
 
     @property
+    def code_format(self) -> CodeFormat:
+        """The format, for callers that have ruled out mode "none" (which stores the model dtype)."""
+        if self.format is None:
+            raise ValueError(f"mode {self.name!r} stores the model dtype: it has no code format")
+        return self.format
+
+    @property
     def code_kind(self) -> str | None:
         """ "int" or "float" (the format's kind), None for mode "none"."""
         return None if self.format is None else self.format.kind

@@ -94,7 +94,8 @@ class Implementation:
     op: str
     platform: str  # "any" (NumPy), "cpu" (Numba), "cuda" / "rocm" (Triton)
     modes: frozenset[str]
-    run: Callable[[Any], None]
+    # run(problem), or run(problem, options=...) for an implementation with an option_type.
+    run: Callable[..., None]
     array_kind: str = "numpy"
     # Device types of the tensors it accepts ("cpu", "cuda").
     devices: frozenset[str] = frozenset({"cpu"})
@@ -153,13 +154,16 @@ class Implementation:
         except TypeError as bad:
             names = [f.name for f in dataclasses.fields(self.option_type)]
             raise KVZooInputError(f"impl: {self.name} options are {names}: {bad}") from None
-        # Unwrap only the partial an earlier with_options made: a backend's own run may be one too.
-        base = self.run.func if self.options is not None else self.run
-        changes: dict[str, Any] = {"run": functools.partial(base, options=options)}
+        changes: dict[str, Any] = {"run": functools.partial(self._unwrapped(self.run), options=options)}
         if self.prepare is not None:
-            base = self.prepare.func if self.options is not None else self.prepare
-            changes["prepare"] = functools.partial(base, options=options)
+            changes["prepare"] = functools.partial(self._unwrapped(self.prepare), options=options)
         return dataclasses.replace(self, options=options, **changes)
+
+    def _unwrapped(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        # Unwrap only the partial an earlier with_options made: a backend's own run may be one too.
+        if self.options is not None and isinstance(hook, functools.partial):
+            return hook.func
+        return hook
 
     def __post_init__(self) -> None:
         # Every registered mode's format must be in the declared table, so a format the
@@ -169,7 +173,7 @@ class Implementation:
         missing = [
             m
             for m in self.modes
-            if m in MODES and MODES[m].format is not None and MODES[m].format.name not in self.capabilities.formats
+            if m in MODES and (fmt := MODES[m].format) is not None and fmt.name not in self.capabilities.formats
         ]
         if missing and self.capabilities.formats:
             raise ValueError(f"{self.name}: registers {sorted(missing)} without their formats in capabilities.formats")
@@ -196,7 +200,7 @@ def prepared_signature(arrays: Iterable[Any]) -> tuple:
     """What a prepared launch is specialised on, per array: dtype, shape, strides, device and
     whether its address is 16-byte aligned (Triton's pointer specialisation); None where absent."""
     # Runs on every prepared call: one loop, tensors first.
-    signature = []
+    signature: list[tuple[Any, ...] | None] = []
     for a in arrays:
         if a is None:
             signature.append(None)
@@ -238,7 +242,7 @@ class Registry:
     def load(self, modules: Iterable[str]) -> Registry:
         """Import each module and call its register(self); failures go to import_errors."""
         for module_name in modules:
-            self._load_source(module_name, lambda name=module_name: importlib.import_module(name))
+            self._load_source(module_name, functools.partial(importlib.import_module, module_name))
         return self
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> Registry:

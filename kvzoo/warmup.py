@@ -30,9 +30,18 @@ def run_every_signature(impl: str = "numba", progress: Callable[[str], None] | N
                 progress(f"{mode.name} {dtype}")
             rows = rng.standard_normal((_TOKENS, _HEADS, _HEAD_SIZE)).astype(np.float32).astype(numpy_dtype(dtype))
             t = allocate_separate(_BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, mode, model_dtype=dtype, device=None)
-            scales = dict(k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=static, v_scale=static)
             api.reshape_and_cache(
-                rows, rows.copy(), t.key_cache, t.value_cache, np.arange(_TOKENS), mode=mode, impl=impl, **scales
+                rows,
+                rows.copy(),
+                t.key_cache,
+                t.value_cache,
+                np.arange(_TOKENS),
+                mode=mode,
+                impl=impl,
+                k_scale_cache=t.k_scale_cache,
+                v_scale_cache=t.v_scale_cache,
+                k_scale=static,
+                v_scale=static,
             )
             api.dequantize(t.key_cache, t.k_scale_cache, mode=mode, scale=static, impl=impl)
             api.paged_attention(
@@ -44,7 +53,10 @@ def run_every_signature(impl: str = "numba", progress: Callable[[str], None] | N
                 block_tables=np.array([[0]], np.int32),
                 seq_lens=np.array([_TOKENS], np.int32),
                 query_start_loc=np.array([0, _TOKENS], np.int32),
-                **scales,
+                k_scale_cache=t.k_scale_cache,
+                v_scale_cache=t.v_scale_cache,
+                k_scale=static,
+                v_scale=static,
             )
             calls += 3
     return calls

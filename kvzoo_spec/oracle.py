@@ -204,6 +204,12 @@ def widen_to_float32(x: np.ndarray) -> np.ndarray:
 # one row
 
 
+def _encoder(mode: OracleMode) -> _Fp8Encoder:
+    if mode.code is None:
+        raise ValueError(f"mode {mode.name!r} stores the model dtype: it has no code encoder")
+    return _ENCODERS[mode.code]
+
+
 def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
     """Codes of one row of y = x * inv (or x / s): the non-finite rule, the clamp, the rounding."""
     codes = np.empty(y.shape, dtype=np.uint8)
@@ -214,7 +220,7 @@ def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
         # saturates at its end (vLLM's clamp to [-128, 127]).
         rounded = ~nan
     else:
-        fmt = _ENCODERS[mode.code].fmt
+        fmt = _encoder(mode).fmt
         for i in np.flatnonzero(np.isinf(y)):
             codes[i] = fmt.inf_code(bool(y[i] < 0)) if fmt.has_infinities else mode.nan_code
         rounded = np.isfinite(y)
@@ -226,7 +232,7 @@ def _encode_y(y: np.ndarray, mode: OracleMode, rounding: str) -> np.ndarray:
             ints = [math.trunc(float(v)) for v in clamped]
         codes[rounded] = np.array(ints, dtype=np.int64).astype(np.int8).view(np.uint8)
     else:
-        codes[rounded] = _ENCODERS[mode.code].encode(clamped)
+        codes[rounded] = _encoder(mode).encode(clamped)
     return codes
 
 
@@ -295,7 +301,7 @@ def quantize_rows(x: np.ndarray, mode_name: str, *, rounding: str = "nearest", s
 def _code_values(codes: np.ndarray, mode: OracleMode) -> np.ndarray:
     if mode.code == "int8":
         return codes.view(np.int8).astype(np.float32)
-    return _ENCODERS[mode.code].decode_table()[codes]
+    return _encoder(mode).decode_table()[codes]
 
 
 def decode_rows(codes: np.ndarray, scales: np.ndarray, mode_name: str) -> np.ndarray:

@@ -68,7 +68,7 @@ def _check_all(caches: list[tuple[int, str, CacheRows]], live: LiveRows, workers
 
 def _stats(cache: CacheRows, res: RowResults, places: Counter, layer: int, which: str) -> CacheStats:
     sums = res.sums
-    mine = Counter()
+    mine: Counter[str] = Counter()
     for (at, kind_cache, kind), n in places.items():
         if at == layer and kind_cache == which:
             mine[KINDS[kind][0]] += n

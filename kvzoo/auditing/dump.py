@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class CacheDump:
         return int(self.seq_lens.shape[0])
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise CacheDumpError(message)
 
 
@@ -201,8 +201,12 @@ def _layer(
         for name in ("key_cache", "value_cache", *_SCALE_CACHES):
             if name in raw:
                 got = _host(f"{where}[{name!r}]", raw[name])
-                mine = {"key_cache": key_cache, "value_cache": value_cache}.get(name)
-                mine = mine if mine is not None else (k_words if name == "k_scale_cache" else v_words)
+                mine = {
+                    "key_cache": key_cache,
+                    "value_cache": value_cache,
+                    "k_scale_cache": k_words,
+                    "v_scale_cache": v_words,
+                }[name]
                 if (
                     got.shape != mine.shape
                     or got.view(np.uint8).tobytes() != np.ascontiguousarray(mine).view(np.uint8).tobytes()
@@ -257,16 +261,17 @@ def _layer(
                     )
         statics = (None, None)
         if mode.per_tensor:
-            statics = tuple(
+            k_static, v_static = (
                 _static(f"{where}[{n!r}]", _key(raw, n, where, f"mode {mode.name!r}'s static scale, float32"))
                 for n in _STATIC_SCALES
             )
+            statics = (k_static, v_static)
     if num_blocks is not None and key_cache.shape[0] != num_blocks:
         _fail(
             f"{where}: {key_cache.shape[0]} blocks, but layers[0] has {num_blocks} (the block tables index every "
             "layer alike)"
         )
-    references = []
+    references: list[np.ndarray | None] = []
     for name in _REFERENCES:
         if raw.get(name) is None:
             references.append(None)

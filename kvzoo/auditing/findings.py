@@ -68,7 +68,7 @@ def _row_finding(kind: str, layer: int, which: str, live: LiveRows, r: int, head
 
 
 def _word(cache: CacheRows, r_block: int, r_slot: int, head: int) -> str:
-    word = np.float32(cache.words[r_block, r_slot, head])
+    word = np.float32(cache.row_words()[r_block, r_slot, head])
     return f"scale word 0x{int(word.view(np.uint32)):08x} ({float(word):.4g})"
 
 
@@ -88,11 +88,11 @@ def _status_detail(kind: str, cache: CacheRows, block: int, slot: int, head: int
         return f"all {codes.view(np.uint8).size} bytes are 0"
     # not_encoder_output: what re-encoding its decoded values gives.
     mode = cache.mode
-    words = cache.words[block, slot, head][None]
+    words = cache.row_words()[block, slot, head][None]
     codec = stored_codec(mode)
     lifted = lifted_codes(codes[None], words, mode, cache.rounding)
     again, again_words = vectorized.quantize_rows(vectorized.decode(lifted, words, codec), codec)
-    fmt = mode.format
+    fmt = mode.code_format
     extreme = fmt.code_values()[fmt.unpack(codes)]
     return (
         f"{_word(cache, block, slot, head)}, codes {float(np.nanmin(extreme)):g} .. {float(np.nanmax(extreme)):g}; "
@@ -132,14 +132,16 @@ def reference_findings(
         r = int(rows[i])
         heads = np.flatnonzero(res.mismatch[r])
         h = int(heads[0])
-        reference = cache.reference[live.token[r]][None, h : h + 1]
+        reference = cache.reference_rows()[live.token[r]][None, h : h + 1]
         codes = cache.codes[live.block[r], live.slot[r], h]
         if cache.mode.format is None:
             stored = reference.astype(np.float32)
             decoded = codes.astype(np.float32)
         else:
             stored, _, _ = encode_reference(cache, reference)
-            scale = cache.words[live.block[r], live.slot[r], h][None] if cache.words is not None else cache.static
+            scale = (
+                cache.words[live.block[r], live.slot[r], h][None] if cache.words is not None else cache.static_scale()
+            )
             with np.errstate(all="ignore"):
                 decoded = vectorized.decode(codes[None], scale, stored_codec(cache.mode))[0]
         diff = np.abs(decoded.astype(np.float64) - stored[0, 0])
@@ -164,6 +166,7 @@ def outlier_findings(out: Collector, layer: int, which: str, live: LiveRows, res
     zeros (a padding token's K and V in the first layer, say), whatever its neighbours."""
     if res.scales is None or not len(live):
         return
+    scales = res.scales
     usable = (res.status == 0) & (res.scales > SCALE_FLOOR)
     logs = np.where(usable, np.log2(np.where(usable, res.scales, 1).astype(np.float64)), np.nan)
     with np.errstate(all="ignore"):
@@ -175,7 +178,7 @@ def outlier_findings(out: Collector, layer: int, which: str, live: LiveRows, res
         r = int(rows[i])
         heads = np.flatnonzero(far[r])
         h = int(heads[0])
-        s, m = float(res.scales[r, h]), float(2.0 ** median[h])
+        s, m = float(scales[r, h]), float(2.0 ** median[h])
         return _row_finding(
             "scale_outlier",
             layer,

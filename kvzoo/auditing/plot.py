@@ -32,7 +32,9 @@ def require_matplotlib() -> None:
 def _row_values(dump: CacheDump, codes: np.ndarray, words: np.ndarray | None, static) -> tuple[np.ndarray, str]:
     mode = dump.mode
     if mode.per_token_head:
-        scales, _ = mode.format.split_scale_words(words)
+        if words is None:
+            raise ValueError(f"mode {mode.name!r} keeps a scale word per row, but none were given")
+        scales, _ = mode.code_format.split_scale_words(words)
         return scales.ravel(), "scale"
     with np.errstate(all="ignore"):
         if mode.format is None:

@@ -56,15 +56,18 @@ def _compact(dump: CacheDump, pages: LayerPages, tables: np.ndarray, lens: np.nd
             "v_scale_cache": views.v_scale_cache,
         }
     else:
-        as_stored = (lambda a: a) if mode.code_dtype is None else (lambda a: a.view(numpy_dtype(mode.code_dtype)))
+        code_dtype = None if mode.code_dtype is None else numpy_dtype(mode.code_dtype)
+        as_stored = (lambda a: a) if code_dtype is None else (lambda a: a.view(code_dtype))
         caches = {
             "key_cache": as_stored(np.ascontiguousarray(pages.key_cache[used])),
             "value_cache": as_stored(np.ascontiguousarray(pages.value_cache[used])),
         }
-        if pages.k_scale_cache is not None:
+        if pages.k_scale_cache is not None and pages.v_scale_cache is not None:
             caches["k_scale_cache"] = np.ascontiguousarray(pages.k_scale_cache[used])
             caches["v_scale_cache"] = np.ascontiguousarray(pages.v_scale_cache[used])
     if mode.per_tensor:
+        if pages.k_scale is None or pages.v_scale is None:
+            raise ValueError(f"mode {mode.name!r} replays with static scales, and the dump's layer has none")
         caches["k_scale"], caches["v_scale"] = float(pages.k_scale), float(pages.v_scale)
     return caches, compact_tables
 

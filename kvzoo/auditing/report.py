@@ -207,7 +207,13 @@ class ReplayResult:
 
     @property
     def failed(self) -> bool:
-        return self.skipped is None and (self.max_error is None or self.max_error > self.tolerance)
+        if self.skipped is not None:
+            return False
+        if self.max_error is None:
+            return True
+        if self.tolerance is None:
+            raise ValueError(f"layer {self.layer}, {self.impl}: a replay that ran needs a tolerance")
+        return self.max_error > self.tolerance
 
 
 def _json_number(x: Any) -> Any:

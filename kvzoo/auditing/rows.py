@@ -182,6 +182,24 @@ class CacheRows:
     # What re-quantizes rows in the round trip (None: NumPy's kernels).
     requantize: Requantizer | None = None
 
+    def row_words(self) -> np.ndarray:
+        """The per-row scale words, for the checks that run only on per-token-head modes."""
+        if self.words is None:
+            raise ValueError(f"mode {self.mode.name!r} keeps no per-row scale words")
+        return self.words
+
+    def static_scale(self) -> np.float32:
+        """The per-tensor scale, for the checks that run only on per-tensor modes."""
+        if self.static is None:
+            raise ValueError(f"mode {self.mode.name!r} has no per-tensor scale")
+        return self.static
+
+    def reference_rows(self) -> np.ndarray:
+        """The reference K or V, for the checks that run only when the dump gave one."""
+        if self.reference is None:
+            raise ValueError("the dump holds no reference rows for this cache")
+        return self.reference
+
 
 @dataclass
 class RowResults:
@@ -231,7 +249,7 @@ def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding
     to 0 where the zero point is above 0, and 14 lifted to 15 where it is below 15. Other rows
     are returned as they are.
     """
-    fmt = mode.format
+    fmt = mode.code_format
     tables = byte_tables(fmt)
     if rounding == "trunc":
         lift = tables.magnitude[codes].max(axis=-1) == 126
@@ -321,11 +339,11 @@ def check_rows(cache: CacheRows, live: LiveRows, rows: slice) -> RowResults:
         raw = codes
         tables = byte_tables(fmt)
         if mode.per_token_head:
-            words = cache.words[block, slot]
+            words = cache.row_words()[block, slot]
             scales, _ = fmt.split_scale_words(words)
             _scale_status(status, scales)
         with np.errstate(all="ignore"):
-            decoded = vectorized.decode(codes, words if mode.per_token_head else cache.static, stored_codec(mode))
+            decoded = vectorized.decode(codes, cache.static_scale() if words is None else words, stored_codec(mode))
         if tables.nan.any():
             mark(status, "code_nan", tables.nan[codes].any(axis=-1))
         if tables.inf.any():
@@ -410,7 +428,7 @@ def encode_reference(cache: CacheRows, reference: np.ndarray) -> tuple[np.ndarra
     if mode.per_token_head:
         codes, words = vectorized.quantize_rows(xf, codec)
         return xf, codes, words
-    return xf, vectorized.quantize_static(xf, cache.static, codec), None
+    return xf, vectorized.quantize_static(xf, cache.static_scale(), codec), None
 
 
 def _against_reference(
@@ -424,7 +442,7 @@ def _against_reference(
     """bool [n, H]: rows more than REFERENCE_STEPS code steps from kvzoo's encoding of the
     reference; adds the reference error sums."""
     mode, fmt = cache.mode, cache.mode.format
-    reference = cache.reference[tokens]
+    reference = cache.reference_rows()[tokens]
     if fmt is None:
         # Mode none stores the bits it is given: compare in the cache's dtype.
         expected = reference.astype(cache.codes.dtype).astype(np.float32)
@@ -435,12 +453,12 @@ def _against_reference(
         stored, ref_codes, ref_words = encode_reference(cache, reference)
         codec = stored_codec(mode)
         with np.errstate(all="ignore"):
-            if mode.per_token_head:
+            if ref_words is not None:
                 ref_scale, _ = fmt.split_scale_words(ref_words)
                 expected_decoded = vectorized.decode(ref_codes, ref_words, codec)
             else:
-                ref_scale = np.full(ref_codes.shape[:2], cache.static, np.float32)
-                expected_decoded = vectorized.decode(ref_codes, cache.static, codec)
+                ref_scale = np.full(ref_codes.shape[:2], cache.static_scale(), np.float32)
+                expected_decoded = vectorized.decode(ref_codes, cache.static_scale(), codec)
             tables = byte_tables(fmt)
             if fmt.codes_per_byte == 1:
                 step = tables.step[ref_codes] * ref_scale[..., None]
@@ -450,7 +468,7 @@ def _against_reference(
         nan_differs = np.isnan(decoded) != np.isnan(expected_decoded)
         mismatch = (far | nan_differs).any(axis=-1)
         exact = (ref_codes == codes).all(axis=-1)
-        if ref_words is not None:
+        if ref_words is not None and words is not None:
             exact &= ref_words.view(np.uint32) == words.view(np.uint32)
     finite = np.isfinite(decoded).all(axis=-1) & np.isfinite(stored).all(axis=-1)
     diff = (decoded[finite] - stored[finite]).astype(np.float64)

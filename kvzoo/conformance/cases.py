@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Requirements
 from ..modes import MODES
+
+if TYPE_CHECKING:
+    from ..samples import Kind
 
 HEAD_SIZES = (64, 80, 96, 128, 256, 67)
 MODE_NAMES = tuple(MODES)
@@ -39,7 +43,7 @@ class WriteCase:
     layout: str = "separate"
     negative_slots: bool = True
     strided: bool = False
-    kind: str = "torch"  # "numpy": pass NumPy arrays instead of torch tensors
+    kind: Kind = "torch"  # "numpy": pass NumPy arrays instead of torch tensors
     # validate=False with slots past the cache's end: skipped, nothing written out of bounds.
     wild_slots: bool = False
 
@@ -277,7 +281,7 @@ def attention_cases() -> list[AttentionCase]:
         ("int8_per_token_head", "quantize_query", ("decode", "prefill", "mixed")),
         ("fp8_per_token_head", "fp8_dots", ("decode", "prefill", "mixed", "long")),
     ):
-        on = {option: True}
+        on: dict[str, Any] = {option: True}
         cases += [AttentionCase(mode, batch, **on) for batch in batches]
         cases.append(
             AttentionCase(

@@ -10,8 +10,9 @@ both run it.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def _run_declared(impl, call: Callable[[], Any]) -> Any:
         raise AssertionError(f"{impl.name} declares it takes this case but refused it: {refusal}") from None
 
 
-def _kind(case_kind: str, device: str) -> str:
+def _kind(case_kind: samples.Kind, device: str) -> samples.Kind:
     return case_kind if device == "cpu" else "torch"
 
 
@@ -96,7 +97,9 @@ def check_reshape_and_cache(impl, case: WriteCase):
         index_dtype="int32" if case.num_tokens % 2 else "int64",
     )
     caches, key, value, static = w.caches, w.key, w.value, w.static_scale
-    before = [None if c is None else host_bytes(c).copy() for c in w.cache_arrays()]
+    key_cache, value_cache, k_scale_cache, v_scale_cache = w.cache_arrays()
+    key_before, value_before = host_bytes(key_cache).copy(), host_bytes(value_cache).copy()
+    scales_before = [None if c is None else host_bytes(c).copy() for c in (k_scale_cache, v_scale_cache)]
     api.reshape_and_cache(
         key,
         value,
@@ -113,18 +116,19 @@ def check_reshape_and_cache(impl, case: WriteCase):
     if mode.code_dtype is None:
         # A plain copy: the expected bits are the input tensors' own (NaN payloads included).
         model = numpy_dtype(case.dtype)
-        expect_inputs = tuple(
+        expect_key, expect_value = (
             np.ascontiguousarray(as_numpy(x.cpu() if isinstance(x, torch.Tensor) else x)) for x in (key, value)
         )
-        expect_caches = [before[0].view(model)[..., 0], before[1].view(model)[..., 0]]
+        expect_caches = [key_before.view(model)[..., 0], value_before.view(model)[..., 0]]
     else:
         # In the input dtype (exact): a rotated mode rounds its rotated rows to it.
-        expect_inputs = tuple(x.astype(numpy_dtype(case.dtype)) for x in (w.key32, w.value32))
-        expect_caches = [before[0][..., 0], before[1][..., 0]]
-    scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in before[2:]]
+        expect_key, expect_value = (x.astype(numpy_dtype(case.dtype)) for x in (w.key32, w.value32))
+        expect_caches = [key_before[..., 0], value_before[..., 0]]
+    scale_caches = [None if b is None else b.view(np.float32)[..., 0] for b in scales_before]
     expected = samples.oracle_write(
         mode,
-        *expect_inputs,
+        expect_key,
+        expect_value,
         w.oracle_slots,
         num_blocks=w.num_blocks,
         block_size=w.block_size,
@@ -186,6 +190,8 @@ def check_dequantize(impl, case: DequantCase):
     static = samples.wide_static_scale(rng) if mode.per_tensor else None
     if case.layout == "inline":
         views = allocate_inline(num_blocks, BS, H, D, mode, device=device)
+        if views.k_scale_cache is None:
+            raise ValueError(f"allocate_inline gave no scale cache for mode {mode.name!r}")
         views.key_cache.view(torch.uint8).copy_(torch.from_numpy(codes))
         views.k_scale_cache.copy_(torch.from_numpy(scales))
         cache, scale_cache = views.key_cache, views.k_scale_cache
@@ -257,6 +263,8 @@ def check_paged_attention(impl, case: AttentionCase):
         sliding_window=case.sliding_window,
         softcap=case.softcap,
     )
+    # Without return_slack the reference is one array (samples.py's overloads will say so).
+    assert isinstance(ref, np.ndarray)
     got = host_float32(out)
     samples.assert_attention_close(impl, got, ref, s.qsl, case.query_dtype, fp8_dots=case.fp8_dots)
     if case.fp8_dots and impl.probability_tile is not None:
@@ -322,7 +330,9 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         n, d = x.shape
         key = _as(x.reshape(n, 1, d), meta["dtype"], device)
         width = mode.cache_width(d)
-        kc = torch.full((n, 1, 1, width), 0x5A, dtype=torch.uint8, device=device).view(getattr(torch, mode.code_dtype))
+        kc = torch.full((n, 1, 1, width), 0x5A, dtype=torch.uint8, device=device).view(
+            getattr(torch, mode.code_format.storage_dtype)
+        )
         vc = kc.clone()
         sc = torch.full((n, 1, 1), -3.0, device=device) if mode.per_token_head else None
         static = _static(meta, "static_scale_bits")
@@ -342,7 +352,7 @@ def check_golden(impl, path: Path, reg: registry.Registry | None = None) -> None
         )
         assert_same_bytes(kc.reshape(n, width), z["codes"], f"{impl.name} codes")
         assert_same_bytes(vc.reshape(n, width), z["codes"], f"{impl.name} value codes")
-        if mode.per_token_head:
+        if sc is not None:
             assert_same_bytes(sc.reshape(n), z["scales"].view(np.float32), f"{impl.name} scales")
         decoded = api.dequantize(kc, sc, mode=mode_name, scale=static, impl=dequant)
         _decoded_matches(decoded.reshape(n, d), z["decoded"], f"{impl.name} decoded")
@@ -415,7 +425,7 @@ class Check:
 def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = None) -> list[Check]:
     """Every (implementation, case) pair: the whole conformance suite."""
     reg = reg or registry.default()
-    groups = [
+    groups: list[tuple[str, Sequence[Any], Callable[[Any, Any], Any]]] = [
         ("reshape_and_cache", write_cases(), check_reshape_and_cache),
         ("dequantize", dequant_cases(), check_dequantize),
         ("paged_attention", attention_cases(), check_paged_attention),
@@ -429,7 +439,7 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
                         op,
                         impl,
                         case.id,
-                        lambda fn=fn, impl=impl, case=case: _run_declared(impl, lambda: fn(impl, case)),
+                        functools.partial(_run_declared, impl, functools.partial(fn, impl, case)),
                     )
                 )
     for impl in reg.implementations("reshape_and_cache"):
@@ -439,7 +449,7 @@ def matrix(reg: registry.Registry | None = None, ops: tuple[str, ...] | None = N
                     "golden",
                     impl,
                     path.stem,
-                    lambda impl=impl, path=path: _run_declared(impl, lambda: check_golden(impl, path, reg)),
+                    functools.partial(_run_declared, impl, functools.partial(check_golden, impl, path, reg)),
                 )
             )
     if ops is not None:
@@ -451,7 +461,7 @@ def runs_something(checks: list[Check]) -> tuple[bool, list[str]]:
     """Whether one implementation's checks of one operation include one it takes and passes;
     with the reasons it gave for the ones it declined. A backend that declines every case must
     fail the suite, not pass it with skips."""
-    declined = []
+    declined: list[str] = []
     for check in checks:
         try:
             check.run()

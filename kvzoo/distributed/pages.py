@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -126,7 +126,10 @@ class PagesHeader:
         rows = (self.num_pages, self.block_size, self.num_heads)
         code_shape = (*rows, mode.cache_width(self.head_size))
         code_raw = _RAW[numpy_dtype(self.cache_dtype).itemsize]
-        layout = [("k.codes", code_shape, code_raw), ("v.codes", code_shape, code_raw)]
+        layout: list[tuple[str, tuple[int, ...], str]] = [
+            ("k.codes", code_shape, code_raw),
+            ("v.codes", code_shape, code_raw),
+        ]
         if mode.per_token_head:
             layout += [("k.scales", rows, "int32"), ("v.scales", rows, "int32")]
         out, offset = [], 0
@@ -194,7 +197,7 @@ class PagesHeader:
         return header
 
     def _check_consistent(self) -> None:
-        def bad(what: str) -> None:
+        def bad(what: str) -> NoReturn:
             raise CorruptPagesError(f"pages header: {what}")
 
         mode = MODES.get(self.mode)
@@ -202,8 +205,9 @@ class PagesHeader:
             bad(f"unknown mode {self.mode!r}")
         if self.cache_dtype not in _CACHE_DTYPES:
             bad(f"unknown cache dtype {self.cache_dtype!r}")
-        if mode.head_size_refusal(self.head_size):
-            bad(mode.head_size_refusal(self.head_size))
+        refusal = mode.head_size_refusal(self.head_size)
+        if refusal:
+            bad(refusal)
         start, stop = self.kv_heads
         if not 0 <= start < stop <= self.total_kv_heads:
             bad(f"kv_heads {self.kv_heads} outside [0, {self.total_kv_heads})")
@@ -222,6 +226,8 @@ class PagesHeader:
             bad(f"{len(self.seq_ids)} seq_ids for {len(self.seq_lens)} sequences")
 
 
+_NO_DEVICE = "spec: kvzoo.distributed moves torch tensors; build the CacheSpec with a device ('cpu', 'cuda')"
+_NO_ROWS = "rows: required with block_tables (the row each sequence's blocks go to)"
 _CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
 
 
@@ -293,7 +299,7 @@ def caches_of(layers: Any, spec: Any, static_scales: Any, *, written: bool) -> _
     """Check one cache's layers against its spec and take integer views of them."""
     spec, heads, total = local_spec(spec)
     if spec.device is None:
-        fail("spec: kvzoo.distributed moves torch tensors; build the CacheSpec with a device ('cpu', 'cuda')")
+        fail(_NO_DEVICE)
     if isinstance(layers, (KVCacheTensors, PagedKVCache)):
         layers = [layers]
     if not isinstance(layers, Sequence) or not layers:
@@ -302,7 +308,7 @@ def caches_of(layers: Any, spec: Any, static_scales: Any, *, written: bool) -> _
     given = _static_scales_arg(static_scales, len(layers), mode)
     views, scales, device = [], [], None
     for n, item in enumerate(layers):
-        own = (None, None)
+        own: tuple[float | None, float | None] = (None, None)
         tensors = item
         if isinstance(item, PagedKVCache):
             tensors, own = item.tensors, (item.k_scale, item.v_scale)
@@ -326,6 +332,8 @@ def caches_of(layers: Any, spec: Any, static_scales: Any, *, written: bool) -> _
 
 def _device_of_caches(key_cache: Any, spec: CacheSpec) -> Any:
     require_array("key_cache", key_cache)
+    if spec.device is None:
+        fail(_NO_DEVICE)
     device, want = device_of(key_cache), torch.device(spec.device)
     if device.type != want.type or (want.index is not None and device != want):
         fail(f"key_cache: on {device}, the CacheSpec's device is {spec.device}")
@@ -438,7 +446,7 @@ def source_of(
         seq_lens=tuple(lens),
         page_tables=tuple(tables),
         source_blocks=tuple(blocks),
-        static_scales=tuple(caches.static_scales) if mode.per_tensor else None,
+        static_scales=tuple(s for s in caches.static_scales if s is not None) if mode.per_tensor else None,
         seq_ids=seq_ids,
         layout=local.layout,
     )
@@ -709,7 +717,7 @@ class TableArgs:
         require_dtype("block_tables", self.block_tables, INDEX_DTYPES)
         require_writable("block_tables", self.block_tables)
         if self.rows is None:
-            fail("rows: required with block_tables (the row each sequence's blocks go to)")
+            fail(_NO_ROWS)
         num_rows = int(self.block_tables.shape[0])
         self.rows = [int_scalar(f"rows[{n}]", r, 0, num_rows - 1) for n, r in enumerate(self.rows)]
         if len(set(self.rows)) != len(self.rows):
@@ -724,6 +732,8 @@ class TableArgs:
     def refusal(self, header: PagesHeader) -> str | None:
         if self.block_tables is None:
             return None
+        if self.rows is None:
+            fail(_NO_ROWS)
         if len(self.rows) != len(header.seq_lens):
             return f"rows: {len(self.rows)} rows for the pages' {len(header.seq_lens)} sequences"
         width = int(self.block_tables.shape[1])
@@ -850,6 +860,8 @@ def commit(pages: Pages, caches: _Caches, tables: TableArgs, allocate: Any) -> P
         table[s, : len(row)] = [ids[i] for i in row]
     lens = np.asarray(header.seq_lens, dtype=np.int32)
     if tables.block_tables is not None:
+        if tables.rows is None:
+            fail(_NO_ROWS)
         engine = as_torch(tables.block_tables)
         for s, r in enumerate(tables.rows):
             row = header.page_tables[s]

@@ -69,7 +69,8 @@ def _as_bytes(x: Any) -> Any:
 
 
 def _crc(array: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"))
+    # .data, not memoryview(array): NumPy's stubs make an array a Buffer only from Python 3.12.
+    return zlib.crc32(np.ascontiguousarray(array).data.cast("B"))
 
 
 def _header_crc(header_json: str, crcs_json: str) -> str:
@@ -239,7 +240,7 @@ def load_pages(path: str | os.PathLike, *, device: Any = "cpu") -> Pages:
                 )
             # Straight into the pages' own buffer: the file's bytes are read once.
             f.seek(data_start + begin)
-            if stop - begin != target.nbytes or f.readinto(memoryview(target).cast("B")) != target.nbytes:
+            if stop - begin != target.nbytes or f.readinto(target.data.cast("B")) != target.nbytes:
                 raise CorruptPagesError(f"{what}: {name} is shorter than its shape")
             if _crc(target) != crcs[name]:
                 raise CorruptPagesError(f"{what}: {name} does not match its checksum (the file was altered)")

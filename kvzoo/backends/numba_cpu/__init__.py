@@ -61,33 +61,49 @@ def unavailable() -> list[str]:
     return []
 
 
-_ENTRY_POINTS = ("write_plain", "write_quantized", "write_int4", "dequantize", "dequantize_int4", "attention")
 _announced = False
 
 
-def _cold_cache(kernels: Any) -> bool:
-    """Whether an entry point has no compiled code on disk yet (its first call compiles)."""
-    try:
-        return any(not os.path.exists(getattr(kernels, name)._cache._cache_file._index_path) for name in _ENTRY_POINTS)
-    except AttributeError:  # numba's cache internals moved: say nothing rather than guess
-        return False
-
-
-def _kernels() -> Any:
+def _announce_compile() -> None:
     global _announced
+    if _announced:
+        return
+    _announced = True
+    # A warning, so Python's last-resort handler shows it where the application set up no
+    # logging: a first call that sits for minutes must say why.
+    log.warning(
+        "compiling the numba CPU kernels: the first use on this machine takes %s (cached on disk "
+        "after that). `kvzoo warmup` compiles them ahead; %s=1 uses NumPy instead.",
+        COMPILE_ESTIMATE,
+        DISABLE_ENV,
+    )
+
+
+def _listen_for_compiles(kernels_module: str) -> None:
+    """Announce the first compile of a kvzoo kernel when it starts.
+
+    Numba broadcasts "numba:compile" (numba.core.event, its documented listener API) only when a
+    signature is neither compiled in this process nor found in the on-disk cache, so a warm cache
+    stays silent without kvzoo predicting where Numba keeps its files."""
+    from numba.core import event
+
+    class CompileNotice(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
+            if getattr(getattr(dispatcher, "py_func", None), "__module__", None) == kernels_module:
+                _announce_compile()
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    event.register("numba:compile", CompileNotice())
+
+
+@functools.cache
+def _kernels() -> Any:
     from . import kernels
 
-    if not _announced:
-        _announced = True
-        if _cold_cache(kernels):
-            # A warning, so Python's last-resort handler shows it where the application set up
-            # no logging: a first call that sits for minutes must say why.
-            log.warning(
-                "compiling the numba CPU kernels: the first use on this machine takes %s (cached on disk "
-                "after that). `kvzoo warmup` compiles them ahead; %s=1 uses NumPy instead.",
-                COMPILE_ESTIMATE,
-                DISABLE_ENV,
-            )
+    _listen_for_compiles(kernels.__name__)
     return kernels
 
 
@@ -222,8 +238,8 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
         return _nothing
     k = _kernels()
     at = _positions(p)
-    kind, carrier = KINDS[dtype_name(p.key)]
-    kind = np.int64(kind)
+    kind_code, carrier = KINDS[dtype_name(p.key)]
+    kind = np.int64(kind_code)
     key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
     bs = np.int64(p.block_size)
     num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
@@ -504,7 +520,7 @@ def attention_reasons(p: Any) -> list[str]:
 
 def register(registry: Any) -> None:
     modes = _MODES
-    common = dict(
+    common: dict[str, Any] = dict(
         platform="cpu",
         modes=modes,
         array_kind="numpy",

@@ -34,6 +34,13 @@ class Codec:
     # "rht": rows are rotated before quantizing, queries at attention, outputs un-rotated.
     rotation: str | None = None
 
+    @property
+    def code_format(self) -> CodeFormat:
+        """The format, for the paths that encode or decode (granularity "none" never does)."""
+        if self.format is None:
+            raise ValueError(f"a codec of granularity {self.granularity!r} has no code format")
+        return self.format
+
 
 def _widen(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32)
@@ -41,7 +48,7 @@ def _widen(x: np.ndarray) -> np.ndarray:
 
 def encode(y: np.ndarray, codec: Codec) -> np.ndarray:
     """fp32 values (already divided by the scale) -> code bytes (uint8), clamping semantics."""
-    fmt = codec.format
+    fmt = codec.code_format
     finite = np.isfinite(y)
     with np.errstate(invalid="ignore"):
         clamped = np.clip(np.where(finite, y, 0), np.float32(fmt.qmin), np.float32(fmt.qmax))
@@ -119,7 +126,7 @@ def _scaled_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
     encoding; a NaN row's scale canonical."""
     with np.errstate(all="ignore"):
         absmax = np.max(np.abs(xf), axis=-1)  # NaN propagates, as the spec requires
-        scale = np.maximum(absmax / np.float32(codec.format.qmax), np.float32(codec.scale_floor))
+        scale = np.maximum(absmax / np.float32(codec.code_format.qmax), np.float32(codec.scale_floor))
         inv = np.float32(1.0) / scale
         y = xf * inv[..., None]
     return y, np.where(np.isnan(scale), _CANONICAL_NAN, scale)
@@ -127,7 +134,7 @@ def _scaled_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (last axis) absmax quantization: returns (codes uint8, scales float32)."""
-    if codec.format.row_zero_point:
+    if codec.code_format.row_zero_point:
         return _quantize_rows_with_zero_point(xf, codec)
     y, scale = _scaled_rows(xf, codec)
     return encode(y, codec), scale
@@ -138,7 +145,7 @@ def _quantize_rows_with_zero_point(r: np.ndarray, codec: Codec) -> tuple[np.ndar
     qmax - qmin steps, the zero point encoded like a code, codes of fl(fl(r * inv) + zp).
     Returns (packed storage bytes, scale words holding the zero points); a row holding NaN or
     Inf, or whose range overflows, gets codes 0 and the canonical NaN word."""
-    fmt = codec.format
+    fmt = codec.code_format
     with np.errstate(all="ignore"):
         hi = np.maximum(r.max(axis=-1), np.float32(0))
         lo = np.minimum(r.min(axis=-1), np.float32(0))
@@ -190,8 +197,12 @@ def reshape_and_cache(
         if codec.rotation is not None:
             xf = rotate_rows(xf, rows.dtype)
         if codec.granularity == "per_tensor":
+            if static is None:
+                raise ValueError("a per_tensor codec needs k_scale and v_scale")
             codes = quantize_static(xf, np.float32(static.reshape(-1)[0]), codec)
         else:
+            if scale_cache is None:
+                raise ValueError("a per_token_head codec needs k_scale_cache and v_scale_cache")
             codes, scales = quantize_rows(xf, codec)
             scale_cache[block, offset] = scales
         cache.view(np.uint8)[block, offset] = codes
@@ -207,16 +218,17 @@ def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> 
     basis (a rotated mode's rows un-rotated, SPEC.md 12.3)."""
     if codec.granularity == "none":
         return _widen(codes)
-    if codec.format.row_zero_point:
-        values, scale, zero_point = _split_rows(codes, scales, codec.format)
+    fmt = codec.code_format
+    if fmt.row_zero_point:
+        values, scale, zero_point = _split_rows(codes, np.asarray(scales), fmt)
         with np.errstate(invalid="ignore", over="ignore"):
             stored = (values - zero_point[..., None]) * scale[..., None]
         return stored if codec.rotation is None else unrotate_rows(stored)
-    values = _decode_table(codec.format)[codes.view(np.uint8)]
+    values = _decode_table(fmt)[codes.view(np.uint8)]
     with np.errstate(invalid="ignore", over="ignore"):
         if np.ndim(scales) == 0:
             return values * np.float32(scales)
-        return values * scales[..., None]
+        return values * np.asarray(scales)[..., None]
 
 
 def _split_rows(stored: np.ndarray, words: np.ndarray, fmt: CodeFormat):
@@ -370,6 +382,8 @@ def paged_attention(
     included). fp8_dots (SPEC.md section 8.3; query_codec the cache's): the query rows as two
     e4m3 terms, each row's weights rounded to e4m3 per tile of PROBABILITY_TILE positions.
     """
+    if fp8_dots and query_codec is None:
+        raise ValueError("fp8_dots needs query_codec (the cache's codec)")
     num_tokens, num_q_heads = query.shape[:2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
@@ -401,10 +415,8 @@ def paged_attention(
         for c0 in range(first, last, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, last)
             q = _widen(query[c0:c1])
-            if fp8_dots:
-                q = fp8_query_terms(q, query_codec)
-            elif query_codec is not None:
-                q = decode(*quantize_rows(q, query_codec), query_codec)
+            if query_codec is not None:
+                q = fp8_query_terms(q, query_codec) if fp8_dots else decode(*quantize_rows(q, query_codec), query_codec)
             q = q.reshape(c1 - c0, num_kv_heads, group, -1).transpose(1, 0, 2, 3)
             q = q.reshape(num_kv_heads, (c1 - c0) * group, -1)
             q_pos = np.repeat(seq_len - (q_end - q_start) + np.arange(c0 - q_start, c1 - q_start), group)

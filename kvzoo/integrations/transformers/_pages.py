@@ -143,8 +143,8 @@ class PageTable:
         self.lens = np.zeros(0, np.int64)
         self.positions = 0  # positions seen per row, padding included (HF's sequence length)
         self._real = np.zeros((0, 0), bool)  # [B, >= positions]: was position p of row b real
-        self._seen_real = np.zeros(0, bool)
-        self._gapped = np.zeros(0, bool)
+        self._seen_real: np.ndarray = np.zeros(0, bool)
+        self._gapped: np.ndarray = np.zeros(0, bool)
 
     @property
     def batch_size(self) -> int | None:
@@ -153,8 +153,15 @@ class PageTable:
     def blocks_in_use(self) -> int:
         return int(self.capacity - len(self.free))
 
+    @property
+    def _rows(self) -> list[list[int]]:
+        """The block tables, for the paths that run once a step has set the batch."""
+        if self.tables is None:
+            raise ValueError("the cache holds no sequences yet: its first step sets the batch size")
+        return self.tables
+
     def live_blocks(self, row: int) -> list[int]:
-        return self.tables[row][int(self.first_live[row]) :]
+        return self._rows[row][int(self.first_live[row]) :]
 
     # -- blocks ------------------------------------------------------------------------
 
@@ -241,7 +248,7 @@ class PageTable:
             if batch is None:
                 raise ValueError("batch: the first step of a cache needs its batch size")
         first = self.tables is None
-        if not first and batch != len(self.tables):
+        if self.tables is not None and batch != len(self.tables):
             raise ValueError(
                 f"batch: this step has {batch} rows but the cache holds {len(self.tables)}; change the batch "
                 "through reorder_cache / batch_select_indices / batch_repeat_interleave"
@@ -249,11 +256,11 @@ class PageTable:
         flags = np.ones((batch, q_len), bool) if real is None else real
         n_new = flags.sum(axis=1).astype(np.int64)
         bs = self.block_size
-        tables = [[] for _ in range(batch)] if first else self.tables
+        tables: list[list[int]] = [[] for _ in range(batch)] if self.tables is None else self.tables
         lens = np.zeros(batch, np.int64) if first else self.lens
         # Every block the step takes, counted before anything changes: a refusal changes nothing.
         # A copy-on-write leaves its source with one reader fewer, as the loop below will.
-        needed, copied = 0, {}
+        needed, copied = 0, dict[int, int]()
         for b, table in enumerate(tables):
             old, count = int(lens[b]), int(n_new[b])
             if count:
@@ -274,7 +281,7 @@ class PageTable:
             lens=self.lens.copy(),
             seen_real=self._seen_real.copy(),
             gapped=self._gapped.copy(),
-            table_lens=[len(t) for t in self.tables],
+            table_lens=[len(t) for t in self._rows],
             cow=[],
             allocated=[],
             was_first=first,
@@ -283,7 +290,7 @@ class PageTable:
         self._record(flags)
         slots = np.full(batch * q_len, -1, np.int64)
         copies: list[tuple[int, int]] = []
-        for b, table in enumerate(self.tables):
+        for b, table in enumerate(self._rows):
             old, count = int(self.lens[b]), int(n_new[b])
             if count == 0:
                 continue
@@ -307,9 +314,9 @@ class PageTable:
                 slots[b * q_len + np.flatnonzero(flags[b])] = row_slots
             self.lens[b] = new
         self._undo = undo
-        widest = max((len(t) for t in self.tables), default=0)
+        widest = max((len(t) for t in self._rows), default=0)
         block_tables = np.zeros((batch, max(widest, 1)), np.int32)
-        for b, table in enumerate(self.tables):
+        for b, table in enumerate(self._rows):
             block_tables[b, : len(table)] = table
         qsl = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         return StepLayout(
@@ -343,14 +350,14 @@ class PageTable:
         for block in reversed(undo.allocated):
             self._release(block)
         for b, src, dst in reversed(undo.cow):
-            self.tables[b][-1] = src
+            self._rows[b][-1] = src
             self.refcount[src] += 1
             self._release(dst)
         if undo.was_first:
             self._clear_rows()
             return
         for b, n in enumerate(undo.table_lens):
-            del self.tables[b][n:]
+            del self._rows[b][n:]
         self.positions, self.lens = undo.positions, undo.lens
         self._seen_real, self._gapped = undo.seen_real, undo.gapped
 
@@ -439,9 +446,10 @@ class PageTable:
             del table[needed:]
         self.positions = keep
         flags = self._real[:, :keep]
-        self._seen_real = flags.any(axis=1)
+        # asarray: NumPy's stubs allow a reduction over axis 1 to be a scalar.
+        self._seen_real = np.asarray(flags.any(axis=1))
         after_real = np.logical_or.accumulate(flags, axis=1) if keep else flags
-        self._gapped = (after_real & ~flags).any(axis=1)
+        self._gapped = np.asarray((after_real & ~flags).any(axis=1))
         self.epoch += 1
 
     def reset(self) -> None:

@@ -128,9 +128,16 @@ class LayerStore:
             self._spec = (key, spec)
         return self._spec[1]
 
+    @property
+    def pages(self) -> KVCacheTensors:
+        """The layer's arrays, for the paths that run once ensure() has allocated them."""
+        if self.tensors is None:
+            raise ValueError("the layer's pages are not allocated yet: ensure() allocates them")
+        return self.tensors
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """blocks[dst[i]] = blocks[src[i]] in every array (copy-on-write of shared blocks)."""
-        for a in self._arrays(self.tensors):
+        for a in self._arrays(self.pages):
             raw = _raw(a)
             raw[dst] = raw[src]
 
@@ -139,7 +146,7 @@ class LayerStore:
         """Bytes one token occupies in this layer (K and V codes, plus their scales)."""
         if self.tensors is None:
             self.ensure(1)
-        per_slot = sum(a[0].numel() * a.element_size() for a in self._arrays(self.tensors))
+        per_slot = sum(a[0].numel() * a.element_size() for a in self._arrays(self.pages))
         return per_slot // self.block_size
 
     @property

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ class KVZooIntegrationError(RuntimeError):
 def _per_layer(name: str, value: float | Sequence[float] | None, num_layers: int) -> list[float | None]:
     if value is None or isinstance(value, (int, float)):
         return [None if value is None else float(value)] * num_layers
-    values = [float(v) for v in value]
+    values: list[float | None] = [float(v) for v in value]
     if len(values) != num_layers:
         raise ValueError(f"{name}: {len(values)} values for {num_layers} layers")
     return values
@@ -130,6 +130,13 @@ class KVZooLayer(CacheLayerMixin):
         """The page table of this layer's group (its window's, or the full-attention layers')."""
         return self.cache._tables[self.sliding_window]
 
+    @property
+    def _store(self) -> LayerStore:
+        """The layer's pages, for the paths that run after its first update made them."""
+        if self.store is None:
+            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
+        return self.store
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -160,7 +167,7 @@ class KVZooLayer(CacheLayerMixin):
             # This layer already ran the step in progress: that forward pass stopped part way
             # (an error between layers), and this is a new one. Its step is undone first.
             cache._abort_step()
-        store = self.store
+        store = self._store
         if (
             (key_states.shape[1], key_states.shape[3]) != (store.num_kv_heads, store.head_size)
             or key_states.dtype != store.model_dtype
@@ -187,6 +194,10 @@ class KVZooLayer(CacheLayerMixin):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D]."""
+        if self.pending is None:
+            raise KVZooIntegrationError(
+                f"layer {self.index}: attention ran with no K/V of this step; cache.update hands them out first"
+            )
         pending_key, pending_value, start = self.pending
         if key is not pending_key or value is not pending_value:
             raise KVZooIntegrationError(
@@ -205,7 +216,7 @@ class KVZooLayer(CacheLayerMixin):
                 )
             out = step.run_layer(
                 self.sliding_window,
-                self.store,
+                self._store,
                 query,
                 key,
                 value,
@@ -424,7 +435,7 @@ class KVZooCache(Cache):
         """Undo the step in progress (if any): every table, and what every layer holds of it."""
         for table in self._tables.values():
             table.rollback()
-        for layer in self.layers:
+        for layer in self._layers:
             layer.pending = None
         self._step = None
 
@@ -528,6 +539,11 @@ class KVZooCache(Cache):
         return -1 if self.pages.batch_size is None else self.pages.batch_size
 
     @property
+    def _layers(self) -> list[KVZooLayer]:
+        # Cache.layers holds the KVZooLayers __init__ made; transformers types it as its own layers.
+        return cast("list[KVZooLayer]", self.layers)
+
+    @property
     def max_cache_len(self) -> int:
         return -1 if self._max_cache_len is None else self._max_cache_len
 
@@ -535,19 +551,19 @@ class KVZooCache(Cache):
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (codes and scales; 0 before the first update)."""
-        return sum(layer.store.bytes_per_token for layer in self.layers if layer.store is not None)
+        return sum(layer.store.bytes_per_token for layer in self._layers if layer.store is not None)
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for pages over all layers."""
-        return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
+        return sum(layer.store.nbytes for layer in self._layers if layer.store is not None)
 
     def audit(self, **options: Any) -> Any:
         """kvzoo.audit of this cache's pages and block tables (read in place on the CPU, copied
         from a GPU); options as kvzoo.audit's (replay=N, ...). Returns its AuditReport."""
         from ...auditing import audit, cache_dump
 
-        stores = [layer.store for layer in self.layers if layer.store is not None and layer.store.tensors is not None]
+        stores = [layer.store for layer in self._layers if layer.store is not None and layer.store.tensors is not None]
         if not stores or self.pages.tables is None:
             raise ValueError("audit: the cache holds nothing yet (no forward step has written to it)")
         rows = self.pages.tables
@@ -555,7 +571,7 @@ class KVZooCache(Cache):
         for b, row in enumerate(rows):
             tables[b, : len(row)] = row
         dump = cache_dump(
-            [store.tensors for store in stores],
+            [store.pages for store in stores],
             mode=self.mode,
             block_tables=tables,
             seq_lens=self.pages.lens.astype(np.int32),
@@ -609,7 +625,7 @@ def _row_indices(name: str, indices: Any, rows: int | None) -> np.ndarray:
         values = indices
     else:
         ok, values = False, None
-    if not ok:
+    if not ok or values is None:
         raise ValueError(f"{name}: expected a 1-D integer tensor of row indices, got {type(indices).__name__} {dtype}")
     if values.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D tensor of row indices, got shape {tuple(values.shape)}")

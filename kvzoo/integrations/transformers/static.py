@@ -31,7 +31,7 @@ The separate layout only (torch.compile does not take the inline page's views: k
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -80,6 +80,20 @@ class KVZooStaticLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.is_initialized = False
 
+    @property
+    def _store(self) -> LayerStore:
+        """The layer's pages, for the paths that run once initialize() has made them."""
+        if self.store is None:
+            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
+        return self.store
+
+    @property
+    def _positions(self) -> torch.Tensor:
+        """Positions each row has seen, for the paths that run once initialize() has made them."""
+        if self.positions is None:
+            raise KVZooIntegrationError(f"layer {self.index}: no positions yet (its first cache.update sets them)")
+        return self.positions
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
         self.initialize(num_kv_heads, head_size, key_states.dtype, key_states.device)
@@ -99,7 +113,7 @@ class KVZooStaticLayer(CacheLayerMixin):
             v_scale=cache._v_scales[self.index],
         )
         store.ensure(cache.max_batch_size * cache.blocks_per_row)
-        for t in store._arrays(store.tensors):
+        for t in store._arrays(store.pages):
             _static(t)
         for t in (store.k_scale, store.v_scale):
             if t is not None:
@@ -147,21 +161,21 @@ class KVZooStaticLayer(CacheLayerMixin):
         num_kv_heads = key.shape[1]
         cache = self.cache
         window = sliding_window if sliding_window is not None else self.sliding_window
-        options = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
+        options: dict[str, Any] = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
         k = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         v = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         q = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_size)
         if q_len == 1 and cache._prefilled:
             # Slot and length of each row's new token, from device tensors alone.
-            before = self.positions - cache.pad  # real tokens each row holds already
+            before = self._positions - cache._pad  # real tokens each row holds already
             slots = cache.row_base + before
-            self.positions.add_(1)
+            self._positions.add_(1)
             self._write(k, v, slots)
             seq_lens = (before + 1).to(torch.int32)
             out = self._attend(q, seq_lens, cache.decode_qsl, 1, cache.max_cache_len, **options)
             return out.view(batch, 1, num_q_heads, head_size)
         step = cache._prefill_step(self, padding_mask, batch, q_len)
-        self.positions.add_(q_len)
+        self._positions.add_(q_len)
         self._write(k, v, step.slots)
         if cache.prefill_attention == "auto" and step.fresh and window is None and softcap is None and sinks is None:
             return fresh_attention(query, key, value, softmax_scale)
@@ -175,7 +189,8 @@ class KVZooStaticLayer(CacheLayerMixin):
         return out.view(batch, q_len, num_q_heads, head_size)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        t, cache = self.store.tensors, self.cache
+        store, cache = self._store, self.cache
+        t = store.pages
         torch_ops.reshape_and_cache(
             k,
             v,
@@ -185,16 +200,17 @@ class KVZooStaticLayer(CacheLayerMixin):
             kv_cache_dtype=cache.mode.name,
             k_scale_cache=t.k_scale_cache,
             v_scale_cache=t.v_scale_cache,
-            k_scale=self.store.k_scale,
-            v_scale=self.store.v_scale,
+            k_scale=store.k_scale,
+            v_scale=store.v_scale,
             rounding=cache.rounding,
             validate=False,
             impl=cache._impl("reshape_and_cache"),
         )
 
     def _attend(self, q, seq_lens, qsl, max_query_len: int, max_seq_len: int, **options: Any) -> torch.Tensor:
-        t, cache = self.store.tensors, self.cache
-        return torch_ops.paged_attention(
+        store, cache = self._store, self.cache
+        t = store.pages
+        out = torch_ops.paged_attention(
             q,
             t.key_cache,
             t.value_cache,
@@ -206,12 +222,14 @@ class KVZooStaticLayer(CacheLayerMixin):
             max_seq_len=max_seq_len,
             k_scale_cache=t.k_scale_cache,
             v_scale_cache=t.v_scale_cache,
-            k_scale=self.store.k_scale,
-            v_scale=self.store.v_scale,
+            k_scale=store.k_scale,
+            v_scale=store.v_scale,
             validate=False,
             impl=cache._impl("paged_attention"),
             **options,
         )
+        assert not isinstance(out, tuple)  # (out, lse) only with return_lse
+        return out
 
     def get_seq_length(self, *args: Any) -> Any:
         # A device tensor, as StaticLayer's: an int would be read back on every step.
@@ -322,22 +340,34 @@ class KVZooStaticCache(Cache):
                 f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) first"
             )
 
+    @property
+    def _layers(self) -> list[KVZooStaticLayer]:
+        # Cache.layers holds the KVZooStaticLayers __init__ made; transformers types it as its own layers.
+        return cast("list[KVZooStaticLayer]", self.layers)
+
+    @property
+    def _pad(self) -> torch.Tensor:
+        """Each row's left padding, for the paths that run once the first layer has made it."""
+        if self.pad is None:
+            raise KVZooIntegrationError("the cache has no rows yet: its first update makes them")
+        return self.pad
+
     def _ensure_shared(self, device: torch.device) -> None:
         """The tensors every layer reads: fixed block tables, each row's first slot, its left
         padding, and a decode step's query offsets (one row each)."""
         if self.pad is not None:
             return
         batch, width = self._max_batch_size, self.blocks_per_row
-        index = dict(device=device)
+        index: dict[str, Any] = dict(device=device)
         self.block_tables = _static(torch.arange(batch * width, dtype=torch.int32, **index).view(batch, width))
         self.row_base = _static(torch.arange(batch, dtype=torch.int64, **index) * (width * self.block_size))
         self.pad = _static(torch.zeros(batch, dtype=torch.int64, **index))
         self.decode_qsl = _static(torch.arange(batch + 1, dtype=torch.int32, **index))
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device) -> None:  # noqa: D102
-        num_heads = [num_heads] * len(self.layers) if isinstance(num_heads, int) else list(num_heads)
-        head_dim = [head_dim] * len(self.layers) if isinstance(head_dim, int) else list(head_dim)
-        for layer, heads, dim in zip(self.layers, num_heads, head_dim):
+        num_heads = [num_heads] * len(self._layers) if isinstance(num_heads, int) else list(num_heads)
+        head_dim = [head_dim] * len(self._layers) if isinstance(head_dim, int) else list(head_dim)
+        for layer, heads, dim in zip(self._layers, num_heads, head_dim):
             if not layer.is_initialized:
                 layer.initialize(heads, dim, dtype, device)
 
@@ -347,9 +377,9 @@ class KVZooStaticCache(Cache):
         step, the padding mask (left padding only)."""
         if layer.index != 0 and self._step is not None:
             return self._step  # layer 0 made this step's (layers run in order; a new step starts at 0)
-        start = int(layer.positions)
+        start = int(layer._positions)
         key = (start, q_len)
-        if start + q_len > self._max_cache_len + int(self.pad.max()):
+        if start + q_len > self._max_cache_len + int(self._pad.max()):
             raise KVZooIntegrationError(
                 f"a row would hold more than max_cache_len={self._max_cache_len} tokens ({start} positions so "
                 f"far, {q_len} more); make a KVZooStaticCache with room for the prompt and the new tokens"
@@ -359,15 +389,16 @@ class KVZooStaticCache(Cache):
             if padding_mask is not None:
                 # The mask may be padded to max_cache_len columns (kvzoo_padding_mask): this step's are the first.
                 mask = padding_mask.to("cpu").numpy().astype(bool)[:, :q_len]
-                pad = (~mask).argmin(axis=1).astype(np.int64) if mask.any(axis=1).all() else None
-                if pad is None or not np.array_equal(mask, np.arange(q_len)[None, :] >= pad[:, None]):
+                first_real = (~mask).argmin(axis=1).astype(np.int64) if mask.any(axis=1).all() else None
+                if first_real is None or not np.array_equal(mask, np.arange(q_len)[None, :] >= first_real[:, None]):
                     raise KVZooIntegrationError(
                         "KVZooStaticCache takes left padding only (every row real from its first real token on, "
                         "and at least one real token)"
                     )
-            self.pad.copy_(torch.from_numpy(pad))
+                pad = first_real
+            self._pad.copy_(torch.from_numpy(pad))
         else:
-            pad = self.pad.to("cpu").numpy()
+            pad = self._pad.to("cpu").numpy()
         idx = start + np.arange(q_len)[None, :] - pad[:, None]  # each token's index among its row's real ones
         if int(idx.max()) >= self._max_cache_len:
             raise KVZooIntegrationError(
@@ -379,7 +410,7 @@ class KVZooStaticCache(Cache):
         slots = np.where(real, np.arange(batch)[:, None] * width + idx, -1).reshape(-1)
         counts = real.sum(axis=1)
         seq_lens = (start + q_len - pad).astype(np.int32)
-        device = self.pad.device
+        device = self._pad.device
         put = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)  # noqa: E731
         self._step = _PrefillStep(
             put(slots, np.int64),
@@ -397,12 +428,12 @@ class KVZooStaticCache(Cache):
 
     def reset(self) -> None:
         """Forget every row (the pages are kept)."""
-        for layer in self.layers:
+        for layer in self._layers:
             layer.pending = None
             if layer.is_initialized:
-                layer.positions.zero_()
+                layer._positions.zero_()
         if self.pad is not None:
-            self.pad.zero_()
+            self._pad.zero_()
         self._prefilled, self._step = False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -411,23 +442,23 @@ class KVZooStaticCache(Cache):
         if len(rows) != self._max_batch_size:
             raise ValueError(f"beam_idx: {len(rows)} rows for a cache of max_batch_size={self._max_batch_size}")
         index = None
-        for layer in self.layers:
+        for layer in self._layers:
             if not layer.is_initialized:
                 continue
             index = torch.as_tensor(rows, device=layer.device)
-            for t in layer.store._arrays(layer.store.tensors):
+            for t in layer._store._arrays(layer._store.pages):
                 by_row = t.view(self._max_batch_size, -1)
                 by_row.copy_(by_row.index_select(0, index))
         if index is not None:
-            self.pad.copy_(self.pad.index_select(0, index))
+            self._pad.copy_(self._pad.index_select(0, index))
 
     def crop(self, max_length: int) -> None:
         """crop(-n) drops the last n positions of every row."""
         if max_length > 0:
             raise ValueError("crop: KVZooStaticCache takes a negative count of positions to drop")
-        for layer in self.layers:
+        for layer in self._layers:
             if layer.is_initialized:
-                layer.positions.sub_(min(-max_length, int(layer.positions)))
+                layer._positions.sub_(min(-max_length, int(layer._positions)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("KVZooStaticCache holds a fixed batch: use KVZooCache to change it")
@@ -439,9 +470,9 @@ class KVZooStaticCache(Cache):
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (codes and scales; 0 before the first update)."""
-        return sum(layer.store.bytes_per_token for layer in self.layers if layer.store is not None)
+        return sum(layer.store.bytes_per_token for layer in self._layers if layer.store is not None)
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for pages over all layers."""
-        return sum(layer.store.nbytes for layer in self.layers if layer.store is not None)
+        return sum(layer.store.nbytes for layer in self._layers if layer.store is not None)

@@ -25,7 +25,7 @@ host-side bounds, so no layer reads anything back from the device.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -70,13 +70,13 @@ class ForwardStep:
     """Every table's metadata for one forward step on `device`, the rows the query keeps (None:
     every token is real), and the layers run so far."""
 
-    def __init__(self, layouts: Mapping[Hashable, StepLayout], device: torch.device | str, epoch: int = 0) -> None:
+    def __init__(self, layouts: Mapping[int | None, StepLayout], device: torch.device | str, epoch: int = 0) -> None:
         device = torch.device(device)
         self.epoch = epoch
         self.layouts = dict(layouts)
         first = next(iter(self.layouts.values()))
         self.batch, self.q_len, self.start = first.batch, first.q_len, first.start
-        named: list[tuple[Hashable, str, np.ndarray]] = [
+        named: list[tuple[int | None, str, np.ndarray]] = [
             (key, name, a) for key, layout in self.layouts.items() for name, a in _segments(layout).items()
         ]
         if first.real_rows is not None:
@@ -90,7 +90,7 @@ class ForwardStep:
         for (_, _, a), at in zip(named, offsets):
             flat[at : at + a.size] = a.reshape(-1)
         buffer = host.to(device, non_blocking=True) if device.type != "cpu" else host
-        views: dict[Hashable, dict[str, torch.Tensor]] = {key: {} for key in self.layouts}
+        views: dict[int | None, dict[str, torch.Tensor]] = {key: {} for key in self.layouts}
         self.real_rows = None
         for (key, name, a), at in zip(named, offsets):
             view = buffer[at : at + a.size].view(a.shape)
@@ -104,7 +104,7 @@ class ForwardStep:
 
     def run_layer(
         self,
-        table: Hashable,
+        table: int | None,
         store: LayerStore,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -149,6 +149,7 @@ class ForwardStep:
         if self.real_rows is not None:
             q = q.index_select(0, self.real_rows)
         out = plan.attention(q, t, k_scale=store.k_scale, v_scale=store.v_scale, sinks=sinks)
+        assert not isinstance(out, tuple)  # (out, lse) only when the lse is asked for
         if self.real_rows is not None:
             # Padding rows attend nothing; transformers ignores their outputs, so 0 is as good as any.
             full = out.new_zeros(rows, num_q_heads, head_size)
