@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import kvzoo  # noqa: E402
 from kvzoo import samples  # noqa: E402
-from kvzoo.conformance.inputs import rng_for  # noqa: E402
+from kvzoo.inputs import rng_for  # noqa: E402
 
 BLOCK = 16
 QUANT_MODES = ("int8_per_token_head", "fp8_per_token_head")

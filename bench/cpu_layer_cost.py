@@ -11,8 +11,8 @@ float32) over `context` cached tokens. Rows, timed round-robin in one process, m
 - kvzoo, transformers integration: ForwardStep.run_layer, what `attn_implementation=
   "kvzoo_paged"` runs per layer (plan_step once per step, then plan.write + plan.attention);
 - kvzoo, the plan's calls: plan.write + plan.attention on torch CPU tensors;
-- kvzoo, prepared launches: the backend's launches alone (kernels, their records, the
-  step's work items), what the calls above cost at the least;
+- kvzoo, prepared launches: the launches the layer's calls are bound to, alone (kernels,
+  their records, the step's work items), what the calls above cost at the least;
 - DynamicCache + SDPA: transformers' DynamicCache layer update (torch.cat) and
   scaled_dot_product_attention with GQA;
 - the floor: a Python call of an empty function with the same arguments.
@@ -87,14 +87,16 @@ def main() -> int:
         v.transpose(1, 2).reshape(1, HKV, D),
     )
     out = torch.empty_like(q_rows)
-    # The plan's prepared launches, found by op (the first item of their key), and their
-    # operands by the problems' own field order, checked against what each was prepared for.
-    launches = {key[0]: launch for key, launch in plan._prepared.items() if launch is not None}
-    if set(launches) != {"reshape_and_cache", "paged_attention"}:
-        print(f"the plan holds no prepared write and attention launch ({plan.write_impl.name}): row left out")
-        launches = None
+    plan.write(k_rows, v_rows, caches)
+    plan.attention(q_rows, caches, out=out)
+    # The launches the layer's calls are bound to (the plan keeps them per layer), with the
+    # operands the plan hands them.
+    held = plan._layers[id(caches)]
+    launches = None
+    if held.write is None or held.attention is None:
+        print(f"the plan bound no prepared write and attention launch ({plan.write_impl.name}): row left out")
     else:
-        write_ops, attend_ops = _operands(plan, caches, k_rows, v_rows, q_rows, out)
+        launches, write_ops, attend_ops = _bound(held, k_rows, v_rows, q_rows, out)
 
     # What a transformers user runs instead: DynamicCache's layer update, then SDPA with GQA.
     dyn = __import__("transformers").DynamicCache()
@@ -119,10 +121,7 @@ def main() -> int:
         ),
     }
     if launches is not None:
-        rows["kvzoo, prepared launches alone"] = lambda: (
-            launches["reshape_and_cache"](write_ops),
-            launches["paged_attention"](attend_ops),
-        )
+        rows["kvzoo, prepared launches alone"] = lambda: (launches[0](write_ops), launches[1](attend_ops))
     rows["DynamicCache update + torch SDPA"] = dynamic
     rows["floor: an empty Python call"] = lambda: empty(store, q, k, v, softmax_scale=D**-0.5)
     for fn in rows.values():  # warm
@@ -147,38 +146,18 @@ def main() -> int:
     return 0
 
 
-def _operands(plan, caches, k_rows, v_rows, q_rows, out):
-    """The prepared launches' operands as the plan hands them to a NumPy-array backend, in
-    CacheWrite's and Attention's operand order, each tuple checked against the signature its
-    launch was prepared for (a launch runs with bounds checks off)."""
-    from kvzoo.arrays import as_numpy
-    from kvzoo.problem import Attention, CacheWrite
-    from kvzoo.registry import prepared_signature
+def _bound(held, k_rows, v_rows, q_rows, out):
+    """The layer's bound write and attention launches, and their operands as the plan hands
+    them: the call's own arrays (as the implementation takes them) beside the layer's and the
+    plan's, in CacheWrite's and Attention's operand order."""
+    write, attend = held.write, held.attention
 
-    arrays = dict(
-        key=k_rows,
-        value=v_rows,
-        query=q_rows,
-        out=out,
-        key_cache=caches.key_cache,
-        value_cache=caches.value_cache,
-        k_scale_cache=caches.k_scale_cache,
-        v_scale_cache=caches.v_scale_cache,
-        slot_mapping=plan.slot_mapping,
-        block_tables=plan.block_tables,
-        seq_lens=plan.seq_lens,
-        query_start_loc=plan.query_start_loc,
-    )
-    arrays = {name: as_numpy(a) for name, a in arrays.items()}
-    write = tuple(arrays.get(name) for name in CacheWrite.operand_names())
-    attend = tuple(arrays.get(name) for name in Attention.operand_names())
-    # The plan keys a launch on the signature of the call's own arrays, in StepPlan's order:
-    # key, value, k_scale, v_scale; query, k_scale, v_scale, sinks, out, lse.
-    prepared = [key[2] for key in plan._prepared]
-    for op, ops, own in (("write", write, (0, 1, 7, 8)), ("attention", attend, (0, 9, 10, 11, 6, 12))):
-        if prepared_signature(ops[i] for i in own) not in prepared:
-            raise SystemExit(f"the {op} operands built here are not the signature its launch was prepared for")
-    return write, attend
+    def kind(x):
+        return x if write.convert is None else write.convert(x)
+
+    write_ops = (kind(k_rows), kind(v_rows), *write.fixed)
+    attend_ops = (kind(q_rows), *attend.fixed, kind(out), *attend.tail, None)
+    return (write.launch, attend.launch), write_ops, attend_ops
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ DEVICE = "cpu" if DRY else "cuda"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvzoo  # noqa: E402
 from kvzoo import samples  # noqa: E402
-from kvzoo.conformance.inputs import SEED, rng_for  # noqa: E402
+from kvzoo.inputs import SEED, rng_for  # noqa: E402
 
 IMPL = "triton-cuda"
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -116,7 +116,7 @@ ATTN_RTOL = 2e-2  # bf16 output vs a float32 reference on the same cache (raw qu
 
 
 # Rows of the "+inline" variants' pages (kvzoo.allocate_inline's row_align): None is vLLM's
-# head_size + 4; bench/inline_probe.py --row-align sets it for its aligned-page variants.
+# head_size + 4; bench/probes/inline_probe.py --row-align sets it for its aligned-page variants.
 INLINE_ROW_ALIGN: int | str | None = None
 
 

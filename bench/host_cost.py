@@ -104,13 +104,12 @@ def bare_triton(impl, problem, module_name: str, kernel_names: tuple[str, ...]) 
     return launch
 
 
-def bound_relaunch(new_plan: Callable[[], Any], attr: str, call: Callable[[Any], None]) -> Callable[[], None] | None:
-    """The launch a fresh plan's implementation prepares for `call(plan)`, with the call's
-    operands: kvzoo's relaunch and Triton's launcher alone (None where the implementation
-    prepares none). A fresh plan, so its first call prepares: a plan that has run the call
-    already recalls its launch instead."""
-    plan = new_plan()
-    impl = getattr(plan, attr)
+def bound_relaunch(new_plan: Callable[..., Any], attr: str, call: Callable[[Any], None]) -> Callable[[], None] | None:
+    """The launch a plan's implementation prepares for `call(plan)`, with the call's operands:
+    kvzoo's relaunch and Triton's launcher alone (None where the implementation prepares
+    none). The plan is given an implementation object of its own, so its first call prepares:
+    one that has run the call already (kvzoo.launches keeps launches per signature) would not."""
+    impl = getattr(new_plan(), attr)
     if impl.prepare is None:
         return None
     seen = []
@@ -119,8 +118,7 @@ def bound_relaunch(new_plan: Callable[[], Any], attr: str, call: Callable[[Any],
         launch = impl.prepare(problem, **kw)
         return None if launch is None else (lambda operands: seen.append((launch, operands)))
 
-    setattr(plan, attr, dataclasses.replace(impl, prepare=prepare))
-    call(plan)
+    call(new_plan(**{attr: dataclasses.replace(impl, prepare=prepare)}))
     if not seen:
         return None
     launch, operands = seen[0]
@@ -139,15 +137,12 @@ def graph_replay(call: Callable[[], None], device: str) -> Callable[[], None] | 
     return graph.replay
 
 
-def recorded_problem(plan, attr: str, call: Callable[[], None]):
-    """The problem record the plan hands its implementation (caught once, then restored)."""
-    impl = getattr(plan, attr)
+def recorded_problem(new_plan: Callable[..., Any], attr: str, call: Callable[[Any], None]):
+    """The problem record a plan hands its implementation, caught by a plan given an
+    implementation object that records instead of running."""
     seen = []
-    setattr(plan, attr, dataclasses.replace(impl, run=seen.append, prepare=None))
-    try:
-        call()
-    finally:
-        setattr(plan, attr, impl)
+    impl = getattr(new_plan(), attr)
+    call(new_plan(**{attr: dataclasses.replace(impl, run=seen.append, prepare=None)}))
     return seen[0]
 
 
@@ -197,7 +192,16 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
     spec, c, meta = s["spec"], s["caches"], s["meta"]
     key, value, query, out, slots = s["key"], s["value"], s["query"], s["out"], s["slot_mapping"]
     mode = spec.mode
-    new_plan = lambda: kvzoo.plan_step(spec, **s["plan_args"])  # noqa: E731
+    ops = {"write_impl": "reshape_and_cache", "attention_impl": "paged_attention"}
+
+    def new_plan(**given):
+        """A plan of the bench's step; given: write_impl or attention_impl, an Implementation
+        object the plan runs that operation on (the other is the bench's choice)."""
+        args = dict(s["plan_args"])
+        if given:
+            args["impl"] = {op: given.get(attr, impl) for attr, op in ops.items()}
+        return kvzoo.plan_step(spec, **args)
+
     plan = new_plan()
     scales = dict(k_scale_cache=c.k_scale_cache, v_scale_cache=c.v_scale_cache)
 
@@ -223,8 +227,8 @@ def calls(s: dict, impl: str | None, device: str) -> tuple[dict[str, Callable[[]
 
     plan_write = lambda: plan.write(key, value, c)
     plan_attention = lambda: plan.attention(query, c, out=out)
-    write_problem = recorded_problem(plan, "write_impl", plan_write)
-    attention_problem = recorded_problem(plan, "attention_impl", plan_attention)
+    write_problem = recorded_problem(new_plan, "write_impl", lambda p: p.write(key, value, c))
+    attention_problem = recorded_problem(new_plan, "attention_impl", lambda p: p.attention(query, c, out=out))
     w_impl, a_impl = plan.write_impl, plan.attention_impl
     rows: dict[str, Callable[[], None] | None] = {
         "null op (torch.empty(0) + sync)": lambda: torch.empty(0, device=device),

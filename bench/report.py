@@ -387,7 +387,7 @@ def _prefill(run: Run) -> str | None:
             f"{span((d.time_us / s.time_us for d, s in direct), '.2f')}x as long."
         )
     text += (
-        " How much of the gap to SDPA is Triton's own code generation: `bench/flash_bound.py` times a plain "
+        " How much of the gap to SDPA is Triton's own code generation: `bench/probes/flash_bound.py` times a plain "
         f"Triton flash kernel on contiguous bf16 on this shape (last figures in [the archive]({ARCHIVE}))."
     )
     mixed = run.largest("mixed")

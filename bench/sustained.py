@@ -15,7 +15,7 @@ gpu_bench.py's sit between these two ends:
 
 Prefill groups add torch SDPA (cuDNN, bf16, contiguous K/V) to the same rotation, so the
 prefill-vs-SDPA ratio is read at both ends too. Every kvzoo run is checked against float64
-attention first. Inputs: bench/attention_probe.py's `make` (kvzoo.samples, session seed).
+attention first. Inputs: bench/attention_inputs.py's `make` (kvzoo.samples, session seed).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_probe import HKV, HQ, D, ceilings, decode_bytes, err, make, prefill_flops  # noqa: E402
+from attention_inputs import HKV, HQ, D, ceilings, decode_bytes, err, make, prefill_flops  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 

@@ -1,12 +1,14 @@
-"""kvzoo: per-token-head INT8/FP8 quantization of the paged KV cache.
+"""kvzoo: per-token-head INT8/FP8/int4 quantization of the paged KV cache.
 
 Operations (kvzoo.api): reshape_and_cache, dequantize, paged_attention; per engine step,
 kvzoo.plan_step (kvzoo.plan) checks the metadata once and serves every layer. kvzoo.audit
-(kvzoo.auditing) reports what is wrong with a paged cache. Implementations are
-chosen by kvzoo.registry; semantics are defined in kvzoo_spec/SPEC.md.
+(kvzoo.auditing) reports what is wrong with a paged cache. Implementations are chosen by
+kvzoo.registry; semantics are defined in kvzoo_spec/SPEC.md. With torch installed, importing
+kvzoo registers the torch.library ops (kvzoo.torch_ops), which a compiled call of the
+operations goes to.
 """
 
-from . import registry
+from . import arrays, registry
 from .api import dequantize, paged_attention, reshape_and_cache
 from .auditing import audit, cache_dump, load_cache_dump, save_cache_dump
 from .cache import PagedKVCache
@@ -15,6 +17,9 @@ from .layout import KVCacheTensors, allocate_inline, allocate_separate, inline_v
 from .merge import merge_attention_states
 from .modes import MODES, QuantMode, get_kv_quant_mode
 from .plan import CacheSpec, StepPlan, plan_step
+
+if arrays.torch is not None:  # a NumPy-only install has no ops to register
+    from . import torch_ops  # noqa: F401  (registers the ops)
 
 __version__ = "0.1.0"
 

@@ -87,24 +87,33 @@ def shares_buffer(a: Any, b: Any) -> bool:
     return root(a) is root(b)
 
 
+# Options a call asks for without a field of that name: how to tell them from its record. Any
+# other option is the record's field of its name, asked for when it is set (not None, not False):
+# a new option is a record field (kvzoo.problem) and its name in OPTIONS.
+DERIVED: dict[str, Any] = {
+    "trunc_rounding": lambda p: getattr(p, "rounding", "nearest") == "trunc",
+    "inline_layout": lambda p: (
+        shares_buffer(p.key_cache, getattr(p, "k_scale_cache", None))
+        if hasattr(p, "key_cache")
+        else shares_buffer(getattr(p, "cache", None), getattr(p, "scale_cache", None))
+    ),
+    "return_lse": lambda p: getattr(p, "lse", None) is not None,
+}
+
+
 def required(problem: Any) -> Requirements:
-    """The Requirements of a validated problem record (kvzoo.problem)."""
+    """The Requirements of a checked record (kvzoo.problem): the options its fields ask for."""
     options = set()
-    scale_pair = ("key_cache", "k_scale_cache") if hasattr(problem, "key_cache") else ("cache", "scale_cache")
-    if shares_buffer(getattr(problem, scale_pair[0]), getattr(problem, scale_pair[1], None)):
-        options.add("inline_layout")
-    rounding = getattr(problem, "rounding", "nearest")
-    if rounding == "trunc":
-        options.add("trunc_rounding")
+    for name in OPTIONS:
+        rule = DERIVED.get(name)
+        if rule is not None:
+            if rule(problem):
+                options.add(name)
+        else:
+            value = getattr(problem, name, None)
+            if value is not None and value is not False:
+                options.add(name)
     if hasattr(problem, "query"):
-        for name in ("quantize_query", "fp8_dots", "batch_invariant"):
-            if getattr(problem, name):
-                options.add(name)
-        for name in ("sinks", "softcap", "sliding_window"):
-            if getattr(problem, name) is not None:
-                options.add(name)
-        if getattr(problem, "lse", None) is not None:
-            options.add("return_lse")
         input_dtype = dtype_name(problem.query)
     elif hasattr(problem, "key"):
         input_dtype = dtype_name(problem.key)

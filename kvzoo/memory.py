@@ -8,6 +8,7 @@ strides), never device memory, so it runs with validate=False too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -113,3 +114,104 @@ def self_overlap(x: Any) -> bool:
             return True
         span = s * (n - 1) + span
     return False
+
+
+def check_aliasing(problem: Any) -> None:
+    """Refuse a written array that overlaps itself, another written array or an array the call
+    reads (SPEC.md section 11). Metadata only: no device read, so it runs unvalidated too."""
+    names = problem.array_fields()
+    # Runs on every call: each extent is computed once, and only arrays whose extents meet
+    # (views of one buffer) go on to the exact test.
+    extents = {name: byte_extent(getattr(problem, name)) for name in names}
+    for n, name in enumerate(names):
+        if name not in problem.WRITTEN:
+            continue
+        x = getattr(problem, name)
+        if self_overlap(x):
+            fail(
+                f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
+                f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element"
+            )
+        mine = extents[name]
+        if mine is None:
+            continue
+        for m, other in enumerate(names):
+            # A pair of written arrays is tested once, from the first of the two.
+            if other == name or (other in problem.WRITTEN and m < n):
+                continue
+            theirs = extents[other]
+            if theirs is None or mine[1] <= theirs[0] or theirs[1] <= mine[0]:
+                continue
+            if overlap(x, getattr(problem, other)):
+                role = "write" if other in problem.WRITTEN else "read"
+                fail(
+                    f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
+                    "(non-overlapping) arrays"
+                )
+
+
+def _strides(x: Any) -> tuple[int, ...]:
+    return tuple(x.stride()) if is_torch(x) else tuple(s // x.itemsize for s in x.strides)
+
+
+def address(x: Any) -> int:
+    """The address of x's element 0 (a tensor or a NumPy array)."""
+    return x.__array_interface__["data"][0] if type(x) is np.ndarray else x.data_ptr()
+
+
+def span(x: Any) -> tuple[int, int] | None:
+    """[first, end) byte offsets from element 0 that x's elements occupy; None when empty."""
+    extent = byte_extent(x)
+    if extent is None:
+        return None
+    start = address(x)
+    return extent[0] - start, extent[1] - start
+
+
+class Placement:
+    """Where a checked call's arrays lay relative to each other, for later calls of its metadata.
+
+    Whether two arrays share a byte depends on their metadata and on the distance between
+    their addresses alone. A call found clear keeps, per array, the byte span its elements
+    occupy from its element 0 (spans: None where absent or empty), the positions of the arrays
+    it writes, and for each (written, other) pair whose spans overlapped at the distance they
+    stood at then, that distance (the exact test passed there). A later call of the same
+    metadata is then clear where every such pair either does not overlap or stands at that
+    distance again: `clear` answers from addresses alone, with no exact test.
+    """
+
+    __slots__ = ("spans", "written", "meets")
+
+    def __init__(self, arrays: Sequence[Any], written: Sequence[int]) -> None:
+        self.spans = tuple(None if x is None else span(x) for x in arrays)
+        self.written = tuple(written)
+        starts = [None if x is None else address(x) for x in arrays]
+        self.meets: dict[tuple[int, int], int] = {}
+        for w in self.written:
+            mine = self.spans[w]
+            if mine is None:
+                continue
+            for o, theirs in enumerate(self.spans):
+                if o == w or theirs is None:
+                    continue
+                if not (starts[w] + mine[1] <= starts[o] + theirs[0] or starts[o] + theirs[1] <= starts[w] + mine[0]):
+                    self.meets[(w, o)] = starts[w] - starts[o]
+
+    def clear(self, arrays: Sequence[Any]) -> bool:
+        """Whether the written arrays meet no other array, as in the call this was kept from."""
+        spans = self.spans
+        starts = [None if s is None or x is None else address(x) for x, s in zip(arrays, spans)]
+        for w in self.written:
+            start = starts[w]
+            if start is None:
+                continue
+            w_low, w_high = start + spans[w][0], start + spans[w][1]
+            for o, other in enumerate(starts):
+                if o == w or other is None:
+                    continue
+                o_low, o_high = other + spans[o][0], other + spans[o][1]
+                if w_high <= o_low or o_high <= w_low:
+                    continue
+                if self.meets.get((w, o)) != start - other:
+                    return False
+        return True

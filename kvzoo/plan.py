@@ -39,65 +39,60 @@ What a plan promises, and what it leaves to the caller:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import weakref
 from bisect import bisect_right
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import memory, recall
+from . import launches, memory
 from . import registry as _registry
-from .api import (
-    _run,
-    attention_bounds,
-    attention_scalars,
-    cache_dtypes,
-    check_block_tables,
-    check_query_start_loc_shape,
-    check_rounding,
-    check_sinks,
-    check_slot_values,
-    lse_output,
-)
 from .arrays import (
     CPU_DEVICE,
     as_numpy,
     as_torch,
     device_of,
-    dtype_name,
     is_torch,
     numpy_dtype,
-    same_kind_empty,
     torch,
     torch_dtype,
 )
-from .cache import PagedKVCache
+from .calls import (
+    CACHE,
+    Geometry,
+    attention_bounds,
+    attention_scalars,
+    block_table_values,
+    cache_dtypes,
+    check_block_tables,
+    check_bounds,
+    check_caches,
+    check_query_options,
+    check_query_start_loc,
+    check_rounding,
+    check_scale_caches,
+    check_sinks,
+    check_slot_mapping,
+    check_slot_values,
+)
+from .errors import fail
 from .layout import SCALE_BYTES, KVCacheTensors, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
 from .problem import Attention, CacheWrite
-from .registry import Implementation, NoImplementationError
+from .registry import Implementation
 from .validate import (
     FLOAT_INPUTS,
-    INDEX_DTYPES,
     as_code_storage,
-    check_query_options,
-    fail,
     int_scalar,
     require_array,
-    require_dtype,
-    require_ndim,
-    require_no_negative_strides,
     require_same_device,
     require_sizes,
     require_workspace,
     require_writable,
     static_scale,
-    unit_index_strides,
 )
 
 Array = Any
@@ -206,28 +201,19 @@ class CacheSpec:
 
 
 class _Layer:
-    """One caches object as the kernels take it: code-storage views, extents, converted views."""
+    """One caches object as the kernels take it: code-storage views, extents, static scales."""
 
-    __slots__ = ("arrays", "extents", "views", "signatures", "write_checked", "statics")
+    __slots__ = ("arrays", "extents", "statics", "write_checked")
 
     def __init__(self, arrays: tuple[Array, Array, Array | None, Array | None]) -> None:
         self.arrays = arrays  # key_cache, value_cache, k_scale_cache, v_scale_cache
         self.extents = tuple((name, a, memory.byte_extent(a)) for name, a in zip(_CACHE_NAMES, arrays) if a is not None)
-        self.views: dict[str, tuple] = {}  # array_kind -> arrays converted for it
-        self.signatures: dict[str, tuple] = {}  # array_kind -> _signature of those views
-        self.write_checked = False
         self.statics: dict[tuple[str, float], Array] = {}
-
-    def for_kind(self, kind: str) -> tuple:
-        views = self.views.get(kind)
-        if views is None:
-            convert = as_numpy if kind == "numpy" else as_torch
-            views = self.views[kind] = tuple(None if a is None else convert(a) for a in self.arrays)
-            self.signatures[kind] = _registry.prepared_signature(views)
-        return views
+        self.write_checked = False
 
     def check_written(self) -> None:
-        """What a write adds to the caches' rules: writable, and no two elements at one address."""
+        """What writing into the caches outside a call adds to their rules (kvzoo.distributed
+        places pages into them): writable, and no two elements at one address."""
         if self.write_checked:
             return
         for name, a in zip(_CACHE_NAMES, self.arrays):
@@ -263,8 +249,6 @@ _CACHE_NAMES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 # Static scales remembered per caches object: a layer has two; a caller passing a new float on
 # every call must not grow the table without end.
 _MAX_STATICS = 16
-# Recalled per-layer calls a plan keeps (StepPlan._keep): a handful of argument shapes per layer.
-_MAX_RECALLED = 1024
 _LAYERS: dict[tuple[int, CacheSpec, str], _Layer] = {}
 
 
@@ -284,7 +268,12 @@ def _layer_of(tensors: KVCacheTensors, spec: CacheSpec, device: Any) -> _Layer:
     return layer
 
 
+_SPEC = " (the CacheSpec's)"
+
+
 def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
+    """A caches object against the spec; each call of the layer checks the rest with its own
+    arrays (kvzoo.calls)."""
     if not isinstance(tensors, KVCacheTensors):
         fail(f"caches: expected a kvzoo.KVCacheTensors or kvzoo.PagedKVCache, got {type(tensors).__name__}")
     mode = spec.mode
@@ -293,41 +282,20 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
             f"caches: the CacheSpec's layout is {spec.layout!r}, but the caches "
             f"{'are views of an inline buffer' if tensors.buffer is not None else 'have no inline buffer'}"
         )
-    shape, layout = spec.cache_shape, "[num_blocks, block_size, num_kv_heads, cache width of head_size]"
-    arrays: list[Array] = []
-    for name in ("key_cache", "value_cache"):
-        x = getattr(tensors, name)
-        require_ndim(name, x, 4, layout)
-        _require_spec_shape(name, x, shape, layout)
-        require_dtype(name, x, spec.cache_dtypes)
-        require_no_negative_strides(name, x)
-        arrays.append(as_code_storage(x, mode))
-    for name in ("k_scale_cache", "v_scale_cache"):
-        x = getattr(tensors, name)
-        if not mode.per_token_head:
-            if x is not None:
-                fail(
-                    f"{name}: not used by mode {mode.name!r} (only per-token-head modes keep a scale per row); "
-                    "the caches must have None there"
-                )
-            arrays.append(None)
-            continue
-        if x is None:
-            fail(f"{name}: required for per-token-head mode {mode.name!r} (float32 {shape[:3]})")
-        require_ndim(name, x, 3, "[num_blocks, block_size, num_kv_heads]")
-        _require_spec_shape(name, x, shape[:3], "[num_blocks, block_size, num_kv_heads]")
-        require_dtype(name, x, ("float32",))
-        require_no_negative_strides(name, x)
-        arrays.append(x)
+    codes = (("key_cache", tensors.key_cache), ("value_cache", tensors.value_cache))
+    check_caches(mode, codes, spec.cache_shape, spec.cache_dtypes, CACHE, source=_SPEC)
+    scales = (("k_scale_cache", tensors.k_scale_cache), ("v_scale_cache", tensors.v_scale_cache))
+    check_scale_caches(mode, scales, spec.cache_shape[:3], source=_SPEC, absent="the caches must have None there")
+    arrays = (
+        as_code_storage(tensors.key_cache, mode),
+        as_code_storage(tensors.value_cache, mode),
+        tensors.k_scale_cache,
+        tensors.v_scale_cache,
+    )
     for name, x in zip(_CACHE_NAMES, arrays):
-        if x is not None:
-            _require_on(name, x, device)
-    return _Layer(tuple(arrays))  # type: ignore[arg-type]
-
-
-def _require_spec_shape(name: str, x: Array, shape: tuple[int, ...], layout: str) -> None:
-    if tuple(x.shape) != shape:
-        fail(f"{name}: expected shape {shape} {layout} (the CacheSpec's), got {tuple(x.shape)}")
+        if x is not None and device_of(x) != device:
+            fail(f"{name}: on {device_of(x)}, the plan's tensors are on {device}")
+    return _Layer(arrays)
 
 
 def _refuse_overlap(name: str, x: Array, extent: Any, others: Any, role: str) -> None:
@@ -408,30 +376,63 @@ def _refused_starts(span: tuple[int, int], extents: Sequence[tuple[int, int]]) -
 
 class _Held:
     """A layer as one plan holds it: the caches object (so its id stays its own), its checked
-    _Layer, and the recalled write and attention the layer's last calls went through (one
-    comparison finds them again, where the plan's table would hash the whole key)."""
+    _Layer, and the last write and attention the layer's calls resolved to (one comparison
+    finds them again)."""
 
     __slots__ = ("layer", "tensors", "write", "attention")
 
     def __init__(self, layer: _Layer, tensors: Any) -> None:
         self.layer, self.tensors = layer, tensors
-        self.write: _Recalled | None = None
-        self.attention: _Recalled | None = None
+        self.write: _Bound | None = None
+        self.attention: _Bound | None = None
 
 
-class _Recalled:
-    """What StepPlan._keep kept for later calls of one recall key (see there): call, the key
-    less its op and layer (what _Held's comparison reads); the launch; the operands it takes
-    beside the call's own arrays (fixed: after the first, tail: after out); per checked array,
-    the starts that the fixed extents refuse, and the differences (its address minus the other
-    array's) at which it meets the other array, as an open interval ((0, 0), empty, where
-    either has no span)."""
+class _Bound:
+    """A layer's call bound to its launch: what a later call of the same own-array metadata
+    (`call`, launches.signature of them) runs without going through launches.run. launch: the
+    launch the table's entry prepared at the plan's bounds; convert: the implementation's
+    array kind for the call's own arrays (None: as given); fixed, tail: the launch's other
+    operands (the layer's and the plan's, as the implementation takes them: after the first,
+    and after out); per checked array, the starts that the fixed extents refuse, and the
+    differences (its address minus the other array's) at which it meets the other array, as an
+    open interval ((0, 0), empty, where either has no span)."""
 
-    __slots__ = ("call", "launch", "fixed", "tail", "refused", "apart")
+    __slots__ = ("call", "launch", "convert", "fixed", "tail", "refused", "apart")
 
-    def __init__(self, call: tuple, launch: Any, fixed: tuple, tail: tuple, refused: tuple, apart: tuple) -> None:
-        self.call, self.launch, self.fixed, self.tail = call, launch, fixed, tail
+    def __init__(self, call, launch, convert, fixed, tail, refused, apart) -> None:
+        self.call, self.launch, self.convert, self.fixed, self.tail = call, launch, convert, fixed, tail
         self.refused, self.apart = refused, apart
+
+
+def _bind(
+    call: tuple,
+    launch: Any,
+    adapter: launches.Adapter,
+    checked: Sequence[Array],
+    against: Sequence[tuple],
+    other: Array | None,
+    fixed: tuple,
+    tail: tuple,
+) -> _Bound | None:
+    """A layer's call bound to its launch, with what later calls are checked by: the spans of
+    the arrays `checked` (the call's own written arrays, or the rows it reads into the caches
+    it writes) and of `other` (the one it reads), and the extents of `against` ((name,
+    array, extent) each: the layer's and the plan's arrays, whose addresses do not change).
+    None where the call's own arrays are not plain tensors: a bound call reads their addresses
+    with data_ptr()."""
+    if launch is None or any(type(x) is not launches._TENSOR for x in (*checked, other) if x is not None):
+        return None
+    spans = tuple(memory.span(x) for x in checked)
+    theirs = None if other is None else memory.span(other)
+    extents = [extent for _, _, extent in against if extent is not None]
+    refused = tuple(() if span is None else _refused_starts(span, extents) for span in spans)
+    # A checked array at address a meets the other at b when a + span[0] < b + theirs[1]
+    # and b + theirs[0] < a + span[1]: when a - b lies strictly between these two.
+    apart = tuple(
+        (0, 0) if span is None or theirs is None else (theirs[0] - span[1], theirs[1] - span[0]) for span in spans
+    )
+    convert = adapter.convert if adapter.convert_at else None
+    return _Bound(call, launch, convert, fixed, tail, refused, apart)
 
 
 class StepPlan:
@@ -445,6 +446,12 @@ class StepPlan:
     write_impl, attention_impl (the chosen Implementations), workspace (the caller's buffer, or
     None), workspace_bytes (what attention_impl's calls take of it, at the plan's bounds; 0
     for an implementation that takes none).
+
+    A layer's call is the same record a functional call is (kvzoo.problem), with the plan's
+    part filled in: its own arrays are checked against what the plan fixes (calls.Geometry),
+    and it runs through launches.run, whose table knows its signature after the first layer.
+    A layer then keeps what its call resolved to (_Bound), so its next call of the same
+    metadata goes from its arguments to the launch.
     """
 
     __slots__ = (
@@ -467,15 +474,12 @@ class StepPlan:
         "slot_mapping",
         "write_impl",
         "attention_impl",
-        "_forced",
+        "_impl",
         "_device",
         "_layers",
         "_meta_extents",
-        "_slot_extent",
-        "_key_shape",
-        "_query_tail",
-        "_prepared",
-        "_recalled",
+        "_rows",
+        "_queries",
         "workspace",
         "workspace_bytes",
     )
@@ -491,130 +495,34 @@ class StepPlan:
             f"num_prefills={self.num_prefills}, {impls})"
         )
 
-    # Per-layer checks: metadata only, and the fewest calls that give the functional API's errors.
-
     def _layer(self, caches: Any) -> tuple[_Held, Any, Any]:
         tensors, k_scale, v_scale = caches, None, None
-        if isinstance(caches, PagedKVCache):
+        if isinstance(getattr(caches, "tensors", None), KVCacheTensors):
+            # A kvzoo.PagedKVCache (kvzoo.cache, which stands on the functional API): its
+            # tensors, and the static scales it passes itself.
             tensors, k_scale, v_scale = caches.tensors, caches.k_scale, caches.v_scale
             if caches.mode != self.spec.mode:
                 fail(f"caches: a PagedKVCache of mode {caches.mode.name!r}; the plan's is {self.spec.mode.name!r}")
         held = self._layers.get(id(tensors))
         if held is None:
             layer = _layer_of(tensors, self.spec, self._device)
-            if self.workspace is not None:
-                ws = self.workspace
-                _refuse_overlap("workspace", ws, memory.byte_extent(ws), layer.extents, "read or write")
             # The plan holds the object beside its entry, so the id stays its own meanwhile.
             held = self._layers[id(tensors)] = _Held(layer, tensors)
         return held, k_scale, v_scale
 
-    def _operand(self, name: str, x: Array, shape: tuple[int, ...], layout: str) -> None:
-        # The caller has run require_array(name, x).
-        if tuple(x.shape) != shape:
-            if len(x.shape) != len(shape):
-                fail(f"{name}: expected {len(shape)} dimensions {layout}, got shape {tuple(x.shape)}")
-            fail(f"{name}: expected shape {shape} {layout}, got {tuple(x.shape)}")
-        if dtype_name(x) != self.spec.model_dtype:
-            fail(f"{name}: expected dtype {self.spec.model_dtype} (the CacheSpec's model_dtype), got {dtype_name(x)}")
-        _require_on(name, x, self._device)
-
     def _statics(self, layer: _Layer, k_scale: Any, v_scale: Any) -> tuple[Array | None, Array | None]:
-        mode = self.spec.mode
-        if not mode.per_tensor:
-            for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-                if s is not None:
-                    fail(
-                        f"{name}: not used by mode {mode.name!r} (only fp8_per_tensor takes a static scale); pass None"
-                    )
-            return None, None
+        # Floats become arrays once per layer (a graph replays the same tensor); anything else
+        # is the record's to check.
+        if not self.spec.mode.per_tensor:
+            return k_scale, v_scale
         like = layer.arrays[0]
         return layer.static("k_scale", k_scale, like), layer.static("v_scale", v_scale, like)
 
-    # A call whose own arguments have the metadata of one already checked for this layer
-    # (recall.call_key: everything the per-layer checks read of them but their addresses) goes
-    # from its arguments to the prepared launch, checking only what the addresses decide: that
-    # the arrays it writes meet none it reads, or none of the layer's caches it writes. That
-    # path is write's and attention's first lines, inlined: it is what every layer of every
-    # step runs, and each call or look-up it does not make is time the launch waits for.
-
-    def _launch(
-        self,
-        op: str,
-        impl: Implementation,
-        operands: tuple,
-        make_problem: Callable[[], Any],
-        layer: _Layer,
-        own: tuple,
-        keep: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Run one layer's call: through the launch `impl` prepared for operands of this
-        signature (dtypes, strides, alignment) where it has one, else through run. own: the
-        operands that are not the layer's caches (whose signature the layer keeps). keep:
-        where the call's checks passed on arguments handed on as given, what keeps the launch
-        for later calls of its recall key (a partial of _keep)."""
-        key = None
-        if impl.prepare is not None:
-            key = (op, layer.signatures[impl.array_kind], _registry.prepared_signature(own))
-            launch = self._prepared.get(key)
-            if launch is not None:
-                if keep is not None:
-                    keep(launch)
-                launch(operands)
-                return
-        problem = make_problem()
-        reasons = impl.problem_reasons(problem)
-        if not reasons:
-            if key is not None and key not in self._prepared:
-                # Prepared on the first layer that brings this signature; kept as None when
-                # impl does not prepare this problem, so later layers go straight to run.
-                launch = self._prepared[key] = impl.prepare(problem)
-                if launch is not None:
-                    if keep is not None:
-                        keep(launch)
-                    launch(operands)
-                    return
-            impl.run(problem)
-            return
-        if self._forced[op]:
-            raise NoImplementationError(f"impl={impl.name!r} cannot run this {op} call: " + "; ".join(reasons))
-        # The planned choice declines this layer's arrays (strides it cannot address): the
-        # functional API's path picks another, as a plain call would.
-        _run(op, problem, None)
-
-    def _keep(
-        self,
-        recall_key: tuple,
-        checked: Sequence[Array],
-        against: Sequence[tuple],
-        other: Array | None,
-        fixed: tuple,
-        tail: tuple,
-        launch: Any,
-    ) -> None:
-        """Keep `launch` for later calls of recall_key, with what they are checked by: the
-        spans of the arrays `checked` (the call's written arrays) and of `other` (the one it
-        reads), and the extents of `against` ((name, array, extent) each: the layer's and the
-        plan's arrays, whose addresses do not change). fixed, tail: the launch's other
-        operands (see _Recalled)."""
-        if recall_key in self._recalled:
-            return
-        if any(type(x) is not recall._TENSOR for x in (*checked, other) if x is not None):
-            # A recalled call reads its arguments' addresses with data_ptr() and hands them on
-            # as given: only a launch of torch tensors qualifies (Triton's; Numba's takes NumPy
-            # views of them, made per call, so its calls take the checked path).
-            return
-        spans = tuple(recall.span(x) for x in checked)
-        theirs = None if other is None else recall.span(other)
-        extents = [extent for _, _, extent in against if extent is not None]
-        refused = tuple(() if span is None else _refused_starts(span, extents) for span in spans)
-        # A checked array at address a meets the other at b when a + span[0] < b + theirs[1]
-        # and b + theirs[0] < a + span[1]: when a - b lies strictly between these two.
-        apart = tuple(
-            (0, 0) if span is None or theirs is None else (theirs[0] - span[1], theirs[1] - span[0]) for span in spans
-        )
-        entry = _Recalled(recall_key[-1], launch, fixed, tail, refused, apart)
-        recall.put_bounded(self._recalled, recall_key, entry, _MAX_RECALLED)
+    # A call whose own arguments have the metadata of one already bound for this layer goes
+    # from its arguments to the launch, checking only what the addresses decide: that the
+    # arrays it writes meet none it reads, or none of the layer's caches it writes. That path
+    # is write's and attention's first lines, inlined: it is what every layer of every step
+    # runs, and each call or look-up it does not make is time the launch waits for.
 
     def write(self, key: Array, value: Array, caches: Any, *, k_scale: Any = None, v_scale: Any = None) -> None:
         """Quantize key/value rows into their slots of this layer's cache (reshape_and_cache).
@@ -624,8 +532,7 @@ class StepPlan:
         (whose k_scale/v_scale serve fp8_per_tensor). k_scale, v_scale: fp8_per_tensor's static
         scales (float32 [1] arrays or floats). Reads no device data.
         """
-        impl = self.write_impl
-        if impl is None:
+        if self.write_impl is None:
             fail("slot_mapping: this plan was built without slot_mapping, so it cannot write")
         # A caches object this plan holds is a KVCacheTensors (no static scales of its own);
         # any other goes through _layer.
@@ -633,73 +540,31 @@ class StepPlan:
         k_from = v_from = None
         if held is None:
             held, k_from, v_from = self._layer(caches)
-        layer = held.layer
-        if not layer.write_checked:
-            layer.check_written()
         call = None
         if k_scale is None and v_scale is None and k_from is None and v_from is None:
-            call = recall.call_key((key, value))
-            # A call call_key declines (a tensor subclass) is checked in full, and never kept.
-            if call is not None:
-                entry = held.write
-                if entry is None or entry.call != call:
-                    entry = self._recalled.get(("w", id(layer), call))
-                if entry is not None:
-                    held.write = entry
-                    refused_key, refused_value = entry.refused
-                    # Read at these addresses, neither may meet the caches the call writes (a
-                    # refused start is at an odd index of its boundaries).
-                    if not (
-                        bisect_right(refused_key, key.data_ptr()) & 1
-                        or bisect_right(refused_value, value.data_ptr()) & 1
-                    ):
-                        entry.launch((key, value, *entry.fixed))
-                        return
-        shape = self._key_shape
-        require_array("key", key)
-        self._operand("key", key, shape, "[num_tokens, num_kv_heads, head_size]")
-        require_array("value", value)
-        self._operand("value", value, shape, "(same as key)")
+            call = launches.signature((key, value))
+            bound = held.write
+            # A call signature declines (a tensor subclass) is checked in full, and never bound.
+            if call is not None and bound is not None and bound.call == call:
+                refused_key, refused_value = bound.refused
+                # Read at these addresses, neither may meet the caches the call writes (a
+                # refused start is at an odd index of its boundaries).
+                if not (
+                    bisect_right(refused_key, key.data_ptr()) & 1 or bisect_right(refused_value, value.data_ptr()) & 1
+                ):
+                    c = bound.convert
+                    bound.launch((key, value, *bound.fixed) if c is None else (c(key), c(value), *bound.fixed))
+                    return
+        layer = held.layer
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
-        reads = [("key", key, memory.byte_extent(key)), ("value", value, memory.byte_extent(value)), self._slot_extent]
-        if ks is not None:
-            reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
-        for name, a, extent in layer.extents:
-            _refuse_overlap(name, a, extent, reads, "read")
-        kind = impl.array_kind
-        convert = as_numpy if kind == "numpy" else as_torch
-        kc, vc, ksc, vsc = layer.for_kind(kind)
-        own = (convert(key), convert(value), None if ks is None else convert(ks), None if vs is None else convert(vs))
-        operands = (own[0], own[1], kc, vc, self.slot_mapping, ksc, vsc, own[2], own[3])  # CacheWrite's order
-        keep = None
-        if call is not None and ks is None and own[0] is key and own[1] is value:
-            # Recalled calls hand their arguments on as given.
-            fixed = (kc, vc, self.slot_mapping, ksc, vsc, None, None)
-            recall_key = ("w", id(layer), call)
-            keep = functools.partial(self._keep, recall_key, (key, value), layer.extents, None, fixed, ())
-        self._launch(
-            "reshape_and_cache",
-            impl,
-            operands,
-            lambda: CacheWrite(
-                mode=self.spec.mode,
-                key=own[0],
-                value=own[1],
-                key_cache=kc,
-                value_cache=vc,
-                slot_mapping=self.slot_mapping,
-                k_scale_cache=ksc,
-                v_scale_cache=vsc,
-                k_scale=own[2],
-                v_scale=own[3],
-                rounding=self.spec.rounding,
-            ),
-            layer,
-            own,
-            keep,
-        )
+        kc, vc, ksc, vsc = layer.arrays
+        spec = self.spec
+        record = CacheWrite(key, value, kc, vc, self.slot_mapping, ksc, vsc, ks, vs, spec.mode, spec.rounding)
+        _, adapted, entry, launch = launches.run(record, self._impl[0], False, geometry=self._rows)
+        if call is not None and ks is None:
+            held.write = _bind(call, launch, entry.adapt, (key, value), layer.extents, None, adapted[2:], ())
 
     def attention(
         self,
@@ -725,21 +590,17 @@ class StepPlan:
         k_from = v_from = None
         if held is None:
             held, k_from, v_from = self._layer(caches)
-        layer = held.layer
         if self.workspace is not None:
             # The workspace is written by the call, the query read.
             require_array("query", query)
             _refuse_overlap("query", query, memory.byte_extent(query), self._meta_extents[-1:], "write")
         call = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
-            call = recall.call_key((query, out))
+            call = launches.signature((query, out))
             if call is not None:
                 call = (return_lse, call)
-                entry = held.attention
-                if entry is None or entry.call != call:
-                    entry = self._recalled.get(("a", id(layer), call))
-                if entry is not None:
-                    held.attention = entry
+                bound = held.attention
+                if bound is not None and bound.call == call:
                     if out is None:  # then nothing the call is given is written
                         # same_kind_empty's out (the query's shape, device and dtype, the
                         # model's), without parsing them again.
@@ -747,154 +608,63 @@ class StepPlan:
                         clear = True
                     else:
                         at = out.data_ptr()
-                        ((low, high),) = entry.apart
-                        clear = not (bisect_right(entry.refused[0], at) & 1 or low < at - query.data_ptr() < high)
+                        ((low, high),) = bound.apart
+                        clear = not (bisect_right(bound.refused[0], at) & 1 or low < at - query.data_ptr() < high)
                     if clear:
                         lse = (
                             torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
                             if return_lse
                             else None
                         )
-                        entry.launch((query, *entry.fixed, out, *entry.tail, lse))
+                        c = bound.convert
+                        if c is None:
+                            bound.launch((query, *bound.fixed, out, *bound.tail, lse))
+                        else:
+                            bound.launch((c(query), *bound.fixed, c(out), *bound.tail, None if lse is None else c(lse)))
                         return (out, lse) if return_lse else out
-        require_array("query", query)
-        num_tokens = self.num_tokens
-        if num_tokens is None:  # planned without reading query_start_loc: rows as they come
-            num_tokens = int(query.shape[0]) if len(query.shape) else 0
-        shape = (num_tokens, *self._query_tail)
-        self._operand("query", query, shape, "[num_tokens, num_q_heads, head_size]")
-        own_reads = []  # what the call brings besides the query: the plan checked its own
-        if sinks is None:
-            sinks = self.sinks
-        else:
-            check_sinks(sinks, self.num_q_heads)
-            _require_on("sinks", sinks, self._device)
-            own_reads.append(("sinks", sinks, memory.byte_extent(sinks)))
+        layer = held.layer
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
-        if ks is not None:
-            own_reads += [("k_scale", ks, memory.byte_extent(ks)), ("v_scale", vs, memory.byte_extent(vs))]
-        if self.workspace is not None:
-            _refuse_overlap("workspace", self.workspace, self._meta_extents[-1][2], own_reads, "read")
-        reads = [("query", query, memory.byte_extent(query)), *layer.extents, *self._meta_extents, *own_reads]
-        given_out = out
-        if out is None:
-            out = same_kind_empty(query, shape, self.spec.model_dtype)
-        else:
-            require_array("out", out)
-            self._operand("out", out, shape, "(same as query)")
-            require_writable("out", out)
-            if memory.self_overlap(out):
-                fail(
-                    f"out: elements overlap one another (a stride-0 or overlapping view, shape {tuple(out.shape)}); "
-                    "a written array needs one address per element"
-                )
-            _refuse_overlap("out", out, memory.byte_extent(out), reads, "read")
-        given_lse = lse is not None
-        lse = lse_output(lse, return_lse, query, num_tokens, self.num_q_heads)
-        if given_lse:
-            _require_on("lse", lse, self._device)
-            if memory.self_overlap(lse):
-                fail(
-                    f"lse: elements overlap one another (a stride-0 or overlapping view, shape {tuple(lse.shape)}); "
-                    "a written array needs one address per element"
-                )
-            _refuse_overlap("lse", lse, memory.byte_extent(lse), reads, "read")
-            _refuse_overlap("lse", lse, memory.byte_extent(lse), [("out", out, memory.byte_extent(out))], "write")
-        if num_tokens == 0:
-            return (out, lse) if return_lse else out
-        impl = self.attention_impl
-        kind = impl.array_kind
-        convert = as_numpy if kind == "numpy" else as_torch
-        kc, vc, ksc, vsc = layer.for_kind(kind)
-        if sinks is not None and sinks is not self.sinks:
-            sinks = convert(sinks)
-            if impl.index_strides == "unit":
-                sinks = unit_index_strides(_Sinks(sinks)).sinks
-        own = (
-            convert(query),
-            None if ks is None else convert(ks),
-            None if vs is None else convert(vs),
-            sinks,
-            convert(out),
-            None if lse is None else convert(lse),
-        )
-        # Attention.operand_names() order; the metadata is the plan's own.
-        operands = (
-            own[0],
+        kc, vc, ksc, vsc = layer.arrays
+        if sinks is None:
+            sinks = self.sinks
+        rows = self._queries
+        if rows.rows[0] is None:  # planned without reading query_start_loc: rows as they come
+            rows = rows._replace(rows=(query.shape[0] if len(query.shape) else 0, *rows.rows[1:]))
+        record = Attention(
+            query,
             kc,
             vc,
             self.block_tables,
             self.seq_lens,
             self.query_start_loc,
-            own[4],
+            out,
             ksc,
             vsc,
-            own[1],
-            own[2],
-            own[3],
-            own[5],
+            ks,
+            vs,
+            sinks,
+            lse,
+            self.spec.mode,
+            self.softmax_scale,
+            self.sliding_window,
+            self.softcap,
+            self.max_query_len,
+            self.max_seq_len,
+            self.num_prefills,
+            self.batch_invariant,
+            self.quantize_query,
+            self.fp8_dots,
+            return_lse,
         )
-
-        def problem() -> Attention:
-            return Attention(
-                mode=self.spec.mode,
-                query=operands[0],
-                key_cache=kc,
-                value_cache=vc,
-                block_tables=self.block_tables,
-                seq_lens=self.seq_lens,
-                query_start_loc=self.query_start_loc,
-                out=own[4],
-                max_query_len=self.max_query_len,
-                max_seq_len=self.max_seq_len,
-                softmax_scale=self.softmax_scale,
-                k_scale_cache=ksc,
-                v_scale_cache=vsc,
-                k_scale=own[1],
-                v_scale=own[2],
-                sliding_window=self.sliding_window,
-                softcap=self.softcap,
-                sinks=sinks,
-                batch_invariant=self.batch_invariant,
-                quantize_query=self.quantize_query,
-                fp8_dots=self.fp8_dots,
-                num_prefills=self.num_prefills,
-                lse=own[5],
-            )
-
-        if lse is not None and "return_lse" not in impl.capabilities.options:
-            # Planned without lse: an implementation that does not write it is not used for it.
-            if self._forced["paged_attention"]:
-                raise NoImplementationError(
-                    f"impl={impl.name!r} cannot run this paged_attention call: {impl.name}: does not take return_lse"
-                )
-            _run("paged_attention", problem(), None)
-        else:
-            keep = None
-            if call is not None and sinks is self.sinks and own[0] is query and own[4] is out and own[5] is lse:
-                # Recalled calls hand their arguments on as given. A given out is checked on
-                # recall against the caches, the metadata and the query.
-                checked, against = (
-                    ((given_out,), (*layer.extents, *self._meta_extents)) if given_out is not None else ((), ())
-                )
-                fixed = (kc, vc, self.block_tables, self.seq_lens, self.query_start_loc)
-                tail = (ksc, vsc, None, None, self.sinks)
-                recall_key = ("a", id(layer), call)
-                keep = functools.partial(self._keep, recall_key, checked, against, query, fixed, tail)
-            self._launch("paged_attention", impl, operands, problem, layer, own, keep)
+        operands, adapted, entry, launch = launches.run(record, self._impl[1], False, geometry=rows)
+        out, lse = operands[6], operands[12]
+        if call is not None and entry is not None and ks is None:
+            # A given out is checked on later calls against the caches, the metadata and the query.
+            checked, against = ((out,), (*layer.extents, *self._meta_extents)) if call[1][1] is not None else ((), ())
+            held.attention = _bind(call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12])
         return (out, lse) if return_lse else out
-
-
-@dataclass(frozen=True)
-class _Sinks:
-    # unit_index_strides takes a problem; a per-layer sinks override is the one index tensor left.
-    sinks: Array
-    INDICES = ("sinks",)
-
-    def replace(self, **changes: Any) -> _Sinks:
-        return dataclasses.replace(self, **changes)
 
 
 def plan_step(
@@ -975,16 +745,15 @@ def plan_step(
     num_q_heads = int_scalar("num_q_heads", num_q_heads, 1)
     if num_q_heads % spec.num_kv_heads:
         fail(f"num_q_heads: {num_q_heads} must be a multiple of the cache's num_kv_heads {spec.num_kv_heads}")
-    num_seqs = check_query_start_loc_shape(query_start_loc, seq_lens)
-    require_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    num_seqs = check_query_start_loc(query_start_loc, seq_lens)
+    check_block_tables(block_tables, seq_lens, spec.block_size)
     softmax_scale, sliding_window, softcap = attention_scalars(
         spec.head_size, int(block_tables.shape[1]) * spec.block_size, softmax_scale, sliding_window, softcap
     )
     if sinks is not None:
         check_sinks(sinks, num_q_heads)
     if slot_mapping is not None:
-        require_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-        require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+        check_slot_mapping(slot_mapping)
     named = {
         "block_tables": block_tables,
         "seq_lens": seq_lens,
@@ -1000,7 +769,8 @@ def plan_step(
             fail(f"block_tables: on {device}, the CacheSpec's device is {spec.device}")
     elif device != CPU_DEVICE:
         fail(f"block_tables: on {device}, the CacheSpec's device is None (NumPy arrays, on the CPU)")
-    lens_read = check_block_tables(block_tables, seq_lens, spec.num_blocks, spec.block_size, validate)
+    given = check_bounds((max_query_len, max_seq_len, num_prefills), int(seq_lens.shape[0]))
+    lens_read = block_table_values(block_tables, seq_lens, spec.num_blocks, spec.block_size) if validate else None
     if validate and slot_mapping is not None:
         check_slot_values(slot_mapping, spec.num_blocks, spec.block_size)
     max_query_len, max_seq_len, num_prefills, num_tokens = attention_bounds(
@@ -1008,9 +778,7 @@ def plan_step(
         seq_lens,
         None,
         validate,
-        max_query_len,
-        max_seq_len,
-        num_prefills,
+        given,
         table=(int(block_tables.shape[1]), spec.block_size),
         keep_given=True,
         lens_read=lens_read,
@@ -1027,10 +795,7 @@ def plan_step(
     plan.max_query_len, plan.max_seq_len, plan.num_prefills = max_query_len, max_seq_len, num_prefills
     plan.num_tokens = num_tokens
     plan._layers = {}
-    plan._prepared = {}  # (op, operand signature) -> the implementation's prepared launch, or None
-    plan._recalled = {}  # see StepPlan._keep
-    plan._forced = {op: _impl_for(impl, op) is not None for op in ("reshape_and_cache", "paged_attention")}
-    plan._query_tail = (num_q_heads, spec.head_size)
+    plan._queries = Geometry((num_tokens, num_q_heads, spec.head_size), spec.model_dtype, device)
 
     # The implementations, chosen on stand-ins of this spec's layers (the registry looks at
     # shapes, dtypes, devices and options, not at values).
@@ -1039,30 +804,32 @@ def plan_step(
     kc, sc = _stand_in_caches(block_tables, spec)
     static = _stand_in(block_tables, (1,), "float32") if mode.per_tensor else None
     stand_in = Attention(
-        mode=mode,
-        query=_stand_in(block_tables, (max(num_tokens or 0, 1), num_q_heads, spec.head_size), dtype),
-        key_cache=kc,
-        value_cache=kc,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        out=_stand_in(block_tables, (1, num_q_heads, spec.head_size), dtype),
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        softmax_scale=softmax_scale,
-        k_scale_cache=sc,
-        v_scale_cache=sc,
-        k_scale=static,
-        v_scale=static,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        batch_invariant=plan.batch_invariant,
-        quantize_query=plan.quantize_query,
-        fp8_dots=plan.fp8_dots,
-        num_prefills=num_prefills,
+        _stand_in(block_tables, (max(num_tokens or 0, 1), num_q_heads, spec.head_size), dtype),
+        kc,
+        kc,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        _stand_in(block_tables, (1, num_q_heads, spec.head_size), dtype),
+        sc,
+        sc,
+        static,
+        static,
+        sinks,
+        None,
+        mode,
+        softmax_scale,
+        sliding_window,
+        softcap,
+        max_query_len,
+        max_seq_len,
+        num_prefills,
+        plan.batch_invariant,
+        plan.quantize_query,
+        plan.fp8_dots,
     )
-    plan.attention_impl = chosen = reg.select(stand_in, "paged_attention", _impl_for(impl, "paged_attention"))
+    attention_choice = _impl_for(impl, "paged_attention")
+    plan.attention_impl = chosen = reg.select(stand_in, "paged_attention", attention_choice)
     meta = _for_impl(chosen, stand_in)
     plan.block_tables, plan.seq_lens, plan.query_start_loc = meta.block_tables, meta.seq_lens, meta.query_start_loc
     plan.sinks = meta.sinks
@@ -1082,50 +849,36 @@ def plan_step(
         _check_workspace(workspace, plan.workspace_bytes, device, plan._meta_extents)
         plan.workspace = workspace
         if chosen.workspace_bytes is not None:
-            plan.attention_impl = chosen.with_options(workspace=workspace)
+            # The calls run on the implementation made for this buffer (their own table entries).
+            plan.attention_impl = attention_choice = chosen.with_options(workspace=workspace)
         plan._meta_extents += (("workspace", workspace, memory.byte_extent(workspace)),)
 
-    plan.write_impl = plan.slot_mapping = plan._slot_extent = None
+    plan.write_impl = plan.slot_mapping = plan._rows = None
+    write_choice = _impl_for(impl, "reshape_and_cache")
     if slot_mapping is not None:
         tokens = int(slot_mapping.shape[0])
-        plan._key_shape = (tokens, spec.num_kv_heads, spec.head_size)
-        row = _stand_in(block_tables, plan._key_shape, dtype)
-        write = CacheWrite(
-            mode=mode,
-            key=row,
-            value=row,
-            key_cache=kc,
-            value_cache=kc,
-            slot_mapping=slot_mapping,
-            k_scale_cache=sc,
-            v_scale_cache=sc,
-            k_scale=static,
-            v_scale=static,
-            rounding=spec.rounding,
-        )
-        plan.write_impl = chosen = reg.select(write, "reshape_and_cache", _impl_for(impl, "reshape_and_cache"))
-        plan.slot_mapping = slots = _for_impl(chosen, write).slot_mapping
-        plan._slot_extent = ("slot_mapping", slots, memory.byte_extent(slots))
+        plan._rows = Geometry((tokens, spec.num_kv_heads, spec.head_size), dtype, device)
+        row = _stand_in(block_tables, (tokens, spec.num_kv_heads, spec.head_size), dtype)
+        write = CacheWrite(row, row, kc, kc, slot_mapping, sc, sc, static, static, mode, spec.rounding)
+        plan.write_impl = chosen = reg.select(write, "reshape_and_cache", write_choice)
+        plan.slot_mapping = _for_impl(chosen, write).slot_mapping
+    plan._impl = (write_choice, attention_choice)
     return plan
-
-
-def _require_on(name: str, x: Array, device: Any) -> None:
-    if device_of(x) != device:
-        fail(f"{name}: on {device_of(x)}, the plan's tensors are on {device}")
 
 
 def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
     require_workspace(workspace)
-    _require_on("workspace", workspace, device)
+    if device_of(workspace) != device:
+        fail(f"workspace: on {device_of(workspace)}, the plan's tensors are on {device}")
     if workspace.numel() < need:
         fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
     _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")
 
 
-def _for_impl(impl: Implementation, problem: Any) -> Any:
-    """The problem's index tensors as `impl` reads them: its array kind, unit strides if it
+def _for_impl(impl: Implementation, record: Any) -> Any:
+    """The record's index tensors as `impl` reads them: its array kind, unit strides if it
     needs them (one copy now, none per layer)."""
     convert = as_numpy if impl.array_kind == "numpy" else as_torch
-    changes = {name: convert(getattr(problem, name)) for name in problem.INDICES if getattr(problem, name) is not None}
-    problem = problem.replace(**changes)
-    return unit_index_strides(problem) if impl.index_strides == "unit" else problem
+    changes = {name: convert(getattr(record, name)) for name in record.INDICES if getattr(record, name) is not None}
+    record = record.replace(**changes)
+    return launches.unit_index_strides(record) if impl.index_strides == "unit" else record

@@ -1,18 +1,20 @@
-"""The inputs of each operation, as one record per call.
+"""The call records: one per operation (CacheWrite, Attention, Dequantize), holding a call's
+arguments once, from the public call to the implementation that runs it.
 
-The public API validates the user's arguments and builds one of these; the registry asks each
-implementation whether it takes the problem; the chosen implementation receives it with its
-arrays converted to the kind it works on (NumPy or torch; see Implementation.array_kind).
+A record's fields are the operation's arrays, in the order a prepared launch takes them
+(`operand_names()`), then its mode and options. The public API fills one from its arguments
+as given, where None may stand for a default, a mode for its name, a float for a static scale
+and raw bytes (uint8) for a cache; kvzoo.calls checks it and returns it normalised: every
+default filled in, a QuantMode, arrays throughout, caches viewed as their codes. That checked
+record is what the registry asks each implementation about and what the chosen one receives,
+with its arrays converted to the kind it works on (NumPy or torch; Implementation.array_kind).
 All array fields are views of the caller's storage: writes land in the caller's cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, NamedTuple
 
 from .modes import QuantMode
 
@@ -21,74 +23,79 @@ Array = Any  # torch.Tensor or numpy.ndarray
 OPS: tuple[str, ...] = ("reshape_and_cache", "dequantize", "paged_attention")
 
 
-@functools.cache
-def _array_field_names(cls: type) -> tuple[str, ...]:
-    # Array fields are the ones annotated Array (possibly | None); the rest are host values.
-    return tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Array"))
+class _Record:
+    """What every record answers about itself (the fields are its NamedTuple's)."""
 
-
-@functools.cache
-def _host_field_names(cls: type) -> tuple[str, ...]:
-    array_fields = _array_field_names(cls)
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in array_fields)
-
-
-@dataclass(frozen=True)
-class _Problem:
-    mode: QuantMode
-    # Array fields the operation writes, and its index tensors (kvzoo_spec/SPEC.md section 11:
-    # written arrays may alias nothing; index tensors may have any strides).
-    WRITTEN: ClassVar[tuple[str, ...]] = ()
-    INDICES: ClassVar[tuple[str, ...]] = ()
+    __slots__ = ()
+    # The operation, its array fields in operand order, the ones it writes and its index tensors
+    # (kvzoo_spec/SPEC.md section 11: written arrays may alias nothing; index tensors may have
+    # any strides). The arrays are the record's first len(ARRAYS) fields.
+    OP: str
+    ARRAYS: tuple[str, ...]
+    WRITTEN: tuple[str, ...]
+    INDICES: tuple[str, ...]
 
     @property
     def device(self) -> str:
         from .arrays import device_type
 
-        return device_type(self._device_array())
-
-    def _device_array(self) -> Array:
-        raise NotImplementedError
+        return device_type(getattr(self, self.ARRAYS[0]))
 
     def array_fields(self) -> tuple[str, ...]:
         """Names of the fields that hold arrays (leaving out optional ones that are None)."""
-        return tuple(n for n in _array_field_names(type(self)) if getattr(self, n) is not None)
+        return tuple(n for n, x in zip(self.ARRAYS, self) if x is not None)
 
     @classmethod
     def operand_names(cls) -> tuple[str, ...]:
         """Every array field, absent ones included, in declaration order: the order a prepared
-        launch (Implementation.prepare) takes a problem's arrays in."""
-        return _array_field_names(cls)
+        launch (Implementation.prepare) takes a record's arrays in."""
+        return cls.ARRAYS
 
     def operands(self) -> tuple[Array | None, ...]:
-        return tuple(getattr(self, name) for name in _array_field_names(type(self)))
+        return self[: len(self.ARRAYS)]
 
     @classmethod
     def host_field_names(cls) -> tuple[str, ...]:
-        return _host_field_names(cls)
+        return cls._fields[len(cls.ARRAYS) :]
 
     def host_fields(self) -> tuple:
         """The values of every field that is not an array (mode, bounds, options)."""
-        return tuple(getattr(self, name) for name in _host_field_names(type(self)))
+        return self[len(self.ARRAYS) :]
 
-    def replace(self, **changes: Any) -> _Problem:
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Any) -> Any:
+        return self._replace(**changes)
 
-    def map_arrays(self, convert: Callable[[Array], Array]) -> _Problem:
-        """The same problem with every array field passed through `convert` (self when that
+    def with_operands(self, operands: tuple) -> Any:
+        """The same record with these arrays (in operand order)."""
+        return tuple.__new__(type(self), (*operands, *self[len(self.ARRAYS) :]))
+
+    def map_arrays(self, convert: Callable[[Array], Array]) -> Any:
+        """The same record with every array field passed through `convert` (self when that
         changes nothing: the common case, paid on every call)."""
         from .arrays import is_array
 
-        changes = {}
-        for name in _array_field_names(type(self)):
-            value = getattr(self, name)
-            if is_array(value) and (converted := convert(value)) is not value:
-                changes[name] = converted
-        return dataclasses.replace(self, **changes) if changes else self
+        arrays = self[: len(self.ARRAYS)]
+        converted = tuple(convert(x) if is_array(x) else x for x in arrays)
+        if all(a is b for a, b in zip(arrays, converted)):
+            return self
+        return self.with_operands(converted)
 
 
-@dataclass(frozen=True)
-class CacheWrite(_Problem):
+class _CacheWrite(NamedTuple):
+    key: Array
+    value: Array
+    key_cache: Array
+    value_cache: Array
+    slot_mapping: Array
+    k_scale_cache: Array | None = None
+    v_scale_cache: Array | None = None
+    k_scale: Array | float | None = None
+    v_scale: Array | float | None = None
+    mode: QuantMode | str | None = None
+    rounding: str = "nearest"
+
+
+class CacheWrite(_CacheWrite, _Record):
     """reshape_and_cache: quantize key/value rows [T, Hkv, D] into slots of the paged cache.
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] (codes, or model dtype for
@@ -97,22 +104,17 @@ class CacheWrite(_Problem):
     the per-tensor modes, else None. slot_mapping: [T] int32/int64; negative means skip.
     """
 
-    key: Array
-    value: Array
-    key_cache: Array
-    value_cache: Array
-    slot_mapping: Array
-    k_scale_cache: Array | None = None
-    v_scale_cache: Array | None = None
-    k_scale: Array | None = None
-    v_scale: Array | None = None
-    rounding: str = "nearest"
-
+    __slots__ = ()
+    OP = "reshape_and_cache"
+    ARRAYS = _CacheWrite._fields[:9]
     WRITTEN = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
     INDICES = ("slot_mapping",)
 
-    def _device_array(self) -> Array:
-        return self.key_cache
+    @property
+    def device(self) -> str:
+        from .arrays import device_type
+
+        return device_type(self.key_cache)
 
     @property
     def num_tokens(self) -> int:
@@ -131,8 +133,18 @@ class CacheWrite(_Problem):
         return int(self.key_cache.shape[1])
 
 
-@dataclass(frozen=True)
-class Dequantize(_Problem):
+class _Dequantize(NamedTuple):
+    cache: Array
+    block_tables: Array | None = None
+    seq_lens: Array | None = None
+    cu_seq_lens: Array | None = None
+    out: Array | None = None
+    scale_cache: Array | None = None
+    scale: Array | float | None = None
+    mode: QuantMode | str | None = None
+
+
+class Dequantize(_Dequantize, _Record):
     """dequantize: gather the tokens of sequences and decode them to float32.
 
     cache: [num_blocks, block_size, H, D]; scale_cache: [num_blocks, block_size, H] float32
@@ -140,29 +152,55 @@ class Dequantize(_Problem):
     block_tables: [S, max_blocks] int32; seq_lens: [S] int32; cu_seq_lens: [S+1] int32/64,
     the prefix sums of seq_lens (token offsets of each sequence in `out`).
     out: [total_tokens, H, D] float32, written by the implementation.
+    As called, block_tables and seq_lens None mean the whole cache; the check fills in the
+    rest (cu_seq_lens and out follow from the lengths).
     """
 
-    cache: Array
-    block_tables: Array
-    seq_lens: Array
-    cu_seq_lens: Array
-    out: Array
-    scale_cache: Array | None = None
-    scale: Array | None = None
-
+    __slots__ = ()
+    OP = "dequantize"
+    ARRAYS = _Dequantize._fields[:7]
     WRITTEN = ("out",)
     INDICES = ("block_tables", "seq_lens", "cu_seq_lens")
-
-    def _device_array(self) -> Array:
-        return self.cache
 
     @property
     def head_size(self) -> int:
         return int(self.out.shape[2])
 
 
-@dataclass(frozen=True)
-class Attention(_Problem):
+class _Attention(NamedTuple):
+    query: Array
+    key_cache: Array
+    value_cache: Array
+    block_tables: Array
+    seq_lens: Array
+    query_start_loc: Array
+    out: Array | None = None
+    k_scale_cache: Array | None = None
+    v_scale_cache: Array | None = None
+    k_scale: Array | float | None = None
+    v_scale: Array | float | None = None
+    sinks: Array | None = None
+    lse: Array | None = None
+    mode: QuantMode | str | None = None
+    softmax_scale: float | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
+    num_prefills: int | None = None
+    # Bits of one sequence's output must not depend on the rest of the batch.
+    batch_invariant: bool = False
+    # int8 caches only: each query row (token, head) is replaced by its int8 per-token-head
+    # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
+    quantize_query: bool = False
+    # fp8 e4m3 per-token-head caches only: the query rows and the probabilities quantized to
+    # e4m3, so both dot products can run on fp8 tensor cores (SPEC.md section 8.3).
+    fp8_dots: bool = False
+    # As called: whether lse is written (allocated when not given). Checked: lse is not None.
+    return_lse: bool = False
+
+
+class Attention(_Attention, _Record):
     """paged_attention over a varlen batch mixing prefill and decode.
 
     query: [T, Hq, D]; key_cache / value_cache: [num_blocks, block_size, Hkv, D];
@@ -179,39 +217,11 @@ class Attention(_Problem):
     keys at positions p <= that (and > that - sliding_window when a window is set).
     """
 
-    query: Array
-    key_cache: Array
-    value_cache: Array
-    block_tables: Array
-    seq_lens: Array
-    query_start_loc: Array
-    out: Array
-    max_query_len: int
-    max_seq_len: int
-    softmax_scale: float
-    k_scale_cache: Array | None = None
-    v_scale_cache: Array | None = None
-    k_scale: Array | None = None
-    v_scale: Array | None = None
-    sliding_window: int | None = None
-    softcap: float | None = None
-    sinks: Array | None = None
-    # Bits of one sequence's output must not depend on the rest of the batch.
-    batch_invariant: bool = False
-    # int8 caches only: each query row (token, head) is replaced by its int8 per-token-head
-    # round trip before QK^T (SPEC.md section 8.1), so QK^T can run on int8 tensor cores.
-    quantize_query: bool = False
-    # fp8 e4m3 per-token-head caches only: the query rows and the probabilities quantized to
-    # e4m3, so both dot products can run on fp8 tensor cores (SPEC.md section 8.3).
-    fp8_dots: bool = False
-    num_prefills: int | None = None
-    lse: Array | None = None
-
+    __slots__ = ()
+    OP = "paged_attention"
+    ARRAYS = _Attention._fields[:13]
     WRITTEN = ("out", "lse")
     INDICES = ("block_tables", "seq_lens", "query_start_loc", "sinks")
-
-    def _device_array(self) -> Array:
-        return self.query
 
     @property
     def quantizes_query(self) -> bool:
@@ -238,3 +248,6 @@ class Attention(_Problem):
     @property
     def block_size(self) -> int:
         return int(self.key_cache.shape[1])
+
+
+RECORDS: dict[str, type] = {r.OP: r for r in (CacheWrite, Dequantize, Attention)}

@@ -3,11 +3,11 @@
 The conformance suite, the backend tests and bench/ all draw their inputs here, so what "a
 random paged batch" means (scattered pages, realistic codes, sequences ending mid-block) is
 decided once. Every draw comes from the NumPy Generator the caller passes: seed it with
-kvzoo.conformance.inputs.rng_for, which derives it from the session seed, and a failure replays
+kvzoo.inputs.rng_for, which derives it from the session seed, and a failure replays
 with KVZOO_SEED. The only torch generator (fill="torch", for caches too big to draw on the host)
 is seeded from that Generator too.
 
-    >>> from kvzoo.conformance.inputs import rng_for
+    >>> from kvzoo.inputs import rng_for
     >>> s = paged_sample(rng_for("doc"), "int8_per_token_head", batch="decode", num_q_heads=4,
     ...                  num_kv_heads=2, head_size=16, block_size=4)
     >>> ref = s.reference()                    # float64 oracle on the same quantized cache
@@ -26,7 +26,7 @@ import numpy as np
 from kvzoo_spec import oracle
 
 from .arrays import as_numpy, as_torch, is_torch, numpy_dtype, torch_dtype
-from .conformance.inputs import SEED, make_rows, random_bytes, tensor
+from .inputs import SEED, assert_same_bytes, make_rows, random_bytes, tensor
 from .layout import (
     SCALE_BYTES,
     KVCacheTensors,
@@ -908,8 +908,6 @@ class WriteSample:
         )
 
     def assert_guard_unchanged(self, what: str) -> None:
-        from .conformance.inputs import assert_same_bytes
-
         for got, want in zip(self.cache_arrays(self.padded), self.guard):
             if want is not None:
                 assert_same_bytes(got[self.num_blocks :], want, f"{what} wrote past the end of the cache")
@@ -988,7 +986,7 @@ def write_sample(
 ) -> WriteSample:
     """A random reshape_and_cache problem.
 
-    Rows come from kvzoo.conformance.inputs.make_rows by `dist` (or are given as float32
+    Rows come from kvzoo.inputs.make_rows by `dist` (or are given as float32
     key32/value32, exactly representable in dtype), as plain arrays or (strided) views into a
     fused QKV-like buffer; slots from write_slots; the caches hold random bytes (poison) or
     zeros, with guard_blocks more blocks after the num_blocks given to the API (default

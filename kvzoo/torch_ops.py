@@ -48,17 +48,21 @@ functionalized write) hand the op the caches themselves and hit, once per layer
 """
 
 import contextlib
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from . import api
+from . import calls, launches
 from .errors import fail
 from .layout import KVCacheTensors
 from .modes import QuantMode
 from .plan import StepPlan
+from .problem import Attention, CacheWrite
+from .registry import Implementation
 from .validate import float32_scalar, require_array
 
 __all__ = [
@@ -79,19 +83,6 @@ DEVICE_TYPES = ("cpu", "cuda")
 _WRITE_MUTATES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
 
 
-def _registered(name: str) -> bool:
-    # A second execution of this module (importlib.reload, or a copy imported under another
-    # name) must not define the ops again: torch refuses a second definition of a name.
-    return hasattr(torch.ops.kvzoo, name)
-
-
-def _check(cond: bool, message: str) -> None:
-    # The fake kernels see metadata only; refusing what the real call would refuse on shapes
-    # alone makes a bad call fail while tracing, with kvzoo's error, not later on the device.
-    if not cond:
-        fail(message)
-
-
 def _refuse_real_call(**named: torch.Tensor | None) -> None:
     """A fake kernel runs for two reasons: tracing (every tensor fake, or every one on meta) and
     a real call with one argument on meta, which the dispatcher routes here by that argument's
@@ -104,256 +95,99 @@ def _refuse_real_call(**named: torch.Tensor | None) -> None:
             require_array(name, t)
 
 
-def _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache) -> None:
-    _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
-    _check(
-        slot_mapping.shape == key.shape[:1],
-        f"slot_mapping: expected [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}",
-    )
+def _write_record(a: dict) -> CacheWrite:
+    """The op's arguments (its schema's names) as the functional call's record."""
+    return CacheWrite(
+        a["key"], a["value"], a["key_cache"], a["value_cache"], a["slot_mapping"], a["k_scale_cache"],
+        a["v_scale_cache"], a["k_scale"], a["v_scale"], a["kv_cache_dtype"], a["rounding"],
+    )  # fmt: skip
 
 
-def _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache) -> None:
-    _check(key.dim() == 3, f"key: expected [num_tokens, num_kv_heads, head_size], got {key.dim()} dims")
-    _check(value.shape == key.shape, f"value: shape {tuple(value.shape)} != key's {tuple(key.shape)}")
-    _check(value.dtype == key.dtype, f"value: dtype {value.dtype} != key's {key.dtype}")
-    _check(
-        key_cache.dim() == 4,
-        f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], got {key_cache.dim()} dims",
-    )
-    _check(
-        value_cache.shape == key_cache.shape,
-        f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}",
-    )
-    # head_size is not compared: a packed mode's cache rows need not be head_size wide.
-    _check(key_cache.shape[2] == key.shape[1], f"key_cache: num_kv_heads {key_cache.shape[2]} != key's {key.shape[1]}")
-    _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
+def _attention_record(a: dict) -> Attention:
+    return Attention(
+        a["query"], a["key_cache"], a["value_cache"], a["block_tables"], a["seq_lens"], a["query_start_loc"],
+        a["out"], a["k_scale_cache"], a["v_scale_cache"], a["k_scale"], a["v_scale"], a["sinks"], a["lse"],
+        a["kv_cache_dtype"], a["softmax_scale"], a["sliding_window"], a["softcap"], a["max_query_len"],
+        a["max_seq_len"], a["num_prefills"], a["batch_invariant"], a["quantize_query"], a["fp8_dots"],
+        a["lse"] is not None,
+    )  # fmt: skip
 
 
-def _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache) -> None:
-    for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
-        if sc is not None:
-            _check(
-                sc.shape == key_cache.shape[:3],
-                f"{name}: expected [num_blocks, block_size, num_kv_heads], got {tuple(sc.shape)}",
-            )
+def _define(name: str, mutates: tuple[str, ...], kernel: Any, check: Any) -> None:
+    """Define torch.ops.kvzoo.<name> (once per process: a second execution of this module, by
+    importlib.reload or under another name, must not define it again) with `kernel` as its
+    real implementation and, as its fake one, `check` of its arguments by name: the metadata
+    tier of the call's record (kvzoo.calls), which reads no data, so a bad call fails while
+    tracing, with kvzoo's error, not later on the device."""
+    if hasattr(torch.ops.kvzoo, name):
+        return
+    op = torch.library.custom_op(f"kvzoo::{name}", mutates_args=mutates, device_types=DEVICE_TYPES)(kernel)
+    parameters = inspect.signature(kernel)
+
+    @op.register_fake
+    def _fake(*args: Any, **kwargs: Any) -> None:
+        bound = parameters.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = bound.arguments
+        _refuse_real_call(**{n: x for n, x in named.items() if isinstance(x, torch.Tensor)})
+        check(named)
 
 
-def _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
-    _check_query_meta(out, query, key_cache, value_cache)
-    _check(
-        block_tables.dim() == 2, f"block_tables: expected [num_seqs, max_blocks_per_seq], got {block_tables.dim()} dims"
-    )
-    _check(
-        seq_lens.shape == block_tables.shape[:1],
-        f"seq_lens: expected [num_seqs={block_tables.shape[0]}], got {tuple(seq_lens.shape)}",
-    )
-    _check(
-        query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
-        f"query_start_loc: expected [num_seqs + 1], got {tuple(query_start_loc.shape)}",
-    )
+# Every argument up to `rounding` has no default so the schema reads in the order an engine
+# passes them; the trailing ones default to the functional API's defaults.
+def _reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kv_cache_dtype: str,
+    rounding: str,
+    validate: bool = True,
+    impl: str | None = None,
+) -> None:
+    launches.run(_write_record(locals()), impl, validate)
 
 
-def _check_lse_meta(lse, query) -> None:
-    if lse is not None:
-        _check(
-            lse.shape == query.shape[:2],
-            f"lse: expected [num_tokens, num_q_heads] {tuple(query.shape[:2])}, got {tuple(lse.shape)}",
-        )
-        _check(lse.dtype == torch.float32, f"lse: expected dtype torch.float32, got {lse.dtype}")
-        _check(lse.device == query.device, f"lse: on {lse.device}, query on {query.device}")
+# lse is a mutated argument without a default, before the defaulted ones: torch 2.11's
+# in-place bookkeeping indexes mutated arguments by schema position among those passed, so a
+# defaulted mutated argument left out of a call fails there (torch 2.13 copes).
+def _paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    kv_cache_dtype: str,
+    softmax_scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_query_len: int | None,
+    max_seq_len: int | None,
+    batch_invariant: bool,
+    quantize_query: bool,
+    fp8_dots: bool,
+    lse: torch.Tensor | None,
+    num_prefills: int | None = None,
+    validate: bool = True,
+    impl: str | None = None,
+) -> None:
+    launches.run(_attention_record(locals()), impl, validate)
 
 
-def _check_query_meta(out, query, key_cache, value_cache) -> None:
-    _check(query.dim() == 3, f"query: expected [num_tokens, num_q_heads, head_size], got {query.dim()} dims")
-    _check(out.shape == query.shape, f"out: shape {tuple(out.shape)} != query's {tuple(query.shape)}")
-    _check(out.dtype == query.dtype, f"out: dtype {out.dtype} != query's {query.dtype}")
-    _check(
-        key_cache.dim() == 4,
-        f"key_cache: expected [num_blocks, block_size, num_kv_heads, head_size], got {key_cache.dim()} dims",
-    )
-    _check(
-        value_cache.shape == key_cache.shape,
-        f"value_cache: shape {tuple(value_cache.shape)} != key_cache's {tuple(key_cache.shape)}",
-    )
-
-
-def _define_reshape_and_cache() -> None:
-    # Every argument up to `rounding` has no default so the schema reads in the order an
-    # engine passes them; the trailing ones default to the functional API's defaults.
-    @torch.library.custom_op("kvzoo::reshape_and_cache", mutates_args=_WRITE_MUTATES, device_types=DEVICE_TYPES)
-    def _op(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale_cache: torch.Tensor | None,
-        v_scale_cache: torch.Tensor | None,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        kv_cache_dtype: str,
-        rounding: str,
-        validate: bool = True,
-        impl: str | None = None,
-    ) -> None:
-        api.reshape_and_cache(
-            key,
-            value,
-            key_cache,
-            value_cache,
-            slot_mapping,
-            mode=kv_cache_dtype,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            rounding=rounding,
-            impl=impl,
-            validate=validate,
-        )
-
-    @_op.register_fake
-    def _fake(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        k_scale_cache,
-        v_scale_cache,
-        k_scale,
-        v_scale,
-        kv_cache_dtype,
-        rounding,
-        validate=True,
-        impl=None,
-    ) -> None:
-        _refuse_real_call(
-            key=key,
-            value=value,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            slot_mapping=slot_mapping,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-        _check_write_meta(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
-
-
-def _define_paged_attention() -> None:
-    # lse is a mutated argument without a default, before the defaulted ones: torch 2.11's
-    # in-place bookkeeping indexes mutated arguments by schema position among those passed, so
-    # a defaulted mutated argument left out of a call fails there (torch 2.13 copes).
-    @torch.library.custom_op("kvzoo::paged_attention", mutates_args=("out", "lse"), device_types=DEVICE_TYPES)
-    def _op(
-        out: torch.Tensor,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        k_scale_cache: torch.Tensor | None,
-        v_scale_cache: torch.Tensor | None,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        sinks: torch.Tensor | None,
-        kv_cache_dtype: str,
-        softmax_scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        max_query_len: int,
-        max_seq_len: int,
-        batch_invariant: bool,
-        quantize_query: bool,
-        fp8_dots: bool,
-        lse: torch.Tensor | None,
-        num_prefills: int | None = None,
-        validate: bool = True,
-        impl: str | None = None,
-    ) -> None:
-        api.paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            mode=kv_cache_dtype,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            softmax_scale=softmax_scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-            out=out,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            num_prefills=num_prefills,
-            batch_invariant=batch_invariant,
-            quantize_query=quantize_query,
-            fp8_dots=fp8_dots,
-            return_lse=lse is not None,
-            lse=lse,
-            impl=impl,
-            validate=validate,
-        )
-
-    @_op.register_fake
-    def _fake(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        k_scale_cache,
-        v_scale_cache,
-        k_scale,
-        v_scale,
-        sinks,
-        kv_cache_dtype,
-        softmax_scale,
-        sliding_window,
-        softcap,
-        max_query_len,
-        max_seq_len,
-        batch_invariant,
-        quantize_query,
-        fp8_dots,
-        lse,
-        num_prefills=None,
-        validate=True,
-        impl=None,
-    ) -> None:
-        _refuse_real_call(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            out=out,
-            lse=lse,
-        )
-        _check_attention_meta(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-        _check_lse_meta(lse, query)
-
-
-if not _registered("reshape_and_cache"):
-    _define_reshape_and_cache()
-if not _registered("paged_attention"):
-    _define_paged_attention()
+_define("reshape_and_cache", _WRITE_MUTATES, _reshape_and_cache, lambda a: calls.check(_write_record(a), fake=True))
+_define("paged_attention", ("out", "lse"), _paged_attention, lambda a: calls.check(_attention_record(a), fake=True))
 
 
 def _mode_name(kv_cache_dtype: str | QuantMode) -> str:
@@ -479,8 +313,8 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
     k_scale: torch.Tensor | float | None = None,
@@ -521,10 +355,10 @@ def paged_attention(
         included.
     query_start_loc : torch.Tensor
         ``[num_seqs + 1]``, int32 or int64: offsets from 0 to ``num_tokens``.
-    max_query_len, max_seq_len : int
+    max_query_len, max_seq_len : int, optional
         Host ints: the batch's longest query chunk and longest context. With
         ``validate=True`` they are recomputed from the tensors; with ``validate=False`` they
-        are trusted, and must be exact.
+        are trusted, and must be exact. None: read from the tensors (a synchronisation).
     k_scale_cache, v_scale_cache : torch.Tensor, optional
         ``[num_blocks, block_size, num_kv_heads]``, float32 (per-token-head modes).
     k_scale, v_scale : torch.Tensor or float, optional
@@ -587,7 +421,7 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(query)
     # The op writes lse exactly when it is given one, so return_lse is settled here.
-    lse = api.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
+    lse = calls.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
@@ -619,6 +453,48 @@ def paged_attention(
         impl,
     )
     return (out, lse) if return_lse else out
+
+
+def _impl_name(impl: str | Implementation | None) -> str | None:
+    # The op's schema names an implementation; one made with options (a workspace) has no name
+    # that says them.
+    if isinstance(impl, Implementation):
+        if impl.options is not None:
+            fail(
+                f"impl: {impl.name} with options cannot be handed to a compiled call's op; pass its name, or call eagerly"
+            )
+        return impl.name
+    return impl
+
+
+def compiled_write(
+    key, value, key_cache, value_cache, slot_mapping, mode, k_scale_cache, v_scale_cache, k_scale, v_scale, rounding,
+    impl, validate, check_finite,
+) -> None:  # fmt: skip
+    """kvzoo.reshape_and_cache under torch.compile: its op, one node of the graph."""
+    if check_finite:
+        fail("check_finite: reads the rows on the host, which a compiled graph does not; check them eagerly")
+    reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=mode, k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache, k_scale=k_scale, v_scale=v_scale, rounding=rounding, validate=validate,
+        impl=_impl_name(impl),
+    )  # fmt: skip
+
+
+def compiled_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, k_scale_cache, v_scale_cache,
+    k_scale, v_scale, sinks, lse, mode, softmax_scale, sliding_window, softcap, max_query_len, max_seq_len,
+    num_prefills, batch_invariant, quantize_query, fp8_dots, return_lse, impl, validate,
+):  # fmt: skip
+    """kvzoo.paged_attention under torch.compile: its op, one node of the graph."""
+    return paged_attention(
+        query, key_cache, value_cache, kv_cache_dtype=mode, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=query_start_loc, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, k_scale=k_scale, v_scale=v_scale,
+        softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out,
+        num_prefills=num_prefills, batch_invariant=batch_invariant, quantize_query=quantize_query,
+        fp8_dots=fp8_dots, return_lse=return_lse, lse=lse, validate=validate, impl=_impl_name(impl),
+    )  # fmt: skip
 
 
 # -- the engine-step plan through ops ---------------------------------------------------------
@@ -728,107 +604,56 @@ def _caches_for(
     return held
 
 
-def _define_step_write() -> None:
-    @torch.library.custom_op("kvzoo::step_write", mutates_args=_WRITE_MUTATES, device_types=DEVICE_TYPES)
-    def _op(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        k_scale_cache: torch.Tensor | None,
-        v_scale_cache: torch.Tensor | None,
-        plan_name: str,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None:
-        plan = _plan_named(plan_name, "kvzoo.step_write")
-        plan.write(
-            key,
-            value,
-            _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-
-    @_op.register_fake
-    def _fake(
-        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, plan_name, k_scale=None, v_scale=None
-    ) -> None:
-        _refuse_real_call(
-            key=key,
-            value=value,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-        _check_rows_meta(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache)
+def _step_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    plan_name: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    plan = _plan_named(plan_name, "kvzoo.step_write")
+    caches = _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache)
+    plan.write(key, value, caches, k_scale=k_scale, v_scale=v_scale)
 
 
-def _define_step_attention() -> None:
-    @torch.library.custom_op("kvzoo::step_attention", mutates_args=("out", "lse"), device_types=DEVICE_TYPES)
-    def _op(
-        out: torch.Tensor,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        k_scale_cache: torch.Tensor | None,
-        v_scale_cache: torch.Tensor | None,
-        plan_name: str,
-        lse: torch.Tensor | None,  # no default: see _define_paged_attention
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        plan = _plan_named(plan_name, "kvzoo.step_attention")
-        plan.attention(
-            query,
-            _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache),
-            out=out,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            return_lse=lse is not None,
-            lse=lse,
-        )
-
-    @_op.register_fake
-    def _fake(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        k_scale_cache,
-        v_scale_cache,
-        plan_name,
-        lse,
-        k_scale=None,
-        v_scale=None,
-        sinks=None,
-    ) -> None:
-        _refuse_real_call(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            k_scale_cache=k_scale_cache,
-            v_scale_cache=v_scale_cache,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            sinks=sinks,
-            out=out,
-            lse=lse,
-        )
-        _check_query_meta(out, query, key_cache, value_cache)
-        _check_scale_caches_meta(key_cache, k_scale_cache, v_scale_cache)
-        _check_lse_meta(lse, query)
+def _step_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    plan_name: str,
+    lse: torch.Tensor | None,  # no default: see _paged_attention
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    plan = _plan_named(plan_name, "kvzoo.step_attention")
+    caches = _caches_for(key_cache, value_cache, k_scale_cache, v_scale_cache)
+    plan.attention(
+        query, caches, out=out, k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=lse is not None, lse=lse
+    )
 
 
-if not _registered("step_write"):
-    _define_step_write()
-if not _registered("step_attention"):
-    _define_step_attention()
+def _check_step_write(a: dict) -> None:
+    # While tracing no plan is looked up: what the rows and the caches say of each other.
+    scales = (a["k_scale_cache"], a["v_scale_cache"])
+    calls.check_layer_rows(("key", a["key"]), ("value", a["value"]), a["key_cache"], a["value_cache"], *scales, True)
+
+
+def _check_step_attention(a: dict) -> None:
+    query, scales = a["query"], (a["k_scale_cache"], a["v_scale_cache"])
+    calls.check_layer_rows(("query", query), ("out", a["out"]), a["key_cache"], a["value_cache"], *scales, True)
+    calls.check_lse(a["lse"], a["lse"] is not None, query.shape[0], query.shape[1], True)
+
+
+_define("step_write", _WRITE_MUTATES, _step_write, _check_step_write)
+_define("step_attention", ("out", "lse"), _step_attention, _check_step_attention)
 
 
 def step_write(
@@ -964,7 +789,7 @@ def step_attention(
     if out is None:
         out = torch.empty_like(query)
     # The op writes lse exactly when it is given one, so return_lse is settled here.
-    lse = api.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
+    lse = calls.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
     torch.ops.kvzoo.step_attention(
         out,
         query,

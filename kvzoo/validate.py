@@ -1,9 +1,9 @@
-"""Argument checks shared by the public operations.
+"""The rules about one argument: kvzoo's vocabulary of checks.
 
-Every check raises before anything is written, with a message that names the argument and
-what was expected. Checks that must read device memory (slot and block id ranges, sequence
-bookkeeping) run only when the caller asks for validation, so a validated-off call performs no
-host synchronisation and can be captured in a CUDA graph.
+Each rule raises KVZooInputError before anything is written, with a message that names the
+argument and what was expected. Which rule applies to which argument of which operation is
+kvzoo.calls' business; the rules here know nothing of operations. Only host_ints and
+check_static_value read device memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from . import memory
 from .arrays import (
     as_numpy,
     device_of,
@@ -28,7 +27,6 @@ from .arrays import (
     torch_dtype,
 )
 from .errors import fail
-from .formats import FLOAT8_E4M3FN, INT8
 from .modes import QuantMode
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")
@@ -60,11 +58,12 @@ def require_workspace(workspace: Any) -> None:
     require_writable("workspace", workspace)
 
 
-def require_array(name: str, x: Any) -> None:
+def require_array(name: str, x: Any, fake: bool = False) -> None:
     """A tensor or array kvzoo can address: on the CPU or a GPU, not tracking gradients, in
-    native byte order (kvzoo_spec/SPEC.md section 11)."""
+    native byte order (kvzoo_spec/SPEC.md section 11). fake: a traced call's tensors, which
+    may stand on the meta device."""
     if is_torch(x):
-        if x.device.type not in _DEVICE_TYPES:
+        if x.device.type not in _DEVICE_TYPES and not fake:
             fail(
                 f"{name}: on device {x.device}; kvzoo runs on {' and '.join(_DEVICE_TYPES)} tensors "
                 "(ROCm tensors are cuda in torch)"
@@ -100,8 +99,8 @@ def require_writable(name: str, x: Any) -> None:
     require_no_negative_strides(name, x)
 
 
-def require_ndim(name: str, x: Any, ndim: int, layout: str) -> None:
-    require_array(name, x)
+def require_ndim(name: str, x: Any, ndim: int, layout: str, fake: bool = False) -> None:
+    require_array(name, x, fake)
     if len(x.shape) != ndim:
         fail(f"{name}: expected {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
 
@@ -204,8 +203,9 @@ def host_ints(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
-    """A per-tensor scale as a float32 [1] array of the same kind and device as `like`."""
+def check_static(name: str, value: Any, like: Any) -> None:
+    """A per-tensor scale's metadata: a one-element float32 array on like's device, or a real
+    number whose float32 value is finite and > 0."""
     if value is None:
         fail(
             f"{name}: required for the per-tensor modes (fp8_per_tensor, int8_per_tensor, fp8_e5m2_per_tensor): "
@@ -218,27 +218,34 @@ def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
         require_dtype(name, value, ("float32",))
         if device_of(value) != device_of(like):
             fail(f"{name}: on {device_of(value)}, expected {device_of(like)} like the cache")
-        array = value.reshape(1)
     else:
-        number = float32_scalar(name, value)
-        array = same_kind_empty(like, (1,), "float32")
-        array[0] = number
-    if validate:
-        s = float(host_ints(array)[0])
-        if not (np.isfinite(s) and s > 0):  # a float32 already
-            fail(f"{name}: expected a finite scale > 0, got {s}")
+        float32_scalar(name, value)
+
+
+def static_array(value: Any, like: Any) -> Any:
+    """A checked static scale as a float32 [1] array of like's kind and device."""
+    if is_array(value):
+        return value.reshape(1)
+    array = same_kind_empty(like, (1,), "float32")
+    # A NumPy scalar (np.float32) is a number here; a torch tensor takes it as a Python float.
+    array[0] = float(value)
     return array
 
 
-def check_query_options(mode: QuantMode, quantize_query: bool, fp8_dots: bool) -> None:
-    """The options that quantize the query change what is computed, each for one format's caches
-    (SPEC.md 8.1, 8.3), and exclude each other."""
-    if quantize_query and fp8_dots:
-        fail("fp8_dots: cannot be combined with quantize_query (each defines the query's own rounding)")
-    if quantize_query and not (mode.format is INT8 and mode.per_token_head):
-        fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
-    if fp8_dots and not (mode.format is FLOAT8_E4M3FN and mode.per_token_head):
-        fail(f"fp8_dots: needs an fp8 e4m3fn per-token-head cache mode (fp8_per_token_head), got mode {mode.name!r}")
+def check_static_value(name: str, array: Any) -> None:
+    """A static scale's value (read from the device): finite and > 0."""
+    s = float(host_ints(array)[0])
+    if not (np.isfinite(s) and s > 0):  # a float32 already
+        fail(f"{name}: expected a finite scale > 0, got {s}")
+
+
+def static_scale(name: str, value: Any, like: Any, *, validate: bool) -> Any:
+    """A per-tensor scale as a float32 [1] array of the same kind and device as `like`."""
+    check_static(name, value, like)
+    array = static_array(value, like)
+    if validate:
+        check_static_value(name, array)
+    return array
 
 
 def forbid(name: str, value: Any, mode: QuantMode, why: str) -> None:
@@ -265,59 +272,3 @@ def require_sizes(name: str, **sizes: int) -> None:
             f"{name}: {sizes['num_blocks']} blocks x block_size {sizes['block_size']} is more slots than the "
             f"kernels' int32 ({INT32_MAX})"
         )
-
-
-def check_aliasing(problem: Any) -> None:
-    """Refuse a written array that overlaps itself, another written array or an array the call
-    reads (SPEC.md section 11). Metadata only: no device read, so it runs unvalidated too."""
-    names = problem.array_fields()
-    # Runs on every call: each extent is computed once, and only arrays whose extents meet
-    # (views of one buffer) go on to the exact test.
-    extents = {name: memory.byte_extent(getattr(problem, name)) for name in names}
-    for n, name in enumerate(names):
-        if name not in problem.WRITTEN:
-            continue
-        x = getattr(problem, name)
-        if memory.self_overlap(x):
-            fail(
-                f"{name}: elements overlap one another (a stride-0 or overlapping view, strides "
-                f"{_strides(x)} for shape {tuple(x.shape)}); a written array needs one address per element"
-            )
-        mine = extents[name]
-        if mine is None:
-            continue
-        for m, other in enumerate(names):
-            # A pair of written arrays is tested once, from the first of the two.
-            if other == name or (other in problem.WRITTEN and m < n):
-                continue
-            theirs = extents[other]
-            if theirs is None or mine[1] <= theirs[0] or theirs[1] <= mine[0]:
-                continue
-            if memory.overlap(x, getattr(problem, other)):
-                role = "write" if other in problem.WRITTEN else "read"
-                fail(
-                    f"{name}: shares memory with {other}, which this call also {role}s; pass separate "
-                    "(non-overlapping) arrays"
-                )
-
-
-def _strides(x: Any) -> tuple[int, ...]:
-    return tuple(x.stride()) if is_torch(x) else tuple(s // x.itemsize for s in x.strides)
-
-
-def _unit_strided(x: Any) -> bool:
-    strides = _strides(x)
-    # A block table may step any distance between rows; along a row (and along a 1-D tensor)
-    # the kernels step by one element.
-    return len(x.shape) == 0 or x.shape[-1] <= 1 or strides[-1] == 1
-
-
-def unit_index_strides(problem: Any) -> Any:
-    """The problem with every index tensor that is not unit-strided replaced by a contiguous
-    copy, for implementations declaring index_strides="unit" (SPEC.md section 11)."""
-    changes = {}
-    for name in problem.INDICES:
-        x = getattr(problem, name)
-        if x is not None and not _unit_strided(x):
-            changes[name] = x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
-    return problem.replace(**changes) if changes else problem

@@ -347,7 +347,7 @@ def _sharded_case(ctx, mode, layout, W, group):
     import torch
 
     import kvzoo
-    from kvzoo.conformance.inputs import rng_for
+    from kvzoo.inputs import rng_for
 
     full, Hq, shard = _sharded_specs(ctx, mode, layout, W, group, 16)
     rng = rng_for("sharded", mode.name, layout, W)
@@ -385,7 +385,7 @@ def _sharded_long(ctx, mode, layout, W, group, invariant):
     import torch
 
     import kvzoo
-    from kvzoo.conformance.inputs import rng_for
+    from kvzoo.inputs import rng_for
 
     n = 5000
     blocks = -(-(n + 1) // BS)
@@ -439,7 +439,7 @@ class _Free:
 def _transfer_inputs(mode, tag, Hkv, Hq, layers, device):
     """The shared inputs of a transfer case: prefill K/V of sequences 0 and 2 (sequence 1 is
     sequence 0's first block) and three decode steps of all three, per layer."""
-    from kvzoo.conformance.inputs import rng_for
+    from kvzoo.inputs import rng_for
 
     rng = rng_for("transfer-inputs", mode.name, tag)
     lens = [20, 8, 17]
@@ -529,8 +529,8 @@ def _transfer_case(ctx, mode, src_layout, dst_layout):
     import torch
 
     import kvzoo
-    from kvzoo.conformance.inputs import rng_for
     from kvzoo.distributed import recv_pages, send_pages
+    from kvzoo.inputs import rng_for
 
     Hkv, Hq, L, NB = 2, 4, 2, 24
     tag = f"{src_layout}->{dst_layout}"
@@ -626,8 +626,8 @@ def reshard(ctx):
 def _reshard_case(ctx, mode, decoders, group):
     import torch
 
-    from kvzoo.conformance.inputs import rng_for
     from kvzoo.distributed import gather_pages, place_pages, recv_pages, send_pages, shard_spec
+    from kvzoo.inputs import rng_for
 
     Hkv, Hq, L, NB = 4, 8, 2, 24
     inputs = _transfer_inputs(mode, "reshard", Hkv, Hq, L, ctx.device)
@@ -719,9 +719,9 @@ def _refusal_case(ctx, field, cfg):
     import torch
 
     import kvzoo
-    from kvzoo.conformance.inputs import rng_for
     from kvzoo.distributed import TransferError, recv_pages, send_pages
     from kvzoo.distributed import transfer as transfer_module
+    from kvzoo.inputs import rng_for
 
     mode = kvzoo.get_kv_quant_mode(cfg.get("mode", "int8_per_token_head"))
     spec = _spec(ctx, mode, cfg.get("heads", 2), num_blocks=8, head_size=cfg.get("head_size", D))
@@ -779,9 +779,9 @@ def _failure_case(ctx, name, group):
     it must raise with its cache, table and allocator untouched."""
     import torch
 
-    from kvzoo.conformance.inputs import rng_for
     from kvzoo.distributed import TransferError, recv_pages, send_pages
     from kvzoo.distributed import transfer as transfer_module
+    from kvzoo.inputs import rng_for
 
     L, wait = 3, 4.0
     spec = _spec(ctx, "int8_per_token_head", 2, num_blocks=16)

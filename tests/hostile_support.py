@@ -31,7 +31,7 @@ import torch
 import kvzoo
 from kvzoo import KVZooInputError, registry, samples
 from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
-from kvzoo.conformance.inputs import device_for
+from kvzoo.inputs import device_for
 from kvzoo.modes import MODES
 from kvzoo.samples import OUT_ROUNDOFF, Batch, assert_attention_close  # noqa: F401 (the battery's names)
 

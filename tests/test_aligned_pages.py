@@ -7,7 +7,7 @@ import torch
 
 import kvzoo
 from kvzoo import registry
-from kvzoo.conformance.inputs import device_for
+from kvzoo.inputs import device_for
 from kvzoo.layout import inline_row_bytes, inline_views
 
 from support import assert_same_bytes, host_bytes, rng_for

@@ -11,7 +11,7 @@ by 75 decades. The caches are filled directly (codes and scales, as the conforma
 attention check does): keys near 1e-37 need key scales below the write's floor, subnormal ones
 included, and any scale bits are defined (SPEC.md section 9).
 
-Inputs are fresh every session (kvzoo.conformance.inputs.SEED, printed in the pytest header).
+Inputs are fresh every session (kvzoo.inputs.SEED, printed in the pytest header).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 import kvzoo
 from kvzoo import registry
-from kvzoo.conformance.inputs import SEED, device_for, host_float32, rng_for, tensor, to_dtype_exact
+from kvzoo.inputs import SEED, device_for, host_float32, rng_for, tensor, to_dtype_exact
 from kvzoo.modes import MODES
 from kvzoo_spec import oracle
 

@@ -29,7 +29,7 @@ from kvzoo.backends.numpy_vectorized import kernels as vectorized
 from kvzoo.capabilities import Requirements
 from kvzoo.cli import main
 from kvzoo.conformance.checks import declared_reasons
-from kvzoo.conformance.inputs import device_for
+from kvzoo.inputs import device_for
 from kvzoo.modes import MODES
 from kvzoo.registry import Implementation, Registry
 
@@ -570,7 +570,7 @@ def test_every_encoder_output_round_trips(mode_name, rounding, dist):
     each finds the same random rows foreign."""
     from kvzoo.auditing.rows import requantizer, round_trip_fails
     from kvzoo.backends.numpy_vectorized import codec as numpy_codec
-    from kvzoo.conformance.inputs import make_rows
+    from kvzoo.inputs import make_rows
 
     mode = MODES[mode_name]
     rng = rng_for("audit-round-trip", mode_name, rounding, dist)

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import kvzoo
-from kvzoo import registry, samples
+from kvzoo import inputs, registry, samples
 from kvzoo.backends.numpy_vectorized import codec
 from kvzoo.backends.numpy_vectorized import kernels as np_kernels
-from kvzoo.conformance import cases, checks, inputs
+from kvzoo.conformance import cases, checks
 from kvzoo.conformance.checks import declared_reasons
-from kvzoo.conformance.inputs import device_for, host_float32
+from kvzoo.inputs import device_for, host_float32
 from kvzoo.modes import get_kv_quant_mode
 from kvzoo.registry import NoImplementationError
 from kvzoo_spec import oracle

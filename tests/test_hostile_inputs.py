@@ -1879,13 +1879,13 @@ def test_a_validated_call_reads_seq_lens_once(impl, monkeypatch):
     second read is a second synchronisation, and could see other values than the check did."""
     a, bt, sl, qsl, guards = _attention_for_scalars(impl, "read-once")
     reads = []
-    real = kvzoo.api.host_ints
+    real = kvzoo.calls.host_ints
 
     def counted(x):
         reads.append(x is sl)
         return real(x)
 
-    monkeypatch.setattr(kvzoo.api, "host_ints", counted)
+    monkeypatch.setattr(kvzoo.calls, "host_ints", counted)
     a.run_accepted(impl, bt, sl, qsl, guards=guards, validate=True)
     assert reads.count(True) == 1, f"seq_lens read {reads.count(True)} times"
 

@@ -667,7 +667,7 @@ def _forbid_device_reads(monkeypatch) -> None:
         raise AssertionError("a per-layer call read device data")
 
     monkeypatch.setattr(kvzoo.validate, "host_ints", read)
-    monkeypatch.setattr(kvzoo.api, "host_ints", read)
+    monkeypatch.setattr(kvzoo.calls, "host_ints", read)
     for method in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"):
         monkeypatch.setattr(torch.Tensor, method, read)
 
@@ -708,7 +708,7 @@ def test_layer_calls_with_a_real_backend_read_no_metadata(monkeypatch):
         raise AssertionError("a per-layer call read device data")
 
     monkeypatch.setattr(kvzoo.validate, "host_ints", read)
-    monkeypatch.setattr(kvzoo.api, "host_ints", read)
+    monkeypatch.setattr(kvzoo.calls, "host_ints", read)
     for method in ("tolist", "item", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, method, read)
     plan.write(key, value, c)

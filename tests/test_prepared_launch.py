@@ -30,8 +30,8 @@ from test_plan import (
 
 import kvzoo
 from kvzoo import samples
-from kvzoo.conformance.inputs import device_for, host_float32
-from kvzoo.problem import Attention, CacheWrite
+from kvzoo.inputs import device_for, host_float32
+from kvzoo.problem import Attention, CacheWrite, Dequantize
 
 from support import assert_same_bytes, rng_for
 
@@ -251,9 +251,11 @@ def test_with_options_binds_the_prepare_hook_too():
 
 
 def test_operands_are_every_array_field_in_order():
-    for cls in (CacheWrite, Attention):
-        arrays = [f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Array")]
-        assert list(cls.operand_names()) == arrays
+    for cls in (CacheWrite, Attention, Dequantize):
+        # The record's fields annotated as arrays, which lead it (its NamedTuple is its first base).
+        types = {name: getattr(t, "__forward_arg__", str(t)) for name, t in cls.__mro__[1].__annotations__.items()}
+        arrays = [name for name in cls._fields if types[name].startswith("Array")]
+        assert list(cls.operand_names()) == arrays == list(cls._fields[: len(arrays)])
         assert set(cls.WRITTEN) | set(cls.INDICES) <= set(arrays)
 
 
@@ -274,12 +276,11 @@ def functional_attention(query, c, meta, impl, sinks=None):
 
 @pytest.mark.parametrize("q_lens,seq_lens", [((5, 1, 4), (8, 13, 4)), ((1, 1, 1), (8, 13, 4))])
 def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
-    from kvzoo import api, recall
+    from kvzoo import launches
 
-    # The counts below assume no eviction: the prepared and recalled launches are cleared when
-    # full (256 entries), which the tests before this one in a process may bring it close to.
-    api._PREPARED.clear()
-    recall.forget()
+    # The counts below assume no eviction: the table lets its oldest entries go when full (256
+    # entries), which the tests before this one in a process may bring it close to.
+    launches.forget()
     spec = spec_for("int8_per_token_head", "separate", DEVICE)
     meta = metadata(DEVICE, q_lens=q_lens, seq_lens=seq_lens)
     rng = rng_for("functional prepared", q_lens)
@@ -319,23 +320,27 @@ def test_functional_prepared_launches_follow_the_registry_and_let_caches_go():
     import gc
     import weakref
 
-    from kvzoo import api
+    from kvzoo import launches
 
-    api._PREPARED.clear()  # no eviction between the two calls (cleared when full)
+    launches.forget()  # no eviction between the two calls
     spec = spec_for("fp8_per_token_head", "separate", DEVICE)
     meta, rng = metadata(DEVICE), rng_for("functional registry")
     c = poisoned(spec, rng)
     tokens, d = int(meta["slot_mapping"].shape[0]), spec.head_size
     key, value = (rows(rng, (tokens, HKV, d), "bfloat16", DEVICE) for _ in range(2))
     functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")
-    entries = [e for e in api._PREPARED.values() if e[1].name == "triton-cuda" and e[1].op == "reshape_and_cache"]
+    entries = [
+        e
+        for k, e in launches._TABLE.items()
+        if k[0] == "reshape_and_cache" and (e.chosen or e.held()).name == "triton-cuda"
+    ]
     assert entries, "the functional write kept no prepared launch"
     generation = kvzoo.registry.default().generation
     kvzoo.registry.default().invalidate()
     assert kvzoo.registry.default().generation == generation + 1
     functional_write(key, value, c, meta["slot_mapping"], spec, "triton-cuda")
     # The old entry does not serve the new generation: the call selected and prepared anew.
-    assert [k for k in api._PREPARED if k[0] == "reshape_and_cache" and k[3] == generation + 1]
+    assert [k for k in launches._TABLE if k[0] == "reshape_and_cache" and k[3] == generation + 1]
     if CUDA:
         # A kept launch holds addresses, not the caller's cache: the cache goes with its owner.
         gone = weakref.ref(c.key_cache)
@@ -367,7 +372,7 @@ def test_a_prepared_step_replays_in_a_cuda_graph():
             plan.attention(query[i], c, out=out[i])
 
     step()
-    assert len([v for v in plan._prepared.values() if v is not None]) == 2
+    assert all(held.write is not None and held.attention is not None for held in plan._layers.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -427,10 +432,10 @@ def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, 
     scales, sinks, out and lse, byte for byte what a launch prepared on the later call itself
     gives. Every mode's kind of cache (model dtype, per-row scales, static scales, packed
     rows), and a float32 model dtype, whose out the CPU kernels write in place."""
-    from kvzoo import api
+    from kvzoo import api, launches
 
     _usable(impl, mode)
-    api._PREPARED.clear()  # no eviction between the calls counted below
+    launches.forget()  # no eviction between the calls counted below
     counts = dict(run=0, prepare=0, launch=0)
     first, fresh = counted(impl, counts), dataclasses.replace(impl)
     where = dict(kind="numpy" if impl.array_kind == "numpy" else "torch", device=device_for(impl))

@@ -1,21 +1,24 @@
-"""The unvalidated functional API's memory of checked calls (kvzoo/recall.py).
+"""What a call of a signature met before skips: the table of kvzoo/launches.py, and a plan's
+layers bound to their launches (kvzoo/plan.py).
 
-A recalled call skips the argument checks, so these tests hold it to three things: it runs
-(hits are counted, so a suite where nothing is recalled fails), it writes what a checked call
-writes, and every input a check would refuse is still refused after a good call of the same
-shapes: each thing the checks read but the shapes do not show (gradient flags, writability,
-byte order, storage sharing, aliasing at new addresses).
+A recalled call skips the metadata checks, so these tests hold it to three things: it runs
+(hits are counted, so a suite where nothing is recalled fails), it writes what a call checked
+in full writes (one through an implementation object of its own, which no entry knows), and
+every input a check would refuse is still refused after a good call of the same shapes: each
+thing the checks read but the shapes do not show (gradient flags, writability, byte order,
+storage sharing, aliasing at new addresses).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import pytest
 import torch
 
 import kvzoo
-from kvzoo import recall
+from kvzoo import launches
 from kvzoo.arrays import as_numpy, as_torch
 from kvzoo.errors import KVZooInputError
 
@@ -29,20 +32,20 @@ _where = {"device": "cpu"}
 
 @pytest.fixture
 def hits(monkeypatch):
-    """Counts the calls recall answered (a lookup that found an entry)."""
+    """Counts the calls the table answered (a lookup that found an entry)."""
     counted = {"hits": 0}
-    lookup = recall.lookup
+    lookup = launches.lookup
 
     def counting(key, held):
         entry = lookup(key, held)
         counted["hits"] += entry is not None
         return entry
 
-    monkeypatch.setattr(recall, "lookup", counting)
-    recall.forget()
+    monkeypatch.setattr(launches, "lookup", counting)
+    launches.forget()
     _where["device"] = "cpu"
     yield counted
-    recall.forget()
+    launches.forget()
 
 
 def _rows(gen, tokens, heads, dtype=torch.bfloat16):
@@ -77,8 +80,8 @@ def _cache_arrays(c, kind=lambda x: x):
 
 
 def _kind(impl):
-    """The arrays an implementation takes as they come (recall keeps only such calls): NumPy
-    views of the same memory for the CPU backends."""
+    """The arrays an implementation takes as they come: NumPy views of the same memory for the
+    CPU backends."""
     i = kvzoo.registry.default().get("reshape_and_cache", impl)
     return as_numpy if i.array_kind == "numpy" else (lambda x: x)
 
@@ -97,6 +100,11 @@ def _slots(gen, n):
     return torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(torch.int32).to(_where["device"])
 
 
+def _checked(op, impl):
+    """impl as an object of its own: the table knows no call of it, so its call is checked in full."""
+    return dataclasses.replace(kvzoo.registry.default().get(op, impl))
+
+
 def _write(key, value, c, slots, mode, impl, validate=False):
     kind = _kind(impl)
     kvzoo.reshape_and_cache(
@@ -104,7 +112,7 @@ def _write(key, value, c, slots, mode, impl, validate=False):
         kind(value),
         slot_mapping=kind(slots),
         mode=mode,
-        impl=impl,
+        impl=_checked("reshape_and_cache", impl) if validate else impl,
         validate=validate,
         **_cache_arrays(c, kind),
     )
@@ -131,7 +139,7 @@ def _attend(query, c, mode, impl, out=None, validate=False, **kw):
         mode=mode,
         **caches,
         out=None if out is None else kind(out),
-        impl=impl,
+        impl=_checked("paged_attention", impl) if validate else impl,
         validate=validate,
         **{n: kind(t) for n, t in meta.items()},
         **({} if validate else bounds),
@@ -310,21 +318,19 @@ def test_separate_tensors_with_the_inline_strides_choose_as_a_first_call(hits):
 
 @pytest.fixture
 def plan_hits(monkeypatch):
-    """Counts the plan's recalled launches: the launch StepPlan._keep keeps is run by recalled
-    calls only (the checked call that kept it runs its own)."""
+    """Counts the plan's recalled launches: the launch a layer's call is bound to (plan._bind)
+    is run by later calls only (the call that bound it ran through the table)."""
     counted = {"hits": 0}
-    original = kvzoo.plan.StepPlan._keep
+    original = kvzoo.plan._bind
 
-    def counting(self, *args):
-        *kept_with, launch = args
-
+    def counting(call, launch, *rest):
         def counted_launch(operands):
             counted["hits"] += 1
             launch(operands)
 
-        original(self, *kept_with, counted_launch)
+        return original(call, None if launch is None else counted_launch, *rest)
 
-    monkeypatch.setattr(kvzoo.plan.StepPlan, "_keep", counting)
+    monkeypatch.setattr(kvzoo.plan, "_bind", counting)
     return counted
 
 
@@ -390,7 +396,7 @@ def test_the_plan_recalls_and_still_refuses_what_the_addresses_decide(plan_hits)
 
 
 class _Subclass(torch.Tensor):
-    """A tensor subclass: recall.call_key cannot vouch for what its methods report."""
+    """A tensor subclass: launches.signature cannot vouch for what its methods report."""
 
 
 def test_the_plan_checks_tensor_subclasses_in_full_every_call(plan_hits):
@@ -439,9 +445,10 @@ def test_the_plan_recalls_no_call_whose_metadata_differs(plan_hits):
     for _ in range(2):
         plan.write(key, value, caches)
     query, out = _rows(gen, tokens, HQ), torch.empty(tokens, HQ, D, dtype=torch.bfloat16, device=_where["device"])
-    for _ in range(2):
-        plan.attention(query, caches, out=out)
-        plan.attention(query, caches)
+    # A layer keeps one binding per operation: the calls of each metadata in a row.
+    for given in (out, None):
+        for _ in range(2):
+            plan.attention(query, caches, out=given)
     assert plan_hits["hits"] == 3
     assert _restrided(key).stride() != key.stride() and _misaligned(key).data_ptr() % 16
     for k, v in ((_restrided(key), value), (key, _misaligned(value))):
@@ -595,9 +602,9 @@ def test_a_full_table_lets_go_of_its_oldest_entries_only():
     # re-prepare every launch at once); a key already there is replaced in place.
     table: dict = {}
     for n in range(5):
-        recall.put_bounded(table, n, str(n), 3)
+        launches.put_bounded(table, n, str(n), 3)
     assert list(table) == [2, 3, 4]
-    recall.put_bounded(table, 3, "again", 3)
+    launches.put_bounded(table, 3, "again", 3)
     assert table == {2: "2", 3: "again", 4: "4"}
-    recall.put_bounded(table, 9, "9", 2)  # a smaller bound than the table: down to it
+    launches.put_bounded(table, 9, "9", 2)  # a smaller bound than the table: down to it
     assert list(table) == [4, 9]

@@ -14,7 +14,7 @@ import torch
 
 from kvzoo import samples
 from kvzoo.arrays import dtype_name
-from kvzoo.conformance.inputs import host_bytes, rng_for
+from kvzoo.inputs import host_bytes, rng_for
 from kvzoo.modes import MODES
 from kvzoo_spec import oracle
 

@@ -410,7 +410,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
     with FakeTensorMode():
         t = kvzoo.allocate_separate(g.num_blocks, g.block_size, g.num_kv_heads, g.head_size, "int8_per_token_head")
         key = torch.empty(3, g.num_kv_heads, g.head_size)
-        with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
+        with pytest.raises(kvzoo.KVZooInputError, match="value: expected shape"):
             torch.ops.kvzoo.reshape_and_cache(
                 key,
                 key[:2],
@@ -426,7 +426,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
             )
         query = torch.empty(3, g.num_q_heads, g.head_size)
         index = torch.zeros(2, dtype=torch.int32)
-        with pytest.raises(kvzoo.KVZooInputError, match="out: dtype"):
+        with pytest.raises(kvzoo.KVZooInputError, match="out: expected dtype"):
             torch.ops.kvzoo.paged_attention(
                 query.half(),
                 query,
@@ -480,7 +480,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
             with pytest.raises(kvzoo.KVZooInputError, match=match):
                 torch.ops.kvzoo.paged_attention(torch.empty_like(query), *attend, bad)
         # The step ops' fakes: no plan is registered and none is looked up while tracing.
-        with pytest.raises(kvzoo.KVZooInputError, match="value: shape"):
+        with pytest.raises(kvzoo.KVZooInputError, match="value: expected shape"):
             torch.ops.kvzoo.step_write(
                 key, key[:2], t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache, "nowhere"
             )
@@ -488,7 +488,7 @@ def test_fake_kernels_refuse_mismatched_shapes_without_data():
             torch.ops.kvzoo.step_write(
                 key, key, t.key_cache, t.value_cache, t.k_scale_cache[:1], t.v_scale_cache, "nowhere"
             )
-        with pytest.raises(kvzoo.KVZooInputError, match="out: shape"):
+        with pytest.raises(kvzoo.KVZooInputError, match="out: expected shape"):
             torch.ops.kvzoo.step_attention(
                 query[:2], query, t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache, "nowhere", None
             )
@@ -564,16 +564,33 @@ def test_docstring_examples_run():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_reimport_registers_nothing_twice_and_kvzoo_does_not_import_torch_ops():
+def test_reimport_registers_nothing_twice_and_import_kvzoo_registers_the_ops():
     importlib.reload(kv_ops)
-    # In a fresh process: `import kvzoo` leaves torch_ops alone (torch is optional), and the
-    # module survives a second execution.
+    # In a fresh process: `import kvzoo` registers the ops (a compiled call of the functional
+    # API goes to them), and the module survives a second execution.
     code = (
-        "import sys, importlib, kvzoo\n"
-        "assert 'kvzoo.torch_ops' not in sys.modules\n"
-        "import kvzoo.torch_ops\n"
+        "import sys, importlib, torch, kvzoo\n"
+        "assert 'kvzoo.torch_ops' in sys.modules\n"
+        "torch.ops.kvzoo.paged_attention.default; torch.ops.kvzoo.step_attention.default\n"
         "importlib.reload(kvzoo.torch_ops)\n"
-        "import torch; torch.ops.kvzoo.paged_attention.default; torch.ops.kvzoo.step_attention.default\n"
+        "torch.ops.kvzoo.reshape_and_cache.default; torch.ops.kvzoo.step_write.default\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_import_kvzoo_without_torch():
+    """A NumPy-only install: kvzoo imports, registers no op, and its operations run on NumPy
+    arrays (torch is hidden from the process)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, kvzoo\n"
+        "assert 'kvzoo.torch_ops' not in sys.modules\n"
+        "t = kvzoo.allocate_separate(2, 4, 1, 8, 'int8_per_token_head', device=None)\n"
+        "rows = np.ones((3, 1, 8), np.float32)\n"
+        "kvzoo.reshape_and_cache(rows, rows, t.key_cache, t.value_cache, np.arange(3), mode='int8_per_token_head',\n"
+        "                        k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, impl='numpy')\n"
+        "got = kvzoo.dequantize(t.key_cache, t.k_scale_cache, mode='int8_per_token_head', impl='numpy')\n"
+        "assert np.allclose(got[0, :3], 1.0, rtol=1e-2)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -694,9 +711,13 @@ class DecoderStep(nn.Module):
     """Attention block of one decoder layer: q/k/v projections, the kvzoo cache write, kvzoo
     paged attention, the o-projection."""
 
-    def __init__(self, g: Geometry, mode: str, hidden: int, rng: np.random.Generator, device: str) -> None:
+    def __init__(
+        self, g: Geometry, mode: str, hidden: int, rng: np.random.Generator, device: str, functional: bool = False
+    ) -> None:
         super().__init__()
-        self.g, self.mode = g, mode
+        # functional: written against kvzoo.reshape_and_cache / kvzoo.paged_attention, which
+        # go to the ops under compilation, rather than against the ops.
+        self.g, self.mode, self.functional = g, mode, functional
         self.q_proj = nn.Linear(hidden, g.num_q_heads * g.head_size, bias=False)
         self.k_proj = nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False)
         self.v_proj = nn.Linear(hidden, g.num_kv_heads * g.head_size, bias=False)
@@ -725,19 +746,14 @@ class DecoderStep(nn.Module):
         k = self.k_proj(x).view(t, g.num_kv_heads, g.head_size)
         v = self.v_proj(x).view(t, g.num_kv_heads, g.head_size)
         scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
-        kv_ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype=self.mode, **scales)
-        o = kv_ops.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            kv_cache_dtype=self.mode,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            **scales,
-        )
+        meta = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+        bounds = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
+        if self.functional:
+            kvzoo.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, mode=self.mode, **scales)
+            o = kvzoo.paged_attention(q, key_cache, value_cache, mode=self.mode, **meta, **bounds, **scales)
+        else:
+            kv_ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype=self.mode, **scales)
+            o = kv_ops.paged_attention(q, key_cache, value_cache, kv_cache_dtype=self.mode, **meta, **bounds, **scales)
         return self.o_proj(o.reshape(t, g.num_q_heads * g.head_size))
 
 
@@ -755,7 +771,7 @@ class Scenario:
     steps: list[tuple[torch.Tensor, Step]]
 
 
-def _scenario(mode: str, device: str, rng: np.random.Generator) -> Scenario:
+def _scenario(mode: str, device: str, rng: np.random.Generator, functional: bool = False) -> Scenario:
     g = Geometry()
     done = list(CONTEXT)
     plan = Plan(rng, g, [n + sum(q[s] for q in STEP_Q_LENS) for s, n in enumerate(done)], device)
@@ -766,7 +782,7 @@ def _scenario(mode: str, device: str, rng: np.random.Generator) -> Scenario:
         step = plan.step(done, q_lens)
         steps.append((_floats(rng, (step.num_tokens, HIDDEN), device), step))
         done = [d + q for d, q in zip(done, q_lens)]
-    return Scenario(DecoderStep(g, mode, HIDDEN, rng, device), cache, steps)
+    return Scenario(DecoderStep(g, mode, HIDDEN, rng, device, functional), cache, steps)
 
 
 def _cache_args(t: KVCacheTensors) -> tuple[torch.Tensor, ...]:
@@ -788,8 +804,8 @@ def _assert_same_run(
     _assert_same_cache(got[1], want[1], f"{what}: cache after the steps")
 
 
-def _check_compiled_step(mode: str, backend: str, device: str) -> None:
-    sc = _scenario(mode, device, rng_for("torch-ops-compile", mode, device))
+def _check_compiled_step(mode: str, backend: str, device: str, functional: bool = False) -> None:
+    sc = _scenario(mode, device, rng_for("torch-ops-compile", mode, device), functional)
     want = _run_steps(sc.module, sc, mode)
     torch._dynamo.reset()
     try:
@@ -809,6 +825,15 @@ def _check_compiled_step(mode: str, backend: str, device: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_decoder_step_matches_eager(mode, backend):
     _check_compiled_step(mode, backend, "cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_functional_api_compiles_into_one_graph(mode, backend):
+    """A layer written against kvzoo.reshape_and_cache and kvzoo.paged_attention compiles with
+    fullgraph=True, one graph for two steps of other sizes: under compilation each call goes to
+    its torch.library op. The bytes are the eager layer's (the functional API run eagerly)."""
+    _check_compiled_step(mode, backend, "cpu", functional=True)
 
 
 @pytest.mark.parametrize("mode", MODES)

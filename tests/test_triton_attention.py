@@ -8,7 +8,6 @@ come from kvzoo.samples (drawn from the session seed), references from kvzoo_spe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -19,7 +18,7 @@ pytest.importorskip("triton")
 
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import platform  # noqa: E402
-from kvzoo.conformance.inputs import rng_for  # noqa: E402
+from kvzoo.inputs import rng_for  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not platform.interpreted()
@@ -235,15 +234,13 @@ def test_deterministic(mode):
 
 def _sub_batch(p: Attention, keep: list[int], invariant=True) -> Attention:
     """The same sequences (same caches) as a smaller batch."""
-    import dataclasses
 
     qsl = p.query_start_loc.cpu()
     rows = torch.cat([torch.arange(int(qsl[s]), int(qsl[s + 1])) for s in keep])
     q_lens = [int(qsl[s + 1] - qsl[s]) for s in keep]
     lens = p.seq_lens.cpu()[keep]
     dev = p.query.device
-    return dataclasses.replace(
-        p,
+    return p.replace(
         query=p.query[rows.to(dev)].clone(),
         out=torch.full_like(p.query[rows.to(dev)], float("nan")),
         block_tables=p.block_tables[torch.tensor(keep, device=dev)].clone(),
@@ -333,11 +330,9 @@ def test_cache_over_4gib_far_block():
         sc = torch.empty((num_blocks,) + tuple(small.shape[1:]), dtype=small.dtype, device="cuda")
         sc[far:] = small.cuda()
         scales.append(sc)
-    import dataclasses
 
     assert big[0].numel() * big[0].element_size() > 4 * 2**30 or big[0].stride(0) * far > 2**31
-    gp = dataclasses.replace(
-        p,
+    gp = p.replace(
         query=p.query.cuda(),
         out=p.out.cuda(),
         key_cache=big[0],
@@ -370,8 +365,8 @@ def test_value_cache_laid_out_unlike_key_cache(mode, batch):
     check(p)
     expected = p.out.clone()
     v_scales = None if p.v_scale_cache is None else _heads_major(p.v_scale_cache)
-    q = dataclasses.replace(
-        p, value_cache=_heads_major(p.value_cache), v_scale_cache=v_scales, out=torch.full_like(p.out, float("nan"))
+    q = p.replace(
+        value_cache=_heads_major(p.value_cache), v_scale_cache=v_scales, out=torch.full_like(p.out, float("nan"))
     )
     assert not k.same_kv_strides(q)
     assert torch.equal(run(q).view(torch.int16), expected.view(torch.int16))
@@ -443,7 +438,7 @@ def test_staged_prefill_against_float64(mode, batch):
     assert _kernels().prefill_config(p).stage_kv == (p.max_query_len >= _kernels()._staging.STAGE_MIN_QUERY_LEN)
     staged_err = check(p, prefill=_staged(p))
     # The workspace holds the direct kernel's own fp16 operands: no error of its own.
-    direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
+    direct = p.replace(out=torch.full_like(p.out, float("nan")))
     direct_err = check(direct, prefill=_kernels().direct_prefill_config(p))
     assert staged_err <= direct_err * 1.1, (staged_err, direct_err)
 
@@ -453,13 +448,13 @@ def test_staged_prefill_with_a_num_prefills_hint():
     # truth (validate=False) leaves the extra sequences wrong but touches nothing outside.
     k = _kernels()
     q_lens, lens = [1, 66, 1, 70], [150, 200, 17, 100]
-    exact = dataclasses.replace(make_problem(q_lens, lens), num_prefills=2)
+    exact = make_problem(q_lens, lens).replace(num_prefills=2)
     # K/V slots scale with the count; the fp16 query and its row factors cover every token.
     query_bytes = exact.query.shape[0] * exact.num_q_heads * (2 * exact.head_size + 4)
-    unhinted = dataclasses.replace(exact, num_prefills=None)
+    unhinted = exact.replace(num_prefills=None)
     assert (k._staging.workspace_bytes(exact) - query_bytes) * 2 == k._staging.workspace_bytes(unhinted) - query_bytes
     check(exact, prefill=_staged(exact))
-    short = dataclasses.replace(make_problem(q_lens, lens), num_prefills=1)
+    short = make_problem(q_lens, lens).replace(num_prefills=1)
     run(short, prefill=_staged(short))
     ref = reference(short)
     assert rel_err(short.out[:67], ref[:67]) <= 1e-2  # the decode and the first prefill
@@ -551,7 +546,7 @@ def test_staged_query_rows_times_their_undo_factor_give_the_query_back(dtype):
     magnitudes = 10.0 ** (uniform * 2 * span - span)
     query = (p.query.double() * magnitudes[..., None].to(p.query.device)).to(dtype)
     query[1, 2] = 0.0
-    p = dataclasses.replace(p, query=query)
+    p = p.replace(query=query)
     staged = k._staging.staged_problem(p, fill=float("nan"))
     undo = staged.q_undo.double()
     assert torch.equal(torch.exp2(torch.log2(undo).round()), undo), "undo factors are powers of two"
@@ -639,13 +634,13 @@ def test_staged_prefill_with_scales_far_apart_across_pages():
     # operands cannot resolve two of them a fraction apart (any kernel, staged or direct; a
     # random draw has such a near-tie now and then), so the softmax scale takes the 1000x back.
     p = make_problem([100, 1], [400, 300], head_size=64, seed=7)
-    p = dataclasses.replace(p, softmax_scale=p.softmax_scale / 1000)
+    p = p.replace(softmax_scale=p.softmax_scale / 1000)
     blocks = p.block_tables[0].long()
     for scales in (p.k_scale_cache, p.v_scale_cache):
         for j, block in enumerate(blocks):
             scales[block] *= 1000.0 ** (j * p.block_size // 128) * 1e-6
     err = check(p, prefill=_staged(p))
-    direct = dataclasses.replace(p, out=torch.full_like(p.out, float("nan")))
+    direct = p.replace(out=torch.full_like(p.out, float("nan")))
     assert err <= check(direct, prefill=_kernels().direct_prefill_config(p)) * 1.1
 
 
@@ -678,8 +673,7 @@ def test_window_hidden_keys_with_nan_scales_leave_decode_output_unchanged():
     # scales on purpose (a poisoned row the window has passed must not end a sequence's output).
     lens, window = [100, 70], 20
     clean = make_problem([1, 1], lens, sliding_window=window, head_size=64, seed=3)
-    poisoned = dataclasses.replace(
-        clean,
+    poisoned = clean.replace(
         out=torch.full_like(clean.out, float("nan")),
         k_scale_cache=clean.k_scale_cache.clone(),
         v_scale_cache=clean.v_scale_cache.clone(),

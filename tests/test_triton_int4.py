@@ -35,7 +35,7 @@ tl = pytest.importorskip("triton.language")
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import attention_ops, int4_attention, int4_rotation, int4_write  # noqa: E402
 from kvzoo.backends.triton import platform as triton_platform  # noqa: E402
-from kvzoo.conformance.inputs import make_rows, random_bytes, rng_for  # noqa: E402
+from kvzoo.inputs import make_rows, random_bytes, rng_for  # noqa: E402
 from kvzoo.modes import MODES, SCALE_FLOOR, rht_signs  # noqa: E402
 from kvzoo.problem import Attention, CacheWrite, Dequantize  # noqa: E402
 from kvzoo_spec import oracle  # noqa: E402
@@ -309,7 +309,7 @@ def test_write_through_every_input_path(layout):
 @pytest.mark.parametrize("tile", [None, (8, 4, 1), (4, 4, 2)])
 def test_write_through_each_store_and_tile(mode, stores, tile):
     # The int32 word stores (where the cache's rows allow them) and the byte stores beside
-    # them, at the table's tile and at the others bench/int4_write_probe.py times; a strided
+    # them, at the table's tile and at the others bench/probes/int4_write_probe.py times; a strided
     # cache view has no word path and must fall back to bytes.
     rng = rng_for("int4 stores", mode, stores, tile)
     T, H, D, NB, BS = 13, 4, 32, 6, 4
@@ -675,7 +675,7 @@ def test_prepared_attention_relaunches_with_other_tensors(mode):
 
 
 _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-_OFFLINE = Path(__file__).resolve().parents[1] / "bench" / "int4_offline_facts.py"
+_OFFLINE = Path(__file__).resolve().parents[1] / "bench" / "probes" / "int4_offline_facts.py"
 
 
 @pytest.mark.skipif(not _PTXAS.exists(), reason="the triton wheel's ptxas is not here")

@@ -5,7 +5,7 @@ every mode and layout; these tests cover what it cannot see from outside: the en
 over whole value ranges (ties, subnormals, saturation), that no multiply-add was contracted,
 and the 64-bit offsets of caches over 4 GiB (GPU only). On a machine without a GPU they run
 under TRITON_INTERPRET=1 at small sizes. Random draws come from the session seed
-(kvzoo.conformance.inputs.rng_for); paged write problems from kvzoo.samples.
+(kvzoo.inputs.rng_for); paged write problems from kvzoo.samples.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ tl = pytest.importorskip("triton.language")
 import kvzoo  # noqa: E402
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import encode  # noqa: E402
-from kvzoo.conformance.inputs import rng_for  # noqa: E402
+from kvzoo.inputs import rng_for  # noqa: E402
 from kvzoo.modes import MODES, SCALE_FLOOR  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")

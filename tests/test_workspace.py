@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 import kvzoo  # noqa: E402
 from kvzoo import KVZooInputError, samples  # noqa: E402
 from kvzoo.backends.triton import platform  # noqa: E402
-from kvzoo.conformance.inputs import rng_for  # noqa: E402
+from kvzoo.inputs import rng_for  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not platform.interpreted()
@@ -146,7 +146,7 @@ def test_a_workspace_too_small_or_overlapping_is_refused_before_any_write():
     assert torch.isnan(p.out).all() and torch.equal(buffer, before)
     # The output's own bytes as the workspace: the kernels would write it twice over.
     big = torch.full((need // 2 + 256, 4, 32), float("nan"), dtype=p.out.dtype, device=DEVICE)
-    q = dataclasses.replace(p, out=big[: p.out.shape[0]])
+    q = p.replace(out=big[: p.out.shape[0]])
     with pytest.raises(KVZooInputError, match="workspace: shares memory with out"):
         _impl(workspace=big.view(torch.uint8).flatten()).run(q)
     assert torch.isnan(big).all()

@@ -20,7 +20,7 @@ from .. import registry as _registry
 from ..arrays import as_torch, numpy_dtype
 from ..capabilities import Requirements
 from ..conformance.checks import declared_reasons
-from ..conformance.inputs import device_for
+from ..inputs import device_for
 from ..layout import inline_views
 from .dump import CacheDump, LayerPages
 from .findings import Collector

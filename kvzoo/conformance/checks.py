@@ -23,14 +23,13 @@ import torch
 import kvzoo_spec
 from kvzoo_spec import oracle
 
-# A module import: kvzoo.samples itself imports conformance.inputs (a cycle either way round).
 from .. import api, registry, samples
 from ..arrays import as_numpy, as_torch, numpy_dtype
 from ..capabilities import Requirements
+from ..inputs import assert_same_bytes, device_for, host_bytes, host_float32, rng_for
 from ..layout import allocate_inline, inline_views
 from ..modes import MODES
 from .cases import AttentionCase, DequantCase, WriteCase, attention_cases, dequant_cases, write_cases
-from .inputs import assert_same_bytes, device_for, host_bytes, host_float32, rng_for
 
 GOLDEN_DIR = Path(kvzoo_spec.__file__).parent / "golden"
 GOLDEN_FILES = sorted(GOLDEN_DIR.glob("*.npz"))

@@ -411,11 +411,12 @@ def source_of(
         lens: list[int] = []
         tables: list[tuple[int, ...]] = []
     else:
-        from ..api import check_block_tables
+        from ..calls import block_table_values, check_block_tables
 
         require_array("block_tables", block_tables)
         require_array("seq_lens", seq_lens)
-        read = check_block_tables(block_tables, seq_lens, local.num_blocks, local.block_size, True)
+        check_block_tables(block_tables, seq_lens, local.block_size)
+        read = block_table_values(block_tables, seq_lens, local.num_blocks, local.block_size)
         lens = [int(n) for n in (read if read is not None else [])]
         table = host_ints(block_tables)
         # A block several sequences share (a common prefix) becomes one page they share.

@@ -64,7 +64,6 @@ from .attention_constants import (
     SCALE_TOKEN_HEAD,
     offset_codes,
 )
-from .attention_ops import TritonAttentionOptions
 from .attention_tables import (
     DECODE_TILES,
     ONE_WAVE_DECODE_TILES,
@@ -91,7 +90,9 @@ from .attention_tiles import (
     tile_rows,
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
+from .int4_tiles import unrotate_rows
 from .launch import BoundLaunch, launch_nothing, relaunch_all
+from .options import TritonAttentionOptions
 from .scratch import Need, Scratch, bytes_needed
 
 _DEFAULT_OPTIONS = TritonAttentionOptions()
@@ -401,13 +402,16 @@ def _staged_attention_kernel(
     LONGEST_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """Prefill on staging.py's workspace: q the query rows rescaled into fp16 and q_undo their
     factors, K and V (one layout: strides stride_w*) fp16 operands with one scale per page of
     PAGE keys (ks, vs: [pages, KV heads]; static scales in per-tensor modes), first_page each
     sequence's first workspace page. Decode tokens have no workspace: the paged kernel takes
     them. The cache's own block tables (pages of CACHE_PAGE keys) tell an ill-formed sequence,
-    as the paged kernel tells it; so does one longer than its workspace slot (workspace_keys)."""
+    as the paged kernel tells it; so does one longer than its workspace slot (workspace_keys).
+    ROTATE: an int4 rotated mode's workspace (int4_staging.py), whose query and keys are in the
+    rotated basis: the rows are taken back to the model's before they are stored."""
     kv_head = tl.program_id(1)
     seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
     if q_block * BLOCK_Q >= q_len:
@@ -493,7 +497,7 @@ def _staged_attention_kernel(
 
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
-    acc = acc * v_unit
+    acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     store_rows(
         out_ptr,
         lse_ptr,
@@ -693,7 +697,7 @@ def decode_config(p: Attention, invariant: bool, platform: str = "cuda") -> Atte
     codes = _cache_codes(p)
     size = _size_class(p.head_size)
     # Quantized tiles of the group's real rows run fewer instructions per key tile
-    # (bench/offline_facts.py counts them) in less shared memory; the bf16 tile
+    # (bench/probes/offline_facts.py counts them) in less shared memory; the bf16 tile
     # timed the same either way and keeps 16. On ROCm a dot under 16 rows falls back to FMA
     # (Triton's AMD backend): padded there.
     min_rows = 1 if platform == "cuda" and codes is not CacheCodes.MODEL_DTYPE else 16
@@ -862,7 +866,7 @@ def same_kv_strides(p: Attention) -> bool:
 
 @dataclass
 class KernelCall:
-    """One launch of an attention kernel: what _launch runs, and what bench/offline_facts.py
+    """One launch of an attention kernel: what _launch runs, and what bench/probes/offline_facts.py
     compiles for a GPU it does not have."""
 
     kernel: Any  # _attention_kernel or _staged_attention_kernel
@@ -1166,6 +1170,7 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         LONGEST_FIRST=cfg.longest_first,
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None,
+        ROTATE=p.mode.rotation is not None,
     )
     grid = (p.query.shape[0] // cfg.block_q + num_seqs, p.num_kv_heads, 1)
     return KernelCall(_staged_attention_kernel, grid, args, constexprs, _options(cfg), None)

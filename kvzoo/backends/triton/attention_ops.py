@@ -1,21 +1,20 @@
 """Registers the Triton unified paged attention ("triton-cuda", "triton-rocm").
 
 Kernels live in attention_kernels.py (their pieces in attention_tiles.py, their tile tables in
-attention_tables.py) and are imported on the first run, so this module loads (and lists the
-implementations as unavailable, with the reason) on machines without triton.
+attention_tables.py; int4's in int4_attention.py) and are imported on the first run, so this
+module loads (and lists the implementations as unavailable, with the reason) on machines
+without triton. The options the kernels take are options.py's, which both import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from ...capabilities import ALL_OPTIONS, Capabilities
-from ...errors import fail
 from ...registry import Implementation, Registry
-from ...validate import int_scalar, require_workspace
 from . import platform
 from .formats import packed_rows, platform_formats
+from .options import TritonAttentionOptions
 
 if TYPE_CHECKING:
     from ...problem import Attention
@@ -32,35 +31,6 @@ MAX_HEAD_SIZE = 256
 # (staging.py) builds the same fp16 operands once per key, so its error is the direct kernel's.
 # int4 caches' kernels (int4_attention.py) need no more: their module docstring says why.
 ATTENTION_RTOL = 5e-3
-
-
-@dataclass(frozen=True)
-class TritonAttentionOptions:
-    """Choices the Triton attention takes with a call: `impl.with_options(prefill="direct")`.
-
-    prefill: "auto" stages a quantized prefill through an fp16 workspace where that measured
-    faster (staging.py), "direct" always tiles over the codes themselves.
-    stage_max_bytes: the largest workspace a call may allocate; above it prefill stays direct.
-    workspace_fill: a value the staged workspace is filled with before the gather (a test of
-    what the gather writes and what the kernel reads); None leaves it uninitialised.
-    workspace: a contiguous 1-D uint8 CUDA tensor every call carves its own arrays from (split
-    partials, staged prefill's workspace; scratch.py) instead of allocating them, of at least
-    `workspace_bytes(problem)` bytes (a call refuses a smaller one before it writes anything).
-    It serves one call at a time: calls that may overlap (other streams) need their own.
-    """
-
-    prefill: Literal["auto", "direct"] = "auto"
-    stage_max_bytes: int = 1 << 30
-    workspace_fill: float | None = None
-    # Compared by identity: a tensor's == is elementwise.
-    workspace: Any = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.prefill not in ("auto", "direct"):
-            fail(f"prefill: expected 'auto' or 'direct', got {self.prefill!r}")
-        int_scalar("stage_max_bytes", self.stage_max_bytes, -1)
-        if self.workspace is not None:
-            require_workspace(self.workspace)
 
 
 def _kernels(p: Attention):

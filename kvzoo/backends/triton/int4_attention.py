@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ...problem import Attention
+from . import int4_staging, staging
 from . import platform as _platform
-from . import staging
 from .attention_constants import SCALE_TOKEN_HEAD
 
 # The split rule's bounds, the merge, the launch records and their runners are the paged
@@ -61,7 +61,6 @@ from .attention_kernels import (
     split_partials,
     staged_prefill_config,
 )
-from .attention_ops import TritonAttentionOptions
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
     _initial_state,
@@ -80,29 +79,19 @@ from .attention_tiles import (
     tile_rows,
 )
 from .encode import (
-    FP16_ROW_EXPONENT,
-    MAX_FACTOR_EXPONENT,
     SMALLEST_NORMAL,
     bf16_as_bits,
-    bits_float,
-    float_bits,
     load_f32,
 )
 from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2
+from .int4_tiles import CODE_OFFSET, query_factors, split_words, unrotate_rows
 from .launch import launch_nothing
+from .options import TritonAttentionOptions
 from .scratch import Scratch, bytes_needed
 
-# fp16 value of a code c under the nibble conversions, less c: 0x5400 | c << 4 is the fp16
-# 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it
-# sits in bits 4-7 of a half.
-CODE_OFFSET = tl.constexpr(64.0)
 # How the key tile turns code bytes into dot operands (constexpr CONVERT).
 CONVERT_ASM = tl.constexpr(0)  # CUDA: byte permutes, a shift and an OR per two codes
 CONVERT_CAST = tl.constexpr(1)  # the same values through integer ops, a cast and an add
-# The word layout of SPEC.md 12.3 (as int32).
-SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0
-ZP_MASK = tl.constexpr(0xF)
-OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
 
 # Attention tolerance (the module docstring says where it comes from).
 ATTENTION_RTOL = 5e-3
@@ -157,28 +146,8 @@ def nibbles_to_dot(raw, CONVERT: tl.constexpr, PURE: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
-def split_words(words):
-    """Scale words (int32) -> (scale_t, CODE_OFFSET + zp), float32 (SPEC.md 12.3). The second
-    is built on the bits, as the first is: zp << 17 in the mantissa of 64.0 (whose unit there is
-    2^-17) is 64 + zp."""
-    return bits_float(words & SCALE_MASK), bits_float(((words & ZP_MASK) << 17) | OFFSET_BITS)
-
-
 # ----------------------------------------------------------------------------------------
 # The query rows and the output rows.
-
-
-@triton.jit
-def query_factors(amax, HEADROOM: tl.constexpr):
-    """Powers of two (factor, undo), factor * undo == 1: x * factor puts a row of absmax amax
-    at [2^14, 2^15) / 2^HEADROOM (encode.fp16_row_factors with room for the rotation, whose
-    outputs are sums of D = 2^HEADROOM of its elements), so the rotated row neither overflows
-    float32 nor fp16. The factor stops at 2^+-126, as fp16_row_factors' does."""
-    expo = (float_bits(amax) >> 23) & 0xFF
-    k = FP16_ROW_EXPONENT - HEADROOM - expo
-    k = tl.minimum(tl.maximum(k, -MAX_FACTOR_EXPONENT), MAX_FACTOR_EXPONENT)
-    return bits_float((127 + k) << 23), bits_float((127 - k) << 23)
 
 
 @triton.jit
@@ -195,14 +164,6 @@ def rotated_query(
     q16 = q.to(tl.float16)
     q_even, q_odd = deinterleave(q16, BLOCK_M, BLOCK_D)
     return q_even, q_odd, tl.sum(q16.to(tl.float32), axis=1), undo
-
-
-@triton.jit
-def unrotate_rows(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, ROTATE: tl.constexpr):
-    """Output rows in the rotated basis -> the model's: s * fwht(x) / D (`_norot`: x)."""
-    if ROTATE:
-        x = flip_signs(fwht(x, BLOCK_M, BLOCK_D, HEAD_D), BLOCK_D) * (1.0 / HEAD_D)
-    return x
 
 
 # ----------------------------------------------------------------------------------------
@@ -614,7 +575,7 @@ class Int4Tiles:
 
 _OFFLINE = (
     Run(
-        "python bench/int4_offline_facts.py",
+        "python bench/probes/int4_offline_facts.py",
         "",
         "the variants without spills on sm_90a and the fewest instructions per key; not timed",
     ),
@@ -629,7 +590,7 @@ _OFFLINE = (
 # Direct prefill: 32-key tiles (64 spill on sm_90a).
 _TIMED_DECODE = (
     Run(
-        "python3 bench/attention_probe.py --sections int4",
+        "python3 bench/probes/attention_probe.py --sections int4",
         "aa45772",
         "32 keys on 1 warp, 5 stages, no register cap: 1.00-1.16x the capped tile; 64-key, 2- and "
         "4-warp tiles slower; 4 or 6 stages (timed capped only) slower or equal",
@@ -864,8 +825,6 @@ def _launches(
 
 def run(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> None:
     """Attention for an int4 problem `p`."""
-    from . import int4_staging
-
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, options)

@@ -8,15 +8,13 @@ tiles and key loop; what is int4's own is on either side of them:
   largest scale) in fp16, with that largest scale kept per page (staging._stage_rows' rule);
 - the query rows are rotated once (q' = R q in float32, as the paged kernel does it) and
   rescaled into fp16, their undo factors carrying the 1 / D of R^T / D;
-- the attention is _int4_staged_attention_kernel, attention_kernels._staged_attention_kernel
-  with the rows un-rotated before they are stored (its arguments, tiles and key loop).
+- the attention is attention_kernels._staged_attention_kernel itself, which un-rotates the
+  rows before it stores them where the mode rotates (ROTATE).
 
 Decode tokens of the batch stay on the paged kernel (int4_attention.py), which writes theirs.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -25,18 +23,9 @@ import triton.language as tl
 from ...problem import Attention
 from . import staging
 from .attention_kernels import KernelCall, staged_kernel_call
-from .attention_tiles import (
-    attend,
-    logit_scale,
-    query_block,
-    staged_sequence_ok,
-    staged_tile,
-    store_rows,
-    tile_rows,
-)
 from .encode import SMALLEST_NORMAL, bf16_as_bits, load_f32
-from .int4_attention import ZP_MASK, query_factors, split_words, unrotate_rows
 from .int4_rotation import flip_signs, fwht, interleave, log2, unpack_nibbles
+from .int4_tiles import ZP_MASK, query_factors, split_words
 from .scratch import Scratch
 
 
@@ -231,169 +220,6 @@ def _int4_stage_query_kernel(
     tl.store(undo_ptr + row, undo, mask=h_ok)
 
 
-@triton.jit
-def _int4_staged_attention_kernel(
-    q_ptr,
-    q_undo_ptr,
-    k_ptr,
-    v_ptr,
-    ks_ptr,
-    vs_ptr,
-    out_ptr,
-    lse_ptr,
-    first_page_ptr,
-    seq_lens_ptr,
-    qsl_ptr,
-    sinks_ptr,
-    cache_tables_ptr,
-    num_seqs,
-    num_tokens,
-    num_blocks,
-    max_blocks,
-    workspace_keys,
-    softmax_scale,
-    softcap,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
-    stride_wb,
-    stride_wt,
-    stride_wh,
-    stride_wd,
-    stride_ksb,
-    stride_ksh,
-    stride_vsb,
-    stride_vsh,
-    stride_bt,
-    stride_cache_bt,
-    NUM_Q_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    CACHE_PAGE: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-    ROTATE: tl.constexpr,
-):
-    """attention_kernels._staged_attention_kernel (its arguments, its tiles) with the rows
-    un-rotated before they are stored: the workspace and the query are in the rotated basis."""
-    kv_head = tl.program_id(1)
-    seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-    if q_block * BLOCK_Q >= q_len:
-        return
-    if q_len == 1:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len
-    row_ok, head, pos, token, d, d_ok = tile_rows(
-        q_block, q_start, q_len, context, kv_head, num_tokens, BLOCK_M, BLOCK_Q, G_PAD, GROUP, BLOCK_D, HEAD_D
-    )
-    seq_ok = staged_sequence_ok(
-        cache_tables_ptr + seq.to(tl.int64) * stride_cache_bt,
-        seq_len,
-        q_len,
-        max_blocks,
-        num_blocks,
-        workspace_keys,
-        CACHE_PAGE,
-        INTERPRETED,
-    )
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    row_scale = tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
-    row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
-    m_i, l_i, acc, v_unit = attend(
-        seq,
-        q_block,
-        q_len,
-        seq_len,
-        context,
-        first_page_ptr,
-        stride_bt,
-        window,
-        0,
-        0,
-        sinks_ptr,
-        head,
-        row_ok,
-        staged_tile,
-        (
-            q,
-            row_scale,
-            pos,
-            window,
-            softcap,
-            kv_head,
-            k_ptr,
-            v_ptr,
-            ks_ptr,
-            vs_ptr,
-            stride_wb,
-            stride_wt,
-            stride_wh,
-            stride_wd,
-            stride_ksb,
-            stride_ksh,
-            stride_vsb,
-            stride_vsh,
-            BLOCK_N,
-            HEAD_D,
-            BLOCK_D,
-            PAGE,
-            SCALE_MODE,
-            HAS_SOFTCAP,
-            HAS_WINDOW,
-        ),
-        BLOCK_Q,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        HAS_WINDOW,
-        False,
-        HAS_SINKS,
-        INTERPRETED,
-        seq_ok,
-    )
-    acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
-    store_rows(
-        out_ptr,
-        lse_ptr,
-        acc,
-        m_i,
-        l_i,
-        token,
-        head,
-        d,
-        row_ok,
-        d_ok,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        stride_lt,
-        stride_lh,
-        HAS_LSE,
-    )
-
-
 def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | None = None) -> staging.Staged:
     """staging.staged_problem for an int4 `p`: the problem over a workspace (scratch's; fresh
     by default) of its prefills' context (in the stored basis) and its query rows (rotated),
@@ -463,8 +289,7 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         k_scale_cache=page_scales[0][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
         v_scale_cache=page_scales[1][:, None, :].expand(pages, staging.STAGE_PAGE, heads),
     )
-    staged = dataclasses.replace(
-        p,
+    staged = p.replace(
         query=ws_q,
         key_cache=ws_k,
         value_cache=ws_v,
@@ -477,10 +302,6 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
 
 
 def staged_call(staged: staging.Staged, platform: str, cfg) -> KernelCall:
-    """The staged kernel's launch: attention_kernels.staged_kernel_call's arguments and tiles,
-    on the kernel that un-rotates its rows."""
-    call = staged_kernel_call(staged, platform, cfg)
-    rotate = staged.problem.mode.rotation is not None
-    return dataclasses.replace(
-        call, kernel=_int4_staged_attention_kernel, constexprs={**call.constexprs, "ROTATE": rotate}
-    )
+    """The staged kernel's launch (attention_kernels.staged_kernel_call: the kernel un-rotates
+    its rows where the mode rotates)."""
+    return staged_kernel_call(staged, platform, cfg)

@@ -18,7 +18,7 @@ decode and 12.2's float32 inverse.
 Exactness: every float32 operation here is one correctly rounded add, subtract, multiply or
 `tl.math.div_rn`; the conversions are exact, or RNE (bf16 narrowing on the bits, or through
 CUDA's own RNE convert where compiled); launches pass enable_fp_fusion=False, so `r * inv + zp`
-keeps its two roundings (12.4: no FMA; bench/int4_offline_facts.py --check reads the PTX). The
+keeps its two roundings (12.4: no FMA; bench/probes/int4_offline_facts.py --check reads the PTX). The
 interpreter checks every path but the CUDA convert, which the conformance suite checks on the
 GPU.
 """
@@ -497,10 +497,8 @@ def _narrow_hw(t: torch.Tensor) -> bool:
     return t.is_cuda and build_target() == "cuda" and not interpreted()
 
 
-# On the H200 (Triton 3.6), a tile of two 16-bit rows at head size 64 gave those rows a wrong
-# max and min, so wrong scale words and codes, in the unrotated mode (one row, four and more,
-# float32 rows and the rotated mode were right: bench/archive/RESULTS-history.md, eleventh
-# session). The cause inside the compiler was not traced; no tile has fewer than four rows.
+# No tile has fewer than four rows: Triton 3.6 compiles a tile of two 16-bit rows at head size
+# 64 for sm_90 to wrong row maxima and minima (so wrong scale words and codes).
 MIN_TILE_ROWS = 4
 
 
@@ -544,7 +542,7 @@ def _write_call(
 ):
     """(grid, args, kwargs, slots) of the write kernel's launch for `p`; slots: the positions
     of args each of CacheWrite.operand_names() fills. tile: (BLOCK_T, BLOCK_H, warps) instead
-    of _write_tile's, and pack_words=False the byte stores (bench/int4_write_probe.py compares
+    of _write_tile's, and pack_words=False the byte stores (bench/probes/int4_write_probe.py compares
     them)."""
     num_tokens, num_heads, head_size = p.key.shape
     block_t, block_h, warps = tile or _write_tile(num_tokens, num_heads, head_size)

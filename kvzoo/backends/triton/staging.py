@@ -28,7 +28,6 @@ can be captured in a CUDA graph. Configs stage only under STAGE_MAX_BYTES.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -45,7 +44,7 @@ from .scratch import Scratch
 STAGE_PAGE = 128
 # Rows of a page one gather program converts (of K or of V), and its warps: a quarter page
 # per program gives the gather enough programs to fill the GPU on short batches; the
-# neighbouring choices time within a few percent (bench/staging_sweep.py).
+# neighbouring choices time within a few percent (bench/probes/staging_sweep.py).
 GATHER_ROWS = 32
 GATHER_WARPS = 4
 # Sequences the slot kernel places per step of its loop (one step up to this batch size).
@@ -54,7 +53,7 @@ SLOT_BLOCK = 1024
 STAGE_MAX_BYTES = 1 << 30
 # Sequences need at least this many query tokens in one step before the conversion the direct
 # kernel repeats per query tile outweighs staging's extra pass over their context: at 64
-# query tokens staging loses, from 128 it wins (bench/staging_sweep.py).
+# query tokens staging loses, from 128 it wins (bench/probes/staging_sweep.py).
 STAGE_MIN_QUERY_LEN = 128
 # The codes _stage_rows converts in hardware where compiled, as the Triton dtype of their bytes.
 _HW_DTYPES = {CODE_INT8: tl.int8, CODE_E4M3FN: tl.float8e4nv}
@@ -449,9 +448,7 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         BLOCK_D=triton.next_power_of_2(dim),
         num_warps=4,
     )
-    staged = dataclasses.replace(
-        p, query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales
-    )
+    staged = p.replace(query=ws_q, key_cache=ws_k, value_cache=ws_v, block_tables=first_page[:, None], **scales)
     return Staged(staged, q_undo, p.block_tables, p.key_cache.shape[0], p.block_size, pages_per_seq * STAGE_PAGE)
 
 

@@ -8,9 +8,9 @@ left alone, the write ran its bf16 input loads, row scales and encoding 8 elemen
 allow that. A load of the same shape that Triton can see is 16-byte aligned, in a branch no
 program takes, puts them at 16 as on the separate layout; either way the codes reach the
 4-byte store layout through shared memory. 9-11% fewer instructions (sm_90a: `python
-bench/offline_facts.py write`).
+bench/probes/offline_facts.py write`).
 
-Measured on the H200 (bench/inline_probe.py; bench/archive/RESULTS-history.md, 2026-12-04):
+Measured on the H200 (bench/probes/inline_probe.py; bench/archive/RESULTS-history.md, 2026-12-04):
 the inline write at 32768 tokens ran at 0.82-0.87x the separate layout's speed without,
 0.91-0.93x with. Decode does not take it: there the widened loads are the cache's own, each
 warp-wide 4-byte copy then touched four rows, 4 bytes of every 16, instead of one row's 128
@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Off: the write's 8-element layout (inline_probe.py's "narrow" variant).
+# Off: the write's 8-element layout (bench/probes/inline_probe.py's "narrow" variant).
 ENABLED = True
 
 # Grid dimension 1 of a CUDA launch has at most 65535 programs, so no program takes the branch

@@ -1,10 +1,10 @@
 """What does the compiler make of the int4 kernels for the H200 (sm_90a), without a GPU?
 Registers, spills, shared memory and instructions per loop of the write kernel (32768 tokens)
 and of the attention's decode (64 x 16384, 8 x 65536) and prefill (4 x 4096) launches, as
-bench/offline_facts.py reports them for the other modes; --check asserts what only a GPU
+bench/probes/offline_facts.py reports them for the other modes; --check asserts what only a GPU
 runs (the inline PTX assembles, the write has no multiply-add, the conversions are there).
 
-    python bench/int4_offline_facts.py [--check]            (CPU: a minute or so)
+    python bench/probes/int4_offline_facts.py [--check]            (CPU: a minute or so)
 
 Every launch is the one the kernels' own host code builds (int4_write._write_call,
 int4_attention.kernel_call) on meta tensors, compiled as CUDA would compile it.
@@ -24,7 +24,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import offline_facts  # noqa: E402

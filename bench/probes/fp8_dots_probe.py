@@ -1,6 +1,6 @@
 """fp8_dots' compiled prefill kernel against the float64 oracle, per config (issue 20, target 2).
 
-    python3 bench/fp8_dots_probe.py
+    python3 bench/probes/fp8_dots_probe.py
 
 Runs attention_kernels.run directly on 2 prefills and a decode at head size 128, under each
 listed tile, and prints each sequence's relative error against oracle.attention_f64 on the
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
-from kvzoo.conformance.inputs import host_float32, rng_for  # noqa: E402
+from kvzoo.inputs import host_float32, rng_for  # noqa: E402
 from kvzoo.problem import Attention  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """What does Triton itself reach on the prefill shape, without paging or quantization?
 
-    python3 bench/flash_bound.py                        (on the GPU)
+    python3 bench/probes/flash_bound.py                        (on the GPU)
 
 A plain causal flash-attention forward on contiguous bf16 [batch, heads, tokens, 128] tensors
 (grouped query heads, keys tiled in order, the logit scale folded into exp2), timed beside
@@ -10,7 +10,7 @@ It separates two gaps: kvzoo against this kernel is what paging, staging and the
 cache cost; this kernel against SDPA (cuDNN) is what Triton 3.6's code generation leaves on
 this GPU. Several tile configs are timed; each is checked against SDPA first. The contiguous
 tensors are drawn here (kvzoo.samples builds paged problems only); kvzoo's rows take
-bench/attention_probe.py's `make`.
+bench/probes/attention_probe.py's `make`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for its shared modules
 
-from attention_probe import HKV, HQ, D, bench, make, prefill_flops  # noqa: E402
+from attention_inputs import HKV, HQ, D, bench, make, prefill_flops  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Which instructions does a decode key tile spend, per mode? The opcode counts of the whole-tile
 loop of each mode's decode kernel at 64 x 16384 (sm_90a SASS, per thread, one 32-key tile of
 the 1-warp table tile; bf16's table tile is 64 keys on 4 warps), side by side, compiled offline
-as bench/offline_facts.py compiles them (no GPU).
+as bench/probes/offline_facts.py compiles them (no GPU).
 
-    python bench/decode_loop_ops.py            (CPU: a few minutes)
+    python bench/probes/decode_loop_ops.py            (CPU: a few minutes)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 # Compiled, never interpreted: @triton.jit reads this when the kernels module is imported.
 os.environ.pop("TRITON_INTERPRET", None)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import int4_offline_facts  # noqa: E402

@@ -3,7 +3,7 @@ checks, the problem record and the registry's choice, timed with an implementati
 nothing: what an engine pays per call without CUDA graphs, on top of the launch itself
 (bench/host_cost.py times whole calls, launch included, on the GPU's host).
 
-    python bench/api_overhead.py        (CPU tensors; prints microseconds per call)
+    python bench/probes/api_overhead.py        (CPU tensors; prints microseconds per call)
 
 Inputs come from kvzoo.samples, drawn from the session seed (KVZOO_SEED replays it).
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kvzoo  # noqa: E402
 from kvzoo import samples  # noqa: E402
-from kvzoo.conformance.inputs import rng_for  # noqa: E402
+from kvzoo.inputs import rng_for  # noqa: E402
 from kvzoo.registry import Implementation  # noqa: E402
 
 MODE = "int8_per_token_head"

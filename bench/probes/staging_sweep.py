@@ -1,7 +1,7 @@
 """From how many query tokens per sequence does staged quantized prefill beat the direct kernel
 (staging.STAGE_MIN_QUERY_LEN), and what does its gather pass cost? On the GPU.
 
-    python3 bench/staging_sweep.py [SEQSxQUERY ...]
+    python3 bench/probes/staging_sweep.py [SEQSxQUERY ...]
 
 Every row checks the output against float64 attention first, then times CUDA-graph replays
 (median, triton.testing.do_bench_cudagraph) of: the direct kernel on the codes, the staged run
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for its shared modules
 
-from attention_probe import ceilings, err, make  # noqa: E402
+from attention_inputs import ceilings, err, make  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402
@@ -49,7 +49,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    # Optional: only these shapes, e.g. `python3 bench/staging_sweep.py 8x1024 4x4096`.
+    # Optional: only these shapes, e.g. `python3 bench/probes/staging_sweep.py 8x1024 4x4096`.
     wanted = sys.argv[1:] or [f"{seqs}x{q}" for seqs, q in SHAPES]
     copy_bw, _ = ceilings()
     print(f"copy ceiling {copy_bw:.0f} GB/s; context {CONTEXT}; times in us (CUDA-graph medians)")

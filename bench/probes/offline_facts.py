@@ -2,8 +2,8 @@
 GPU? Registers, spills, shared memory, MMA kind, K/V buffers of the software pipeline, and
 instructions per key tile in the main loops (SASS).
 
-    python bench/offline_facts.py                 (CPU: the table configs of issue 5's shapes)
-    python bench/offline_facts.py write           (CPU: the write of 32768 tokens, inline page and
+    python bench/probes/offline_facts.py                 (CPU: the table configs of issue 5's shapes)
+    python bench/probes/offline_facts.py write           (CPU: the write of 32768 tokens, inline page and
                                                    separate, with and without wide_rows' layout)
 
 kernel_facts.py measures the same kernels on the GPU, with their time.
@@ -37,7 +37,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402

@@ -1,4 +1,5 @@
-"""Conformance inputs: seeded fresh inputs, value distributions, poisoning, byte comparisons.
+"""Seeded fresh inputs, value distributions, poisoning and byte comparisons: what the
+conformance suite, the sample problems (kvzoo.samples), the tests and bench/ draw from.
 
 Every run draws new inputs: the session seed is random unless KVZOO_SEED is set; it is printed
 (pytest header, `kvzoo check`) so a failure can be replayed.
@@ -15,8 +16,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ..arrays import as_numpy, as_torch, numpy_dtype, torch_dtype
-from ..modes import QuantMode, rht_signs
+from .arrays import as_numpy, as_torch, numpy_dtype, torch_dtype
+from .modes import QuantMode, rht_signs
 
 SEED = int(os.environ.get("KVZOO_SEED", secrets.randbits(32)))
 

@@ -5,10 +5,10 @@ separate layout at its own (DECODE_TILES); writes with and without wide_rows' la
 warp a program, and at four heads a program. --row-align 16 (or pow2) adds the aligned inline
 page (rows padded to 16 bytes: the separate layout's tiles and write path) to decode and writes.
 
-    PYTHONPATH=. python3 bench/inline_probe.py [--shapes 64x16384,8x65536] [--tiles 32:1:2,64:1:1]
+    PYTHONPATH=. python3 bench/probes/inline_probe.py [--shapes 64x16384,8x65536] [--tiles 32:1:2,64:1:1]
         [--write-tokens 4096,32768] [--row-align 16]  (--shapes "": writes only; --write-tokens "": decode only)
     OUT=DIR ...                                                    (also DIR/inline_probe.json)
-    PYTHONPATH=. python bench/inline_probe.py --dry-run            (CPU, Triton interpreter: checks the script)
+    PYTHONPATH=. python bench/probes/inline_probe.py --dry-run            (CPU, Triton interpreter: checks the script)
 
 Each variant is checked against float32 torch attention on its own cache (gpu_bench's check)
 before it is timed. The separate layout is timed first and last, so a drift of the clock under
@@ -24,10 +24,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import gpu_bench as gb  # noqa: E402
 
-from kvzoo import api, recall  # noqa: E402
+from kvzoo import launches  # noqa: E402
 from kvzoo.backends.triton import attention_kernels, wide_rows, write_kernels  # noqa: E402
 from kvzoo.backends.triton.attention_tables import NOT_TIMED, DecodeTile  # noqa: E402
 
@@ -38,8 +38,7 @@ OTHER_TILES = "32:1:5,32:1:1,32:1:3,16:1:2,64:1:1,64:1:2,128:4:1"
 def _forget() -> None:
     # Tiles, warps and wide copies are chosen at launch preparation: forget prepared and
     # recalled launches so they are chosen again.
-    recall.forget()
-    api._PREPARED.clear()
+    launches.forget()
 
 
 def _time(variant: str, tile: tuple[int, int, int] | None, q_lens, seq_lens, ceil, row_align=None) -> dict:
@@ -167,7 +166,7 @@ def main() -> int:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        info = {"commit": gb._commit(), "command": "python3 bench/inline_probe.py " + " ".join(sys.argv[1:])}
+        info = {"commit": gb._commit(), "command": "python3 bench/probes/inline_probe.py " + " ".join(sys.argv[1:])}
         Path(out, "inline_probe.json").write_text(json.dumps({"info": info, "ceilings": ceil, "rows": rows}, indent=1))
     return 0
 

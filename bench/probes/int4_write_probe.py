@@ -2,8 +2,8 @@
 reference on fresh random inputs, then its variants timed side by side with the int8 write
 and a device copy of the same bytes.
 
-    PYTHONPATH=. python3 bench/int4_write_probe.py                 (GPU: about 2 minutes)
-    PYTHONPATH=. python3 bench/int4_write_probe.py --interpret-smoke   (CPU: the checks, tiny)
+    PYTHONPATH=. python3 bench/probes/int4_write_probe.py                 (GPU: about 2 minutes)
+    PYTHONPATH=. python3 bench/probes/int4_write_probe.py --interpret-smoke   (CPU: the checks, tiny)
 
 Correctness: every shape of CHECK_TOKENS x CHECK_HEAD_SIZES x dtype x int4 mode (the
 32768-token rows in bf16 only, for the reference's time), the two-row tiles that
@@ -46,12 +46,12 @@ if "--interpret-smoke" in sys.argv:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import kvzoo  # noqa: E402
 from kvzoo.backends.triton import int4_write  # noqa: E402
-from kvzoo.conformance.inputs import make_rows  # noqa: E402
+from kvzoo.inputs import make_rows  # noqa: E402
 from kvzoo.modes import MODES, SCALE_FLOOR  # noqa: E402
 from kvzoo.problem import CacheWrite  # noqa: E402
 

@@ -1,9 +1,9 @@
 """On the GPU, what did the compiler make of each attention config, and how fast is it? Registers,
 spills and MMA instruction kinds of the compiled kernel with a CUDA-event median time: what
-decides occupancy and tensor-core use (bench/offline_facts.py gives the same facts without a
+decides occupancy and tensor-core use (bench/probes/offline_facts.py gives the same facts without a
 GPU, without the time).
 
-    python3 bench/kernel_facts.py [SWEEP ...]     (default: every sweep in SWEEPS)
+    python3 bench/probes/kernel_facts.py [SWEEP ...]     (default: every sweep in SWEEPS)
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for its shared modules
 
-from attention_probe import ceilings, decode_bytes, err, make, prefill_flops  # noqa: E402
+from attention_inputs import ceilings, decode_bytes, err, make, prefill_flops  # noqa: E402
 
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.backends.triton import staging  # noqa: E402
