@@ -290,41 +290,28 @@ def attention_cases() -> list[AttentionCase]:
             )
         )
         if _inline(mode):
-            cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline"))
-            # Slots a multiple of 16 bytes apart, so each KV head's rows share one offset from
-            # 16-byte alignment (0, 4, 8 and 12 bytes here): every offset a 4-byte row load meets.
-            cases.append(
-                AttentionCase(
-                    mode,
-                    "decode",
-                    num_q_heads=16,
-                    num_kv_heads=4,
-                    head_size=64,
-                    layout="inline",
-                    sliding_window=19,
-                    softcap=30.0,
-                    sinks=True,
-                    poison=MODES[mode].holds_nan,
+            # vLLM's rows, then aligned pages: rows of 144 bytes (16-byte aligned, 132 of data)
+            # and of 128 (a power of two, 68 of data), padding all ones (NaN were it read as a
+            # scale). In the decode case slots are a multiple of 16 bytes apart, so each KV
+            # head's rows share one offset from 16-byte alignment (0, 4, 8 and 12 bytes on
+            # vLLM's page): every offset a 4-byte row load meets.
+            for mixed_align, decode_align in ((None, None), (16, "pow2")):
+                cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline", row_align=mixed_align))
+                cases.append(
+                    AttentionCase(
+                        mode,
+                        "decode",
+                        num_q_heads=16,
+                        num_kv_heads=4,
+                        head_size=64,
+                        layout="inline",
+                        sliding_window=19,
+                        softcap=30.0,
+                        sinks=True,
+                        poison=MODES[mode].holds_nan,
+                        row_align=decode_align,
+                    )
                 )
-            )
-            # Aligned pages: rows of 144 bytes (16-byte aligned, 132 of data) and of 128 (a
-            # power of two, 68 of data), padding all ones (NaN were it read as a scale).
-            cases.append(AttentionCase(mode, "mixed", head_size=128, layout="inline", row_align=16))
-            cases.append(
-                AttentionCase(
-                    mode,
-                    "decode",
-                    num_q_heads=16,
-                    num_kv_heads=4,
-                    head_size=64,
-                    layout="inline",
-                    sliding_window=19,
-                    softcap=30.0,
-                    sinks=True,
-                    poison=MODES[mode].holds_nan,
-                    row_align="pow2",
-                )
-            )
         if MODES[mode].holds_nan:
             cases.append(AttentionCase(mode, "decode", poison=True))
         rule = MODES[mode].head_sizes
