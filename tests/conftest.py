@@ -54,7 +54,9 @@ def pytest_collection_modifyitems(config, items):
     own_formats = PLATFORM_FORMATS["rocm"] - PLATFORM_FORMATS["cuda"]
     own_modes = tuple(m.name for m in MODES.values() if m.format is not None and m.format.name in own_formats)
     assert own_modes, "triton-rocm has no format of its own any more: revisit the twin rule"
-    twins = [item for item in items if _interpreted_twin(item, own_modes)]
+    kept, twins = [], []
+    for item in items:
+        (twins if _interpreted_twin(item, own_modes) else kept).append(item)
     if twins:
         config.hook.pytest_deselected(items=twins)
-        items[:] = [item for item in items if not _interpreted_twin(item, own_modes)]
+        items[:] = kept
