@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Where an eager decode step of transformers' generate() spends host time, per cache.
+
+The end-to-end benchmark (bench/e2e_transformers.py) shows eager decode bound by the host: the
+compiled kvzoo step is 3x faster than the eager one on the same GPU work. This probe runs the
+same model and generate() and reports, per cache: the host wall time per decode step (marks
+between forwards), the GPU-event time per step, the launches and the host API calls per step
+(torch.profiler), and the Python functions that cost the most host time (cProfile; its own
+overhead inflates Python-heavy code, so read the shares, not the absolute figures).
+
+    python bench/probes/e2e_host_profile.py --shape 8x4096 --caches dynamic,kvzoo-int8
+    python bench/probes/e2e_host_profile.py --smoke      # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import e2e_transformers as e2e  # noqa: E402
+
+
+class WallMarks(e2e.StepClock):
+    """Host perf_counter marks beside the CUDA events of StepClock."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.wall: list[float] = []
+
+    def mark(self) -> None:
+        self.wall.append(time.perf_counter())
+        super().mark()
+
+
+def one_generate(model, ids, name: str, new_tokens: int, impl, profile: str | None):
+    made, kwargs, attention = e2e.make_cache(name, model, ids.shape[0], ids.shape[1] + new_tokens, impl)
+    if attention == "kvzoo_paged":
+        e2e.use_kvzoo_attention(model)
+    else:
+        model.set_attn_implementation(attention)
+    if made is not None:
+        kwargs[e2e.CACHE_ARG] = made
+    clock = WallMarks(model.device)
+    prof = None
+    if profile == "cprofile":
+        prof = cProfile.Profile()
+    elif profile == "torch":
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if model.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=acts)
+    with torch.no_grad():
+        if prof is not None:
+            prof.__enter__() if profile == "torch" else prof.enable()
+        clock.mark()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            logits_processor=e2e.LogitsProcessorList([clock]),
+            **kwargs,
+        )
+        if prof is not None:
+            prof.__exit__(None, None, None) if profile == "torch" else prof.disable()
+    gpu = clock.intervals_ms()
+    wall = [(b - a) * 1e3 for a, b in zip(clock.wall, clock.wall[1:])]
+    return gpu, wall, prof
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8x4096")
+    ap.add_argument("--caches", default="dynamic,kvzoo-int8,kvzoo-fp8")
+    ap.add_argument("--new-tokens", type=int, default=17)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    impl = "numpy" if device.type == "cpu" else None
+    model = e2e.make_model(e2e.llama_config(args.smoke, args.layers), device, dtype)
+    batch, prompt = (int(x) for x in args.shape.split("x"))
+    if args.smoke:
+        batch, prompt = 2, 48
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
+    summary = []
+    for name in args.caches.split(","):
+        one_generate(model, ids, name, args.new_tokens, impl, None)  # compile, warm
+        gpu, wall, _ = one_generate(model, ids, name, args.new_tokens, impl, None)
+        _, _, tprof = one_generate(model, ids, name, 4, impl, "torch")
+        events = tprof.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        syncs = sum(e.count for e in events if "Synchronize" in e.key)
+        kernels = Counter({e.key: e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA})
+        _, _, cprof = one_generate(model, ids, name, args.new_tokens, impl, "cprofile")
+        row = (name, statistics.median(wall[1:]), statistics.median(gpu[1:]), launches / 4, syncs)
+        summary.append(row)
+        print(f"\n=== {name}: host wall/step {row[1]:.2f} ms, GPU-event/step {row[2]:.2f} ms, "
+              f"launches/step (4-token generate, prefill included) {row[3]:.0f}, synchronize calls {syncs}")  # fmt: skip
+        print("  kernels (4-token generate):", ", ".join(f"{k[:40]} x{c}" for k, c in kernels.most_common(12)))
+        out = io.StringIO()
+        stats = pstats.Stats(cprof, stream=out)
+        stats.sort_stats("tottime").print_stats(args.top)
+        text = out.getvalue()
+        print(text[text.find("ncalls") :].rstrip())
+    print("\n| cache | host wall ms/step | GPU ms/step | launches per step |")
+    print("|---|---|---|---|")
+    for name, wall_ms, gpu_ms, launches, _ in summary:
+        print(f"| {name} | {wall_ms:.2f} | {gpu_ms:.2f} | {launches:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
