@@ -42,6 +42,29 @@ class WallMarks(e2e.StepClock):
         super().mark()
 
 
+WAITS: list[float] = []
+
+
+def _time_stop_checks() -> None:
+    """generate() reads a tensor back at every step's stop check: the host waits there for the
+    GPU, so that wait is how far the GPU runs behind the host (0: the step is bound by the host)."""
+    from transformers.generation import utils
+
+    check = getattr(utils, "StopCheck", None)
+    if check is None or getattr(check, "_timed", False):
+        return
+    inner = check.__call__
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            WAITS.append((time.perf_counter() - start) * 1e3)
+
+    check.__call__, check._timed = timed, True
+
+
 def one_generate(model, ids, name: str, new_tokens: int, impl, profile: str | None):
     made, kwargs, attention = e2e.make_cache(name, model, ids.shape[0], ids.shape[1] + new_tokens, impl)
     if attention == "kvzoo_paged":
@@ -88,6 +111,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    _time_stop_checks()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     impl = "numpy" if device.type == "cpu" else None
@@ -99,18 +123,26 @@ def main() -> None:
     summary = []
     for name in args.caches.split(","):
         one_generate(model, ids, name, args.new_tokens, impl, None)  # compile, warm
+        WAITS.clear()
         gpu, wall, _ = one_generate(model, ids, name, args.new_tokens, impl, None)
+        waits = list(WAITS)
         _, _, tprof = one_generate(model, ids, name, 4, impl, "torch")
         events = tprof.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
         syncs = sum(e.count for e in events if "Synchronize" in e.key)
-        kernels = Counter({e.key: e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA})
+        on_gpu = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        kernels = Counter({e.key: e.count for e in on_gpu})
+        busy = Counter({e.key: e.self_device_time_total / 1e3 for e in on_gpu})  # ms over the 4-token run
         _, _, cprof = one_generate(model, ids, name, args.new_tokens, impl, "cprofile")
         row = (name, statistics.median(wall[1:]), statistics.median(gpu[1:]), launches / 4, syncs)
         summary.append(row)
         print(f"\n=== {name}: host wall/step {row[1]:.2f} ms, GPU-event/step {row[2]:.2f} ms, "
               f"launches/step (4-token generate, prefill included) {row[3]:.0f}, synchronize calls {syncs}")  # fmt: skip
-        print("  kernels (4-token generate):", ", ".join(f"{k[:40]} x{c}" for k, c in kernels.most_common(12)))
+        print(f"  GPU busy over the 4-token generate (prefill included): {sum(busy.values()):.2f} ms; by kernel:")
+        for k, ms in busy.most_common(10):
+            print(f"    {ms:8.2f} ms  x{kernels[k]:<4} {k[:110]}")
+        wait = statistics.median(waits[1:]) if len(waits) > 1 else float("nan")
+        print(f"  host waits in generate's stop check (no profiler): {wait:.2f} ms/step")
         out = io.StringIO()
         stats = pstats.Stats(cprof, stream=out)
         stats.sort_stats("tottime").print_stats(args.top)
