@@ -195,7 +195,7 @@ def row_scale_range(mode: QuantMode, head_size: int) -> tuple[float, float]:
     """The range of the per-row scales fill_quantized draws for mode's rows of head_size: for a
     format with a per-row zero point, ROW_SCALES widened by int8's code spread over its own,
     and by sqrt(head_size) for a rotated mode (whose stored rows are sqrt(D) times the model's,
-    SPEC.md 12.2), so that its rows decode to values of the same size."""
+    SPEC.md 3.4), so that its rows decode to values of the same size."""
     if mode.format is None or not mode.format.row_zero_point:
         return ROW_SCALES
     factor = (127 / 3) / _ZERO_POINT_SPREAD * (math.sqrt(head_size) if mode.rotation else 1.0)
@@ -376,7 +376,7 @@ def _scalar(x: Any) -> float | None:
 
 
 def _in_int4_oracle(mode: QuantMode) -> bool:
-    # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 12.7), with their own
+    # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 10), with their own
     # table of the modes they take.
     return mode.name in oracle.INT4_MODES
 
@@ -386,7 +386,7 @@ def oracle_decoded_cache(
 ) -> np.ndarray:
     """float32 [NB, BS, H, D]: the oracle's decode of a whole host cache (uint8 codes, or
     model-dtype values for mode none), bit for bit what dequantize returns (SPEC.md sections 7
-    and 12.3: a rotated mode's rows un-rotated in float32)."""
+    and 3.5: a rotated mode's rows un-rotated in float32)."""
     mode = get_kv_quant_mode(mode)
     if not _in_int4_oracle(mode):
         return oracle.decode_cache(codes, host_scales(scales), mode.name, _scalar(static))
@@ -499,7 +499,7 @@ def oracle_attention(
     return_slack: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches (int4:
-    int4_attention_f64 on the codes, SPEC.md 12.6). With probability_tile, return_slack=True
+    int4_attention_f64 on the codes, SPEC.md 8.4). With probability_tile, return_slack=True
     returns (out, slack): attention_f64's bound on what float32 weights may move each element.
 
     key_codes / value_codes: host uint8 codes (model-dtype values for mode none), e.g.
@@ -511,7 +511,7 @@ def oracle_attention(
     if _in_int4_oracle(mode):
         if quantize_query:
             raise ValueError(f"quantize_query: defined for int8 per-token-head caches, not {mode.name}")
-        # SPEC.md 12.6's reference: logits on the codes of the rotated query, output un-rotated.
+        # SPEC.md 8.4's reference: logits on the codes of the rotated query, output un-rotated.
         return oracle.int4_attention_f64(
             q,
             key_codes,

@@ -64,7 +64,7 @@ def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
 
 
 def _encode_uint4(clamped: np.ndarray, rounding: str) -> np.ndarray:
-    # SPEC.md 12.3: round half up through one float32 add (vLLM's (v + 0.5).to(int32)), so
+    # SPEC.md 3.5: round half up through one float32 add (vLLM's (v + 0.5).to(int32)), so
     # 0.5 - 2**-25 gives 1; the clamp to [0, 15] came first, so the result is a code.
     return np.trunc(clamped + np.float32(0.5)).astype(np.uint8)
 
@@ -90,7 +90,7 @@ ENCODERS = {
 
 
 def _fwht(u: np.ndarray) -> np.ndarray:
-    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 12.2 along the last axis, in u's
+    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 3.4 along the last axis, in u's
     dtype: stage h = 1, 2, ..., D/2 turns each pair (u[i], u[i + h]), i & h == 0, into their
     sum and difference."""
     d = u.shape[-1]
@@ -105,7 +105,7 @@ def _fwht(u: np.ndarray) -> np.ndarray:
 
 
 def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
-    """SPEC.md 12.2's forward rotation of float32 rows: signs, butterfly, then rounded to the
+    """SPEC.md 3.4's forward rotation of float32 rows: signs, butterfly, then rounded to the
     rows' input dtype and widened back (vLLM's single_rht(x.float()).to(x.dtype))."""
     rotated = _fwht(xf * rht_signs(xf.shape[-1]))
     if input_dtype == np.float32:
@@ -115,7 +115,7 @@ def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
 
 
 def unrotate_rows(y: np.ndarray) -> np.ndarray:
-    """SPEC.md 12.2's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
+    """SPEC.md 3.4's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
     d = y.shape[-1]
     with np.errstate(over="ignore", invalid="ignore"):
         return _fwht(y) * rht_signs(d) / np.float32(d)
@@ -141,7 +141,7 @@ def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]
 
 
 def _quantize_rows_with_zero_point(r: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC.md 12.3 on (already rotated) float32 rows: the range [min(r, 0), max(r, 0)] over
+    """SPEC.md 3.5 on (already rotated) float32 rows: the range [min(r, 0), max(r, 0)] over
     qmax - qmin steps, the zero point encoded like a code, codes of fl(fl(r * inv) + zp).
     Returns (packed storage bytes, scale words holding the zero points); a row holding NaN or
     Inf, or whose range overflows, gets codes 0 and the canonical NaN word."""
@@ -215,7 +215,7 @@ def _decode_table(fmt: CodeFormat) -> np.ndarray:
 
 def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> np.ndarray:
     """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32, in the model's
-    basis (a rotated mode's rows un-rotated, SPEC.md 12.3)."""
+    basis (a rotated mode's rows un-rotated, SPEC.md 3.5)."""
     if codec.granularity == "none":
         return _widen(codes)
     fmt = codec.code_format
@@ -290,7 +290,7 @@ def _logit_operands(q, k_scales, sm_scale, codec):
         return q, sm_scale
     q, undo = _unit_rows(q)
     if codec.rotation is not None:
-        # q . (R^T y / D) = (R q) . y / D (SPEC.md 12.6); D is a power of two, so / D is exact.
+        # q . (R^T y / D) = (R q) . y / D (SPEC.md 8.4); D is a power of two, so / D is exact.
         d = q.shape[-1]
         return _fwht(q * rht_signs(d)) * (sm_scale / np.float32(d)), undo * k_scales
     return q * sm_scale, undo * k_scales
@@ -427,7 +427,7 @@ def paged_attention(
                 q, logit_scales = _logit_operands(q, k_scales, sm_scale, codec)
                 logits = np.matmul(q, k_codes)
                 if k_zero is not None:
-                    # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 12.6)
+                    # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 8.4)
                     logits = logits - q.sum(axis=-1, keepdims=True) * k_zero
                 logits = logits * logit_scales
                 if softcap is not None:
