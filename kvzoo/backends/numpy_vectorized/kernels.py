@@ -168,26 +168,16 @@ def quantize_static(xf: np.ndarray, scale: np.float32, codec: Codec) -> np.ndarr
         return encode(xf / np.float32(scale), codec)
 
 
-def reshape_and_cache(
-    key: np.ndarray,
-    value: np.ndarray,
-    key_cache: np.ndarray,
-    value_cache: np.ndarray,
-    slot_mapping: np.ndarray,
-    codec: Codec,
-    k_scale_cache: np.ndarray | None = None,
-    v_scale_cache: np.ndarray | None = None,
-    k_scale: np.ndarray | None = None,
-    v_scale: np.ndarray | None = None,
-) -> None:
-    block_size = key_cache.shape[1]
-    slots = slot_mapping.astype(np.int64)
+def reshape_and_cache(p, codec: Codec) -> None:
+    """Run a checked CacheWrite record (NumPy arrays) with the mode's codec."""
+    block_size = p.key_cache.shape[1]
+    slots = p.slot_mapping.astype(np.int64)
     # Out-of-range slots only reach here with validation off: skipped, like negative ones.
-    keep = (slots >= 0) & (slots < key_cache.shape[0] * block_size)
+    keep = (slots >= 0) & (slots < p.key_cache.shape[0] * block_size)
     block, offset = np.divmod(slots[keep], block_size)
     for rows, cache, scale_cache, static in (
-        (key, key_cache, k_scale_cache, k_scale),
-        (value, value_cache, v_scale_cache, v_scale),
+        (p.key, p.key_cache, p.k_scale_cache, p.k_scale),
+        (p.value, p.value_cache, p.v_scale_cache, p.v_scale),
     ):
         rows = rows[keep]
         if codec.granularity == "none":
@@ -258,8 +248,9 @@ def _gather_decoded(cache, scale_cache, static, block_tables, seq_lens, codec):
     return decode(codes, None, codec)
 
 
-def dequantize(cache, block_tables, seq_lens, cu_seq_lens, out, codec, scale_cache=None, scale=None) -> None:
-    out[...] = _gather_decoded(cache, scale_cache, scale, block_tables, seq_lens, codec)
+def dequantize(p, codec: Codec) -> None:
+    """Run a checked Dequantize record (NumPy arrays) with the mode's codec."""
+    p.out[...] = _gather_decoded(p.cache, p.scale_cache, p.scale, p.block_tables, p.seq_lens, codec)
 
 
 # Power-of-two row factors (_unit_rows): the largest exponent whose factor and undo are both
@@ -353,46 +344,31 @@ def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     return values, scale_cache[block, offset].astype(np.float32), None
 
 
-def paged_attention(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    out,
-    codec: Codec,
-    softmax_scale: float,
-    k_scale_cache=None,
-    v_scale_cache=None,
-    k_scale=None,
-    v_scale=None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks=None,
-    query_codec: Codec | None = None,
-    lse=None,
-    fp8_dots: bool = False,
-) -> None:
-    """fp32 attention with dot products on the codes and scales applied per key.
+def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
+    """fp32 attention with dot products on the codes and scales applied per key, for a checked
+    Attention record p (NumPy arrays).
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
-    rows instead (the quantize_query option). lse: float32 [T, Hq] to receive
+    rows instead (the quantize_query option). p.lse: float32 [T, Hq] to receive
     each row's log-sum-exp (row max + log of the softmax denominator, the sink's term
     included). fp8_dots (SPEC.md section 8.3; query_codec the cache's): the query rows as two
     e4m3 terms, each row's weights rounded to e4m3 per tile of PROBABILITY_TILE positions.
     """
+    query, key_cache, value_cache, block_tables, seq_lens, out, lse = (
+        p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.out, p.lse,
+    )  # fmt: skip
+    fp8_dots, sliding_window, softcap = p.fp8_dots, p.sliding_window, p.softcap
     if fp8_dots and query_codec is None:
         raise ValueError("fp8_dots needs query_codec (the cache's codec)")
     num_tokens, num_q_heads = query.shape[:2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
-    sm_scale = np.float32(softmax_scale)
-    sink = None if sinks is None else sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
+    sm_scale = np.float32(p.softmax_scale)
+    sink = None if p.sinks is None else p.sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
     for s in range(len(seq_lens)):
         # SPEC.md 11.1: the metadata as given, whatever it holds; rows outside the query are
         # neither read nor written, and an ill-formed sequence's rows are NaN.
-        q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_start, q_end = int(p.query_start_loc[s]), int(p.query_start_loc[s + 1])
         first, last = max(q_start, 0), min(q_end, num_tokens)
         if first >= last:
             continue
@@ -402,8 +378,10 @@ def paged_attention(
             if lse is not None:
                 lse[first:last] = np.nan
             continue
-        k_codes, k_scales, k_zero = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
-        v_codes, v_scales, v_zero = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
+        k_codes, k_scales, k_zero = _sequence_kv(key_cache, p.k_scale_cache, p.k_scale, block_tables[s], seq_len, codec)
+        v_codes, v_scales, v_zero = _sequence_kv(
+            value_cache, p.v_scale_cache, p.v_scale, block_tables[s], seq_len, codec
+        )
         # [Hkv, L, D] and [Hkv, 1, L] so each KV head serves its whole query group at once.
         k_codes = k_codes.transpose(1, 2, 0)
         v_codes = v_codes.transpose(1, 0, 2)
