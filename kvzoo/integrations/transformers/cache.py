@@ -103,7 +103,54 @@ def _layer_windows(config: Any, num_layers: int) -> list[int | None]:
     return windows
 
 
-class KVZooLayer(CacheLayerMixin):
+class PagedLayer(CacheLayerMixin):
+    """What the layers of both caches share: their cache and index, their window, their pages (a
+    LayerStore, which the first update makes) and attend(), which the attention function calls
+    with the K/V that update handed out."""
+
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, cache: Any, index: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.store: LayerStore | None = None
+        self.is_initialized = False
+
+    @property
+    def _store(self) -> LayerStore:
+        """The layer's pages, for the paths that run after its first update made them."""
+        if self.store is None:
+            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
+        return self.store
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        padding_mask: Any,
+        *,
+        softmax_scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D].
+        A sliding_window of None is the layer's own."""
+        window = sliding_window if sliding_window is not None else self.sliding_window
+        options = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
+        return self._attend_step(query, key, value, padding_mask, options)
+
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class KVZooLayer(PagedLayer):
     """One decoder layer's kvzoo storage and its count of positions seen.
 
     Reordering, cropping and resetting act on the whole KVZooCache (its layers share block
@@ -111,17 +158,11 @@ class KVZooLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = True
-    supports_early_init = True
 
     def __init__(self, cache: KVZooCache, index: int, sliding_window: int | None = None) -> None:
-        super().__init__()
-        self.cache, self.index = cache, index
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.store: LayerStore | None = None
+        super().__init__(cache, index, sliding_window)
+        self.cache: KVZooCache = cache
         self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self.is_initialized = False
 
     def __repr__(self) -> str:
         return f"KVZooLayer({self.index}, {self.cache.mode.name}, {self.cache.layout}, seen={self.get_seq_length()})"
@@ -130,13 +171,6 @@ class KVZooLayer(CacheLayerMixin):
     def pages(self) -> PageTable:
         """The page table of this layer's group (its window's, or the full-attention layers')."""
         return self.cache._tables[self.sliding_window]
-
-    @property
-    def _store(self) -> LayerStore:
-        """The layer's pages, for the paths that run after its first update made them."""
-        if self.store is None:
-            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
-        return self.store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
@@ -182,19 +216,9 @@ class KVZooLayer(CacheLayerMixin):
         _HANDOFF.layer = self
         return key_states, value_states
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        padding_mask: Any,
-        *,
-        softmax_scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
     ) -> torch.Tensor:
-        """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D]."""
         if self.pending is None:
             raise KVZooIntegrationError(
                 f"layer {self.index}: attention ran with no K/V of this step; cache.update hands them out first"
@@ -209,8 +233,7 @@ class KVZooLayer(CacheLayerMixin):
         cache = self.cache
         try:
             step = cache._step_for(self, start, query, padding_mask)
-            window = sliding_window if sliding_window is not None else self.sliding_window
-            if window is not None and step.tables[self.sliding_window].layout.gapped:
+            if options["sliding_window"] is not None and step.tables[self.sliding_window].layout.gapped:
                 raise KVZooIntegrationError(
                     "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
                     "transformers in positions; only left padding is supported with sliding windows"
@@ -221,14 +244,11 @@ class KVZooLayer(CacheLayerMixin):
                 query,
                 key,
                 value,
-                softmax_scale=softmax_scale,
-                sliding_window=window,
-                softcap=softcap,
-                sinks=sinks,
                 rounding=cache.rounding,
                 impl=cache.impl,
                 validate=cache.validate,
                 fresh_prefill=cache.prefill_attention == "auto",
+                **options,
             )
         except BaseException:
             cache._abort_step()

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ... import torch_ops
 from ...modes import QuantMode, get_kv_quant_mode
@@ -44,6 +44,7 @@ from .cache import (
     _HANDOFF,
     ATTENTION_NAME,
     KVZooIntegrationError,
+    PagedLayer,
     _head_size,
     _layer_windows,
     _per_layer,
@@ -62,30 +63,17 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class KVZooStaticLayer(CacheLayerMixin):
+class KVZooStaticLayer(PagedLayer):
     """One decoder layer of a KVZooStaticCache: its pages (a LayerStore of B x W blocks) and the
     positions it has seen (a device int64 scalar, padding included)."""
 
     is_compileable = True
-    is_croppable = True
-    supports_early_init = True
 
     def __init__(self, cache: KVZooStaticCache, index: int, sliding_window: int | None) -> None:
-        super().__init__()
-        self.cache, self.index = cache, index
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.store: LayerStore | None = None
+        super().__init__(cache, index, sliding_window)
+        self.cache: KVZooStaticCache = cache
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.positions: torch.Tensor | None = None
-        self.is_initialized = False
-
-    @property
-    def _store(self) -> LayerStore:
-        """The layer's pages, for the paths that run once initialize() has made them."""
-        if self.store is None:
-            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
-        return self.store
 
     @property
     def _positions(self) -> torch.Tensor:
@@ -138,20 +126,10 @@ class KVZooStaticLayer(CacheLayerMixin):
         _HANDOFF.layer = self
         return key_states, value_states
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        padding_mask: Any,
-        *,
-        softmax_scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
     ) -> torch.Tensor:
-        """Write the pending K/V and attend: [B, Q, Hq, D]. One token a row after the prefill is
-        the compiled decode step; anything else runs eagerly."""
+        # One token a row after the prefill is the compiled decode step; anything else runs eagerly.
         if self.pending is None or key is not self.pending[0] or value is not self.pending[1]:
             raise KVZooIntegrationError(
                 f"layer {self.index}: the key/value given to attention are not the ones the cache handed out"
@@ -160,8 +138,6 @@ class KVZooStaticLayer(CacheLayerMixin):
         batch, num_q_heads, q_len, head_size = query.shape
         num_kv_heads = key.shape[1]
         cache = self.cache
-        window = sliding_window if sliding_window is not None else self.sliding_window
-        options: dict[str, Any] = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
         k = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         v = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         q = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_size)
@@ -177,8 +153,9 @@ class KVZooStaticLayer(CacheLayerMixin):
         step = cache._prefill_step(self, padding_mask, batch, q_len)
         self._positions.add_(q_len)
         self._write(k, v, step.slots)
-        if cache.prefill_attention == "auto" and step.fresh and window is None and softcap is None and sinks is None:
-            return fresh_attention(query, key, value, softmax_scale)
+        plain = options["sliding_window"] is None and options["softcap"] is None and options["sinks"] is None
+        if cache.prefill_attention == "auto" and step.fresh and plain:
+            return fresh_attention(query, key, value, options["softmax_scale"])
         if step.real_rows is not None:
             q = q.index_select(0, step.real_rows)
         out = self._attend(q, step.seq_lens, step.query_start_loc, step.max_query_len, step.max_seq_len, **options)
