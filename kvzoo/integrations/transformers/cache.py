@@ -84,6 +84,29 @@ def _per_layer(name: str, value: float | Sequence[float] | None, num_layers: int
     return values
 
 
+def _text_config(config: Any) -> tuple[Any, int]:
+    """The model config's text part (a multimodal config's decoder) and its number of layers."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return text, int(text.num_hidden_layers)
+
+
+def _check_rounding(mode: QuantMode, rounding: str) -> None:
+    if rounding not in mode.roundings:
+        raise ValueError(f"rounding: mode {mode.name!r} takes {list(mode.roundings)}, not {rounding!r}")
+
+
+def _layer_scales(
+    mode: QuantMode, k_scale: float | Sequence[float] | None, v_scale: float | Sequence[float] | None, num_layers: int
+) -> tuple[list[float | None], list[float | None]]:
+    """Each layer's static K and V scales: required by the per-tensor modes, refused by the others."""
+    k_scales, v_scales = _per_layer("k_scale", k_scale, num_layers), _per_layer("v_scale", v_scale, num_layers)
+    if mode.per_tensor and (None in k_scales or None in v_scales):
+        raise ValueError(f"mode {mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
+    if not mode.per_tensor and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {mode.name!r}")
+    return k_scales, v_scales
+
+
 def _layer_windows(config: Any, num_layers: int) -> list[int | None]:
     """Each layer's sliding window from the config (None: full attention)."""
     layer_types = getattr(config, "layer_types", None)
@@ -340,8 +363,7 @@ class KVZooCache(Cache):
         validate: bool = False,
         prefill_attention: str = "auto",
     ) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = int(text.num_hidden_layers)
+        text, num_layers = _text_config(config)
         self.mode = get_kv_quant_mode(mode)
         self.prefill_attention = _prefill_attention(prefill_attention)
         if layout not in ("separate", "inline"):
@@ -353,17 +375,11 @@ class KVZooCache(Cache):
             head = _head_size(text)
             inline_row_bytes(head or 4, row_align)  # a bad row_align fails here, not at the first step
         self.row_align = row_align
-        if rounding not in self.mode.roundings:
-            raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        _check_rounding(self.mode, rounding)
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len: expected a number of tokens >= 1 or None, got {max_cache_len}")
         self.layout, self.rounding, self.impl, self.validate = layout, rounding, impl, validate
-        self._k_scales = _per_layer("k_scale", k_scale, num_layers)
-        self._v_scales = _per_layer("v_scale", v_scale, num_layers)
-        if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
-            raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
-        if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
-            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
+        self._k_scales, self._v_scales = _layer_scales(self.mode, k_scale, v_scale, num_layers)
         self._config = text
         self._max_cache_len = max_cache_len
         windows = _layer_windows(text, num_layers)
@@ -409,13 +425,7 @@ class KVZooCache(Cache):
         )
 
     def _check_attention_implementation(self) -> None:
-        name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
-        if name != ATTENTION_NAME:
-            raise KVZooIntegrationError(
-                f"the model's attention implementation is {name!r}; a KVZooCache is read only by "
-                f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) "
-                f"(or model.set_attn_implementation({ATTENTION_NAME!r})) first"
-            )
+        _require_kvzoo_attention(self._config, "KVZooCache", f" (or model.set_attn_implementation({ATTENTION_NAME!r}))")
 
     def _committed_positions(self) -> int:
         return self._step.start if self._step is not None else self.pages.positions
@@ -615,6 +625,16 @@ class KVZooCache(Cache):
 
 
 PREFILL_ATTENTION = ("auto", "kvzoo")
+
+
+def _require_kvzoo_attention(config: Any, cache_name: str, also: str = "") -> None:
+    """Refuse a model whose attention is not kvzoo's (which alone reads the cache's pages)."""
+    name = getattr(config, "_attn_implementation", ATTENTION_NAME)
+    if name != ATTENTION_NAME:
+        raise KVZooIntegrationError(
+            f"the model's attention implementation is {name!r}; a {cache_name} is read only by "
+            f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model){also} first"
+        )
 
 
 def _prefill_attention(choice: str) -> str:

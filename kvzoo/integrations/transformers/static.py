@@ -42,15 +42,17 @@ from ...modes import QuantMode, get_kv_quant_mode
 from ._store import LayerStore
 from .cache import (
     _HANDOFF,
-    ATTENTION_NAME,
     KVZooIntegrationError,
     PagedLayer,
+    _check_rounding,
     _head_size,
+    _layer_scales,
     _layer_windows,
-    _per_layer,
     _prefill_attention,
     _refuse_geometry,
+    _require_kvzoo_attention,
     _row_indices,
+    _text_config,
 )
 from .step import fresh_attention
 
@@ -266,22 +268,15 @@ class KVZooStaticCache(Cache):
         impl: str | Mapping[str, Any] | None = None,
         prefill_attention: str = "auto",
     ) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = int(text.num_hidden_layers)
+        text, num_layers = _text_config(config)
         self.mode = get_kv_quant_mode(mode)
         self.prefill_attention = _prefill_attention(prefill_attention)
         _refuse_geometry(self.mode, "separate", _head_size(text))
-        if rounding not in self.mode.roundings:
-            raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        _check_rounding(self.mode, rounding)
         for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-        self._k_scales = _per_layer("k_scale", k_scale, num_layers)
-        self._v_scales = _per_layer("v_scale", v_scale, num_layers)
-        if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
-            raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
-        if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
-            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
+        self._k_scales, self._v_scales = _layer_scales(self.mode, k_scale, v_scale, num_layers)
         self.rounding, self.impl, self.block_size = rounding, impl, int(block_size)
         self._max_batch_size, self._max_cache_len = int(max_batch_size), int(max_cache_len)
         self.blocks_per_row = -(-self._max_cache_len // self.block_size)
@@ -310,12 +305,7 @@ class KVZooStaticCache(Cache):
         return self.impl.get(op) if isinstance(self.impl, Mapping) else self.impl
 
     def _check_attention_implementation(self) -> None:
-        name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
-        if name != ATTENTION_NAME:
-            raise KVZooIntegrationError(
-                f"the model's attention implementation is {name!r}; a KVZooStaticCache is read only by "
-                f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) first"
-            )
+        _require_kvzoo_attention(self._config, "KVZooStaticCache")
 
     @property
     def _layers(self) -> list[KVZooStaticLayer]:
