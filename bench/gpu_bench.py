@@ -552,8 +552,8 @@ def _ref_attention(q, k, v, q_pos, scale):
 
 
 def _decoded_int4(raw, words, m):
-    """SPEC.md 12.3's decode of packed rows [n, Hkv, D / 2] and their scale words in float64,
-    then R^T / D (12.2) for the rotated mode: the rows attention reads, in the model's basis."""
+    """SPEC.md 3.5's decode of packed rows [n, Hkv, D / 2] and their scale words in float64,
+    then R^T / D (SPEC.md 3.4) for the rotated mode: the rows attention reads, in the model's basis."""
     codes = torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2).double()
     bits = words.view(torch.int32)
     zp = (bits & 0xF).double()

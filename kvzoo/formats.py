@@ -75,7 +75,7 @@ class CodeFormat:
     # Formats whose zero moves with the row (uint4): the number of low bits of each row's
     # float32 scale word that hold the row's zero point, the code that stands for 0 in that
     # row. The row's scale is the word with those bits cleared, so it is truncated toward zero
-    # by less than 2**zero_point_bits ulp (SPEC.md section 12.3). 0: no per-row zero point.
+    # by less than 2**zero_point_bits ulp (SPEC.md section 3.5). 0: no per-row zero point.
     # code_values() are then the values at zero point 0; a row decodes as (c - zp) * scale.
     zero_point_bits: int = 0
 
@@ -249,7 +249,7 @@ FLOAT8_E5M2 = CodeFormat(
 )
 
 # Two unsigned 4-bit codes per byte with a per-row zero point in the scale word's low 4 bits
-# (vLLM's int4 per-token-head, SPEC.md section 12). No NaN code: a poisoned row stores codes 0
+# (vLLM's int4 per-token-head, SPEC.md section 2's int4 rows). No NaN code: a poisoned row stores codes 0
 # under a NaN scale word. inf_codes are the ends of the range, as for int8 (no per-tensor mode
 # uses this format, so the encoder never meets an infinite y).
 UINT4 = CodeFormat(

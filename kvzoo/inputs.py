@@ -91,7 +91,7 @@ def _midpoint_rows(mode, rng, rows, d, static_scale):
 
 def _zero_point_midpoint_rows(mode, rng, rows, d):
     """Rows whose y = r / scale + zp land on the rounding midpoints (and beside them) for a
-    format with a per-row zero point (SPEC.md 12.3): r spans exactly [-zp, qmax - qmin - zp]
+    format with a per-row zero point (SPEC.md 3.5): r spans exactly [-zp, qmax - qmin - zp]
     times 2^k, so scale is 2^k and zp comes out as drawn; for float32 inputs of a rotated mode
     the row given is the exact inverse rotation of that, so that the rotation gives it back."""
     fmt = mode.format
@@ -100,7 +100,7 @@ def _zero_point_midpoint_rows(mode, rng, rows, d):
     power = 2.0 ** rng.integers(-3, 3, (rows, 1))
     y = midpoint_targets(mode, rng, rows * d).reshape(rows, d).astype(np.float64)
     # A nudged target's r rounds to the input dtype: it then lands beside the midpoint, where
-    # the float32 add of zp decides (0.5 - 2^-25 with zp 0 gives code 1, SPEC.md 12.3).
+    # the float32 add of zp decides (0.5 - 2^-25 with zp 0 gives code 1, SPEC.md 3.5).
     r = (y - zero_points) * power
     r[:, 0] = -zero_points[:, 0] * power[:, 0]
     r[:, 1 % d] = (steps - zero_points[:, 0]) * power[:, 0]

@@ -33,7 +33,7 @@ FP8_DOTS_WEIGHT_FLOOR = 2.0**-100
 # differ (x86 gives 0xFFC00000, NVIDIA 0x7FFFFFFF) and scales are compared as raw bytes.
 CANONICAL_NAN_BITS = 0x7FC00000
 
-# The randomized Hadamard rotation of int4_per_token_head (SPEC.md section 12.2): bit i set
+# The randomized Hadamard rotation of int4_per_token_head (SPEC.md section 3.4): bit i set
 # means sign -1 for element i; head size D uses bits 0..D-1. vLLM's signs, as SPEC.md says
 # they were produced.
 RHT_SIGN_BITS = int(
@@ -104,11 +104,11 @@ class QuantMode:
     # Roundings of y to a code the mode defines ("trunc" only for integer formats).
     roundings: tuple[str, ...] = ("nearest",)
     # The rotation applied to every row before it is quantized (and to queries at attention,
-    # undone on the output): "rht" (SPEC.md section 12.2) or None.
+    # undone on the output): "rht" (SPEC.md section 3.4) or None.
     rotation: str | None = None
     head_sizes: HeadSizes = ANY_HEAD_SIZE
     # Whether SPEC.md section 5's inline page (each row's codes, then its float32 scale) is
-    # defined for the mode's rows: not yet for packed int4 rows (SPEC.md section 12.1).
+    # defined for the mode's rows: not yet for packed int4 rows (SPEC.md section 5.3).
     inline_page: bool = True
 
     @property
@@ -187,7 +187,7 @@ class QuantMode:
         if not self.per_token_head:
             return f"the inline layout stores per-row scales; {self.name!r} has none"
         if not self.inline_page:
-            return f"the inline layout is not defined for {self.name!r} (SPEC.md section 12.1); use the separate one"
+            return f"the inline layout is not defined for {self.name!r} (SPEC.md section 5.3); use the separate one"
         return None
 
     @property
@@ -215,7 +215,7 @@ FP8_E4M3FNUZ_PER_TOKEN_HEAD = QuantMode("fp8_e4m3fnuz_per_token_head", "per_toke
 INT8_PER_TENSOR = QuantMode("int8_per_tensor", "per_tensor", INT8)
 FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2)
 # vLLM's int4 per-token-head (PR 40835): rows rotated, then asymmetric 4-bit codes with the
-# zero point in the scale word (SPEC.md section 12); the variant without rotation is kvzoo's.
+# zero point in the scale word (SPEC.md section 2's int4 rows); the variant without rotation is kvzoo's.
 INT4_PER_TOKEN_HEAD = QuantMode(
     "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=INT4_HEAD_SIZES, inline_page=False
 )

@@ -88,29 +88,26 @@ class Batch:
         return int((self.q_lens > 1).sum())
 
 
+# (exclusive upper bound of a sequence's length, number of sequences) of the uniform batch kinds,
+# keyed by whether the size is "small".
+_UNIFORM_LENS = {False: {"decode": (70, 4), "prefill": (40, 3)}, True: {"decode": (14, 3), "prefill": (10, 2)}}
+
+
 def draw_lens(rng: np.random.Generator, batch: str = "mixed", size: Size = "medium") -> tuple[np.ndarray, np.ndarray]:
     """(q_lens, seq_lens) int64 of a batch kind; some sequences end mid-block.
 
     "medium" is the conformance suite's; "small" keeps pages few for the guarded battery, whose
     every case compares whole buffers byte by byte (no "long" there)."""
-    if size == "small":
-        if batch == "decode":
-            seq_lens = rng.integers(1, 14, 3)
-            q_lens = np.ones(3, np.int64)
-        elif batch == "prefill":
-            seq_lens = rng.integers(1, 10, 2)
-            q_lens = seq_lens.copy()
-        elif batch == "mixed":
-            seq_lens = np.array([rng.integers(1, 12), rng.integers(6, 14), rng.integers(1, 8)])
-            q_lens = np.array([1, rng.integers(2, 5), seq_lens[2]])
-        else:
+    if batch in ("decode", "prefill"):
+        # n sequences of 1 to high - 1 tokens: decode one query token each, prefill all of them.
+        high, n = _UNIFORM_LENS[size == "small"][batch]
+        seq_lens = rng.integers(1, high, n)
+        q_lens = np.ones(n, np.int64) if batch == "decode" else seq_lens.copy()
+    elif size == "small":
+        if batch != "mixed":
             raise ValueError(f"batch {batch!r}: small batches are decode, prefill or mixed")
-    elif batch == "decode":
-        seq_lens = rng.integers(1, 70, 4)
-        q_lens = np.ones(4, np.int64)
-    elif batch == "prefill":
-        seq_lens = rng.integers(1, 40, 3)
-        q_lens = seq_lens.copy()
+        seq_lens = np.array([rng.integers(1, 12), rng.integers(6, 14), rng.integers(1, 8)])
+        q_lens = np.array([1, rng.integers(2, 5), seq_lens[2]])
     elif batch == "long":
         # Prompt-sized query runs (an implementation may take another path for them, as the
         # Triton backend's staged prefill does), next to a decode.
@@ -195,7 +192,7 @@ def row_scale_range(mode: QuantMode, head_size: int) -> tuple[float, float]:
     """The range of the per-row scales fill_quantized draws for mode's rows of head_size: for a
     format with a per-row zero point, ROW_SCALES widened by int8's code spread over its own,
     and by sqrt(head_size) for a rotated mode (whose stored rows are sqrt(D) times the model's,
-    SPEC.md 12.2), so that its rows decode to values of the same size."""
+    SPEC.md 3.4), so that its rows decode to values of the same size."""
     if mode.format is None or not mode.format.row_zero_point:
         return ROW_SCALES
     factor = (127 / 3) / _ZERO_POINT_SPREAD * (math.sqrt(head_size) if mode.rotation else 1.0)
@@ -376,7 +373,7 @@ def _scalar(x: Any) -> float | None:
 
 
 def _in_int4_oracle(mode: QuantMode) -> bool:
-    # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 12.7), with their own
+    # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 10), with their own
     # table of the modes they take.
     return mode.name in oracle.INT4_MODES
 
@@ -386,7 +383,7 @@ def oracle_decoded_cache(
 ) -> np.ndarray:
     """float32 [NB, BS, H, D]: the oracle's decode of a whole host cache (uint8 codes, or
     model-dtype values for mode none), bit for bit what dequantize returns (SPEC.md sections 7
-    and 12.3: a rotated mode's rows un-rotated in float32)."""
+    and 3.5: a rotated mode's rows un-rotated in float32)."""
     mode = get_kv_quant_mode(mode)
     if not _in_int4_oracle(mode):
         return oracle.decode_cache(codes, host_scales(scales), mode.name, _scalar(static))
@@ -499,7 +496,7 @@ def oracle_attention(
     return_slack: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """float64 [T, Hq, D]: kvzoo_spec's attention_f64 on the oracle-decoded caches (int4:
-    int4_attention_f64 on the codes, SPEC.md 12.6). With probability_tile, return_slack=True
+    int4_attention_f64 on the codes, SPEC.md 8.4). With probability_tile, return_slack=True
     returns (out, slack): attention_f64's bound on what float32 weights may move each element.
 
     key_codes / value_codes: host uint8 codes (model-dtype values for mode none), e.g.
@@ -511,7 +508,7 @@ def oracle_attention(
     if _in_int4_oracle(mode):
         if quantize_query:
             raise ValueError(f"quantize_query: defined for int8 per-token-head caches, not {mode.name}")
-        # SPEC.md 12.6's reference: logits on the codes of the rotated query, output un-rotated.
+        # SPEC.md 8.4's reference: logits on the codes of the rotated query, output un-rotated.
         return oracle.int4_attention_f64(
             q,
             key_codes,
@@ -643,19 +640,10 @@ class PagedSample:
 
         return torch.full_like(self.query, float("nan"))
 
-    def reference(
-        self,
-        *,
-        quantize_query: bool = False,
-        fp8_dots: bool = False,
-        probability_tile: int | None = None,
-        softmax_scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        return_slack: bool = False,
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """The float64 oracle on the cache as built (sinks as drawn); return_slack as
-        oracle_attention's."""
+    def reference(self, **options: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """The float64 oracle on the cache as built (sinks as drawn): oracle_attention with its
+        keyword options (quantize_query, fp8_dots, probability_tile, softmax_scale,
+        sliding_window, softcap, return_slack)."""
         if self.key_codes is None:
             raise ValueError(
                 "a sample filled by torch keeps no host copies: pass host_codes() of its caches to oracle_attention"
@@ -672,14 +660,8 @@ class PagedSample:
             v_scales=self.v_scales,
             k_static=self.k_scale,
             v_static=self.v_scale,
-            quantize_query=quantize_query,
-            fp8_dots=fp8_dots,
-            probability_tile=probability_tile,
-            softmax_scale=softmax_scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
             sinks=self.sinks_host,
-            return_slack=return_slack,
+            **options,
         )
 
 

@@ -687,13 +687,13 @@ def attention_f64(
 
 
 # --------------------------------------------------------------------------------------------
-# int4 per-token-head (SPEC.md section 12). Its rows quantize by a rule of their own (a range
+# int4 per-token-head (SPEC.md section 2's int4 rows). Its rows quantize by a rule of their own (a range
 # and a zero point, after a rotation), so these functions stand beside ORACLE_MODES, with their
 # own table of modes (INT4_MODES).
 
 INT4_QMAX = 15
 # The sign vector of the randomized Hadamard rotation for D <= 512: bit i set means sign -1 for
-# element i. For a smaller D the signs are the first D of these (SPEC.md section 12.2).
+# element i. For a smaller D the signs are the first D of these (SPEC.md section 3.4).
 INT4_RHT_SIGN_BITS_512 = int(
     "75625346365fdb8932d9dff1cfc7869167fc4ca6e46ae22557563834b291e3cc"
     "05dfbc5fcdf467b754503bbeb55b747e9480abc759bbc2937f7fca4e9a8ca6f2",
@@ -709,13 +709,13 @@ def _int4_check_head_size(D: int) -> None:
 
 
 def int4_rht_signs(D: int) -> np.ndarray:
-    """The rotation's D signs as float32 +-1 (SPEC.md 12.2)."""
+    """The rotation's D signs as float32 +-1 (SPEC.md 3.4)."""
     _int4_check_head_size(D)
     return np.array([-1.0 if (INT4_RHT_SIGN_BITS_512 >> i) & 1 else 1.0 for i in range(D)], dtype=np.float32)
 
 
 def int4_fwht(x: np.ndarray) -> np.ndarray:
-    """Unnormalized Walsh-Hadamard transform along the last axis, as the butterfly of 12.2.
+    """Unnormalized Walsh-Hadamard transform along the last axis, as the butterfly of SPEC.md 3.4.
 
     Stage h = 1, 2, 4, ..., D/2: for every i with (i & h) == 0, (x[i], x[i+h]) becomes
     (x[i] + x[i+h], x[i] - x[i+h]), one correctly rounded add / subtract each in the array's own
@@ -759,7 +759,7 @@ def _narrow_like(yf: np.ndarray, dtype) -> np.ndarray:
 
 
 def int4_rotate(x: np.ndarray) -> np.ndarray:
-    """Forward rotation of rows x[..., D] (SPEC.md 12.2): float32 [..., D].
+    """Forward rotation of rows x[..., D] (SPEC.md 3.4): float32 [..., D].
 
     xf = widen(x); r = fwht(xf * signs) in float32; then r is rounded to x's dtype and widened
     back (bfloat16 / float16 inputs; a no-op for float32).
@@ -772,7 +772,7 @@ def int4_rotate(x: np.ndarray) -> np.ndarray:
 
 
 def int4_unrotate(y: np.ndarray) -> np.ndarray:
-    """Inverse rotation in float32: fl(fl(fwht(y) * signs) / D) (SPEC.md 12.2)."""
+    """Inverse rotation in float32: fl(fl(fwht(y) * signs) / D) (SPEC.md 3.4)."""
     y = np.asarray(y, dtype=np.float32)
     D = y.shape[-1]
     with np.errstate(all="ignore"):
@@ -788,7 +788,7 @@ def int4_unrotate_f64(y: np.ndarray) -> np.ndarray:
 
 
 def _int4_round(t: np.float32) -> int:
-    """The rounding of 12.3: t < 0 -> 0; else trunc(fl(t + 0.5)), capped at 15."""
+    """The rounding of SPEC.md 3.5: t < 0 -> 0; else trunc(fl(t + 0.5)), capped at 15."""
     if not t >= 0:  # negative (a NaN never reaches here)
         return 0
     if t >= INT4_QMAX:
@@ -841,7 +841,7 @@ def int4_unpack(packed: np.ndarray) -> np.ndarray:
 def int4_quantize_rows(x: np.ndarray, mode_name: str = "int4_per_token_head"):
     """Rows x[N, D] (bf16 / fp16 / fp32) -> (packed uint8 [N, D/2], scales float32 [N]).
 
-    The scale's low 4 bits hold the zero point (SPEC.md 12.3, 12.4).
+    The scale's low 4 bits hold the zero point (SPEC.md 3.5, 3.6).
     """
     if mode_name not in INT4_MODES:
         raise ValueError(f"not an int4 mode: {mode_name!r}")
@@ -910,7 +910,7 @@ def int4_attention_f64(
     softcap=None,
     sinks=None,
 ):
-    """Paged attention over int4 caches (SPEC.md 12.6), in float64, the way kernels compute it.
+    """Paged attention over int4 caches (SPEC.md 8.4), in float64, the way kernels compute it.
 
     The query is rotated (float64 butterfly of its float32 value), the logits are taken on the
     codes with the sum(q)*zp correction, softmax_scale / D and the key scale folded after the

@@ -200,3 +200,18 @@ def test_every_readme_python_block_runs_on_its_own(tmp_path, monkeypatch):
             exec(compile(block, f"README.md python block {n}", "exec"), {"__name__": "__readme__"})
         except ImportError as missing:  # an optional extra (safetensors for kvzoo.distributed)
             pytest.skip(f"README block {n} needs an extra not installed here: {missing}")
+
+
+def test_readme_lists_every_module_once():
+    """README's "Where things live" names every module under kvzoo/, one table row each, and no
+    module that is gone."""
+    text = README.read_text()
+    section = text[text.index("## Where things live") :]
+    section = section[: section.index("\n## ", 1)]
+    listed = re.findall(r"^\| `(kvzoo/[\w/]+\.py)` \|", section, flags=re.M)
+    package = Path(kvzoo.__file__).resolve().parent
+    modules = sorted(f"kvzoo/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py"))
+    assert len(listed) == len(set(listed)), f"listed twice: {sorted({m for m in listed if listed.count(m) > 1})}"
+    assert sorted(listed) == modules, (
+        f"missing from README: {sorted(set(modules) - set(listed))}; gone: {sorted(set(listed) - set(modules))}"
+    )

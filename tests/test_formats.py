@@ -19,7 +19,7 @@ from kvzoo_spec import oracle
 from support import rng_for
 
 CODED_MODES = [name for name, m in MODES.items() if m.format is not None]
-# The oracle states int4 (SPEC.md section 12) in functions of its own beside ORACLE_MODES.
+# The oracle states int4 (SPEC.md section 2's int4 rows) in functions of its own beside ORACLE_MODES.
 TABLE_MODES = [name for name in CODED_MODES if name in oracle.ORACLE_MODES]
 INT4_MODES = list(oracle.INT4_MODES)
 
@@ -113,7 +113,7 @@ def _oracle_codes(name: str, y: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# uint4: packing and the zero point in the scale word (SPEC.md 12.1), against the oracle's own
+# uint4: packing and the zero point in the scale word (SPEC.md 5.3), against the oracle's own
 
 
 @pytest.mark.parametrize("name", INT4_MODES)

@@ -1,4 +1,4 @@
-"""int4 per-token-head as modes (SPEC.md section 12): the NumPy backend's encoder, rotation and
+"""int4 per-token-head as modes (SPEC.md section 2's int4 rows): the NumPy backend's encoder, rotation and
 attention options against the oracle and against the rules restated here, and the API's
 refusals of what int4 does not define (head sizes, the inline layout, quantize_query).
 
@@ -27,7 +27,7 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.f
 
 
 def _spec_round(v: np.ndarray) -> np.ndarray:
-    """SPEC.md 12.3's R(v), restated: 0 below 0, 15 from 15 up, else trunc(fl(v + 0.5))."""
+    """SPEC.md 3.5's R(v), restated: 0 below 0, 15 from 15 up, else trunc(fl(v + 0.5))."""
     v = np.asarray(v, np.float32)
     with np.errstate(invalid="ignore"):
         up = np.trunc((v + np.float32(0.5)).astype(np.float32).astype(np.float64))
@@ -54,7 +54,7 @@ def _around_every_half(ulps: int = 6) -> np.ndarray:
 def test_uint4_rounding_of_every_float32_near_a_boundary():
     """The backend's encoder (clamp, then round half up through one float32 add), the oracle's
     rounding and the rule restated above agree on every float32 near each n/2, on random
-    values and on the extremes; 0.5 - 2^-25 goes to 1, as SPEC.md 12.3 says."""
+    values and on the extremes; 0.5 - 2^-25 goes to 1, as SPEC.md 3.5 says."""
     rng = rng_for("uint4 rounding")
     y = np.concatenate(
         [

@@ -1,8 +1,8 @@
-"""The Numba backend's int4 per-token-head kernels (SPEC.md section 12) against the oracle.
+"""The Numba backend's int4 per-token-head kernels (SPEC.md section 2's int4 rows) against the oracle.
 
 The conformance suite runs the int4 modes on its shapes; this file takes the kernels to their
 edges: every head size the modes take (the powers of two 2..512), every input dtype, the special
-rows of SPEC.md 12.5 and rounding ties, caches that are views into larger poisoned buffers
+rows of SPEC.md 4.1 and rounding ties, caches that are views into larger poisoned buffers
 (the bytes around every written row must stay as they were), every 32-bit scale word through
 dequantize, and attention with its options against the float64 reference. Codes and scale
 words are compared as raw bytes.
@@ -194,7 +194,7 @@ def test_write_matches_oracle_byte_for_byte(mode, dtype, head_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_special_rows_give_the_words_of_spec_12_5(dtype):
-    """The table of SPEC.md 12.5 written out, not read from the oracle."""
+    """The table of SPEC.md 4.1 written out, not read from the oracle."""
     d = 16
     rows = np.zeros((4, 1, d), np.float32)
     rows[0, 0, 3] = np.nan
@@ -333,7 +333,7 @@ def test_attention_matches_float64_reference(mode, dtype, head_size, options):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_attention_of_a_poisoned_key_is_not_finite(mode):
-    """A NaN in a key row poisons its word (SPEC.md 12.5): every query that attends it gets a
+    """A NaN in a key row poisons its word (SPEC.md 4.1): every query that attends it gets a
     non-finite row, and sequences that do not read it stay finite."""
     rng = rng_for("numba-int4-poison", mode)
     d, bs = 64, 4

@@ -533,7 +533,7 @@ def test_golden_files_regenerate_identically():
 
 def _golden_decode(codes, scales, mode):
     """What dequantize returns for golden rows: the oracle's decode (int4: stored-domain decode,
-    un-rotated in float32, SPEC.md 12.3)."""
+    un-rotated in float32, SPEC.md 3.5)."""
     if mode not in oracle.INT4_MODES:
         return oracle.decode_rows(codes, scales, mode)
     decoded = oracle.int4_decode_rows(codes, scales)
@@ -565,7 +565,7 @@ def test_golden_rows_decode_and_cover_the_specials():
             assert ((np.abs(x) < tiny) & (x != 0)).any()
             assert (np.abs(x[np.isfinite(x)]) > 6e4).any()
             if int4:
-                # The scale word's low 4 bits hold the zero point (SPEC.md 12.1).
+                # The scale word's low 4 bits hold the zero point (SPEC.md 5.3).
                 floor_words = (z["scales"] & np.uint32(0xFFFFFFF0)) == (f32_bits(FLOOR) & 0xFFFFFFF0)
                 assert floor_words.any() and (z["scales"] == NAN_BITS).any()
                 assert z["codes"].shape == (x.shape[0], x.shape[1] // 2)

@@ -1,4 +1,4 @@
-"""Tests of the oracle's int4 per-token-head functions (kvzoo_spec/SPEC.md section 12).
+"""Tests of the oracle's int4 per-token-head functions (kvzoo_spec/SPEC.md section 2's int4 rows).
 
 These hold the oracle itself (the backends are held to it by the conformance suite) to facts written out here:
 the Hadamard matrix by Sylvester's construction, the nibble layout, the scale / zero-point bit

@@ -333,7 +333,7 @@ def test_write_through_each_store_and_tile(mode, stores, tile):
 
 def test_write_caps_a_code_that_rounds_to_16():
     # A row of range [-0.5, 14.5] has scale 1 and zp R(0.5) = 1, so its largest element gives
-    # y = 15.5 and fl(y + 0.5) = 16: the cap at 15 (SPEC.md 12.3's R) is all that keeps it out
+    # y = 15.5 and fl(y + 0.5) = 16: the cap at 15 (SPEC.md 3.5's R) is all that keeps it out
     # of the next nibble of the packed word.
     mode = "int4_per_token_head_norot"
     rng = rng_for("int4 cap")

@@ -103,7 +103,7 @@ def check() -> None:
     assert write.constexprs["NARROW_HW"] and write.constexprs["PAIRS"], write.constexprs
     ptx = offline_facts.compile_call(write).asm["ptx"]
     assert "cvt.rn.bf16x2.f32" in ptx, "the write's bf16 narrowing is not the hardware convert"
-    # fl(fl(r * inv) + zp) (SPEC.md 12.4): no multiply-add anywhere in the write.
+    # fl(fl(r * inv) + zp) (SPEC.md 3.6): no multiply-add anywhere in the write.
     assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx, "the write contracted a multiply-add"
     offline_facts.facts(write)  # runs ptxas, which refuses bad inline PTX
     decode = decode_call(64, 16384)

@@ -50,7 +50,7 @@ _STATUS = {kind: i + 1 for i, kind in enumerate(ROW_KINDS)}
 CHUNK_ELEMENTS = 1 << 18
 _TINY = np.float32(np.finfo(np.float32).tiny)
 # A reference row may sit this many code steps from what the cache decodes to: one step for an
-# encoder that rounds the other way at a boundary (vLLM's FMA, SPEC.md 12.4), and a half more
+# encoder that rounds the other way at a boundary (vLLM's FMA, SPEC.md 3.6), and a half more
 # for a scale one ulp apart.
 REFERENCE_STEPS = 1.5
 
@@ -242,7 +242,7 @@ def lifted_codes(codes: np.ndarray, words: np.ndarray, mode: QuantMode, rounding
 
     Rows an encoder writes whose own decode re-quantizes differently, lifted to one that does
     not: int8 "trunc" lands a row's largest element on 126 when absmax * inv falls just under
-    127 (SPEC.md section 3): 126 is lifted to 127. int4 (SPEC.md 12.3) puts the ends of a row's
+    127 (SPEC.md section 3): 126 is lifted to 127. int4 (SPEC.md 3.5) puts the ends of a row's
     range at y = zp - t and 15 - t + zp, where t = -lo / scale and zp rounds t half up through a
     float32 add; where t's fraction is within rounding of 1/2 an end lands one code inside,
     on 1 (zp rounded up) or on 14 (rounded down, with r * inv rounded below 8.5): 1 is lowered
@@ -419,7 +419,7 @@ def _scale_status(status: np.ndarray, scales: np.ndarray) -> None:
 def encode_reference(cache: CacheRows, reference: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(rows as stored float32 [n, H, D], the encoder's codes, its scale words or None) of
     reference rows [n, H, D]: rotated where the mode rotates, in the reference's dtype as a write
-    rotates them (SPEC.md 12.2)."""
+    rotates them (SPEC.md 3.4)."""
     mode = cache.mode
     xf = reference.astype(np.float32)
     if mode.rotation is not None:

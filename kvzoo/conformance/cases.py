@@ -30,9 +30,11 @@ def _inline(mode: str) -> bool:
     return "inline" in MODES[mode].layouts
 
 
-def _row_part(row_align: int | str | None) -> list[str]:
-    """The id part of an aligned inline page (kvzoo.layout.allocate_inline's row_align)."""
-    return [] if row_align is None else [f"row{row_align}"]
+def _case_id(parts: list[str], flags: tuple[tuple[str, object], ...], row_align: int | str | None) -> str:
+    """A case's id: its parts, then the name of each flag that is on, then the aligned inline
+    page's part (kvzoo.layout.allocate_inline's row_align)."""
+    aligned = [] if row_align is None else [f"row{row_align}"]
+    return "-".join(parts + [name for name, on in flags if on] + aligned)
 
 
 @dataclass(frozen=True)
@@ -55,27 +57,18 @@ class WriteCase:
 
     @property
     def id(self) -> str:
-        parts = [
-            self.mode,
-            self.dtype,
-            self.dist,
-            f"T{self.num_tokens}",
-            f"H{self.num_kv_heads}",
-            f"D{self.head_size}",
-            f"B{self.block_size}",
-        ]
-        parts += [
-            p
-            for p, on in (
+        return _case_id(
+            [self.mode, self.dtype, self.dist, f"T{self.num_tokens}", f"H{self.num_kv_heads}", f"D{self.head_size}"]
+            + [f"B{self.block_size}"],
+            (
                 ("trunc", self.rounding == "trunc"),
                 ("inline", self.layout == "inline"),
                 ("strided", self.strided),
                 ("numpy", self.kind == "numpy"),
                 ("wild", self.wild_slots),
-            )
-            if on
-        ]
-        return "-".join(parts + _row_part(self.row_align))
+            ),
+            self.row_align,
+        )
 
     def requirements(self) -> Requirements:
         options = {"trunc_rounding"} if self.rounding == "trunc" else set()
@@ -159,11 +152,10 @@ class DequantCase:
 
     @property
     def id(self) -> str:
-        return "-".join(
-            [self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"]
-            + (["whole"] if self.whole_cache else [])
-            + (["inline"] if self.layout == "inline" else [])
-            + _row_part(self.row_align)
+        return _case_id(
+            [self.mode, f"D{self.head_size}", f"H{self.num_kv_heads}", f"B{self.block_size}"],
+            (("whole", self.whole_cache), ("inline", self.layout == "inline")),
+            self.row_align,
         )
 
     def requirements(self) -> Requirements:
@@ -219,30 +211,20 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        parts = [
-            self.mode,
-            self.batch,
-            f"Hq{self.num_q_heads}",
-            f"Hkv{self.num_kv_heads}",
-            f"D{self.head_size}",
-            f"B{self.block_size}",
-            self.query_dtype,
-        ]
-        if self.sliding_window:
-            parts.append(f"win{self.sliding_window}")
-        if self.softcap:
-            parts.append(f"cap{self.softcap:g}")
-        if self.sinks:
-            parts.append("sinks")
-        if self.layout == "inline":
-            parts.append("inline")
-        if self.poison:
-            parts.append("poison")
-        if self.quantize_query:
-            parts.append("qint8")
-        if self.fp8_dots:
-            parts.append("fp8dots")
-        return "-".join(parts + _row_part(self.row_align))
+        return _case_id(
+            [self.mode, self.batch, f"Hq{self.num_q_heads}", f"Hkv{self.num_kv_heads}", f"D{self.head_size}"]
+            + [f"B{self.block_size}", self.query_dtype],
+            (
+                (f"win{self.sliding_window}", self.sliding_window),
+                (f"cap{self.softcap or 0:g}", self.softcap),
+                ("sinks", self.sinks),
+                ("inline", self.layout == "inline"),
+                ("poison", self.poison),
+                ("qint8", self.quantize_query),
+                ("fp8dots", self.fp8_dots),
+            ),
+            self.row_align,
+        )
 
     def requirements(self) -> Requirements:
         options = {

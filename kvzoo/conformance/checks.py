@@ -165,7 +165,7 @@ def _random_codes_and_scales(mode, rng, shape, model_dtype="float32"):
     """A cache of random codes (NaN codes included) and positive scales spanning decades, for
     rows of shape [..., head_size] (codes at the mode's cache width). A format whose scale word
     also carries a zero point gets random low bits there, and some words of random bits
-    (negative, NaN, Inf, subnormal: SPEC.md 12.3 decodes every word)."""
+    (negative, NaN, Inf, subnormal: SPEC.md 3.5 decodes every word)."""
     if mode.code_dtype is None:
         return rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(model_dtype)), None
     codes = rng.integers(0, 256, (*shape[:3], mode.cache_width(shape[3])), dtype=np.uint8)

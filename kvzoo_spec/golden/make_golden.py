@@ -38,7 +38,7 @@ QUANT_MODES = (
     "fp8_e5m2_per_tensor",
 )
 PER_TOKEN_HEAD = tuple(m for m in QUANT_MODES if oracle.ORACLE_MODES[m].granularity == "per_token_head")
-# SPEC.md section 12: rows and cache files (no inline page is defined for int4).
+# SPEC.md section 2's int4 rows: rows and cache files (no inline page is defined for int4).
 INT4_MODES = oracle.INT4_MODES
 # A few significant bits, not a power of two: x / s and x * (1/s) differ for many x, and
 # x = midpoint * s is exact in every input dtype.
@@ -208,11 +208,11 @@ def special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[np.nda
 
 
 # --------------------------------------------------------------------------------------------
-# int4 rows (SPEC.md section 12)
+# int4 rows (SPEC.md section 2's int4 rows, 3.5)
 
 
 def int4_decoded(packed: np.ndarray, scales: np.ndarray, mode_name: str) -> np.ndarray:
-    """What dequantize returns: the stored-domain decode, un-rotated in float32 (12.2, 12.3)."""
+    """What dequantize returns: the stored-domain decode, un-rotated in float32 (SPEC.md 3.4, 3.5)."""
     decoded = oracle.int4_decode_rows(packed, scales)
     return oracle.int4_unrotate(decoded) if mode_name == "int4_per_token_head" else decoded
 
@@ -264,7 +264,7 @@ def int4_special_rows(mode_name: str, dtype, rng: np.random.Generator) -> list[n
         r[: len(infs)] = infs
         rng.shuffle(r)
         rows.append(r)
-    # Rows of one sign (kvzoo's range holds 0, 12.4), constant rows, and e_0 (which the
+    # Rows of one sign (kvzoo's range holds 0, SPEC.md 3.6), constant rows, and e_0 (which the
     # rotation makes constant).
     rows += [np.linspace(1.0, 2.0, D), -np.linspace(0.5, 3.0, D), np.full(D, 2.5), np.eye(D)[0] * 3]
     # Subnormals of the input dtype, alone and inside a normal row.

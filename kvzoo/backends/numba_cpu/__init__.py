@@ -32,8 +32,9 @@ from .strided import KINDS, flat, flat_view, stride_problem
 NAME = "numba"
 PRIORITY = 50
 DISABLE_ENV = "KVZOO_DISABLE_NUMBA"
-# What a first compile of every kernel took: `kvzoo warmup` on a cold cache, 9.3 minutes on a
-# 2-core VM at load 4-6 (2026-12-07). A first call compiles only its own signatures.
+# Compiling every kernel (`kvzoo warmup` on a cold cache) is minutes of LLVM work per signature
+# family, so a small, shared machine is the case to quote; a first call compiles only its own
+# signatures. (The figure behind it: bench/archive/RESULTS-history.md.)
 COMPILE_ESTIMATE = "up to about 10 minutes on a busy 2-core machine"
 log = logging.getLogger(__name__)
 # Query tokens per attention work item in prefill: rows = tokens x group, about 64 rows keeps

@@ -1,5 +1,5 @@
 """Numba kernels: the quantizing cache write, dequantize/gather, and paged attention, for the
-8-bit formats and for int4 (uint4 codes, SPEC.md section 12).
+8-bit formats and for int4 (uint4 codes, SPEC.md section 2's int4 rows).
 
 Every array arrives as a flat 1-D contiguous view of the caller's memory plus its offset and
 strides in elements (see strided.py): a tuple beside it, or an int64 array beside it in one of
@@ -683,7 +683,7 @@ def dequantize(
 
 
 # ----------------------------------------------------------------------------------------------
-# int4 per-token-head (SPEC.md section 12): two 4-bit codes per byte (element 2j in the low
+# int4 per-token-head (SPEC.md section 2's int4 rows): two 4-bit codes per byte (element 2j in the low
 # nibble of byte j), an asymmetric scale per row whose word carries the row's zero point in its
 # low 4 bits, and for the rotated mode a sign flip and Walsh-Hadamard butterfly before encoding.
 # ----------------------------------------------------------------------------------------------
@@ -696,7 +696,7 @@ _SCALE_BITS = _i32(-16)  # 0xFFFFFFF0
 
 @njit(inline="always")
 def _fwht_lanes(t, n, lanes):
-    """SPEC.md 12.2's butterfly on `lanes` rows of n elements (n a power of two) at once, in
+    """SPEC.md 3.4's butterfly on `lanes` rows of n elements (n a power of two) at once, in
     place, in float32: for h = 1, 2, 4, ..., n/2 in that order, each pair (x[i], x[i+h]) of a
     row with i & h == 0 becomes (x[i] + x[i+h], x[i] - x[i+h]), every add and subtract one
     rounding of the previous stage's values (so only the stage order and the pairing fix the
@@ -729,7 +729,7 @@ def _through_bf16(x):
 
 @njit(inline="always")
 def _narrow_like_input(x, n, kind):
-    """SPEC.md 12.2 step 3: each of x[0:n] rounded to the input's dtype and widened back."""
+    """SPEC.md 3.4 step 3: each of x[0:n] rounded to the input's dtype and widened back."""
     if kind == BF16:
         for d in range(n):
             x[_u(d)] = _through_bf16(x[_u(d)])
@@ -740,14 +740,14 @@ def _narrow_like_input(x, n, kind):
 
 @njit(inline="always")
 def _u4_code(v, qmax, qmin):
-    """SPEC.md 12.3's R(v) for a finite v: clamped to [qmin, qmax] = [0, 15], then the integer
+    """SPEC.md 3.5's R(v) for a finite v: clamped to [qmin, qmax] = [0, 15], then the integer
     part of fl(v + 0.5) (vLLM's (v + 0.5).to(int32): half away from zero through one add)."""
     return _i32(min(max(v, qmin), qmax) + np.float32(0.5))
 
 
 @njit(inline="always")
 def _encode_u4(xf, dst, d0, dd, n, qmax, qmin, floor):
-    """SPEC.md 12.3 on the float32 row xf[0:n] (rotated and narrowed already, or not): n / 2
+    """SPEC.md 3.5 on the float32 row xf[0:n] (rotated and narrowed already, or not): n / 2
     bytes of two codes at dst[d0 + j * dd]; returns the scale word."""
     # One integer pass (it vectorizes; a float max without nnan does not): the magnitude bits'
     # max (NaN and Inf above every finite), and the ends of the range as ordered keys, which
@@ -794,7 +794,7 @@ def _quantize_row_u4(src, s0, sd, kind, xf, dst, d0, dd, n, qmax, qmin, floor):
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _rotate_rows_u4(src, st, kind, t_lo, t_hi, num_heads, n, signs, lanes, xf):
-    """SPEC.md 12.2 steps 1-2 on the rows of tokens t_lo..t_hi-1, every head, at once: row r =
+    """SPEC.md 3.4 steps 1-2 on the rows of tokens t_lo..t_hi-1, every head, at once: row r =
     (t - t_lo) * num_heads + h goes to lanes[d * rows + r] (element-major, see _fwht_lanes)."""
     rows = (t_hi - t_lo) * num_heads
     for t in range(t_lo, t_hi):
@@ -808,7 +808,7 @@ def _rotate_rows_u4(src, st, kind, t_lo, t_hi, num_heads, n, signs, lanes, xf):
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 def _quantize_rotated_u4(lanes, r, rows, kind, xf, dst, d0, dd, n, qmax, qmin, floor):
-    """Row r of _rotate_rows_u4's output: narrowed to the input dtype (12.2 step 3) in xf,
+    """Row r of _rotate_rows_u4's output: narrowed to the input dtype (SPEC.md 3.4 step 3) in xf,
     then _encode_u4."""
     for d in range(n):
         xf[_u(d)] = lanes[_u(d * rows + r)]
@@ -911,7 +911,7 @@ def _dequantize_tokens_u4(
     block_size,
 ):
     """dequantize_int4 of the output rows t_lo..t_hi-1, every head: the stored value
-    fl((code - zp) * scale_t), then (rotate) SPEC.md 12.2's float32 inverse fl(fl(fwht(y) * s)
+    fl((code - zp) * scale_t), then (rotate) SPEC.md 3.4's float32 inverse fl(fl(fwht(y) * s)
     / D), the rows held in lanes element-major (see _fwht_lanes)."""
     rows = (t_hi - t_lo) * num_heads
     half = head_size // 2
@@ -1307,7 +1307,7 @@ def _fused_accumulate_overload(acc, w, vc, vrow, kind, rows, n, hd):
     return lambda acc, w, vc, vrow, kind, rows, n, hd: None
 
 
-# uint4 rows (SPEC.md 12.6): byte j holds elements 2j and 2j + 1, and the products take a row
+# uint4 rows (SPEC.md 8.4): byte j holds elements 2j and 2j + 1, and the products take a row
 # in the order "even elements, then odd" (element 2j at j, 2j + 1 at D/2 + j), so each loop
 # runs over a row's D/2 bytes with unit-stride query, accumulator and byte operands. A uint4
 # item keeps its query rows and accumulators in that order (_u4_query_rows, _u4_output_rows).
@@ -1692,7 +1692,7 @@ def _unit_row(q, q0, n, unit):
 
 @njit(**_LEAF)
 def _u4_query_rows(q, rows, n, rotated, signs, t):
-    """Each query row q[r*n:(r+1)*n] rotated (rotated: R q, SPEC.md 12.2 in float32) and put in
+    """Each query row q[r*n:(r+1)*n] rotated (rotated: R q, SPEC.md 3.4 in float32) and put in
     the uint4 products' even-then-odd order; t is scratch of rows * n."""
     for r in range(rows):
         for d in range(n):
@@ -1709,7 +1709,7 @@ def _u4_query_rows(q, rows, n, rotated, signs, t):
 @njit(**_LEAF)
 def _u4_output_rows(acc, rows, n, l_sum, rotated, signs, t):
     """t[d*rows + r] = element d of output row r: o' = acc * (1 / l_sum) back in element order,
-    then (rotated) SPEC.md 12.6 step 4, signs * fwht(o') / D, in float32."""
+    then (rotated) SPEC.md 8.4 step 4, signs * fwht(o') / D, in float32."""
     half = n // 2
     for r in range(rows):
         inv_l = _ONE / l_sum[_u(r)]
@@ -1816,7 +1816,7 @@ def _attention_item(it, query, cache, step, params, outputs):
     codes = is_code_kind(kv_kind)
     key_unit = _ONE if codes else softmax_scale
     if rotated:
-        # q . R^T y / D = (R q) . y / D (SPEC.md 12.6): the rows are rotated below and the
+        # q . R^T y / D = (R q) . y / D (SPEC.md 8.4): the rows are rotated below and the
         # 1 / D, a power of two, rides with the key scale.
         key_unit = _ONE / np.float32(hd)
 

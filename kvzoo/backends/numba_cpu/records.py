@@ -54,7 +54,7 @@ class PagedCache(NamedTuple):
     value_tensor_scale: np.float32
     block_size: np.int64
     num_blocks: np.int64  # block ids outside [0, num_blocks) make a sequence ill-formed (SPEC.md 11.1)
-    rotated: bool  # rows stored as R x (SPEC.md 12.2): signs holds the rotation's D signs
+    rotated: bool  # rows stored as R x (SPEC.md 3.4): signs holds the rotation's D signs
     signs: np.ndarray  # float32 +-1
 
 

@@ -23,55 +23,15 @@ def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
 
 
 def _reshape_and_cache(p: CacheWrite) -> None:
-    vectorized.reshape_and_cache(
-        p.key,
-        p.value,
-        p.key_cache,
-        p.value_cache,
-        p.slot_mapping,
-        codec(p.mode, p.rounding),
-        k_scale_cache=p.k_scale_cache,
-        v_scale_cache=p.v_scale_cache,
-        k_scale=p.k_scale,
-        v_scale=p.v_scale,
-    )
+    vectorized.reshape_and_cache(p, codec(p.mode, p.rounding))
 
 
 def _dequantize(p: Dequantize) -> None:
-    vectorized.dequantize(
-        p.cache,
-        p.block_tables,
-        p.seq_lens,
-        p.cu_seq_lens,
-        p.out,
-        codec(p.mode),
-        scale_cache=p.scale_cache,
-        scale=p.scale,
-    )
+    vectorized.dequantize(p, codec(p.mode))
 
 
 def _paged_attention(p: Attention) -> None:
-    vectorized.paged_attention(
-        p.query,
-        p.key_cache,
-        p.value_cache,
-        p.block_tables,
-        p.seq_lens,
-        p.query_start_loc,
-        p.out,
-        codec(p.mode),
-        p.softmax_scale,
-        k_scale_cache=p.k_scale_cache,
-        v_scale_cache=p.v_scale_cache,
-        k_scale=p.k_scale,
-        v_scale=p.v_scale,
-        sliding_window=p.sliding_window,
-        softcap=p.softcap,
-        sinks=p.sinks,
-        query_codec=codec(p.mode) if p.quantizes_query else None,
-        lse=p.lse,
-        fp8_dots=p.fp8_dots,
-    )
+    vectorized.paged_attention(p, codec(p.mode), codec(p.mode) if p.quantizes_query else None)
 
 
 # Modes whose format kernels.py encodes (mode "none" has none).

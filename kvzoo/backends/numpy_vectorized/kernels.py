@@ -64,7 +64,7 @@ def _encode_int8(clamped: np.ndarray, rounding: str) -> np.ndarray:
 
 
 def _encode_uint4(clamped: np.ndarray, rounding: str) -> np.ndarray:
-    # SPEC.md 12.3: round half up through one float32 add (vLLM's (v + 0.5).to(int32)), so
+    # SPEC.md 3.5: round half up through one float32 add (vLLM's (v + 0.5).to(int32)), so
     # 0.5 - 2**-25 gives 1; the clamp to [0, 15] came first, so the result is a code.
     return np.trunc(clamped + np.float32(0.5)).astype(np.uint8)
 
@@ -90,7 +90,7 @@ ENCODERS = {
 
 
 def _fwht(u: np.ndarray) -> np.ndarray:
-    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 12.2 along the last axis, in u's
+    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 3.4 along the last axis, in u's
     dtype: stage h = 1, 2, ..., D/2 turns each pair (u[i], u[i + h]), i & h == 0, into their
     sum and difference."""
     d = u.shape[-1]
@@ -105,7 +105,7 @@ def _fwht(u: np.ndarray) -> np.ndarray:
 
 
 def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
-    """SPEC.md 12.2's forward rotation of float32 rows: signs, butterfly, then rounded to the
+    """SPEC.md 3.4's forward rotation of float32 rows: signs, butterfly, then rounded to the
     rows' input dtype and widened back (vLLM's single_rht(x.float()).to(x.dtype))."""
     rotated = _fwht(xf * rht_signs(xf.shape[-1]))
     if input_dtype == np.float32:
@@ -115,7 +115,7 @@ def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
 
 
 def unrotate_rows(y: np.ndarray) -> np.ndarray:
-    """SPEC.md 12.2's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
+    """SPEC.md 3.4's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
     d = y.shape[-1]
     with np.errstate(over="ignore", invalid="ignore"):
         return _fwht(y) * rht_signs(d) / np.float32(d)
@@ -141,7 +141,7 @@ def quantize_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]
 
 
 def _quantize_rows_with_zero_point(r: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC.md 12.3 on (already rotated) float32 rows: the range [min(r, 0), max(r, 0)] over
+    """SPEC.md 3.5 on (already rotated) float32 rows: the range [min(r, 0), max(r, 0)] over
     qmax - qmin steps, the zero point encoded like a code, codes of fl(fl(r * inv) + zp).
     Returns (packed storage bytes, scale words holding the zero points); a row holding NaN or
     Inf, or whose range overflows, gets codes 0 and the canonical NaN word."""
@@ -168,26 +168,16 @@ def quantize_static(xf: np.ndarray, scale: np.float32, codec: Codec) -> np.ndarr
         return encode(xf / np.float32(scale), codec)
 
 
-def reshape_and_cache(
-    key: np.ndarray,
-    value: np.ndarray,
-    key_cache: np.ndarray,
-    value_cache: np.ndarray,
-    slot_mapping: np.ndarray,
-    codec: Codec,
-    k_scale_cache: np.ndarray | None = None,
-    v_scale_cache: np.ndarray | None = None,
-    k_scale: np.ndarray | None = None,
-    v_scale: np.ndarray | None = None,
-) -> None:
-    block_size = key_cache.shape[1]
-    slots = slot_mapping.astype(np.int64)
+def reshape_and_cache(p, codec: Codec) -> None:
+    """Run a checked CacheWrite record (NumPy arrays) with the mode's codec."""
+    block_size = p.key_cache.shape[1]
+    slots = p.slot_mapping.astype(np.int64)
     # Out-of-range slots only reach here with validation off: skipped, like negative ones.
-    keep = (slots >= 0) & (slots < key_cache.shape[0] * block_size)
+    keep = (slots >= 0) & (slots < p.key_cache.shape[0] * block_size)
     block, offset = np.divmod(slots[keep], block_size)
     for rows, cache, scale_cache, static in (
-        (key, key_cache, k_scale_cache, k_scale),
-        (value, value_cache, v_scale_cache, v_scale),
+        (p.key, p.key_cache, p.k_scale_cache, p.k_scale),
+        (p.value, p.value_cache, p.v_scale_cache, p.v_scale),
     ):
         rows = rows[keep]
         if codec.granularity == "none":
@@ -215,7 +205,7 @@ def _decode_table(fmt: CodeFormat) -> np.ndarray:
 
 def decode(codes: np.ndarray, scales: np.ndarray | np.float32, codec: Codec) -> np.ndarray:
     """codes (cache dtype) and per-row scales ([...]) or a scalar -> float32, in the model's
-    basis (a rotated mode's rows un-rotated, SPEC.md 12.3)."""
+    basis (a rotated mode's rows un-rotated, SPEC.md 3.5)."""
     if codec.granularity == "none":
         return _widen(codes)
     fmt = codec.code_format
@@ -258,8 +248,9 @@ def _gather_decoded(cache, scale_cache, static, block_tables, seq_lens, codec):
     return decode(codes, None, codec)
 
 
-def dequantize(cache, block_tables, seq_lens, cu_seq_lens, out, codec, scale_cache=None, scale=None) -> None:
-    out[...] = _gather_decoded(cache, scale_cache, scale, block_tables, seq_lens, codec)
+def dequantize(p, codec: Codec) -> None:
+    """Run a checked Dequantize record (NumPy arrays) with the mode's codec."""
+    p.out[...] = _gather_decoded(p.cache, p.scale_cache, p.scale, p.block_tables, p.seq_lens, codec)
 
 
 # Power-of-two row factors (_unit_rows): the largest exponent whose factor and undo are both
@@ -290,7 +281,7 @@ def _logit_operands(q, k_scales, sm_scale, codec):
         return q, sm_scale
     q, undo = _unit_rows(q)
     if codec.rotation is not None:
-        # q . (R^T y / D) = (R q) . y / D (SPEC.md 12.6); D is a power of two, so / D is exact.
+        # q . (R^T y / D) = (R q) . y / D (SPEC.md 8.4); D is a power of two, so / D is exact.
         d = q.shape[-1]
         return _fwht(q * rht_signs(d)) * (sm_scale / np.float32(d)), undo * k_scales
     return q * sm_scale, undo * k_scales
@@ -353,46 +344,31 @@ def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     return values, scale_cache[block, offset].astype(np.float32), None
 
 
-def paged_attention(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    out,
-    codec: Codec,
-    softmax_scale: float,
-    k_scale_cache=None,
-    v_scale_cache=None,
-    k_scale=None,
-    v_scale=None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks=None,
-    query_codec: Codec | None = None,
-    lse=None,
-    fp8_dots: bool = False,
-) -> None:
-    """fp32 attention with dot products on the codes and scales applied per key.
+def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
+    """fp32 attention with dot products on the codes and scales applied per key, for a checked
+    Attention record p (NumPy arrays).
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
-    rows instead (the quantize_query option). lse: float32 [T, Hq] to receive
+    rows instead (the quantize_query option). p.lse: float32 [T, Hq] to receive
     each row's log-sum-exp (row max + log of the softmax denominator, the sink's term
     included). fp8_dots (SPEC.md section 8.3; query_codec the cache's): the query rows as two
     e4m3 terms, each row's weights rounded to e4m3 per tile of PROBABILITY_TILE positions.
     """
+    query, key_cache, value_cache, block_tables, seq_lens, out, lse = (
+        p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.out, p.lse,
+    )  # fmt: skip
+    fp8_dots, sliding_window, softcap = p.fp8_dots, p.sliding_window, p.softcap
     if fp8_dots and query_codec is None:
         raise ValueError("fp8_dots needs query_codec (the cache's codec)")
     num_tokens, num_q_heads = query.shape[:2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
-    sm_scale = np.float32(softmax_scale)
-    sink = None if sinks is None else sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
+    sm_scale = np.float32(p.softmax_scale)
+    sink = None if p.sinks is None else p.sinks.astype(np.float32).reshape(num_kv_heads, group, 1)
     for s in range(len(seq_lens)):
         # SPEC.md 11.1: the metadata as given, whatever it holds; rows outside the query are
         # neither read nor written, and an ill-formed sequence's rows are NaN.
-        q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_start, q_end = int(p.query_start_loc[s]), int(p.query_start_loc[s + 1])
         first, last = max(q_start, 0), min(q_end, num_tokens)
         if first >= last:
             continue
@@ -402,8 +378,10 @@ def paged_attention(
             if lse is not None:
                 lse[first:last] = np.nan
             continue
-        k_codes, k_scales, k_zero = _sequence_kv(key_cache, k_scale_cache, k_scale, block_tables[s], seq_len, codec)
-        v_codes, v_scales, v_zero = _sequence_kv(value_cache, v_scale_cache, v_scale, block_tables[s], seq_len, codec)
+        k_codes, k_scales, k_zero = _sequence_kv(key_cache, p.k_scale_cache, p.k_scale, block_tables[s], seq_len, codec)
+        v_codes, v_scales, v_zero = _sequence_kv(
+            value_cache, p.v_scale_cache, p.v_scale, block_tables[s], seq_len, codec
+        )
         # [Hkv, L, D] and [Hkv, 1, L] so each KV head serves its whole query group at once.
         k_codes = k_codes.transpose(1, 2, 0)
         v_codes = v_codes.transpose(1, 0, 2)
@@ -427,7 +405,7 @@ def paged_attention(
                 q, logit_scales = _logit_operands(q, k_scales, sm_scale, codec)
                 logits = np.matmul(q, k_codes)
                 if k_zero is not None:
-                    # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 12.6)
+                    # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 8.4)
                     logits = logits - q.sum(axis=-1, keepdims=True) * k_zero
                 logits = logits * logit_scales
                 if softcap is not None:

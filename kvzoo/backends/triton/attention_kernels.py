@@ -687,8 +687,8 @@ def _decode_tile(p: Attention, tile: DecodeTile, platform: str) -> tuple[int, in
     """(block_n, num_warps, num_stages) of a decode table row for this problem and platform."""
     block_n, stages = _fit_wide_cache(p, tile.block_n, tile.num_stages)
     if platform != "cuda":
-        # The 5-stage depth answers CUDA's pipeliner (measured on NVIDIA only); ROCm's own
-        # pipeliner keeps the 2 stages every decode tile had before it.
+        # The 5-stage depth answers CUDA's pipeliner (timed on NVIDIA only); ROCm's own
+        # pipeliner is untimed at that depth, so it keeps 2 stages.
         stages = min(stages, 2)
     return block_n, tile.num_warps, stages
 

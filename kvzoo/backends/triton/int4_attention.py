@@ -1,4 +1,4 @@
-"""Paged attention over int4 per-token-head caches (SPEC.md section 12.6), in Triton.
+"""Paged attention over int4 per-token-head caches (SPEC.md section 8.4), in Triton.
 
 Another memory path, so another kernel beside attention_kernels.py's: a key row is D / 2 bytes
 of nibbles and one scale word (scale and zero point), and the rotated mode works in the rotated
@@ -468,7 +468,7 @@ def _int4_attention_kernel(
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if ROTATE:
-        undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 12.6): exact, a power of two
+        undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 8.4): exact, a power of two
     row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
 
     m_i, l_i, acc = attend_int4(

@@ -1,7 +1,7 @@
-"""The int4 modes' Hadamard rotation for the Triton kernels (SPEC.md section 12.2), and the
-nibble layout of their rows (12.1).
+"""The int4 modes' Hadamard rotation for the Triton kernels (SPEC.md section 3.4), and the
+nibble layout of their rows (SPEC.md 5.3).
 
-`fwht` is the butterfly of 12.2 on a register tile [ROWS, D]: stage h = 1, 2, ..., D/2 in that
+`fwht` is the butterfly of SPEC.md 3.4 on a register tile [ROWS, D]: stage h = 1, 2, ..., D/2 in that
 order, each element of a pair one rounded add or subtract of the previous stage's values, so
 its float32 result is the oracle's bit for bit (tests/test_triton_int4.py holds it to
 oracle.int4_fwht). A stage is a reshape that puts each pair's two elements on an axis of size 2,
@@ -60,7 +60,7 @@ def _stage(x, ROWS: tl.constexpr, D: tl.constexpr, STAGE: tl.constexpr):
 @triton.jit
 def fwht(x, ROWS: tl.constexpr, W: tl.constexpr, N: tl.constexpr):
     """The unnormalized Walsh-Hadamard transform of size N (a power of two) of each row of
-    x [ROWS, W], as the butterfly of SPEC.md 12.2 in x's dtype. W > N (a tile padded for the
+    x [ROWS, W], as the butterfly of SPEC.md 3.4 in x's dtype. W > N (a tile padded for the
     dots) transforms each block of N elements alone: a row's first N stay its own, and zero
     padding stays zero."""
     for stage in tl.static_range(log2(N)):

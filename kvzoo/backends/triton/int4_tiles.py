@@ -1,5 +1,5 @@
 """The int4 family's tile pieces that its direct kernel (int4_attention.py) and its staging
-(int4_staging.py) both use: the scale word of SPEC.md 12.3, split into scale and zero point; the
+(int4_staging.py) both use: the scale word of SPEC.md 3.5, split into scale and zero point; the
 query rows' power-of-two factors; the output rows' way back from the rotated basis. The paged
 family's staged kernel (attention_kernels.py) takes the last for int4's workspace."""
 
@@ -15,7 +15,7 @@ from .int4_rotation import flip_signs, fwht
 # 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it
 # sits in bits 4-7 of a half.
 CODE_OFFSET = tl.constexpr(64.0)
-# The word layout of SPEC.md 12.3 (as int32).
+# The word layout of SPEC.md 3.5 (as int32).
 SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0
 ZP_MASK = tl.constexpr(0xF)
 OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
@@ -23,7 +23,7 @@ OFFSET_BITS = tl.constexpr(0x42800000)  # CODE_OFFSET as a float32
 
 @triton.jit
 def split_words(words):
-    """Scale words (int32) -> (scale_t, CODE_OFFSET + zp), float32 (SPEC.md 12.3). The second
+    """Scale words (int32) -> (scale_t, CODE_OFFSET + zp), float32 (SPEC.md 3.5). The second
     is built on the bits, as the first is: zp << 17 in the mantissa of 64.0 (whose unit there is
     2^-17) is 64 + zp."""
     return bits_float(words & SCALE_MASK), bits_float(((words & ZP_MASK) << 17) | OFFSET_BITS)

@@ -1,5 +1,5 @@
 """Triton kernels that write int4 per-token-head rows into the paged cache and read them back
-(SPEC.md section 12): modes int4_per_token_head (rows rotated first) and
+(SPEC.md section 2's int4 rows): modes int4_per_token_head (rows rotated first) and
 int4_per_token_head_norot.
 
 reshape_and_cache: a program owns ROWS rows of K or of V (BLOCK_T tokens x BLOCK_H heads; the
@@ -12,13 +12,13 @@ launch is compiled CUDA, where inline PTX runs: the bf16 convert, the sign flip 
 negation, and cvt.rzi's NaN -> 0. What bounds the write on the H200: docs/int4_write_notes.md.
 
 dequantize: gathers the tokens of sequences through their block tables, decodes the codes in
-the stored basis and (rotated mode) un-rotates them in float32, bit for bit SPEC.md 12.3's
-decode and 12.2's float32 inverse.
+the stored basis and (rotated mode) un-rotates them in float32, bit for bit SPEC.md 3.5's
+decode and SPEC.md 3.4's float32 inverse.
 
 Exactness: every float32 operation here is one correctly rounded add, subtract, multiply or
 `tl.math.div_rn`; the conversions are exact, or RNE (bf16 narrowing on the bits, or through
 CUDA's own RNE convert where compiled); launches pass enable_fp_fusion=False, so `r * inv + zp`
-keeps its two roundings (12.4: no FMA; bench/probes/int4_offline_facts.py --check reads the PTX). The
+keeps its two roundings (SPEC.md 3.6: no FMA; bench/probes/int4_offline_facts.py --check reads the PTX). The
 interpreter checks every path but the CUDA convert, which the conformance suite checks on the
 GPU.
 """
@@ -35,11 +35,11 @@ from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2, sig
 from .launch import BoundLaunch, launch_nothing
 from .platform import build_target, interpreted
 
-# Input dtypes (constexpr IN_KIND): what a rotated row is rounded back to (SPEC.md 12.2 step 3).
+# Input dtypes (constexpr IN_KIND): what a rotated row is rounded back to (SPEC.md 3.4 step 3).
 IN_F32, IN_F16, IN_BF16 = 0, 1, 2
 QMAX = tl.constexpr(15.0)
 ZP_MAX = tl.constexpr(15)
-# The scale word's low bits that hold the zero point (SPEC.md 12.3 step 6).
+# The scale word's low bits that hold the zero point (SPEC.md 3.5 step 6).
 ZP_MASK = tl.constexpr(0xF)
 SCALE_MASK = tl.constexpr(-16)  # 0xFFFFFFF0 as an int32
 _ROUND_HALF = tl.constexpr(0.5)
@@ -68,7 +68,7 @@ def range_with_zero(r, ROWS: tl.constexpr, D: tl.constexpr, INTERPRETED: tl.cons
     The interpreter runs a reduce's combine function element by element in Python (27 s of a
     28 s write at 64 tokens x 16 heads x 128); there the halves of the rows are folded onto
     each other instead, log2(D) NumPy operations (1.9 s). Max and min are exact, so the order
-    changes no value but the sign of a zero, which the clamp to 0 and SPEC.md 12.3's floor
+    changes no value but the sign of a zero, which the clamp to 0 and SPEC.md 3.5's floor
     make irrelevant (tests/test_triton_int4.py runs both on such rows). Compiled, the fold is
     not used: for sm_90a it gave tl.reduce's SASS at D <= 128 but, at D = 256 rotated, 102040
     instructions and 94 KB of spills against 5568 and none (rows there span two lanes). Each
@@ -127,7 +127,7 @@ def narrow_bf16_cvt(r):
 
 @triton.jit
 def narrow(r, IN_KIND: tl.constexpr, NARROW_HW: tl.constexpr):
-    """SPEC.md 12.2 step 3: the rotated row rounded to the input's dtype and widened back.
+    """SPEC.md 3.4 step 3: the rotated row rounded to the input's dtype and widened back.
     NARROW_HW (compiled CUDA): bf16 through narrow_bf16_cvt, 1.5 instructions a value against
     narrow_bf16's 4."""
     if IN_KIND == 2:
@@ -142,7 +142,7 @@ def narrow(r, IN_KIND: tl.constexpr, NARROW_HW: tl.constexpr):
 
 @triton.jit
 def round_code(v):
-    """SPEC.md 12.3's R(v) for v > -1 (every v the encoder meets): trunc(fl(v + 0.5)) capped at
+    """SPEC.md 3.5's R(v) for v > -1 (every v the encoder meets): trunc(fl(v + 0.5)) capped at
     15; a v in (-1, 0) truncates to 0 as R's first case says."""
     return tl.minimum((v + _ROUND_HALF).to(tl.int32), ZP_MAX)
 
@@ -150,10 +150,10 @@ def round_code(v):
 @triton.jit
 def quantize_rows(r, SCALE_FLOOR: tl.constexpr, NAN_TO_ZERO: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rows r [ROWS, D] (rotated, or not: _norot) -> (codes [ROWS, D] int32, scale words [ROWS]
-    int32), SPEC.md 12.3 and 12.5.
+    int32), SPEC.md 3.5 and 4.1.
 
     hi and lo keep a NaN (NaN-propagating max/min), and hi - lo is NaN or Inf exactly when the
-    row holds a NaN or an Inf or its range overflows: the poisoned rows of 12.5, which store
+    row holds a NaN or an Inf or its range overflows: the poisoned rows of SPEC.md 4.1, which store
     codes 0 under the canonical NaN word. Such a row is quantized with zp 0 and inv 0, so its
     finite elements give y = 0 and code 0, and its NaN and Inf ones y = NaN, whose code is 0 on
     a GPU (cvt.rzi gives 0) and INT_MIN under NumPy (which warns of the cast). pack_words'
@@ -204,7 +204,7 @@ def flip_signs_first(x, D: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def pack_words(codes, ROWS: tl.constexpr, D: tl.constexpr):
     """Codes [ROWS, D] (0..15) -> [ROWS, D / 8] int32 words of eight nibbles, element 8w + k in
-    bits 4k..4k+3 of word w: the bytes of SPEC.md 12.1 in little-endian order. Each step adds
+    bits 4k..4k+3 of word w: the bytes of SPEC.md 5.3 in little-endian order. Each step adds
     one half shifted onto the other (one LEA or IMAD a value, where the byte path spent a shift
     and an OR a byte and three PRMTs a word)."""
     even, odd = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
@@ -424,7 +424,7 @@ def _int4_write_kernel(
 @triton.jit
 def decode_rows(packed, words):
     """Packed rows [ROWS, D/2] (int32 bytes) and their scale words [ROWS] -> the even and the
-    odd elements' values in the stored basis, fl(float32(code - zp) * scale_t) (SPEC.md 12.3)."""
+    odd elements' values in the stored basis, fl(float32(code - zp) * scale_t) (SPEC.md 3.5)."""
     scale = bits_float(words & SCALE_MASK)[:, None]
     zp = (words & ZP_MASK)[:, None]
     even, odd = unpack_nibbles(packed)
@@ -433,7 +433,7 @@ def decode_rows(packed, words):
 
 @triton.jit
 def unrotate_exact(y, ROWS: tl.constexpr, D: tl.constexpr):
-    """SPEC.md 12.2's float32 inverse: fl(fl(fwht(y) * s) / D). The division by a power of two
+    """SPEC.md 3.4's float32 inverse: fl(fl(fwht(y) * s) / D). The division by a power of two
     is the multiply by its reciprocal, both one correct rounding of the same value."""
     return flip_signs(fwht(y, ROWS, D, D), D) * (1.0 / D)
 

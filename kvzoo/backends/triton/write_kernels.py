@@ -367,7 +367,7 @@ def _num_warps(elements: int) -> int:
 # bytes at a time) keep two warps: one gains nothing there (with wide_rows' layout, at 32768
 # tokens, 0.91-0.92x the separate layout's speed against two warps' 0.91x; 0.90x against 0.93x
 # for int8) and loses at 4096 tokens (0.90-0.92x against 0.96-0.97x).
-# (Timings: bench/archive/RESULTS-history.md, 2026-12-04.)
+# (Timings: bench/archive/RESULTS-history.md.)
 FP8_ONE_WARP_TOKENS = 16384
 
 

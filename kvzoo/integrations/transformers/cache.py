@@ -84,6 +84,29 @@ def _per_layer(name: str, value: float | Sequence[float] | None, num_layers: int
     return values
 
 
+def _text_config(config: Any) -> tuple[Any, int]:
+    """The model config's text part (a multimodal config's decoder) and its number of layers."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return text, int(text.num_hidden_layers)
+
+
+def _check_rounding(mode: QuantMode, rounding: str) -> None:
+    if rounding not in mode.roundings:
+        raise ValueError(f"rounding: mode {mode.name!r} takes {list(mode.roundings)}, not {rounding!r}")
+
+
+def _layer_scales(
+    mode: QuantMode, k_scale: float | Sequence[float] | None, v_scale: float | Sequence[float] | None, num_layers: int
+) -> tuple[list[float | None], list[float | None]]:
+    """Each layer's static K and V scales: required by the per-tensor modes, refused by the others."""
+    k_scales, v_scales = _per_layer("k_scale", k_scale, num_layers), _per_layer("v_scale", v_scale, num_layers)
+    if mode.per_tensor and (None in k_scales or None in v_scales):
+        raise ValueError(f"mode {mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
+    if not mode.per_tensor and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {mode.name!r}")
+    return k_scales, v_scales
+
+
 def _layer_windows(config: Any, num_layers: int) -> list[int | None]:
     """Each layer's sliding window from the config (None: full attention)."""
     layer_types = getattr(config, "layer_types", None)
@@ -103,7 +126,54 @@ def _layer_windows(config: Any, num_layers: int) -> list[int | None]:
     return windows
 
 
-class KVZooLayer(CacheLayerMixin):
+class PagedLayer(CacheLayerMixin):
+    """What the layers of both caches share: their cache and index, their window, their pages (a
+    LayerStore, which the first update makes) and attend(), which the attention function calls
+    with the K/V that update handed out."""
+
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, cache: Any, index: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.store: LayerStore | None = None
+        self.is_initialized = False
+
+    @property
+    def _store(self) -> LayerStore:
+        """The layer's pages, for the paths that run after its first update made them."""
+        if self.store is None:
+            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
+        return self.store
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        padding_mask: Any,
+        *,
+        softmax_scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D].
+        A sliding_window of None is the layer's own."""
+        window = sliding_window if sliding_window is not None else self.sliding_window
+        options = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
+        return self._attend_step(query, key, value, padding_mask, options)
+
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class KVZooLayer(PagedLayer):
     """One decoder layer's kvzoo storage and its count of positions seen.
 
     Reordering, cropping and resetting act on the whole KVZooCache (its layers share block
@@ -111,17 +181,11 @@ class KVZooLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = True
-    supports_early_init = True
 
     def __init__(self, cache: KVZooCache, index: int, sliding_window: int | None = None) -> None:
-        super().__init__()
-        self.cache, self.index = cache, index
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.store: LayerStore | None = None
+        super().__init__(cache, index, sliding_window)
+        self.cache: KVZooCache = cache
         self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self.is_initialized = False
 
     def __repr__(self) -> str:
         return f"KVZooLayer({self.index}, {self.cache.mode.name}, {self.cache.layout}, seen={self.get_seq_length()})"
@@ -130,13 +194,6 @@ class KVZooLayer(CacheLayerMixin):
     def pages(self) -> PageTable:
         """The page table of this layer's group (its window's, or the full-attention layers')."""
         return self.cache._tables[self.sliding_window]
-
-    @property
-    def _store(self) -> LayerStore:
-        """The layer's pages, for the paths that run after its first update made them."""
-        if self.store is None:
-            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
-        return self.store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
@@ -182,19 +239,9 @@ class KVZooLayer(CacheLayerMixin):
         _HANDOFF.layer = self
         return key_states, value_states
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        padding_mask: Any,
-        *,
-        softmax_scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
     ) -> torch.Tensor:
-        """Write the pending K/V and attend (called by the attention function): [B, Q, Hq, D]."""
         if self.pending is None:
             raise KVZooIntegrationError(
                 f"layer {self.index}: attention ran with no K/V of this step; cache.update hands them out first"
@@ -209,8 +256,7 @@ class KVZooLayer(CacheLayerMixin):
         cache = self.cache
         try:
             step = cache._step_for(self, start, query, padding_mask)
-            window = sliding_window if sliding_window is not None else self.sliding_window
-            if window is not None and step.tables[self.sliding_window].layout.gapped:
+            if options["sliding_window"] is not None and step.tables[self.sliding_window].layout.gapped:
                 raise KVZooIntegrationError(
                     "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
                     "transformers in positions; only left padding is supported with sliding windows"
@@ -221,14 +267,11 @@ class KVZooLayer(CacheLayerMixin):
                 query,
                 key,
                 value,
-                softmax_scale=softmax_scale,
-                sliding_window=window,
-                softcap=softcap,
-                sinks=sinks,
                 rounding=cache.rounding,
                 impl=cache.impl,
                 validate=cache.validate,
                 fresh_prefill=cache.prefill_attention == "auto",
+                **options,
             )
         except BaseException:
             cache._abort_step()
@@ -320,8 +363,7 @@ class KVZooCache(Cache):
         validate: bool = False,
         prefill_attention: str = "auto",
     ) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = int(text.num_hidden_layers)
+        text, num_layers = _text_config(config)
         self.mode = get_kv_quant_mode(mode)
         self.prefill_attention = _prefill_attention(prefill_attention)
         if layout not in ("separate", "inline"):
@@ -333,17 +375,11 @@ class KVZooCache(Cache):
             head = _head_size(text)
             inline_row_bytes(head or 4, row_align)  # a bad row_align fails here, not at the first step
         self.row_align = row_align
-        if rounding not in self.mode.roundings:
-            raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        _check_rounding(self.mode, rounding)
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len: expected a number of tokens >= 1 or None, got {max_cache_len}")
         self.layout, self.rounding, self.impl, self.validate = layout, rounding, impl, validate
-        self._k_scales = _per_layer("k_scale", k_scale, num_layers)
-        self._v_scales = _per_layer("v_scale", v_scale, num_layers)
-        if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
-            raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
-        if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
-            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
+        self._k_scales, self._v_scales = _layer_scales(self.mode, k_scale, v_scale, num_layers)
         self._config = text
         self._max_cache_len = max_cache_len
         windows = _layer_windows(text, num_layers)
@@ -389,13 +425,7 @@ class KVZooCache(Cache):
         )
 
     def _check_attention_implementation(self) -> None:
-        name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
-        if name != ATTENTION_NAME:
-            raise KVZooIntegrationError(
-                f"the model's attention implementation is {name!r}; a KVZooCache is read only by "
-                f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) "
-                f"(or model.set_attn_implementation({ATTENTION_NAME!r})) first"
-            )
+        _require_kvzoo_attention(self._config, "KVZooCache", f" (or model.set_attn_implementation({ATTENTION_NAME!r}))")
 
     def _committed_positions(self) -> int:
         return self._step.start if self._step is not None else self.pages.positions
@@ -595,6 +625,16 @@ class KVZooCache(Cache):
 
 
 PREFILL_ATTENTION = ("auto", "kvzoo")
+
+
+def _require_kvzoo_attention(config: Any, cache_name: str, also: str = "") -> None:
+    """Refuse a model whose attention is not kvzoo's (which alone reads the cache's pages)."""
+    name = getattr(config, "_attn_implementation", ATTENTION_NAME)
+    if name != ATTENTION_NAME:
+        raise KVZooIntegrationError(
+            f"the model's attention implementation is {name!r}; a {cache_name} is read only by "
+            f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model){also} first"
+        )
 
 
 def _prefill_attention(choice: str) -> str:

@@ -35,21 +35,24 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ... import torch_ops
 from ...modes import QuantMode, get_kv_quant_mode
 from ._store import LayerStore
 from .cache import (
     _HANDOFF,
-    ATTENTION_NAME,
     KVZooIntegrationError,
+    PagedLayer,
+    _check_rounding,
     _head_size,
+    _layer_scales,
     _layer_windows,
-    _per_layer,
     _prefill_attention,
     _refuse_geometry,
+    _require_kvzoo_attention,
     _row_indices,
+    _text_config,
 )
 from .step import fresh_attention
 
@@ -62,30 +65,17 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class KVZooStaticLayer(CacheLayerMixin):
+class KVZooStaticLayer(PagedLayer):
     """One decoder layer of a KVZooStaticCache: its pages (a LayerStore of B x W blocks) and the
     positions it has seen (a device int64 scalar, padding included)."""
 
     is_compileable = True
-    is_croppable = True
-    supports_early_init = True
 
     def __init__(self, cache: KVZooStaticCache, index: int, sliding_window: int | None) -> None:
-        super().__init__()
-        self.cache, self.index = cache, index
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.store: LayerStore | None = None
+        super().__init__(cache, index, sliding_window)
+        self.cache: KVZooStaticCache = cache
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.positions: torch.Tensor | None = None
-        self.is_initialized = False
-
-    @property
-    def _store(self) -> LayerStore:
-        """The layer's pages, for the paths that run once initialize() has made them."""
-        if self.store is None:
-            raise KVZooIntegrationError(f"layer {self.index}: no pages yet (its first cache.update makes them)")
-        return self.store
 
     @property
     def _positions(self) -> torch.Tensor:
@@ -138,20 +128,10 @@ class KVZooStaticLayer(CacheLayerMixin):
         _HANDOFF.layer = self
         return key_states, value_states
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        padding_mask: Any,
-        *,
-        softmax_scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+    def _attend_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, padding_mask: Any, options: dict[str, Any]
     ) -> torch.Tensor:
-        """Write the pending K/V and attend: [B, Q, Hq, D]. One token a row after the prefill is
-        the compiled decode step; anything else runs eagerly."""
+        # One token a row after the prefill is the compiled decode step; anything else runs eagerly.
         if self.pending is None or key is not self.pending[0] or value is not self.pending[1]:
             raise KVZooIntegrationError(
                 f"layer {self.index}: the key/value given to attention are not the ones the cache handed out"
@@ -160,8 +140,6 @@ class KVZooStaticLayer(CacheLayerMixin):
         batch, num_q_heads, q_len, head_size = query.shape
         num_kv_heads = key.shape[1]
         cache = self.cache
-        window = sliding_window if sliding_window is not None else self.sliding_window
-        options: dict[str, Any] = dict(softmax_scale=softmax_scale, sliding_window=window, softcap=softcap, sinks=sinks)
         k = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         v = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_size)
         q = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_size)
@@ -177,8 +155,9 @@ class KVZooStaticLayer(CacheLayerMixin):
         step = cache._prefill_step(self, padding_mask, batch, q_len)
         self._positions.add_(q_len)
         self._write(k, v, step.slots)
-        if cache.prefill_attention == "auto" and step.fresh and window is None and softcap is None and sinks is None:
-            return fresh_attention(query, key, value, softmax_scale)
+        plain = options["sliding_window"] is None and options["softcap"] is None and options["sinks"] is None
+        if cache.prefill_attention == "auto" and step.fresh and plain:
+            return fresh_attention(query, key, value, options["softmax_scale"])
         if step.real_rows is not None:
             q = q.index_select(0, step.real_rows)
         out = self._attend(q, step.seq_lens, step.query_start_loc, step.max_query_len, step.max_seq_len, **options)
@@ -289,22 +268,15 @@ class KVZooStaticCache(Cache):
         impl: str | Mapping[str, Any] | None = None,
         prefill_attention: str = "auto",
     ) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = int(text.num_hidden_layers)
+        text, num_layers = _text_config(config)
         self.mode = get_kv_quant_mode(mode)
         self.prefill_attention = _prefill_attention(prefill_attention)
         _refuse_geometry(self.mode, "separate", _head_size(text))
-        if rounding not in self.mode.roundings:
-            raise ValueError(f"rounding: mode {self.mode.name!r} takes {list(self.mode.roundings)}, not {rounding!r}")
+        _check_rounding(self.mode, rounding)
         for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-        self._k_scales = _per_layer("k_scale", k_scale, num_layers)
-        self._v_scales = _per_layer("v_scale", v_scale, num_layers)
-        if self.mode.per_tensor and (None in self._k_scales or None in self._v_scales):
-            raise ValueError(f"mode {self.mode.name!r} needs static k_scale and v_scale (see static_fp8_scales)")
-        if not self.mode.per_tensor and (k_scale is not None or v_scale is not None):
-            raise ValueError(f"k_scale/v_scale: only the per-tensor modes take static scales, not {self.mode.name!r}")
+        self._k_scales, self._v_scales = _layer_scales(self.mode, k_scale, v_scale, num_layers)
         self.rounding, self.impl, self.block_size = rounding, impl, int(block_size)
         self._max_batch_size, self._max_cache_len = int(max_batch_size), int(max_cache_len)
         self.blocks_per_row = -(-self._max_cache_len // self.block_size)
@@ -333,12 +305,7 @@ class KVZooStaticCache(Cache):
         return self.impl.get(op) if isinstance(self.impl, Mapping) else self.impl
 
     def _check_attention_implementation(self) -> None:
-        name = getattr(self._config, "_attn_implementation", ATTENTION_NAME)
-        if name != ATTENTION_NAME:
-            raise KVZooIntegrationError(
-                f"the model's attention implementation is {name!r}; a KVZooStaticCache is read only by "
-                f"{ATTENTION_NAME!r}: call kvzoo.integrations.transformers.use_kvzoo_attention(model) first"
-            )
+        _require_kvzoo_attention(self._config, "KVZooStaticCache")
 
     @property
     def _layers(self) -> list[KVZooStaticLayer]:
