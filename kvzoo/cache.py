@@ -7,26 +7,10 @@ from typing import Any
 from . import api
 from .layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
 from .modes import QuantMode, get_kv_quant_mode
+from .registry import Implementation
 from .validate import fail
 
 Array = Any  # torch.Tensor or numpy.ndarray
-
-# What each method passes the functional API itself (its mode, caches and scales): a method
-# refuses them among its options, as it would were they missing from a signature of its own.
-_PASSED = {
-    "write": frozenset({"mode", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale"}),
-    "read": frozenset({"mode", "cache", "scale_cache", "scale"}),
-    "attention": frozenset(
-        {"mode", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "k_scale", "v_scale"}
-    ),
-}
-
-
-def _options(method: str, options: dict[str, Any]) -> dict[str, Any]:
-    for name in options:
-        if name in _PASSED[method]:
-            raise TypeError(f"PagedKVCache.{method}() got an unexpected keyword argument {name!r}")
-    return options
 
 
 class PagedKVCache:
@@ -109,7 +93,17 @@ class PagedKVCache:
             k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=self.k_scale, v_scale=self.v_scale
         )
 
-    def write(self, key: Array, value: Array, slot_mapping: Array, **options: Any) -> None:
+    def write(
+        self,
+        key: Array,
+        value: Array,
+        slot_mapping: Array,
+        *,
+        rounding: str = "nearest",
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+        check_finite: bool = False,
+    ) -> None:
         """Quantize rows of K and V into their slots (``kvzoo.reshape_and_cache``).
 
         Parameters
@@ -119,36 +113,75 @@ class PagedKVCache:
         slot_mapping : torch.Tensor or numpy.ndarray
             ``[num_tokens]`` int32 or int64: ``block * block_size + offset`` of each token, negative
             to skip it.
-        **options
-            ``kvzoo.reshape_and_cache``'s keyword options (rounding, impl, validate,
-            check_finite), passed on as they are: the cache adds its mode and scales.
+        rounding, impl, validate, check_finite
+            As ``kvzoo.reshape_and_cache``.
         """
-        t = self.tensors
         api.reshape_and_cache(
             key,
             value,
-            t.key_cache,
-            t.value_cache,
+            self.tensors.key_cache,
+            self.tensors.value_cache,
             slot_mapping,
             mode=self.mode,
+            rounding=rounding,
+            impl=impl,
+            validate=validate,
+            check_finite=check_finite,
             **self._scales(),
-            **_options("write", options),
         )
 
-    def read(self, which: str = "key", **options: Any) -> Array:
+    def read(
+        self,
+        which: str = "key",
+        *,
+        block_tables: Array | None = None,
+        seq_lens: Array | None = None,
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+    ) -> Array:
         """Decoded float32 keys or values (``kvzoo.dequantize``): the whole cache
         ``[num_blocks, block_size, num_kv_heads, head_size]``, or with block_tables
         ``[num_seqs, max_blocks]`` and seq_lens ``[num_seqs]`` the tokens of those sequences,
-        packed, ``[sum(seq_lens), num_kv_heads, head_size]``. options: ``kvzoo.dequantize``'s
-        keyword options (block_tables, seq_lens, impl, validate), passed on as they are."""
+        packed, ``[sum(seq_lens), num_kv_heads, head_size]``."""
         if which not in ("key", "value"):
             fail(f"which: expected 'key' or 'value', got {which!r}")
         t = self.tensors
         cache, scale_cache = (t.key_cache, t.k_scale_cache) if which == "key" else (t.value_cache, t.v_scale_cache)
         scale = self.k_scale if which == "key" else self.v_scale
-        return api.dequantize(cache, scale_cache, mode=self.mode, scale=scale, **_options("read", options))
+        return api.dequantize(
+            cache,
+            scale_cache,
+            mode=self.mode,
+            scale=scale,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            impl=impl,
+            validate=validate,
+        )
 
-    def attention(self, query: Array, **options: Any) -> Array | tuple[Array, Array]:
+    def attention(
+        self,
+        query: Array,
+        *,
+        block_tables: Array,
+        seq_lens: Array,
+        query_start_loc: Array,
+        softmax_scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Array | None = None,
+        out: Array | None = None,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        num_prefills: int | None = None,
+        batch_invariant: bool = False,
+        quantize_query: bool = False,
+        fp8_dots: bool = False,
+        return_lse: bool = False,
+        lse: Array | None = None,
+        impl: str | Implementation | None = None,
+        validate: bool = True,
+    ) -> Array | tuple[Array, Array]:
         """Causal paged attention over this cache (``kvzoo.paged_attention``).
 
         Parameters
@@ -156,19 +189,40 @@ class PagedKVCache:
         query : torch.Tensor or numpy.ndarray
             ``[num_tokens, num_q_heads, head_size]``, bfloat16, float16 or float32 (num_q_heads a
             multiple of the cache's num_kv_heads).
-        **options
-            ``kvzoo.paged_attention``'s keyword arguments, passed on as they are: block_tables
-            ``[num_seqs, max_blocks_per_seq]``, seq_lens ``[num_seqs]`` (each sequence's context,
-            this step's tokens included) and query_start_loc ``[num_seqs + 1]`` (sequence s owns
-            query rows ``query_start_loc[s]:query_start_loc[s+1]``), all int32/int64 and
-            required; the rest optional. The cache adds its mode and scales.
+        block_tables : ``[num_seqs, max_blocks_per_seq]`` int32/int64
+        seq_lens : ``[num_seqs]`` int32/int64, each sequence's context, this step's tokens included
+        query_start_loc : ``[num_seqs + 1]`` int32/int64, sequence s owns query rows
+            ``query_start_loc[s]:query_start_loc[s+1]``
+        the rest
+            As ``kvzoo.paged_attention``.
 
         Returns
         -------
         out ``[num_tokens, num_q_heads, head_size]`` in the query's dtype, or ``(out, lse)`` with
         return_lse (lse float32 ``[num_tokens, num_q_heads]``).
         """
-        t = self.tensors
         return api.paged_attention(
-            query, t.key_cache, t.value_cache, mode=self.mode, **self._scales(), **_options("attention", options)
+            query,
+            self.tensors.key_cache,
+            self.tensors.value_cache,
+            mode=self.mode,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            out=out,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_prefills=num_prefills,
+            batch_invariant=batch_invariant,
+            quantize_query=quantize_query,
+            fp8_dots=fp8_dots,
+            return_lse=return_lse,
+            lse=lse,
+            impl=impl,
+            validate=validate,
+            **self._scales(),
         )
