@@ -23,8 +23,10 @@ what was allocated before the cache existed) and the peak during it, the prefill
 forward) and the median decode step, timed by CUDA events recorded between steps (no host
 synchronisation added), tokens per second of decode, and the largest batch at this context
 whose cache would fit: (GPU memory - weights - 4 GiB of headroom) / the cache's measured bytes
-per row. The physical limit of a decode step is printed too: the bytes it must read (weights and
-the cache's KV) over the GPU's measured copy bandwidth.
+per row. The physical limit of a decode step is printed too: the bytes it must read (every weight
+but the embedding table, of which a step reads one row a sequence, and the cache's KV) over the
+GPU's measured copy bandwidth (bytes read plus written per second: HBM serves that total whatever
+the mix, so a step that only reads streams at about the same rate).
 """
 
 from __future__ import annotations
@@ -408,10 +410,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     model = make_model(llama_config(smoke, args.layers), device, dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight  # then the LM head reads all of it
+    weights_read = weights - (0 if tied else embedding.numel() * embedding.element_size())
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     bandwidth = copy_bandwidth(device)
     env = environment(device)
-    env.update(weights_bytes=weights, total_memory=total, copy_bytes_per_s=bandwidth, new_tokens=new_tokens)
+    env.update(
+        weights_bytes=weights,
+        weights_read_per_step=weights_read,
+        total_memory=total,
+        copy_bytes_per_s=bandwidth,
+        new_tokens=new_tokens,
+    )
     rows: list[Row] = []
     for shape in shapes:
         for name in caches:
@@ -420,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode is not None or name in ("dynamic", "static-compiled"):
                 row.kv_bytes_floor = kv_floor(model, shape, mode)
                 if bandwidth:
-                    row.step_floor_ms = (weights + row.kv_bytes_floor) / (bandwidth / 2) * 1e3
+                    row.step_floor_ms = (weights_read + row.kv_bytes_floor) / bandwidth * 1e3
             rows.append(row)
             print(f"{shape} {name}: {row.status}, decode {row.decode_ms:.2f} ms, held {row.held_bytes / 2**30:.3f} GiB",
                   flush=True)  # fmt: skip
