@@ -7,14 +7,15 @@ from the run, and the words around the figures say why.
     python bench/real_model.py --json /tmp/run/real_model.json    # optional, CPU: the real-model table
     python bench/scaleout_transfer.py --json /tmp/run/scaleout_transfer.json   # optional: scale-out
     python bench/audit_speed.py --json /tmp/run/audit_speed.json  # optional, CPU: kvzoo.audit's rate
+    python3 bench/e2e_transformers.py --json /tmp/run/e2e_transformers.json  # optional, GPU: end to end
     python bench/report.py /tmp/run                               # writes bench/RESULTS.md, bench/plots/
 
 RUN is a folder holding bench.json (and, when present, host_cost.json, real_model.json,
-scaleout_transfer.json and audit_speed*.json) or a bench.json itself; --scaleout and
---audit-speed name those JSONs elsewhere. --out and --plots write elsewhere; --no-plots leaves matplotlib out (the
-plots need `pip install "kvzoo[plots]"`). The JSON shapes read here are the ones gpu_bench.py,
-host_cost.py and real_model.py write; a section whose JSON is absent says where its last
-figures are instead.
+scaleout_transfer.json, audit_speed*.json and e2e_transformers*.json) or a bench.json itself;
+--scaleout, --audit-speed and --e2e name those JSONs elsewhere. --out and --plots write
+elsewhere; --no-plots leaves matplotlib out (the plots need `pip install "kvzoo[plots]"`). The
+JSON shapes read here are the ones the scripts above write; a section whose JSON is absent says
+where its last figures are instead.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class Run:
     ablations: list[dict] = field(default_factory=list)
     # audit_speed.py runs (audit_speed*.json beside bench.json, or --audit-speed).
     audit_speeds: list[dict] = field(default_factory=list)
+    # e2e_transformers.py runs (e2e_transformers*.json beside bench.json, or --e2e).
+    e2e: list[dict] = field(default_factory=list)
 
     @property
     def dry(self) -> bool:
@@ -162,6 +165,7 @@ def load(
     real_model: Path | None = None,
     scaleout: Path | None = None,
     audit_speed: list[Path] | None = None,
+    e2e: list[Path] | None = None,
 ) -> Run:
     """The run in `source` (a folder holding bench.json, or the file), with the optional JSONs
     found beside it unless given."""
@@ -202,6 +206,8 @@ def load(
     run.ablations = [json.loads(p.read_text()) for p in sorted(folder.glob("real_model_ablate*.json"))]
     paths = audit_speed if audit_speed else sorted(folder.glob("audit_speed*.json"))
     run.audit_speeds = [json.loads(Path(p).read_text()) for p in paths]
+    paths = e2e if e2e else sorted(folder.glob("e2e_transformers*.json"))
+    run.e2e = [json.loads(Path(p).read_text()) for p in paths]
     return run
 
 
@@ -869,6 +875,330 @@ def audit_section(run: Run) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# end to end in transformers (bench/e2e_transformers.py)
+
+E2E_BASE, E2E_STATIC = "dynamic", "static-compiled"
+# bench/e2e_transformers.py's GPU model is Llama-3-8B's shape: an untied embedding table of 128256
+# x 4096 in bf16, of which a decode step reads one row a sequence. A JSON from before the run
+# recorded weights_read_per_step gets it subtracted from weights_bytes, and the page says so.
+E2E_EMBEDDING = (128256, 4096, 2)
+E2E_EMBEDDING_BYTES = E2E_EMBEDDING[0] * E2E_EMBEDDING[1] * E2E_EMBEDDING[2]
+E2E_LABEL = {
+    "dynamic": "DynamicCache + SDPA",
+    "static-compiled": "StaticCache + SDPA, compiled",
+    "quanto-int4": "QuantizedCache quanto int4",
+    "hqq-int4": "QuantizedCache hqq int4",
+}
+
+
+def e2e_label(cache: str) -> str:
+    """How a cache of e2e_transformers.py reads on the page: kvzoo-int8 'KVZooCache int8', kvzoo-int8-compiled
+    'KVZooStaticCache int8, compiled', kvzoo-int8-kernels 'KVZooCache int8, kvzoo prefill'."""
+    if cache in E2E_LABEL:
+        return E2E_LABEL[cache]
+    parts = cache.split("-")
+    if parts[0] != "kvzoo" or len(parts) not in (2, 3):
+        return cache
+    if len(parts) == 2:
+        return f"KVZooCache {parts[1]}"
+    if parts[2] == "compiled":
+        return f"KVZooStaticCache {parts[1]}, compiled"
+    return f"KVZooCache {parts[1]}, kvzoo prefill" if parts[2] == "kernels" else cache
+
+
+@dataclass
+class E2EShape:
+    """One shape of an e2e_transformers.py run: its rows and the environment of the JSON they came from."""
+
+    shape: str
+    env: dict
+    rows: list[dict]
+
+    @property
+    def batch(self) -> int:
+        return numbers(self.shape)[0]
+
+    @property
+    def context(self) -> int:
+        return numbers(self.shape)[1]
+
+    def ok(self, cache: str) -> dict | None:
+        return next((r for r in self.rows if r["cache"] == cache and r.get("status") == "ok"), None)
+
+    @property
+    def weights_read(self) -> int | None:
+        """Bytes of weights a decode step reads: the run's own figure, or its weights less the
+        Llama-3-8B embedding table (see weights_assumed)."""
+        if self.env.get("weights_read_per_step") is not None:
+            return int(self.env["weights_read_per_step"])
+        weights = self.env.get("weights_bytes")
+        return None if weights is None else int(weights) - E2E_EMBEDDING_BYTES
+
+    @property
+    def weights_assumed(self) -> bool:
+        return self.env.get("weights_read_per_step") is None and self.env.get("weights_bytes") is not None
+
+    def floor_ms(self, row: dict) -> float | None:
+        """The step's physical limit: the weights it reads and the cache's KV over the copy rate."""
+        rate, weights, kv = self.env.get("copy_bytes_per_s"), self.weights_read, row.get("kv_bytes_floor")
+        return (weights + kv) / rate * 1e3 if rate and weights is not None and kv else None
+
+
+def e2e_shapes(run: Run) -> list[E2EShape]:
+    """Every (JSON, shape) of the run's e2e_transformers.py JSONs, by context, then batch."""
+    found = []
+    for data in run.e2e:
+        for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
+            found.append(E2EShape(shape, data["environment"], [r for r in data["rows"] if r["shape"] == shape]))
+    return sorted(found, key=lambda s: (s.context, s.batch))
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / 2**30
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def e2e_table(group: E2EShape) -> list[str]:
+    base = group.ok(E2E_BASE)
+    out = [
+        "| cache | KV held GiB | held vs DynamicCache | peak GiB | prefill ms | decode step ms (min-max) | tokens/s "
+        "| decode speed vs DynamicCache | largest batch | step floor ms (step / floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in group.rows:
+        name = e2e_label(r["cache"])
+        if r.get("status") != "ok":
+            out.append(f"| {name} | did not run: {_cell(str(r.get('status')))} |" + " |" * 8)
+            continue
+        held = f"{r['held_bytes'] / base['held_bytes']:.2f}x" if base and base["held_bytes"] else "-"
+        speed = f"{base['decode_ms'] / r['decode_ms']:.2f}x" if base and r["decode_ms"] else "-"
+        lo, hi = r["decode_spread"]
+        floor = group.floor_ms(r)
+        floor_cell = f"{floor:.2f} ({r['decode_ms'] / floor:.2f}x)" if floor else "-"
+        out.append(
+            f"| {name} | {_gib(r['held_bytes']):.2f} | {held} | {_gib(r['peak_bytes']):.1f} | {r['prefill_ms']:.1f} "
+            f"| {r['decode_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['tokens_per_s']:,.0f} | {speed} "
+            f"| {r['largest_batch']:,} | {floor_cell} |"
+        )
+    return out
+
+
+def _e2e_header(group: E2EShape) -> str:
+    env = group.env
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers") if env.get(k))
+    weights = group.weights_read
+    bits = [
+        f"{env.get('new_tokens', '?')} tokens generated a row after a prompt of {group.context}",
+        f"{env.get('device', '?')}, {env.get('date', '?')}, commit {env.get('commit', 'unknown')}"
+        + (f", {versions}" if versions else ""),
+        f"`{env.get('command', 'python bench/e2e_transformers.py')}`",
+    ]
+    if env.get("copy_bytes_per_s") and weights is not None:
+        bits.append(
+            f"copy rate {env['copy_bytes_per_s'] / 1e9:,.0f} GB/s, weights read a step {weights / 1e9:.3f} GB"
+            + (" (assumed: see above)" if group.weights_assumed else "")
+        )
+    return f"**{group.batch} x {group.context}** (" + "; ".join(bits) + "):"
+
+
+# Issue 46's targets, on the shapes it names.
+E2E_SHORT, E2E_LONG = "16x4096", "8x32768"
+
+
+def _e2e_find(run: Run, shape: str, cache: str) -> dict | None:
+    return next((r for g in e2e_shapes(run) if g.shape == shape if (r := g.ok(cache))), None)
+
+
+def _e2e_verdict(figures: list[str], checks: list[bool], missing: list[str]) -> tuple[str, bool | None] | None:
+    """A target's cell and verdict: not measured without a figure; no if any figure misses; yes only
+    if every cache it names was measured."""
+    if not checks:
+        return None
+    figure = ", ".join(figures + [f"{m} not measured" for m in missing])
+    return figure, (False if not all(checks) else None if missing else True)
+
+
+def _e2e_against(run: Run, shape: str, caches: Iterable[str], base: str, ratio, floor: float, spec: str = ".2f"):
+    """ratio(row, base_row) >= floor for each cache at the shape."""
+    b = _e2e_find(run, shape, base)
+    figures, checks, missing = [], [], []
+    for cache in caches:
+        r = _e2e_find(run, shape, cache)
+        if r is None or b is None:
+            missing.append(e2e_label(cache))
+            continue
+        value = ratio(r, b)
+        figures.append(f"{e2e_label(cache)} {value:{spec}}x")
+        checks.append(value >= floor)
+    return _e2e_verdict(figures, checks, missing)
+
+
+def _e2e_at_most(run: Run, caches: Iterable[str], key: str, ceiling: float, shapes: Iterable[str]):
+    """row[key] / dynamic's <= ceiling for each cache at each shape."""
+    figures, checks, missing = [], [], []
+    shapes = list(shapes)
+    for shape in shapes:
+        b = _e2e_find(run, shape, E2E_BASE)
+        for cache in caches:
+            r = _e2e_find(run, shape, cache)
+            where = f" at {label('decode', shape).removeprefix('decode ')}" if len(shapes) > 1 else ""
+            if r is None or b is None:
+                missing.append(e2e_label(cache) + where)
+                continue
+            value = r[key] / b[key]
+            figures.append(f"{e2e_label(cache)} {value:.3f}x{where}")
+            checks.append(value <= ceiling)
+    return _e2e_verdict(figures, checks, missing)
+
+
+def _e2e_prefill(run: Run):
+    """Every kvzoo cache's prefill at the long shape against DynamicCache's."""
+    group = next((g for g in e2e_shapes(run) if g.shape == E2E_LONG), None)
+    caches = [r["cache"] for r in group.rows if r["cache"].startswith("kvzoo")] if group else []
+    return _e2e_at_most(run, caches, "prefill_ms", 1.05, [E2E_LONG]) if caches else None
+
+
+def _speed(r: dict, b: dict) -> float:
+    return b["decode_ms"] / r["decode_ms"]
+
+
+def _batch(r: dict, b: dict) -> float:
+    return r["largest_batch"] / b["largest_batch"]
+
+
+E2E_TARGETS = (
+    (
+        "int8/fp8 eager decode (KVZooCache) no slower than DynamicCache at 16 x 4096 (speed against it)",
+        lambda run: _e2e_against(run, E2E_SHORT, ("kvzoo-int8", "kvzoo-fp8"), E2E_BASE, _speed, 1.0),
+    ),
+    (
+        "int8/fp8 eager decode (KVZooCache) >= 1.1x DynamicCache's speed at 8 x 32768",
+        lambda run: _e2e_against(run, E2E_LONG, ("kvzoo-int8", "kvzoo-fp8"), E2E_BASE, _speed, 1.1),
+    ),
+    (
+        "int8 compiled decode (KVZooStaticCache) >= 1.3x StaticCache + compiled's speed at 8 x 32768",
+        lambda run: _e2e_against(run, E2E_LONG, ("kvzoo-int8-compiled",), E2E_STATIC, _speed, 1.3),
+    ),
+    ("prefill at 8 x 32768 <= 1.05x DynamicCache's time, every kvzoo cache run", _e2e_prefill),
+    (
+        "largest batch at 8 x 32768 >= 1.8x DynamicCache's with int8",
+        lambda run: _e2e_against(run, E2E_LONG, ("kvzoo-int8",), E2E_BASE, _batch, 1.8),
+    ),
+    (
+        "largest batch at 8 x 32768 >= 3x DynamicCache's with int4",
+        lambda run: _e2e_against(run, E2E_LONG, ("kvzoo-int4",), E2E_BASE, _batch, 3.0),
+    ),
+    (
+        "KV held with int8/fp8 <= 0.55x DynamicCache's (about 0.52x)",
+        lambda run: _e2e_at_most(run, ("kvzoo-int8", "kvzoo-fp8"), "held_bytes", 0.55, (E2E_SHORT, E2E_LONG)),
+    ),
+    (
+        "KV held with int4 <= 0.29x DynamicCache's (about 0.27x)",
+        lambda run: _e2e_at_most(run, ("kvzoo-int4",), "held_bytes", 0.29, (E2E_SHORT, E2E_LONG)),
+    ),
+)
+
+
+def e2e_targets(run: Run) -> list[str]:
+    out = ["| issue | target | this run | met? |", "|---|---|---|---|"]
+    for text, measure in E2E_TARGETS:
+        got = measure(run)
+        figure, met = got if got else ("not measured", None)
+        out.append(f"| 46 | {text} | {figure} | {'-' if met is None else 'yes' if met else '**no**'} |")
+    return out
+
+
+def _e2e_why(run: Run) -> str | None:
+    """Why eager decode misses: the same cache compiled, against its floor; and the bf16 compiled baseline."""
+    parts = []
+    for g in e2e_shapes(run):
+        for r in g.rows:
+            compiled = r["cache"].startswith("kvzoo") and r["cache"].endswith("-compiled") and r.get("status") == "ok"
+            eager = g.ok(r["cache"].removesuffix("-compiled")) if compiled else None
+            floor = g.floor_ms(r)
+            if not (eager and floor):
+                continue
+            parts.append(
+                f"at {g.batch} x {g.context} {e2e_label(eager['cache'])}'s eager step takes {eager['decode_ms']:.2f} ms "
+                f"({eager['decode_ms'] / floor:.2f}x its floor of {floor:.2f} ms) and the same format in "
+                f"KVZooStaticCache, its step compiled into one CUDA graph, {r['decode_ms']:.2f} ms "
+                f"({r['decode_ms'] / floor:.2f}x)"
+            )
+    eager_rows = [
+        (g, r, f)
+        for g in e2e_shapes(run)
+        for r in g.rows
+        if r.get("status") == "ok" and not r["cache"].endswith("-compiled") and r["cache"] != E2E_STATIC
+        if (f := g.floor_ms(r))
+    ]
+    if not parts and not eager_rows:
+        return None
+    text = "Why: eager decode in transformers is bound by the host, not by the bytes the cache reads"
+    if eager_rows:
+        text += (
+            f": every eager step here takes {span((r['decode_ms'] / f for _, r, f in eager_rows), '.1f')}x its "
+            "floor, DynamicCache's included"
+        )
+    if not parts:
+        text += "."
+    else:
+        text += "; " + "; ".join(parts) + "."
+        text += (
+            " The difference is the host's work between the GPU's kernels (Python, one launch per operation), "
+            "which the graph's replay does without; `bench/probes/e2e_host_profile.py` profiles an eager step."
+        )
+    for g in e2e_shapes(run):
+        s, b = g.ok(E2E_STATIC), g.ok(E2E_BASE)
+        floor = g.floor_ms(s) if s else None
+        if s and b and floor:
+            text += (
+                f" StaticCache + compiled decode (bf16) measured {s['decode_ms']:.2f} ms a step at {g.batch} x "
+                f"{g.context}, {s['decode_ms'] / b['decode_ms']:.2f}x DynamicCache's eager step and "
+                f"{s['decode_ms'] / floor:.2f}x its floor: the figure as measured, not explained here."
+            )
+    return text
+
+
+def e2e_section(run: Run, plot: str | None = None) -> list[str]:
+    groups = e2e_shapes(run)
+    if not groups:
+        return [
+            "**End to end in transformers** (memory, prefill, decode step, tokens/s and largest batch against "
+            "DynamicCache, StaticCache + compiled decode and QuantizedCache): not part of this run (`python3 "
+            "bench/e2e_transformers.py --json DIR/e2e_transformers.json` on the GPU)."
+        ]
+    out = [
+        "**End to end in transformers** (`bench/e2e_transformers.py`: greedy `generate()` on a Llama-3-8B-shaped "
+        "decoder with random bf16 weights, every row the same length; each cache runs twice and the second is "
+        "reported). KV held: what the cache holds after generate (allocated now, less before the cache); peak: "
+        "the allocator's peak during it; prefill: the first forward; decode step: the median of the steps, CUDA "
+        "events between them, with the fastest and slowest; the largest batch at this context whose cache fits "
+        "beside the weights and 4 GiB of headroom. The step floor is what a decode step must read, every weight "
+        "but the embedding table and the cache's KV, over the run's measured copy rate.",
+    ]
+    if any(g.weights_assumed for g in groups):
+        rows, hidden, width = E2E_EMBEDDING
+        out[0] += (
+            " Runs from before e2e_transformers.py recorded weights_read_per_step: their weights read a step are "
+            f"weights_bytes less Llama-3-8B's embedding table ({rows} x {hidden} in bf16, "
+            f"{E2E_EMBEDDING_BYTES:,} bytes), an assumption; their own step_floor_ms (an older, 2x too high floor) "
+            "is not shown."
+        )
+    for g in groups:
+        out += ["", _e2e_header(g), "", *e2e_table(g)]
+    out += ["", *e2e_targets(run)]
+    why = _e2e_why(run)
+    if why:
+        out += ["", why]
+    if plot:
+        out += ["", f"![decode step and KV held per cache, against the step floor]({plot})"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # the page
 
 
@@ -923,6 +1253,7 @@ def page(run: Run, plots: dict[str, str] | None) -> str:
             "",
             f"![kvzoo against the alternatives, per case]({plots['alternatives']})",
         ]
+    out += ["", *e2e_section(run, plots.get("e2e") if plots else None)]
     out += ["", *host_cost_section(run), "", *real_model_section(run), *ablation_section(run)]
     out += ["", *scaleout_section(run)]
     out += ["", *audit_section(run)]
@@ -1057,6 +1388,64 @@ def plot_alternatives(run: Run, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_e2e(run: Run, path: Path) -> None:
+    """Per shape of the e2e runs: the decode step per cache (min-max as a whisker) against its floor,
+    and the KV each cache holds against the bytes its KV needs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = e2e_shapes(run)
+    most = max(len(g.rows) for g in groups)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 1.0 + len(groups) * (0.9 + 0.32 * most)), squeeze=False)
+    for (step_ax, held_ax), g in zip(axes, groups):
+        names = [e2e_label(r["cache"]) + ("" if r.get("status") == "ok" else " (did not run)") for r in g.rows]
+        y = list(range(len(g.rows)))
+        ok = [r.get("status") == "ok" for r in g.rows]
+        colours = [COLOURS["int8"] if r["cache"].startswith("kvzoo") else OTHER for r in g.rows]
+        steps = [r["decode_ms"] if good else 0.0 for r, good in zip(g.rows, ok)]
+        whiskers = [
+            [s - r["decode_spread"][0] if good else 0.0 for r, s, good in zip(g.rows, steps, ok)],
+            [r["decode_spread"][1] - s if good else 0.0 for r, s, good in zip(g.rows, steps, ok)],
+        ]
+        step_ax.barh(y, steps, xerr=whiskers, color=colours, error_kw={"linewidth": 0.8, "capsize": 2})
+        held = [_gib(r["held_bytes"]) if good else 0.0 for r, good in zip(g.rows, ok)]
+        held_ax.barh(y, held, color=colours)
+        for yi, r, good in zip(y, g.rows, ok):
+            floor = g.floor_ms(r) if good else None
+            if floor:
+                step_ax.plot([floor, floor], [yi - 0.4, yi + 0.4], color="black", linewidth=1.5)
+            if good and r.get("kv_bytes_floor"):
+                kv = _gib(r["kv_bytes_floor"])
+                held_ax.plot([kv, kv], [yi - 0.4, yi + 0.4], color="black", linewidth=1.5)
+            if good:
+                step_ax.text(r["decode_spread"][1], yi, f" {r['decode_ms']:.2f} ms", va="center", fontsize=7)
+                held_ax.text(_gib(r["held_bytes"]), yi, f" {_gib(r['held_bytes']):.2f}", va="center", fontsize=7)
+        for ax in (step_ax, held_ax):
+            ax.set_yticks(y, names, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
+        step_ax.set_title(
+            f"{g.batch} x {g.context}: decode step, ms (median, min-max; black line: the step floor)",
+            fontsize=8,
+            loc="left",
+        )
+        held_ax.set_title(
+            f"{g.batch} x {g.context}: KV held, GiB (black line: the KV's own bytes)", fontsize=8, loc="left"
+        )
+    envs = {(g.env.get("device", "?"), g.env.get("commit", "unknown")) for g in groups}
+    fig.suptitle(
+        "kvzoo in transformers' generate(), "
+        + "; ".join(f"{device}, commit {commit}" for device, commit in sorted(envs))
+        + " (kvzoo in colour, the others in grey)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_plots(run: Run, folder: Path, page_path: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     made = {}
@@ -1064,6 +1453,10 @@ def write_plots(run: Run, folder: Path, page_path: Path) -> dict[str, str]:
         target = folder / f"{name}.png"
         draw(run, target)
         made[name] = Path(_relative(target, page_path.parent)).as_posix()
+    if e2e_shapes(run):
+        target = folder / "e2e.png"
+        plot_e2e(run, target)
+        made["e2e"] = Path(_relative(target, page_path.parent)).as_posix()
     return made
 
 
@@ -1085,11 +1478,18 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="audit_speed.py's --json output (repeatable; default: audit_speed*.json beside bench.json)",
     )
+    ap.add_argument(
+        "--e2e",
+        type=Path,
+        nargs="+",
+        action="extend",
+        help="e2e_transformers.py's --json outputs (default: e2e_transformers*.json beside bench.json)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the page (default bench/RESULTS.md)")
     ap.add_argument("--plots", type=Path, default=HERE / "plots", help="the plots' folder (default bench/plots)")
     ap.add_argument("--no-plots", action="store_true", help="the page without plots (no matplotlib needed)")
     args = ap.parse_args(argv)
-    run = load(args.run, args.host_cost, args.real_model, args.scaleout, args.audit_speed)
+    run = load(args.run, args.host_cost, args.real_model, args.scaleout, args.audit_speed, args.e2e)
     plots = None
     if not args.no_plots:
         try:
