@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arrays import dtype_name, is_torch
-
 # Options a call may ask for, and the operations that have them.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "trunc_rounding": ("reshape_and_cache",),  # rounding="trunc" (int8 modes)
@@ -76,6 +74,9 @@ class Requirements:
 def shares_buffer(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return False
+    # kvzoo.arrays (torch, ml_dtypes) on first use: the registry, and `kvzoo list`, import this module.
+    from .arrays import is_torch
+
     if is_torch(a):
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -103,6 +104,8 @@ DERIVED: dict[str, Any] = {
 
 def required(problem: Any) -> Requirements:
     """The Requirements of a checked record (kvzoo.problem): the options its fields ask for."""
+    from .arrays import dtype_name
+
     options = set()
     for name in OPTIONS:
         rule = DERIVED.get(name)

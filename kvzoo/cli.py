@@ -57,10 +57,11 @@ def _list(args: argparse.Namespace) -> int:
                 "platform": impl.platform,
                 "priority": impl.priority,
                 "modes": sorted(impl.modes),
-                "available": not impl.unavailable(),
-                "unavailable": impl.unavailable(),
+                "available": not why,
+                "unavailable": why,
             }
             for impl in sorted(reg.implementations(), key=lambda i: (i.op, -i.priority, i.name))
+            for why in [impl.listed_unavailable()]
         ]
         print(json.dumps({"implementations": listed, "import_errors": reg.import_errors}, indent=1))
         return 0
@@ -69,7 +70,7 @@ def _list(args: argparse.Namespace) -> int:
     rows = [("implementation", "operation", "platform", "prio", "modes", "status")]
     reasons: dict[str, list[str]] = {}
     for impl in sorted(reg.implementations(), key=lambda i: (i.op, -i.priority, i.name)):
-        why = impl.unavailable()
+        why = impl.listed_unavailable()
         if why:
             reasons[impl.name] = why
         rows.append(

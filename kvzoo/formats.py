@@ -33,7 +33,6 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-import ml_dtypes
 import numpy as np
 
 Kind = Literal["int", "float"]
@@ -185,6 +184,8 @@ def _code_values(fmt: CodeFormat) -> np.ndarray:
     if fmt.kind == "int":
         signed = np.where(patterns >= 2 ** (fmt.bits - 1), patterns - 2**fmt.bits, patterns) if fmt.signed else patterns
         return (signed - fmt.zero_point).astype(np.float64)
+    import ml_dtypes  # here, not at the top: importing it takes most of a second on some machines
+
     return patterns.astype(np.uint8).view(getattr(ml_dtypes, fmt.storage_dtype)).astype(np.float64)
 
 

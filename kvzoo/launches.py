@@ -25,6 +25,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+from cachetools import FIFOCache
 
 from . import memory
 from . import registry as _registry
@@ -79,16 +80,6 @@ def signature(values: Any, shared: tuple = (), arrays: int = 0) -> tuple | None:
     for cache, scales in shared:
         keys.append(shares_buffer(values[cache], values[scales]))
     return tuple(keys)
-
-
-def put_bounded(table: dict, key: Any, value: Any, limit: int) -> None:
-    """table[key] = value, first letting go of the oldest entries while the table is full: a
-    new signature costs one entry, not every launch prepared so far (a table cleared when full
-    made a later layer of an engine re-prepare all of its launches at once)."""
-    if key not in table:
-        while len(table) >= limit:
-            del table[next(iter(table))]
-    table[key] = value
 
 
 class Adapter:
@@ -158,14 +149,16 @@ class Resolved:
         # The implementation the call named is reached through `held`: held here, it would
         # keep itself (and the workspace it was made for) alive.
         self.chosen = None if chosen is held else chosen
-        self.launches: dict[tuple, Any] = {}
+        self.launches: FIFOCache[tuple, Any] = FIFOCache(maxsize=_MAX_LAUNCHES)
 
 
-_TABLE: dict[tuple, Resolved] = {}
 # Signatures kept, the oldest let go first (an engine meets a handful per model), and launches
-# per signature (attention's bounds change with each decode step).
+# per signature (attention's bounds change with each decode step). First in, first out: a full
+# table lets go of its oldest entry for a new one, not of every launch prepared so far (a table
+# cleared when full made a later layer of an engine re-prepare all of its launches at once).
 _MAX_ENTRIES = 256
 _MAX_LAUNCHES = 16
+_TABLE: FIFOCache[tuple, Resolved] = FIFOCache(maxsize=_MAX_ENTRIES)
 _WATCHED: set[int] = set()
 _MISSING = object()
 
@@ -229,7 +222,7 @@ def run(
             if held is not reg and id(held) not in _WATCHED:
                 _WATCHED.add(id(held))
                 weakref.finalize(held, _drop, id(held))
-            put_bounded(_TABLE, key, entry, _MAX_ENTRIES)
+            _TABLE[key] = entry
     chosen = entry.chosen or held
     adapted = entry.adapt(operands)
     # The mode is the signature's: the launch is told by the rest (attention's bounds).
@@ -240,7 +233,7 @@ def run(
             launch = None
         else:
             launch = chosen.prepare(tuple.__new__(type(record), (*adapted, *host)))
-        put_bounded(entry.launches, bounds, launch, _MAX_LAUNCHES)
+        entry.launches[bounds] = launch
     if launch is not None:
         launch(adapted)
     else:

@@ -17,6 +17,8 @@ The plugin contract:
 - ``unavailable()`` says why the implementation cannot run on this machine at all (a missing
   package, no GPU); it is still registered, so `kvzoo list` shows the reason. Availability is
   probed once per (op, mode, device) and remembered until the next add()/load()/invalidate().
+  An optional ``probe()`` answers the same without importing heavy modules (torch), or None
+  where it cannot: `kvzoo list` asks it first (`listed_unavailable`), selection never does.
 - ``problem_reasons(problem)`` says why it cannot take one call that its modes and devices
   allow (an option it lacks, a head size it has no kernel for); selection then falls to the next
   implementation by priority, and an error lists every reason if none takes the call.
@@ -140,6 +142,10 @@ class Implementation:
     workspace_bytes: Callable[..., int] | None = None
     # A line for `kvzoo list`; informational.
     notes: str = ""
+    # unavailable() where it can be told without importing a heavy module (torch, triton), for
+    # `kvzoo list` (listed_unavailable); it returns None where only unavailable() can tell.
+    # None here: `kvzoo list` asks unavailable(). Selection always asks unavailable().
+    probe: Callable[[], list[str] | None] | None = None
 
     def with_options(self, **choices: Any) -> Implementation:
         """This implementation with typed options set, to pass as impl= with a call::
@@ -194,6 +200,11 @@ class Implementation:
     @property
     def available(self) -> bool:
         return not self.unavailable()
+
+    def listed_unavailable(self) -> list[str]:
+        """What `kvzoo list` shows: the probe's reasons where it can tell, else unavailable()'s."""
+        told = self.probe() if self.probe is not None else None
+        return self.unavailable() if told is None else told
 
 
 def prepared_signature(arrays: Iterable[Any]) -> tuple:

@@ -50,11 +50,11 @@ functionalized write) hand the op the caches themselves and hit, once per layer
 import contextlib
 import inspect
 import math
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from cachetools import LRUCache
 
 from . import calls, launches
 from .errors import fail
@@ -568,7 +568,8 @@ def _plan_named(name: str, op: str) -> StepPlan:
 
 # Enough for one entry per layer of the largest models, with room for a second cache set.
 MAX_HELD_CACHES = 256
-_HELD: OrderedDict[tuple, KVCacheTensors] = OrderedDict()
+# Least recently used let go first.
+_HELD: LRUCache[tuple, KVCacheTensors] = LRUCache(maxsize=MAX_HELD_CACHES)
 
 
 def _view_key(x: torch.Tensor | None) -> tuple | None:
@@ -588,19 +589,15 @@ def _caches_for(
     """The one KVCacheTensors for these tensors, so the plan's per-object check runs once."""
     tensors = (key_cache, value_cache, k_scale_cache, v_scale_cache)
     key = tuple(map(_view_key, tensors))
-    held = _HELD.get(key)
+    held = _HELD.get(key)  # a hit is the most recently used now
     # The held tensors are compared again because set_ or resize_ on one of them would leave
     # its key naming an address it no longer owns, which other memory may since have taken.
     if (
         held is not None
         and tuple(map(_view_key, (held.key_cache, held.value_cache, held.k_scale_cache, held.v_scale_cache))) == key
     ):
-        _HELD.move_to_end(key)
         return held
     held = _HELD[key] = KVCacheTensors(*tensors)
-    _HELD.move_to_end(key)
-    while len(_HELD) > MAX_HELD_CACHES:
-        _HELD.popitem(last=False)
     return held
 
 

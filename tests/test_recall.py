@@ -599,12 +599,15 @@ def test_the_plans_refused_starts_are_exactly_the_overlapping_ones():
 def test_a_full_table_lets_go_of_its_oldest_entries_only():
     # The prepared and recalled launches are kept in tables of bounded size: a new signature
     # past the bound evicts the oldest entry, never the whole table (an engine's layers would
-    # re-prepare every launch at once); a key already there is replaced in place.
-    table: dict = {}
+    # re-prepare every launch at once); a key already there is replaced, not added.
+    assert launches._TABLE.maxsize == launches._MAX_ENTRIES
+    table = type(launches._TABLE)(maxsize=3)
     for n in range(5):
-        launches.put_bounded(table, n, str(n), 3)
+        table[n] = str(n)
     assert list(table) == [2, 3, 4]
-    launches.put_bounded(table, 3, "again", 3)
-    assert table == {2: "2", 3: "again", 4: "4"}
-    launches.put_bounded(table, 9, "9", 2)  # a smaller bound than the table: down to it
-    assert list(table) == [4, 9]
+    table[3] = "again"
+    assert dict(table) == {2: "2", 3: "again", 4: "4"}
+    table[9], table[10] = "9", "10"
+    assert set(table) == {3, 9, 10}  # the oldest inserted or replaced go first: 2, then 4
+    entry = launches.Resolved(launches, None, None, None, None)
+    assert type(entry.launches) is type(table) and entry.launches.maxsize == launches._MAX_LAUNCHES

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from ...arrays import dtype_name
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...modes import MODES, rht_signs
 from ...registry import Implementation
@@ -113,6 +112,9 @@ def _f32(x: Any) -> np.float32:
 
 
 def _strided_reasons(problem: Any, names: tuple[str, ...]) -> list[str]:
+    # kvzoo.arrays (torch, ml_dtypes) where a call needs it: registering, and `kvzoo list`, import this module.
+    from ...arrays import dtype_name
+
     reasons = []
     for name in names:
         a = getattr(problem, name)
@@ -237,6 +239,8 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     once; a call makes its arrays' flat views and runs the kernel."""
     if p.num_tokens == 0:
         return _nothing
+    from ...arrays import dtype_name
+
     k = _kernels()
     at = _positions(p)
     kind_code, carrier = KINDS[dtype_name(p.key)]
@@ -407,6 +411,8 @@ def run_dequantize(p: Any) -> None:
 
 
 def dequantize_reasons(p: Any) -> list[str]:
+    from ...arrays import dtype_name
+
     reasons = _strided_reasons(p, ("cache", "scale_cache", "out"))
     if dtype_name(p.out) != "float32":
         reasons.append(f"numba: dequantize writes float32, out is {dtype_name(p.out)}")
@@ -449,6 +455,8 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
     and runs the kernel."""
     if p.query.shape[0] == 0:
         return _nothing
+    from ...arrays import dtype_name
+
     k = _kernels()
     at = _positions(p)
     q_kind, q_carrier = KINDS[dtype_name(p.query)]

@@ -7,9 +7,9 @@ views of the caller's storage: writes land there.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from ...formats import CodeFormat
@@ -69,12 +69,21 @@ def _encode_uint4(clamped: np.ndarray, rounding: str) -> np.ndarray:
     return np.trunc(clamped + np.float32(0.5)).astype(np.uint8)
 
 
-def _minifloat_encoder(storage: type):
+@functools.cache
+def _ml_dtype(name: str) -> type:
+    """The ml_dtypes type `name`: ml_dtypes is imported on a first encode, not by registering
+    this backend (which `kvzoo list` does; the import takes most of a second on some machines)."""
+    import ml_dtypes
+
+    return getattr(ml_dtypes, name)
+
+
+def _minifloat_encoder(storage: str):
     # ml_dtypes' cast rounds to nearest, ties to even: SPEC.md's rounding of the fp8 formats.
     def encode(clamped: np.ndarray, rounding: str) -> np.ndarray:
-        return clamped.astype(storage).view(np.uint8)
+        return clamped.astype(_ml_dtype(storage)).view(np.uint8)
 
-    encode.__name__ = f"_cast_to_{storage.__name__}"
+    encode.__name__ = f"_cast_to_{storage}"
     return encode
 
 
@@ -82,9 +91,9 @@ def _minifloat_encoder(storage: type):
 # registration, so a format missing here is a mode the backend declines.
 ENCODERS = {
     "int8": _encode_int8,
-    "float8_e4m3fn": _minifloat_encoder(ml_dtypes.float8_e4m3fn),
-    "float8_e4m3fnuz": _minifloat_encoder(ml_dtypes.float8_e4m3fnuz),
-    "float8_e5m2": _minifloat_encoder(ml_dtypes.float8_e5m2),
+    "float8_e4m3fn": _minifloat_encoder("float8_e4m3fn"),
+    "float8_e4m3fnuz": _minifloat_encoder("float8_e4m3fnuz"),
+    "float8_e5m2": _minifloat_encoder("float8_e5m2"),
     "uint4": _encode_uint4,
 }
 
@@ -287,7 +296,6 @@ def _logit_operands(q, k_scales, sm_scale, codec):
     return q * sm_scale, undo * k_scales
 
 
-_E4M3 = ml_dtypes.float8_e4m3fn
 _WEIGHT_UNIT, _WEIGHT_FLOOR = np.float32(FP8_DOTS_WEIGHT_UNIT), np.float32(FP8_DOTS_WEIGHT_FLOOR)
 
 
@@ -313,7 +321,7 @@ def e4m3_weights(weights: np.ndarray, tile: int) -> np.ndarray:
     padded[..., :length] = weights
     padded = padded.reshape(weights.shape[:-1] + (tiles, tile))
     w = np.maximum(padded.max(axis=-1, keepdims=True), _WEIGHT_FLOOR)
-    codes = (padded * (np.float32(1.0) / w) * _WEIGHT_UNIT).astype(_E4M3)
+    codes = (padded * (np.float32(1.0) / w) * _WEIGHT_UNIT).astype(_ml_dtype("float8_e4m3fn"))
     deq = codes.astype(np.float32) * (w / _WEIGHT_UNIT)
     return deq.reshape(weights.shape[:-1] + (tiles * tile,))[..., :length]
 

@@ -8,6 +8,7 @@ without triton. The options the kernels take are options.py's, which both import
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from ...capabilities import ALL_OPTIONS, Capabilities
@@ -87,6 +88,7 @@ def register(registry: Registry) -> None:
                 devices=platform.devices(),
                 priority=platform.priority(),
                 unavailable=lambda name=name: list(platform.unavailable_reasons(name)),
+                probe=functools.partial(platform.probe, name),
                 capabilities=Capabilities(
                     ALL_OPTIONS - _UNTRIED_OPTIONS.get(name, frozenset()),
                     max_head_size=MAX_HEAD_SIZE,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...errors import fail
-from ...validate import int_scalar, require_workspace
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,9 @@ class TritonAttentionOptions:
     workspace: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        # kvzoo.validate imports kvzoo.arrays (torch): not on registering, which `kvzoo list` does.
+        from ...validate import int_scalar, require_workspace
+
         if self.prefill not in ("auto", "direct"):
             fail(f"prefill: expected 'auto' or 'direct', got {self.prefill!r}")
         int_scalar("stage_max_bytes", self.stage_max_bytes, -1)

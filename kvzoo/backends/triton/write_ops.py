@@ -7,6 +7,7 @@ unavailable.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ...capabilities import Capabilities
@@ -61,6 +62,7 @@ def register(registry: Registry) -> None:
                     devices=platform.devices(),
                     priority=platform.priority(),
                     unavailable=unavailable,
+                    probe=functools.partial(platform.probe, plat),
                     capabilities=Capabilities(formats=platform_formats(plat)),
                     notes="rounding=trunc (int8), inline_layout, any strides",
                 )
