@@ -43,6 +43,53 @@ class WallMarks(e2e.StepClock):
 
 
 WAITS: list[float] = []
+PHASES: dict[str, list[float]] = {}
+
+
+def _time_phases() -> None:
+    """Host time in kvzoo's parts of an eager step (plain perf_counter around each, no profiler):
+    the step's metadata (ForwardStep), the plan (plan_step), and each layer's write and attention
+    calls, so the step's host time splits into kvzoo's and the model's."""
+    from kvzoo import plan as plan_module
+    from kvzoo.integrations.transformers import cache as cache_module
+    from kvzoo.integrations.transformers import step as step_module
+
+    def wrap(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                PHASES.setdefault(label, []).append((time.perf_counter() - start) * 1e3)
+
+        setattr(owner, name, timed)
+
+    wrap(step_module.ForwardStep, "__init__", "ForwardStep (metadata to the device)")
+    wrap(step_module, "plan_step", "plan_step")
+    wrap(plan_module.StepPlan, "write", "plan.write")
+    wrap(plan_module.StepPlan, "attention", "plan.attention")
+    wrap(cache_module.KVZooLayer, "update", "KVZooLayer.update")
+    wrap(cache_module.KVZooLayer, "attend", "KVZooLayer.attend (all of the above but update)")
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """Device and pinned-host allocations that went to the driver (cudaMalloc, cudaHostAlloc):
+    both can stall the host, and neither shows as a synchronisation."""
+    if device.type != "cuda":
+        return {}
+    counts = {}
+    stats = torch.cuda.memory_stats()
+    for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "segment.all.allocated"):
+        if key in stats:
+            counts[key] = int(stats[key])
+    host = getattr(torch.cuda, "host_memory_stats", None)
+    if host is not None:
+        for key, value in host().items():
+            if key.startswith("num_host_alloc") or key.startswith("num_host_free"):
+                counts["host." + key] = int(value)
+    return counts
 
 
 def _time_stop_checks() -> None:
@@ -112,6 +159,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     _time_stop_checks()
+    _time_phases()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     impl = "numpy" if device.type == "cpu" else None
@@ -124,8 +172,13 @@ def main() -> None:
     for name in args.caches.split(","):
         one_generate(model, ids, name, args.new_tokens, impl, None)  # compile, warm
         WAITS.clear()
+        PHASES.clear()
+        before = _allocator_counts(device)
         gpu, wall, _ = one_generate(model, ids, name, args.new_tokens, impl, None)
+        after = _allocator_counts(device)
         waits = list(WAITS)
+        steps = args.new_tokens
+        phases = {k: sum(v) / steps for k, v in PHASES.items()}
         _, _, tprof = one_generate(model, ids, name, 4, impl, "torch")
         events = tprof.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
@@ -143,6 +196,12 @@ def main() -> None:
             print(f"    {ms:8.2f} ms  x{kernels[k]:<4} {k[:110]}")
         wait = statistics.median(waits[1:]) if len(waits) > 1 else float("nan")
         print(f"  host waits in generate's stop check (no profiler): {wait:.2f} ms/step")
+        if phases:
+            print("  host ms per step (prefill included, over the generate), by kvzoo part:")
+            for label, ms in phases.items():
+                print(f"    {ms:7.3f}  {label}")
+        moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        print(f"  allocator calls to the driver during the generate: {moved or 'none'}")
         out = io.StringIO()
         stats = pstats.Stats(cprof, stream=out)
         stats.sort_stats("tottime").print_stats(args.top)
