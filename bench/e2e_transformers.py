@@ -215,13 +215,20 @@ def make_cache(name: str, model, batch: int, length: int, impl: str | None):
 
 def _quanto_unpack_as_torch_ops() -> None:
     """optimum-quanto unpacks int4 on CUDA with an extension it compiles at first use (nvcc,
-    minutes, with its matmul kernels): its own torch-op unpack serves instead (the row's note)."""
+    minutes, with its matmul kernels): torch ops serve instead (the row's note). Its own Python
+    unpack cannot: with torch 2.11 and 2.13 its registration decorator leaves the name None."""
     import types
 
     from optimum.quanto.library.extensions.extension import get_extension
-    from optimum.quanto.library.unpack import unpack
 
-    get_extension("quanto_cuda")._lib = types.SimpleNamespace(unpack=unpack)
+    get_extension("quanto_cuda")._lib = types.SimpleNamespace(unpack=unpack_bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's packed layout: value i of a byte is its bits [i * bits, (i + 1) * bits), and the
+    values are stacked along dim 0, low bits first."""
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * i)) & mask for i in range(8 // bits)]).to(torch.uint8)
 
 
 def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cache=None):

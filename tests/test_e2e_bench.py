@@ -36,3 +36,22 @@ def test_smoke_run_reports_every_cache(tmp_path):
     held = {name: r["held_bytes"] for name, r in rows.items()}
     assert 0 < held["kvzoo-int4"] < held["kvzoo-int8"] < 0.4 * held["dynamic"], held
     assert {"date", "commit", "device", "torch", "transformers", "command"} <= set(report["environment"])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quanto_unpack_stand_in_splits_each_byte_low_bits_first(bits):
+    """The GPU rows of transformers' quanto cache unpack with bench's stand-in (quanto's own is
+    None under torch 2.11): every byte's values, low bits first, stacked along dim 0."""
+    import torch
+
+    bench = _bench()
+    packed = torch.randint(0, 256, (7, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    out = bench.unpack_bits(packed, bits)
+    per_byte = 8 // bits
+    assert out.dtype == torch.uint8 and out.shape == (7 * per_byte, 3)
+    for i in range(per_byte):
+        for r, c in [(0, 0), (3, 1), (6, 2)]:
+            byte = int(packed[r, c])
+            assert int(out[i * 7 + r, c]) == (byte >> (bits * i)) % (1 << bits)
+    rebuilt = sum(out[i * 7 : (i + 1) * 7].int() << (bits * i) for i in range(per_byte))
+    assert torch.equal(rebuilt, packed.int())
