@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import api
 from .layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
@@ -10,7 +10,8 @@ from .modes import QuantMode, get_kv_quant_mode
 from .registry import Implementation
 from .validate import fail
 
-Array = Any  # torch.Tensor or numpy.ndarray
+if TYPE_CHECKING:
+    from .arrays import Array
 
 
 class PagedKVCache:
