@@ -15,14 +15,15 @@ once per shape. Under torch.compile a call goes to the torch.library op of its o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import launches
 from . import registry as _registry
 from .modes import QuantMode
 from .problem import Attention, CacheWrite, Dequantize
 
-Array = Any
+if TYPE_CHECKING:
+    from .arrays import Array
 
 try:
     from torch.compiler import is_compiling as _compiling

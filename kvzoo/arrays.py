@@ -7,7 +7,7 @@ views let a write through the backend's array land in the caller's storage.
 from __future__ import annotations
 
 import warnings
-from typing import Any, TypeAlias, TypeGuard
+from typing import Any, TypeAlias, TypeGuard, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +22,8 @@ except ImportError:  # torch is optional for NumPy-only users
 # What kvzoo's calls take for an array argument: a NumPy array, or a torch tensor (CPU or GPU).
 # A string, so that it names torch.Tensor without importing torch where it is not installed.
 Array: TypeAlias = "torch.Tensor | np.ndarray"
+# One of the two, the same for every use in a signature (an array made like another is of its kind).
+ArrayT = TypeVar("ArrayT", bound="torch.Tensor | np.ndarray")
 
 # Canonical dtype names used across kvzoo (errors, problems, registry checks).
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -151,8 +153,11 @@ def _from_numpy(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x)
 
 
-def same_kind_empty(like: Array, shape: tuple[int, ...], dtype: str) -> Array:
+def same_kind_empty(like: ArrayT, shape: tuple[int, ...], dtype: str) -> ArrayT:
     """An uninitialised array of the same kind (and device) as `like`."""
+    made: Any  # like's kind, ArrayT (which mypy does not narrow by the kind of like)
     if is_torch(like):
-        return torch.empty(shape, dtype=torch_dtype(dtype), device=like.device)
-    return np.empty(shape, dtype=numpy_dtype(dtype))
+        made = torch.empty(shape, dtype=torch_dtype(dtype), device=like.device)
+    else:
+        made = np.empty(shape, dtype=numpy_dtype(dtype))
+    return made

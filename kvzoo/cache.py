@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import api
 from .layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
@@ -10,7 +10,8 @@ from .modes import QuantMode, get_kv_quant_mode
 from .registry import Implementation
 from .validate import fail
 
-Array = Any  # torch.Tensor or numpy.ndarray
+if TYPE_CHECKING:
+    from .arrays import Array
 
 
 class PagedKVCache:
@@ -139,10 +140,27 @@ class PagedKVCache:
         impl: str | Implementation | None = None,
         validate: bool = True,
     ) -> Array:
-        """Decoded float32 keys or values (``kvzoo.dequantize``): the whole cache
-        ``[num_blocks, block_size, num_kv_heads, head_size]``, or with block_tables
-        ``[num_seqs, max_blocks]`` and seq_lens ``[num_seqs]`` the tokens of those sequences,
-        packed, ``[sum(seq_lens), num_kv_heads, head_size]``."""
+        """Decoded float32 keys or values (``kvzoo.dequantize``).
+
+        Parameters
+        ----------
+        which : {"key", "value"}
+            The cache to decode.
+        block_tables : torch.Tensor or numpy.ndarray, optional
+            ``[num_seqs, max_blocks_per_seq]`` int32/int64, the blocks of each sequence; None
+            (with seq_lens None) decodes the whole cache.
+        seq_lens : torch.Tensor or numpy.ndarray, optional
+            ``[num_seqs]`` int32/int64, each sequence's length; given with block_tables.
+        impl, validate
+            As ``kvzoo.dequantize``.
+
+        Returns
+        -------
+        torch.Tensor or numpy.ndarray
+            float32, of the cache's kind: ``[num_blocks, block_size, num_kv_heads, head_size]``
+            for the whole cache, else the sequences' tokens packed in order,
+            ``[sum(seq_lens), num_kv_heads, head_size]``.
+        """
         if which not in ("key", "value"):
             fail(f"which: expected 'key' or 'value', got {which!r}")
         t = self.tensors
@@ -189,17 +207,29 @@ class PagedKVCache:
         query : torch.Tensor or numpy.ndarray
             ``[num_tokens, num_q_heads, head_size]``, bfloat16, float16 or float32 (num_q_heads a
             multiple of the cache's num_kv_heads).
-        block_tables : ``[num_seqs, max_blocks_per_seq]`` int32/int64
-        seq_lens : ``[num_seqs]`` int32/int64, each sequence's context, this step's tokens included
-        query_start_loc : ``[num_seqs + 1]`` int32/int64, sequence s owns query rows
-            ``query_start_loc[s]:query_start_loc[s+1]``
-        the rest
+        block_tables : torch.Tensor or numpy.ndarray
+            ``[num_seqs, max_blocks_per_seq]`` int32/int64, the cache blocks of each sequence.
+        seq_lens : torch.Tensor or numpy.ndarray
+            ``[num_seqs]`` int32/int64, each sequence's context, this step's tokens included.
+        query_start_loc : torch.Tensor or numpy.ndarray
+            ``[num_seqs + 1]`` int32/int64: sequence s owns query rows
+            ``query_start_loc[s]:query_start_loc[s+1]``.
+        sinks : torch.Tensor or numpy.ndarray, optional
+            ``[num_q_heads]`` float32.
+        out : torch.Tensor or numpy.ndarray, optional
+            A writable ``[num_tokens, num_q_heads, head_size]`` array of the query's dtype.
+        lse : torch.Tensor or numpy.ndarray, optional
+            A writable float32 ``[num_tokens, num_q_heads]`` array (needs return_lse=True).
+        softmax_scale, sliding_window, softcap, max_query_len, max_seq_len, num_prefills
+            As ``kvzoo.paged_attention``.
+        batch_invariant, quantize_query, fp8_dots, return_lse, impl, validate
             As ``kvzoo.paged_attention``.
 
         Returns
         -------
-        out ``[num_tokens, num_q_heads, head_size]`` in the query's dtype, or ``(out, lse)`` with
-        return_lse (lse float32 ``[num_tokens, num_q_heads]``).
+        torch.Tensor or numpy.ndarray, or a tuple of two
+            out ``[num_tokens, num_q_heads, head_size]`` in the query's dtype, or ``(out, lse)``
+            with return_lse (lse float32 ``[num_tokens, num_q_heads]``).
         """
         return api.paged_attention(
             query,

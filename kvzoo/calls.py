@@ -21,11 +21,12 @@ Every refusal raises KVZooInputError naming the argument, before anything is wri
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .arrays import as_torch, device_of, dtype_name, is_array, is_torch, same_kind_empty
+from .arrays import Array, ArrayT, as_torch, device_of, dtype_name, is_array, is_torch, same_kind_empty
 from .errors import fail
 from .modes import MODES, ROUNDINGS, QuantMode, get_kv_quant_mode
 from .problem import Attention, CacheWrite, Dequantize
@@ -52,8 +53,6 @@ from .validate import (
     require_writable,
     static_array,
 )
-
-Array = Any
 
 # The layouts error messages name, each spelled here once.
 ROWS = "[num_tokens, num_kv_heads, head_size]"
@@ -386,7 +385,7 @@ def attention_bounds(
     return read_bounds[0], read_bounds[1], read_bounds[2], expected
 
 
-def lse_output(lse: Array | None, return_lse: bool, like: Array, num_tokens: Any, num_q_heads: Any) -> Array | None:
+def lse_output(lse: ArrayT | None, return_lse: bool, like: ArrayT, num_tokens: Any, num_q_heads: Any) -> ArrayT | None:
     """The array attention writes the log-sum-exp into: None without return_lse, the caller's
     (checked like out: shape, float32, writable) or a new one of like's kind and device."""
     if not check_lse(lse, return_lse, num_tokens, num_q_heads):
@@ -587,7 +586,7 @@ def _check_dequantize(r: Dequantize, geometry: Geometry | None, fake: bool) -> F
     require_same_device(
         {"cache": cache, "scale_cache": r.scale_cache, "block_tables": r.block_tables, "seq_lens": r.seq_lens}
     )
-    if not whole:
+    if r.block_tables is not None and r.seq_lens is not None:  # not whole: both given (checked above)
         check_block_tables(r.block_tables, r.seq_lens, block_size, fake)
     return Facts(
         host=(mode,),
@@ -628,7 +627,11 @@ def check_layer_rows(
             require_shape(s_name, sc, tuple(key_cache.shape[:3]), SCALES)
 
 
-_CHECKS = {CacheWrite: _check_write, Attention: _check_attention, Dequantize: _check_dequantize}
+_CHECKS: dict[type, Callable[[Any, Geometry | None, bool], Facts]] = {
+    CacheWrite: _check_write,
+    Attention: _check_attention,
+    Dequantize: _check_dequantize,
+}
 
 
 def check(record: Any, geometry: Geometry | None = None, fake: bool = False) -> Facts:

@@ -38,6 +38,7 @@ def rng_for(*key: Any) -> np.random.Generator:
 
 def midpoint_targets(mode: QuantMode, rng: np.random.Generator, n: int) -> np.ndarray:
     """Values of y = x / scale lying exactly halfway between two codes (and beside them)."""
+    assert mode.format is not None  # a mode with codes
     mids = rng.choice(mode.format.midpoints(), n)
     nudge = rng.choice([0.0, 0.0, 1.0, -1.0], n)
     mids32 = mids.astype(np.float32)

@@ -29,23 +29,24 @@ from cachetools import FIFOCache
 
 from . import memory
 from . import registry as _registry
-from .arrays import as_numpy, as_torch, is_torch
-from .calls import Geometry, arrays, check, check_values
+from .arrays import as_numpy, as_torch, is_torch, torch
+from .calls import Facts, Geometry, arrays, check, check_values
 from .capabilities import shares_buffer
 from .modes import MODES, QuantMode
 from .problem import Attention, CacheWrite, Dequantize
 
-try:
-    import torch
-except ImportError:  # NumPy-only installs
-    torch = None
-
 _TENSOR = None if torch is None else torch.Tensor
 _SCALARS = (bool, int, float, str)
 
+_RecordType = type[CacheWrite] | type[Attention] | type[Dequantize]
+
 # Per record type, the (cache, scale cache) operand positions whose buffer sharing is part of
 # the signature: no metadata of either tells the inline page from separate tensors.
-_SHARED = {CacheWrite: ((2, 5), (3, 6)), Attention: ((1, 7),), Dequantize: ((0, 5),)}
+_SHARED: dict[_RecordType, tuple[tuple[int, int], ...]] = {
+    CacheWrite: ((2, 5), (3, 6)),
+    Attention: ((1, 7),),
+    Dequantize: ((0, 5),),
+}
 
 
 def signature(values: Any, shared: tuple = (), arrays: int = 0) -> tuple | None:
@@ -54,7 +55,7 @@ def signature(values: Any, shared: tuple = (), arrays: int = 0) -> tuple | None:
     subclass, an object of another kind). A number among the first `arrays` values (a static
     scale given as a float) is told by its type: each call checks its value (calls.arrays).
     Runs on every call: one loop, no call per value."""
-    keys = []
+    keys: list[Any] = []
     for n, x in enumerate(values):
         t = type(x)
         if t is _TENSOR:
@@ -74,7 +75,8 @@ def signature(values: Any, shared: tuple = (), arrays: int = 0) -> tuple | None:
             keys.append((t, x.dtype, x.shape, x.strides, x.flags.writeable, address & 15 == 0))
         elif t is QuantMode and MODES.get(x.name) is x:
             # kvzoo's own modes, by name (equal names parse to them); another object declines.
-            keys.append(x.name)
+            # (`... is x` narrows x to MODES.get's QuantMode | None for mypy: x.name was just read.)
+            keys.append(x.name)  # type: ignore[union-attr]
         else:
             return None
     for cache, scales in shared:
@@ -143,7 +145,14 @@ class Resolved:
 
     __slots__ = ("held", "facts", "chosen", "adapt", "placement", "launches")
 
-    def __init__(self, held: Any, facts: Any, chosen: Any, adapt: Adapter, placement: memory.Placement) -> None:
+    def __init__(
+        self,
+        held: _registry.Implementation | _registry.Registry,
+        facts: Facts,
+        chosen: _registry.Implementation,
+        adapt: Adapter,
+        placement: memory.Placement,
+    ) -> None:
         self.held = weakref.ref(held)
         self.facts, self.adapt, self.placement = facts, adapt, placement
         # The implementation the call named is reached through `held`: held here, it would
@@ -205,7 +214,7 @@ def run(
     host, operands = check_values(record, facts, operands, validate, check_finite)
     if facts.empty:
         return operands, None, None, None
-    workspace = None if held is reg else getattr(impl.options, "workspace", None)
+    workspace = getattr(impl.options, "workspace", None) if isinstance(impl, _registry.Implementation) else None
     placed = operands if workspace is None else (*operands, workspace)
     checked = None
     if entry is None or not entry.placement.clear(placed):
@@ -223,7 +232,11 @@ def run(
                 _WATCHED.add(id(held))
                 weakref.finalize(held, _drop, id(held))
             _TABLE[key] = entry
-    chosen = entry.chosen or held
+    if entry.chosen is not None:
+        chosen = entry.chosen
+    else:  # the implementation the call named (the registry's entries keep what it chose)
+        assert isinstance(held, _registry.Implementation)
+        chosen = held
     adapted = entry.adapt(operands)
     # The mode is the signature's: the launch is told by the rest (attention's bounds).
     bounds = host[1:]
@@ -243,5 +256,7 @@ def run(
 
 # Per record type: its (cache, scale cache) pairs whose buffer sharing the signature holds,
 # its number of arrays, and the positions of those it writes.
-_LAYOUT = {cls: (_SHARED[cls], len(cls.ARRAYS)) for cls in _SHARED}
-_WRITTEN = {cls: tuple(cls.ARRAYS.index(n) for n in cls.WRITTEN) for cls in _SHARED}
+_LAYOUT: dict[_RecordType, tuple[tuple[tuple[int, int], ...], int]] = {
+    cls: (_SHARED[cls], len(cls.ARRAYS)) for cls in _SHARED
+}
+_WRITTEN: dict[_RecordType, tuple[int, ...]] = {cls: tuple(cls.ARRAYS.index(n) for n in cls.WRITTEN) for cls in _SHARED}

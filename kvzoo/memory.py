@@ -88,7 +88,8 @@ def overlap(a: Any, b: Any) -> bool:
     # which bytes the strides actually reach.
     pa, pb = np.asarray(_Addresses(*layout(a))), np.asarray(_Addresses(*layout(b)))
     try:
-        return bool(np.shares_memory(pa, pb, max_work=_MAX_OVERLAP_WORK))
+        # numpy's stub takes only -1 and 0 for max_work; a positive bound is documented and works.
+        return bool(np.shares_memory(pa, pb, max_work=_MAX_OVERLAP_WORK))  # type: ignore[arg-type]
     except np.exceptions.TooHardError:
         return True
 
@@ -185,7 +186,8 @@ class Placement:
     def __init__(self, arrays: Sequence[Any], written: Sequence[int]) -> None:
         self.spans = tuple(None if x is None else span(x) for x in arrays)
         self.written = tuple(written)
-        starts = [None if x is None else address(x) for x in arrays]
+        # A start is None exactly where its span is (a missing array), which the loops skip.
+        starts: list[Any] = [None if x is None else address(x) for x in arrays]
         self.meets: dict[tuple[int, int], int] = {}
         for w in self.written:
             mine = self.spans[w]
@@ -199,7 +201,8 @@ class Placement:
 
     def clear(self, arrays: Sequence[Any]) -> bool:
         """Whether the written arrays meet no other array, as in the call this was kept from."""
-        spans = self.spans
+        # As in __init__: a span is None only where its start is, which the loops skip.
+        spans: tuple[Any, ...] = self.spans
         starts = [None if s is None or x is None else address(x) for x, s in zip(arrays, spans)]
         for w in self.written:
             start = starts[w]

@@ -266,8 +266,10 @@ _ALIASES: dict[str, str] = {
 NOT_IMPLEMENTED: frozenset[str] = frozenset({"fp8_inc", "fp8_ds_mla"})
 
 
-def get_kv_quant_mode(name: str | QuantMode) -> QuantMode:
-    """Parse an engine's kv-cache dtype string ("auto", "fp8", "int8_per_token_head", ...)."""
+def get_kv_quant_mode(name: str | QuantMode | None) -> QuantMode:
+    """Parse an engine's kv-cache dtype string ("auto", "fp8", "int8_per_token_head", ...).
+
+    None (a call record's mode not given) is refused as any other non-mode is."""
     if isinstance(name, QuantMode):
         return name
     if not isinstance(name, str):

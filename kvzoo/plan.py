@@ -43,7 +43,7 @@ import weakref
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -52,6 +52,7 @@ from . import launches, memory
 from . import registry as _registry
 from .arrays import (
     CPU_DEVICE,
+    Array,
     as_numpy,
     as_torch,
     device_of,
@@ -95,7 +96,6 @@ from .validate import (
     static_scale,
 )
 
-Array = Any
 ImplChoice = str | Implementation | Mapping[str, str | Implementation] | None
 
 __all__ = ["CacheSpec", "StepPlan", "plan_step"]
@@ -338,10 +338,10 @@ def _stand_in_caches(like: Array, spec: CacheSpec) -> tuple[Array, Array | None]
             base[:1].view(torch_dtype(code)).expand(spec.cache_shape),
             base[SCALE_BYTES:].view(torch.float32).expand(spec.cache_shape[:3]),
         )
-    base = np.zeros(2 * SCALE_BYTES, np.uint8)
+    page = np.zeros(2 * SCALE_BYTES, np.uint8)
     return (
-        as_strided(base[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4),
-        as_strided(base[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3),
+        as_strided(page[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4),
+        as_strided(page[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3),
     )
 
 
@@ -483,6 +483,35 @@ class StepPlan:
         "workspace",
         "workspace_bytes",
     )
+    spec: CacheSpec
+    num_q_heads: int
+    softmax_scale: float
+    sliding_window: int | None
+    softcap: float | None
+    sinks: Array | None
+    batch_invariant: bool
+    quantize_query: bool
+    fp8_dots: bool
+    max_query_len: int
+    max_seq_len: int
+    num_prefills: int | None
+    num_tokens: int | None
+    block_tables: Array
+    seq_lens: Array
+    query_start_loc: Array
+    slot_mapping: Array | None
+    write_impl: Implementation | None
+    attention_impl: Implementation
+    # (write, attention): the impl each operation's calls ask launches.run for.
+    _impl: tuple[str | Implementation | None, str | Implementation | None]
+    _device: Any
+    _layers: dict[int, _Held]
+    # (name, array, byte extent) of the plan's own arrays: the metadata and the workspace.
+    _meta_extents: tuple[tuple[str, Array, tuple[int, int] | None], ...]
+    _rows: Geometry | None
+    _queries: Geometry
+    workspace: Array | None
+    workspace_bytes: int
 
     def __init__(self) -> None:
         raise TypeError("build a StepPlan with kvzoo.plan_step(...)")
@@ -546,6 +575,8 @@ class StepPlan:
             bound = held.write
             # A call signature declines (a tensor subclass) is checked in full, and never bound.
             if call is not None and bound is not None and bound.call == call:
+                if TYPE_CHECKING:  # _bind binds tensors' calls only (not asked again: the hot path)
+                    assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
                 refused_key, refused_value = bound.refused
                 # Read at these addresses, neither may meet the caches the call writes (a
                 # refused start is at an odd index of its boundaries).
@@ -561,8 +592,12 @@ class StepPlan:
         )
         kc, vc, ksc, vsc = layer.arrays
         spec = self.spec
+        # A plan with a write_impl has its slot_mapping (plan_step sets both or neither).
+        assert self.slot_mapping is not None
         record = CacheWrite(key, value, kc, vc, self.slot_mapping, ksc, vsc, ks, vs, spec.mode, spec.rounding)
         _, adapted, entry, launch = launches.run(record, self._impl[0], False, geometry=self._rows)
+        # A write always runs (launches.run returns None for these only where no query rows are).
+        assert adapted is not None and entry is not None
         if call is not None and ks is None:
             held.write = _bind(call, launch, entry.adapt, (key, value), layer.extents, None, adapted[2:], ())
 
@@ -601,6 +636,8 @@ class StepPlan:
                 call = (return_lse, call)
                 bound = held.attention
                 if bound is not None and bound.call == call:
+                    if TYPE_CHECKING:  # as in write
+                        assert isinstance(query, torch.Tensor) and (out is None or isinstance(out, torch.Tensor))
                     if out is None:  # then nothing the call is given is written
                         # same_kind_empty's out (the query's shape, device and dtype, the
                         # model's), without parsing them again.
@@ -621,7 +658,10 @@ class StepPlan:
                             bound.launch((query, *bound.fixed, out, *bound.tail, lse))
                         else:
                             bound.launch((c(query), *bound.fixed, c(out), *bound.tail, None if lse is None else c(lse)))
-                        return (out, lse) if return_lse else out
+                        if return_lse:
+                            assert lse is not None  # allocated where not given (calls.check_lse)
+                            return out, lse
+                        return out
         layer = held.layer
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
@@ -660,11 +700,14 @@ class StepPlan:
         )
         operands, adapted, entry, launch = launches.run(record, self._impl[1], False, geometry=rows)
         out, lse = operands[6], operands[12]
-        if call is not None and entry is not None and ks is None:
+        if call is not None and entry is not None and adapted is not None and ks is None:
             # A given out is checked on later calls against the caches, the metadata and the query.
             checked, against = ((out,), (*layer.extents, *self._meta_extents)) if call[1][1] is not None else ((), ())
             held.attention = _bind(call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12])
-        return (out, lse) if return_lse else out
+        if return_lse:
+            assert lse is not None  # allocated where not given (calls.check_lse)
+            return out, lse
+        return out
 
 
 def plan_step(

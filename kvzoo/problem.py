@@ -14,16 +14,23 @@ All array fields are views of the caller's storage: writes land in the caller's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .modes import QuantMode
 
-Array = Any  # torch.Tensor or numpy.ndarray
+if TYPE_CHECKING:  # kvzoo.arrays imports torch where installed; this module does not
+    from .arrays import Array
 
 OPS: tuple[str, ...] = ("reshape_and_cache", "dequantize", "paged_attention")
 
 
-class _Record:
+if TYPE_CHECKING:  # a record is a tuple: its NamedTuple comes first in its bases
+    _Tuple = tuple[Any, ...]
+else:
+    _Tuple = object
+
+
+class _Record(_Tuple):
     """What every record answers about itself (the fields are its NamedTuple's)."""
 
     __slots__ = ()
@@ -34,6 +41,12 @@ class _Record:
     ARRAYS: tuple[str, ...]
     WRITTEN: tuple[str, ...]
     INDICES: tuple[str, ...]
+
+    if TYPE_CHECKING:
+        # What each record's NamedTuple gives it besides the tuple: _fields is Any because
+        # each types its own as a tuple of its length, which no one declaration here matches.
+        _fields: ClassVar[Any]
+        _replace: Callable[..., Any]
 
     @property
     def device(self) -> str:
@@ -164,6 +177,7 @@ class Dequantize(_Dequantize, _Record):
 
     @property
     def head_size(self) -> int:
+        assert self.out is not None  # a checked record's (kvzoo.calls allocates out)
         return int(self.out.shape[2])
 
 

@@ -452,7 +452,10 @@ def paged_attention(
         validate,
         impl,
     )
-    return (out, lse) if return_lse else out
+    if return_lse:
+        assert lse is not None  # allocated where not given (calls.check_lse)
+        return out, lse
+    return out
 
 
 def _impl_name(impl: str | Implementation | None) -> str | None:
@@ -800,4 +803,7 @@ def step_attention(
         _static_scale("v_scale", v_scale, key_cache),
         sinks,
     )
-    return (out, lse) if return_lse else out
+    if return_lse:
+        assert lse is not None  # allocated where not given (calls.check_lse)
+        return out, lse
+    return out

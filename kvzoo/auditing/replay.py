@@ -181,6 +181,7 @@ def _replay_one(impl, mode, need, layer, batch, seqs, positions, out: Collector)
         detail = f"{impl.name} raised {type(crash).__name__}: {str(crash)[:200]}"
         out.one(Finding("replay_mismatch", layer, int(seqs[0]), None, None, detail, position=int(positions[0])))
         return ReplayResult(layer, impl.name, len(seqs), None, tolerance)
+    assert not isinstance(got, tuple)  # (out, lse) only when the lse is asked for
     got = got.detach().cpu().numpy() if hasattr(got, "detach") else np.asarray(got)
     errors = _row_errors(got, ref)
     wrong = np.flatnonzero(errors > tolerance)

@@ -23,15 +23,22 @@ def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
 
 
 def _reshape_and_cache(p: CacheWrite) -> None:
-    vectorized.reshape_and_cache(p, codec(p.mode, p.rounding))
+    vectorized.reshape_and_cache(p, codec(_mode(p), p.rounding))
 
 
 def _dequantize(p: Dequantize) -> None:
-    vectorized.dequantize(p, codec(p.mode))
+    vectorized.dequantize(p, codec(_mode(p)))
 
 
 def _paged_attention(p: Attention) -> None:
-    vectorized.paged_attention(p, codec(p.mode), codec(p.mode) if p.quantizes_query else None)
+    mode = _mode(p)
+    vectorized.paged_attention(p, codec(mode), codec(mode) if p.quantizes_query else None)
+
+
+def _mode(p: CacheWrite | Dequantize | Attention) -> QuantMode:
+    # A checked record's mode is a QuantMode (kvzoo.calls parsed the one given).
+    assert isinstance(p.mode, QuantMode)
+    return p.mode
 
 
 # Modes whose format kernels.py encodes (mode "none" has none).

@@ -149,7 +149,8 @@ class ForwardStep:
         if self.real_rows is not None:
             q = q.index_select(0, self.real_rows)
         out = plan.attention(q, t, k_scale=store.k_scale, v_scale=store.v_scale, sinks=sinks)
-        assert not isinstance(out, tuple)  # (out, lse) only when the lse is asked for
+        # (out, lse) only when the lse is asked for; a tensor, as the rows are.
+        assert isinstance(out, torch.Tensor)
         if self.real_rows is not None:
             # Padding rows attend nothing; transformers ignores their outputs, so 0 is as good as any.
             full = out.new_zeros(rows, num_q_heads, head_size)
