@@ -2877,7 +2877,10 @@ LYING_FAULTS = (
 # One mode per kernel family the faults reach: the paged kernels' codes and model dtype, a
 # static scale, and int4's own kernels.
 LYING_MODES = ("int8_per_token_head", "none", "fp8_per_tensor", "int4_per_token_head")
-ENTRY_POINTS = ("functional", "plan", "torch_op")
+# functional and torch_op with validate=False; plan: planned on valid metadata that then takes
+# the lying values in place (an engine updating a replayed step); cache: PagedKVCache's methods
+# with validate=False (hostile_support.via).
+LYING_ENTRIES = ("functional", "plan", "torch_op", "cache")
 
 
 def lying_metadata(rng, b: Batch, fault: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -2924,9 +2927,9 @@ def _run_lying_attention(a: AttentionSetup, impl, entry: str, valid, lying, rng)
     in place (an engine updating a replayed step)."""
     c = a.caches
     bounds = {k: max(v, _bounds(valid[2], valid[1])[k]) for k, v in _bounds(lying[2], lying[1]).items()}
-    if entry == "functional":
+    if entry in ("functional", "cache"):
         tensors = [_index(x, impl) for x in lying]
-        a.call(impl.name, *tensors, validate=False, **bounds)
+        a.call(impl.name, *tensors, validate=False, entry=entry, **bounds)
         return
     if entry == "torch_op":
         bt, sl, qsl = (_index(x, impl) for x in lying)
@@ -2994,7 +2997,7 @@ def check_lying_attention(a: AttentionSetup, impl, lying, what: str) -> None:
     )
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("entry", LYING_ENTRIES)
 @pytest.mark.parametrize("fault", LYING_FAULTS)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_metadata_that_lies(impl, fault, entry):
@@ -3025,7 +3028,7 @@ def test_staged_prefill_metadata_that_lies(impl, fault):
     check_lying_attention(a, impl, lying, f"{impl.name} staged attention ({mode}, {fault})")
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("entry", LYING_ENTRIES)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_slots_past_the_cache_are_skipped(impl, entry):
     """A slot at or past num_blocks * block_size is skipped like a negative one, through every
@@ -3040,8 +3043,8 @@ def test_write_slots_past_the_cache_are_skipped(impl, entry):
     c = w.caches
     slot_t = case_tensor(torch.from_numpy(slots), impl)
     statics = dict(k_scale=_static(c.k_static, impl), v_scale=_static(c.v_static, impl))
-    if entry == "functional":
-        kvzoo.reshape_and_cache(
+    if entry in ("functional", "cache"):
+        via(entry, "reshape_and_cache")(
             w.key.array, w.value.array, c.key.array, c.value.array, slot_t, validate=False, impl=impl.name,
             **{**c.api_kwargs(), **statics},
         )  # fmt: skip
