@@ -299,7 +299,6 @@ NOT_THROUGH = {
     ("unvalidated", "unvalidated"): "the case runs with validate=False already (the functional entry)",
     ("plan", "static-array"): "a plan does not read a static scale array's value (kvzoo/plan.py)",
     ("unvalidated", "static-array"): "validate=False does not read a static scale array's value (SPEC 11)",
-    ("torch_op", "schema"): "the op's schema types the argument: torch refuses this Python value before kvzoo sees it",
     ("torch_op", "all-meta"): "every tensor on meta is a trace to torch ops (kvzoo/torch_ops.py _refuse_real_call)",
 }
 
