@@ -478,6 +478,7 @@ class StepPlan:
         "_device",
         "_layers",
         "_meta_extents",
+        "_given",
         "_rows",
         "_queries",
         "workspace",
@@ -587,6 +588,8 @@ class StepPlan:
                     bound.launch((key, value, *bound.fixed) if c is None else (c(key), c(value), *bound.fixed))
                     return
         layer = held.layer
+        for name, a, extent in layer.extents if self._given else ():
+            _refuse_overlap(name, a, extent, self._given, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -663,6 +666,9 @@ class StepPlan:
                             return out, lse
                         return out
         layer = held.layer
+        for name, x in (("out", out), ("lse", lse)) if self._given else ():
+            if is_torch(x) or isinstance(x, np.ndarray):  # anything else: the record refuses it
+                _refuse_overlap(name, x, memory.byte_extent(x), self._given, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -702,7 +708,8 @@ class StepPlan:
         out, lse = operands[6], operands[12]
         if call is not None and entry is not None and adapted is not None and ks is None:
             # A given out is checked on later calls against the caches, the metadata and the query.
-            checked, against = ((out,), (*layer.extents, *self._meta_extents)) if call[1][1] is not None else ((), ())
+            against = (*layer.extents, *self._meta_extents, *self._given)
+            checked, against = ((out,), against) if call[1][1] is not None else ((), ())
             held.attention = _bind(call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12])
         if return_lse:
             assert lse is not None  # allocated where not given (calls.check_lse)
@@ -906,6 +913,21 @@ def plan_step(
         plan.write_impl = chosen = reg.select(write, "reshape_and_cache", write_choice)
         plan.slot_mapping = _for_impl(chosen, write).slot_mapping
     plan._impl = (write_choice, attention_choice)
+    # The caller's index arrays the kernels read through copies (unit strides, another array
+    # kind): a call's written arrays may not meet them either, as the functional API refuses
+    # (SPEC.md section 11), whether or not the chosen implementation copies them.
+    given = (
+        ("block_tables", block_tables, plan.block_tables),
+        ("seq_lens", seq_lens, plan.seq_lens),
+        ("query_start_loc", query_start_loc, plan.query_start_loc),
+        ("sinks", sinks, plan.sinks),
+        ("slot_mapping", slot_mapping, plan.slot_mapping),
+    )
+    plan._given = tuple(
+        (name, x, memory.byte_extent(x))
+        for name, x, read in given
+        if x is not None and x is not read and memory.address(x) != memory.address(read)
+    )
     return plan
 
 
@@ -919,9 +941,11 @@ def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[
 
 
 def _for_impl(impl: Implementation, record: Any) -> Any:
-    """The record's index tensors as `impl` reads them: its array kind, unit strides if it
-    needs them (one copy now, none per layer)."""
+    """The record as `impl` reads it: every array of its array kind (the stand-ins too, which
+    its workspace_bytes reads as it reads a call's arrays: a NumPy plan of a torch
+    implementation raised AttributeError there), index tensors at unit strides if it needs
+    them (one copy now, none per layer)."""
     convert = as_numpy if impl.array_kind == "numpy" else as_torch
-    changes = {name: convert(getattr(record, name)) for name in record.INDICES if getattr(record, name) is not None}
+    changes = {name: convert(getattr(record, name)) for name in record.ARRAYS if getattr(record, name) is not None}
     record = record.replace(**changes)
     return launches.unit_index_strides(record) if impl.index_strides == "unit" else record

@@ -63,7 +63,7 @@ from .modes import QuantMode
 from .plan import StepPlan
 from .problem import Attention, CacheWrite
 from .registry import Implementation
-from .validate import float32_scalar, require_array
+from .validate import float32_scalar, int_scalar, normal_float32_scalar, require_array
 
 __all__ = [
     "DEFAULT_PLAN",
@@ -425,6 +425,8 @@ def paged_attention(
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
+    if not torch.compiler.is_compiling():
+        _host_scalars(softmax_scale, sliding_window, softcap, (max_query_len, max_seq_len, num_prefills))
     torch.ops.kvzoo.paged_attention(
         out,
         query,
@@ -456,6 +458,21 @@ def paged_attention(
         assert lse is not None  # allocated where not given (calls.check_lse)
         return out, lse
     return out
+
+
+def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds: tuple) -> None:
+    """The functional API's rules for the host scalars, before the op's schema sees them: it
+    casts True to 1.0 or 1 (which kvzoo.paged_attention refuses) and refuses a str, or an int
+    past int64, with torch's RuntimeError instead of kvzoo's KVZooInputError naming it. The
+    op's own checks run again inside it (what torch.ops.kvzoo.paged_attention is given)."""
+    float32_scalar("softmax_scale", softmax_scale)
+    if sliding_window is not None:
+        int_scalar("sliding_window", sliding_window, 1)
+    if softcap is not None:
+        normal_float32_scalar("softcap", softcap)
+    for name, bound in zip(("max_query_len", "max_seq_len", "num_prefills"), bounds):
+        if bound is not None:
+            int_scalar(name, bound, 0, calls.INT32_MAX if name != "num_prefills" else None)
 
 
 def _impl_name(impl: str | Implementation | None) -> str | None:

@@ -175,33 +175,60 @@ def expected_decline(impl: Any, *, quantize_query: bool = False, head_size: int 
     return None
 
 
-def call_accepted(impl: Any, fn: Callable, *args: Any, decline_ok: str | None = None, **kw: Any) -> Any:
-    """Run a call the spec accepts: a refusal fails; a registry decline skips only if expected."""
+def _names_pattern(names: Sequence[str]) -> str:
+    return "|".join(re.escape(n) for n in names)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a refused call must raise: KVZooInputError whose message starts with one of
+    `names` (the argument's name) and contains each of `words`."""
+
+    names: Sequence[str]
+    words: Sequence[str] = ()
+
+
+def check_call(
+    impl: Any,
+    fn: Callable,
+    *args: Any,
+    refused: Refusal | None = None,
+    guards: Sequence[Any] = (),
+    decline_ok: str | None = None,
+    **kw: Any,
+) -> Any:
+    """The battery's one checker: run fn(*args, impl=impl.name, **kw) (an entry point's
+    adapter, or a case's call) and assert its outcome.
+
+    refused given: KVZooInputError starting with one of refused.names, containing its words,
+    every guarded byte (caches, out, buffers the call was given) unchanged, whatever happened.
+    Otherwise accepted: a refusal fails, a registry decline skips only where expected
+    (decline_ok), and the call must have reached `impl` itself through launches.run (or a call
+    kvzoo found nothing to compute in): an entry point cannot pass by running nothing. Returns
+    the call's result (the KVZooInputError for a refusal)."""
+    if refused is not None:
+        return _refused(impl, fn, refused, guards, *args, **kw)
+    LAUNCHED.clear()
     try:
-        return fn(*args, impl=impl.name, **kw)
+        result = fn(*args, impl=impl.name, **kw)
     except registry.NoImplementationError as e:
         if decline_ok:
             pytest.skip(f"expected decline ({decline_ok}): {e}")
         pytest.fail(f"{impl.name} declined a call the spec defines (NoImplementationError): {e}")
     except KVZooInputError as e:
         pytest.fail(f"{impl.name}: a call the spec accepts was refused: {e}")
+    op = getattr(impl, "op", None)
+    if op is not None:
+        mine = [name for o, name in LAUNCHED if o == op]
+        assert mine, f"{impl.name}: the call never reached launches.run for {op}"
+        assert all(name in (impl.name, None) for name in mine), f"{op} ran {mine}, not {impl.name}"
+    changed = [g.label for g in guards if not g.unchanged()]
+    assert not changed, f"{impl.name}: read arrays changed: {changed}"
+    return result
 
 
-def _names_pattern(names: Sequence[str]) -> str:
-    return "|".join(re.escape(n) for n in names)
-
-
-def call_refused(
-    impl: Any,
-    fn: Callable,
-    names: Sequence[str],
-    guards: Sequence[Any],
-    *args: Any,
-    words: Sequence[str] = (),
-    **kw: Any,
-) -> KVZooInputError:
-    """Run a call the spec refuses: KVZooInputError whose message starts with one of `names`;
-    every guarded byte unchanged afterwards, whatever happened."""
+def _refused(impl: Any, fn: Callable, refused: Refusal, guards: Sequence[Any], *args: Any, **kw: Any):
+    names, words = refused.names, refused.words
     outcome = None
     error = None
     try:
@@ -225,6 +252,272 @@ def call_refused(
     if problems:
         pytest.fail(f"{impl.name}: " + "; ".join(problems))
     return error
+
+
+def call_accepted(impl: Any, fn: Callable, *args: Any, decline_ok: str | None = None, **kw: Any) -> Any:
+    """Run a call the spec accepts (check_call)."""
+    return check_call(impl, fn, *args, decline_ok=decline_ok, **kw)
+
+
+def call_refused(
+    impl: Any,
+    fn: Callable,
+    names: Sequence[str],
+    guards: Sequence[Any],
+    *args: Any,
+    words: Sequence[str] = (),
+    **kw: Any,
+) -> KVZooInputError:
+    """Run a call the spec refuses (check_call with a Refusal)."""
+    return check_call(impl, fn, *args, refused=Refusal(names, words), guards=guards, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points: one adapter per way a user reaches an operation
+#
+# A case describes its call once, as the functional API's arguments (kvzoo.reshape_and_cache,
+# kvzoo.paged_attention, kvzoo.dequantize: positional arrays, mode=, impl=, validate=, ...).
+# via(entry, op) is a function of that same signature which reaches the operation through
+# `entry`; the checker below (check_call) asserts the outcome whatever the entry.
+
+# Per operation, the entry points a user reaches it through. "unvalidated" is the functional
+# API with validate=False (the kernels alone must honour what the metadata tier refuses). No
+# plan or torch op decodes a cache: dequantize has the functional API and PagedKVCache.read.
+ENTRY_POINTS = {
+    "reshape_and_cache": ("functional", "unvalidated", "plan", "torch_op", "cache"),
+    "paged_attention": ("functional", "unvalidated", "plan", "torch_op", "cache"),
+    "dequantize": ("functional", "unvalidated", "cache"),
+}
+
+# Why an entry point cannot carry a kind of case (skipped at collection, with the reason).
+NOT_THROUGH = {
+    ("torch_op", "numpy"): "torch ops take torch tensors only (the op's schema), not NumPy arrays",
+    ("cache", "caches"): (
+        "PagedKVCache passes its own caches and mode (test_paged_kv_cache_refuses_what_it_passes_itself)"
+    ),
+    ("unvalidated", "validate"): "the case is about what validate=True reads (the functional entry runs it)",
+    ("unvalidated", "unvalidated"): "the case runs with validate=False already (the functional entry)",
+    ("plan", "static-array"): "a plan does not read a static scale array's value (kvzoo/plan.py)",
+    ("unvalidated", "static-array"): "validate=False does not read a static scale array's value (SPEC 11)",
+    ("torch_op", "all-meta"): "every tensor on meta is a trace to torch ops (kvzoo/torch_ops.py _refuse_real_call)",
+}
+
+
+def entry_reason(entry: str, traits: Sequence[str]) -> str | None:
+    for trait in traits:
+        reason = NOT_THROUGH.get((entry, trait))
+        if reason:
+            return reason
+    return None
+
+
+def with_entries(op: str, cases: Sequence[Any], traits: Callable[[Any], Sequence[str]] = lambda c: (), ids=None):
+    """pytest params (case..., entry) for every case through every entry point of op; an entry
+    that cannot carry a case is collected as a skip saying why. A case that is a tuple spreads
+    over several argument names."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        case_id = ids(case) if ids else "-".join(str(v) for v in values)
+        for entry in ENTRY_POINTS[op]:
+            reason = entry_reason(entry, traits(case))
+            marks = [pytest.mark.skip(reason=f"{entry}: {reason}")] if reason else []
+            params.append(pytest.param(*values, entry, id=f"{case_id}-{entry}", marks=marks))
+    return params
+
+
+def entries(op: str, *traits: str) -> list[Any]:
+    """pytest params of the entry points of op for a case of these traits."""
+    out = []
+    for entry in ENTRY_POINTS[op]:
+        reason = entry_reason(entry, traits)
+        out.append(
+            pytest.param(entry, id=entry, marks=[pytest.mark.skip(reason=f"{entry}: {reason}")] if reason else [])
+        )
+    return out
+
+
+def via(entry: str, op: str) -> Callable:
+    """op's functional signature, reaching the operation through `entry`."""
+    return functools.partial(_ADAPTERS[entry], op)
+
+
+def _functional(op: str, *args: Any, **kw: Any) -> Any:
+    return getattr(kvzoo, op)(*args, **kw)
+
+
+def _unvalidated(op: str, *args: Any, validate: bool = True, **kw: Any) -> Any:
+    return getattr(kvzoo, op)(*args, validate=False, **kw)
+
+
+def _torch_op(op: str, *args: Any, mode: Any, **kw: Any) -> Any:
+    """torch.ops.kvzoo.<op> through kvzoo.torch_ops' wrappers (keyword arguments, float scales)."""
+    from kvzoo import torch_ops
+
+    assert op in ("reshape_and_cache", "paged_attention"), op
+    return getattr(torch_ops, op)(*args, kv_cache_dtype=mode, **kw)
+
+
+def _paged_cache(mode: Any, kc: Any, vc: Any, ksc: Any, vsc: Any, ks: Any, vs: Any) -> Any:
+    """A PagedKVCache whose tensors are the case's (guarded) caches: the object as its
+    constructor leaves it, holding these arrays instead of fresh zeros, so its methods' calls
+    meet the same byte checks."""
+    from kvzoo.layout import KVCacheTensors
+    from kvzoo.modes import get_kv_quant_mode
+
+    cache = object.__new__(kvzoo.PagedKVCache)
+    cache.mode = get_kv_quant_mode(mode)
+    cache.tensors = KVCacheTensors(kc, vc, ksc, vsc)
+    cache.layout = "separate"
+    cache.k_scale, cache.v_scale = ks, vs
+    return cache
+
+
+def _cache(op: str, *args: Any, mode: Any, **kw: Any) -> Any:
+    scales = [kw.pop(n, None) for n in ("k_scale_cache", "v_scale_cache", "k_scale", "v_scale")]
+    if op == "reshape_and_cache":
+        key, value, kc, vc, slots = args
+        return _paged_cache(mode, kc, vc, *scales).write(key, value, slots, **kw)
+    if op == "paged_attention":
+        query, kc, vc = args
+        return _paged_cache(mode, kc, vc, *scales).attention(query, **kw)
+    cache, scale_cache = (*args, None)[:2]
+    scale = kw.pop("scale", None)
+    return _paged_cache(mode, cache, cache, scale_cache, scale_cache, scale, scale).read("key", **kw)
+
+
+def _spec(mode: Any, caches: Sequence[Any], rows: Sequence[Any], impl: Any, rounding: str = "nearest") -> Any:
+    """The CacheSpec an engine would declare for these caches: their geometry, the rows'
+    model dtype (mode none: the cache's), the device the implementation runs on (None for
+    NumPy caches). A size the arrays lack stays what the arrays say (0 is refused by name)."""
+    from kvzoo.arrays import dtype_name
+    from kvzoo.modes import get_kv_quant_mode
+    from kvzoo.validate import FLOAT_INPUTS
+
+    def dtype_of(x: Any) -> str | None:
+        try:
+            name = dtype_name(x)
+        except Exception:  # noqa: BLE001 - not an array kvzoo knows: another candidate
+            return None
+        return name if name in FLOAT_INPUTS else None
+
+    shape = next(tuple(c.shape) for c in caches if len(getattr(c, "shape", ())) == 4)
+    head = next((int(r.shape[-1]) for r in rows if len(getattr(r, "shape", ())) == 3), None)
+    try:
+        m = get_kv_quant_mode(mode)
+    except KVZooInputError:
+        m = None  # CacheSpec refuses the mode by name
+    if head is None:
+        head = shape[3] * (2 if m is not None and m.cache_width(2) == 1 else 1)
+    candidates = [*caches, *rows] if m is not None and m.code_dtype is None else rows
+    model = next((d for d in map(dtype_of, candidates) if d is not None), "bfloat16")
+    numpy_caches = all(isinstance(c, np.ndarray) for c in caches)
+    device = None if numpy_caches else case_device(_named(impl))
+    return kvzoo.CacheSpec(
+        mode,
+        num_blocks=shape[0],
+        block_size=shape[1],
+        num_kv_heads=shape[2],
+        head_size=head,
+        model_dtype=model,
+        device=device,
+        rounding=rounding,
+    )
+
+
+def _named(impl: Any) -> Any:
+    """The registered implementation of this name (either operation's: they share devices)."""
+    if not isinstance(impl, str):
+        return impl
+    return next(i for i in registry.implementations() if i.name == impl)
+
+
+def _zeros_like_index(like: Any, shape: tuple[int, ...]) -> Any:
+    if isinstance(like, torch.Tensor) and like.device.type != "meta":
+        return torch.zeros(shape, dtype=torch.int32, device=like.device)
+    if isinstance(like, np.ndarray):
+        return np.zeros(shape, np.int32)
+    return None
+
+
+def _plan(op: str, *args: Any, mode: Any, impl: Any, validate: bool = True, **kw: Any) -> Any:
+    """kvzoo.plan_step on the case's metadata (CacheSpec from its caches), then the layer's
+    StepPlan.write / StepPlan.attention with the case's arrays as a KVCacheTensors."""
+    from kvzoo.layout import KVCacheTensors
+
+    scales = [kw.pop(n, None) for n in ("k_scale_cache", "v_scale_cache")]
+    statics = {n: kw.pop(n, None) for n in ("k_scale", "v_scale")}
+    if op == "reshape_and_cache":
+        key, value, kc, vc, slots = args
+        spec = _spec(mode, (kc, vc), (key, value), impl, kw.pop("rounding", "nearest"))
+        assert not kw, kw
+        # A plan that only writes still names a batch to attend: an empty one beside the slots
+        # (of their kind and device; the spec's where they have none: a list, meta tensors).
+        if _zeros_like_index(slots, (1,)) is not None:
+            z = functools.partial(_zeros_like_index, slots)
+        else:
+            z = _spec_zeros(spec)
+        plan = kvzoo.plan_step(
+            spec,
+            block_tables=z((1, 1)),
+            seq_lens=z((1,)),
+            query_start_loc=z((2,)),
+            slot_mapping=slots,
+            num_q_heads=spec.num_kv_heads,
+            validate=validate,
+            impl=impl,
+        )
+        _check_plan_impl(plan.write_impl, impl)
+        return plan.write(key, value, KVCacheTensors(kc, vc, *scales), **statics)
+    query, kc, vc = args
+    spec = _spec(mode, (kc, vc), (query, kw.get("out")), impl)
+    layer = {n: kw.pop(n) for n in ("out", "return_lse", "lse") if n in kw}
+    plan = kvzoo.plan_step(spec, num_q_heads=int(query.shape[1]), validate=validate, impl=impl, **kw)
+    _check_plan_impl(plan.attention_impl, impl)
+    return plan.attention(query, KVCacheTensors(kc, vc, *scales), **layer, **statics)
+
+
+def _spec_zeros(spec: Any) -> Callable:
+    device = spec.device
+    if device is None:
+        return lambda shape: np.zeros(shape, np.int32)
+    return lambda shape: torch.zeros(shape, dtype=torch.int32, device=device)
+
+
+def _check_plan_impl(chosen: Any, impl: Any) -> None:
+    name = impl if isinstance(impl, str) else getattr(impl, "name", None)
+    assert chosen is not None and chosen.name == name, f"the plan chose {chosen} for impl={name!r}"
+
+
+_ADAPTERS = {
+    "functional": _functional,
+    "unvalidated": _unvalidated,
+    "plan": _plan,
+    "torch_op": _torch_op,
+    "cache": _cache,
+}
+
+
+# What launches.run (the path of every entry point) resolved each call to: (op, the
+# implementation's name), or (op, None) for a call with nothing to compute. Filled by
+# spy_launches (an autouse fixture of the battery); check_call reads it.
+LAUNCHED: list[tuple[str, str | None]] = []
+
+
+def spy_launches(monkeypatch: Any) -> None:
+    from kvzoo import launches
+
+    real = launches.run
+
+    def run(record: Any, *args: Any, **kw: Any) -> Any:
+        result = real(record, *args, **kw)
+        entry = result[2]
+        chosen = None if entry is None else (entry.chosen or entry.held())
+        LAUNCHED.append((record.OP, None if chosen is None else chosen.name))
+        return result
+
+    monkeypatch.setattr(launches, "run", run)
+    LAUNCHED.clear()
 
 
 # ---------------------------------------------------------------------------------------------

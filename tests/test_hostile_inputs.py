@@ -45,6 +45,7 @@ from hostile_support import (
     case_kind,
     case_tensor,
     data_region,
+    entries,
     expected_decline,
     float_rows,
     forget_placed,
@@ -60,8 +61,11 @@ from hostile_support import (
     reference_attention,
     require_usable,
     rng_for,
+    spy_launches,
     to_host,
     to_host_float32,
+    via,
+    with_entries,
 )
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
@@ -111,6 +115,13 @@ def _tensors_on_the_case_device(monkeypatch):
             monkeypatch.setattr(kvzoo, op, placement_checked(getattr(kvzoo, op)))
     yield
     forget_placed()
+
+
+@pytest.fixture(autouse=True)
+def _launches_spied(monkeypatch):
+    """Every call's launches.run recorded, so check_call can tell an accepted call reached the
+    implementation under test through whichever entry point the case took."""
+    spy_launches(monkeypatch)
 
 
 def pick_mode(impl, *key, candidates=ALL_MODES) -> str:
@@ -199,9 +210,16 @@ class WriteSetup:
     def guards(self) -> list:
         return list(self.caches.regions)
 
-    def run_accepted(self, impl, slot_mapping, slot_values, *, rounding="nearest", extra_guards=(), **kw):
+    def run_accepted(
+        self, impl, slot_mapping, slot_values, *, rounding="nearest", extra_guards=(), entry="functional", **kw
+    ):
         call_accepted(
-            impl, kvzoo.reshape_and_cache, *self.args(slot_mapping), rounding=rounding, **self.caches.api_kwargs(), **kw
+            impl,
+            via(entry, "reshape_and_cache"),
+            *self.args(slot_mapping),
+            rounding=rounding,
+            **self.caches.api_kwargs(),
+            **kw,
         )
         self.key.assert_unchanged(f"{impl.name}: key (a read array)")
         self.value.assert_unchanged(f"{impl.name}: value (a read array)")
@@ -256,6 +274,7 @@ class AttentionSetup:
         )
         self.out = Region(rng, (T, heads_q, head_size), qdtype, kind, label="out", impl=impl)
         self.sinks_values = None
+        self.entry = "functional"  # the entry point call() reaches paged_attention through
 
     def index_tensors(self, kind: str, dtype: str, rng, layouts: dict | None = None):
         return batch_index_tensors(self.batch, kind, dtype, rng, layouts, impl=self.impl)
@@ -276,14 +295,28 @@ class AttentionSetup:
         )
 
     def call(
-        self, impl, block_tables, seq_lens, qsl, *, out="region", query=None, key_cache=None, value_cache=None, **kw
+        self,
+        impl,
+        block_tables,
+        seq_lens,
+        qsl,
+        *,
+        out="region",
+        query=None,
+        key_cache=None,
+        value_cache=None,
+        entry=None,
+        **kw,
     ):
+        """paged_attention on this set-up's arrays (any replaced by the keywords), through the
+        entry point `entry` (hostile_support.via)."""
+        entry = entry or self.entry
         c = self.caches
         api_kw = c.api_kwargs()
         for name in ("k_scale_cache", "v_scale_cache"):
             if name in kw:
                 api_kw[name] = kw.pop(name)
-        return kvzoo.paged_attention(
+        return via(entry, "paged_attention")(
             self.query.array if query is None else query,
             c.key.array if key_cache is None else key_cache,
             c.value.array if value_cache is None else value_cache,
@@ -810,9 +843,18 @@ def _big_endian(a: np.ndarray) -> np.ndarray:
 BE_WRITE = ["key", "value", "k_scale_cache", "v_scale_cache", "slot_mapping", "key_cache(none)"]
 
 
-@pytest.mark.parametrize("arg", BE_WRITE)
+WRITE_CACHES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "mode")
+
+
+def _write_traits(arg: str, *more: str) -> tuple[str, ...]:
+    """A case's traits (hostile_support.NOT_THROUGH): "caches" where its bad argument is one a
+    PagedKVCache passes itself."""
+    return (*more, *(("caches",) if arg.split("(")[0] in WRITE_CACHES else ()))
+
+
+@pytest.mark.parametrize("arg,entry", with_entries("reshape_and_cache", BE_WRITE, lambda a: _write_traits(a, "numpy")))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_big_endian_refused(impl, arg):
+def test_write_big_endian_refused(impl, arg, entry):
     mode = "none" if arg == "key_cache(none)" else "int8_per_token_head"
     require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-write", impl.name, arg)
@@ -831,15 +873,22 @@ def test_write_big_endian_refused(impl, arg):
         args[2] = _big_endian(args[2])
     else:
         kw[name] = _big_endian(kw[name])
-    call_refused(impl, kvzoo.reshape_and_cache, [name], w.guards(), *args, **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), [name], w.guards(), *args, **kw)
 
 
 BE_ATTN = ["query", "out", "k_scale_cache", "block_tables", "seq_lens", "query_start_loc", "sinks", "key_cache(none)"]
 
 
-@pytest.mark.parametrize("arg", BE_ATTN)
+ATTN_CACHES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+
+
+def _attn_traits(arg: str, *more: str) -> tuple[str, ...]:
+    return (*more, *(("caches",) if arg.split("(")[0] in ATTN_CACHES else ()))
+
+
+@pytest.mark.parametrize("arg,entry", with_entries("paged_attention", BE_ATTN, lambda a: _attn_traits(a, "numpy")))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_big_endian_refused(impl, arg):
+def test_attention_big_endian_refused(impl, arg, entry):
     mode = "none" if arg == "key_cache(none)" else "int8_per_token_head"
     require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-attn", impl.name, arg)
@@ -864,15 +913,29 @@ def test_attention_big_endian_refused(impl, arg):
     qsl_ = kw.pop("qsl")
     call_refused(
         impl,
-        lambda *x, impl, **k: a.call(impl, kw["block_tables"], kw["seq_lens"], qsl_, sinks=kw["sinks"], **extra),
+        lambda *x, impl, **k: a.call(
+            impl, kw["block_tables"], kw["seq_lens"], qsl_, sinks=kw["sinks"], entry=entry, **extra
+        ),
         [name],
         a.caches.regions + [a.out],
     )
 
 
-@pytest.mark.parametrize("arg", ["scale_cache", "block_tables", "seq_lens", "cache(none)"])
+DEQ_CACHES = ("cache", "scale_cache")
+
+
+def _deq_traits(arg: str, *more: str) -> tuple[str, ...]:
+    return (*more, *(("caches",) if arg.split("(")[0] in DEQ_CACHES else ()))
+
+
+@pytest.mark.parametrize(
+    "arg,entry",
+    with_entries(
+        "dequantize", ["scale_cache", "block_tables", "seq_lens", "cache(none)"], lambda a: _deq_traits(a, "numpy")
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_big_endian_refused(impl, arg):
+def test_dequantize_big_endian_refused(impl, arg, entry):
     mode = "none" if arg == "cache(none)" else "int8_per_token_head"
     require_usable(impl, mode, kind="numpy")
     rng = rng_for("hostile-be-deq", impl.name, arg)
@@ -887,7 +950,7 @@ def test_dequantize_big_endian_refused(impl, arg):
     args[name] = _big_endian(args[name]) if name in ("cache", "scale_cache") else args[name].astype(">i4")
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(
+        lambda impl: via(entry, "dequantize")(
             args["cache"],
             args["scale_cache"],
             mode=mode,
@@ -910,9 +973,16 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return v
 
 
-@pytest.mark.parametrize("arg", ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"])
+@pytest.mark.parametrize(
+    "arg,entry",
+    with_entries(
+        "reshape_and_cache",
+        ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"],
+        lambda a: _write_traits(a, "numpy"),
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_read_only_cache_refused(impl, arg):
+def test_write_read_only_cache_refused(impl, arg, entry):
     require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-ro-write", impl.name, arg)
     w = WriteSetup(rng, "int8_per_token_head", "numpy", T=5, impl=impl)
@@ -923,7 +993,7 @@ def test_write_read_only_cache_refused(impl, arg):
         args[2 if arg == "key_cache" else 3] = _read_only(args[2 if arg == "key_cache" else 3])
     else:
         kw[arg] = _read_only(kw[arg])
-    call_refused(impl, kvzoo.reshape_and_cache, [arg], w.guards(), *args, **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), [arg], w.guards(), *args, **kw)
 
 
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
@@ -938,14 +1008,18 @@ def test_write_read_only_inputs_accepted(impl):
     w.run_accepted(impl, _read_only(slots.copy()), slots)
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention", "numpy"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_read_only_out_refused(impl):
+def test_attention_read_only_out_refused(impl, entry):
     require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-ro-out", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
     call_refused(
-        impl, lambda impl: a.call(impl, bt, sl, qsl, out=_read_only(a.out.array)), ["out"], a.caches.regions + [a.out]
+        impl,
+        lambda impl: a.call(impl, bt, sl, qsl, out=_read_only(a.out.array), entry=entry),
+        ["out"],
+        a.caches.regions + [a.out],
     )
 
 
@@ -1024,10 +1098,23 @@ WRITE_ALIASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
-@pytest.mark.parametrize("case", WRITE_ALIASES)
+# The last two alias the rows written with a cache (a PagedKVCache's too); the rest alter a cache.
+WRITE_ALIASES_OF_CACHES = WRITE_ALIASES[:-2]
+
+
+@pytest.mark.parametrize(
+    "case,kind,entry",
+    with_entries(
+        "reshape_and_cache",
+        [(c, k) for c in WRITE_ALIASES for k in ("torch", "numpy")],
+        lambda ck: (
+            *(("numpy",) if ck[1] == "numpy" else ()),
+            *(("caches",) if ck[0] in WRITE_ALIASES_OF_CACHES else ()),
+        ),
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_aliasing_refused(impl, case, kind):
+def test_write_aliasing_refused(impl, case, kind, entry):
     mode = "none" if "(none)" in case else "int8_per_token_head"
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-alias-write", impl.name, case, kind)
@@ -1089,7 +1176,7 @@ def test_write_aliasing_refused(impl, case, kind):
         names = ["v_scale_cache", "key"]
     else:
         raise AssertionError(case)
-    call_refused(impl, kvzoo.reshape_and_cache, names, guards, *args, **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), names, guards, *args, **kw)
 
 
 def _elem_strides(x):
@@ -1108,10 +1195,16 @@ ATTN_ALIASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
-@pytest.mark.parametrize("case", ATTN_ALIASES)
+@pytest.mark.parametrize(
+    "case,kind,entry",
+    with_entries(
+        "paged_attention",
+        [(c, k) for c in ATTN_ALIASES for k in ("torch", "numpy")],
+        lambda ck: ("numpy",) if ck[1] == "numpy" else (),
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_aliasing_refused(impl, case, kind):
+def test_attention_aliasing_refused(impl, case, kind, entry):
     mode = "none" if "(none)" in case else "int8_per_token_head"
     require_usable(impl, mode, kind=kind)
     rng = rng_for("hostile-alias-attn", impl.name, case, kind)
@@ -1153,7 +1246,7 @@ def test_attention_aliasing_refused(impl, case, kind):
         names = ["out", "sinks"]
     else:
         raise AssertionError(case)
-    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **extra), names, guards)
+    call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, entry=entry, **extra), names, guards)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -1312,9 +1405,11 @@ def test_attention_query_and_out_disjoint_in_one_buffer_accepted(impl, kind):
 NEGATIVE_WRITTEN = ["key_cache", "value_cache", "k_scale_cache", "v_scale_cache"]
 
 
-@pytest.mark.parametrize("arg", NEGATIVE_WRITTEN)
+@pytest.mark.parametrize(
+    "arg,entry", with_entries("reshape_and_cache", NEGATIVE_WRITTEN, lambda a: _write_traits(a, "numpy"))
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_negative_stride_cache_refused(impl, arg):
+def test_write_negative_stride_cache_refused(impl, arg, entry):
     """SPEC 11: written arrays with negative strides are refused."""
     require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-neg-written", impl.name, arg)
@@ -1326,23 +1421,28 @@ def test_write_negative_stride_cache_refused(impl, arg):
         args[i] = args[i][::-1]
     else:
         kw[arg] = kw[arg][:, ::-1]
-    call_refused(impl, kvzoo.reshape_and_cache, [arg], w.guards(), *args, **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), [arg], w.guards(), *args, **kw)
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention", "numpy"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_negative_stride_out_refused(impl):
+def test_attention_negative_stride_out_refused(impl, entry):
     require_usable(impl, "int8_per_token_head", kind="numpy")
     rng = rng_for("hostile-neg-out", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "numpy", make_batch(rng, "mixed"), impl=impl)
+    a.entry = entry
     bt, sl, qsl, _ = a.index_tensors("numpy", "int32", rng)
     call_refused(
         impl, lambda impl: a.call(impl, bt, sl, qsl, out=a.out.array[::-1]), ["out"], a.caches.regions + [a.out]
     )
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize(
+    "kind,entry",
+    with_entries("reshape_and_cache", ["torch", "numpy"], lambda k: ("numpy",) if k == "numpy" else ()),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_slot_mapping_inside_scale_cache_refused(impl, kind):
+def test_write_slot_mapping_inside_scale_cache_refused(impl, kind, entry):
     """A read array (slot_mapping, valid values) stored in the elements of a written one."""
     require_usable(impl, "int8_per_token_head", kind=kind)
     rng = rng_for("hostile-slots-in-scales", impl.name, kind)
@@ -1355,7 +1455,7 @@ def test_write_slot_mapping_inside_scale_cache_refused(impl, kind):
     assert np.array_equal(_host_values(sm), slots)
     call_refused(
         impl,
-        kvzoo.reshape_and_cache,
+        via(entry, "reshape_and_cache"),
         ["slot_mapping", "k_scale_cache"],
         w.guards(),
         *w.args(sm),
@@ -1378,14 +1478,18 @@ def _host_values(x) -> np.ndarray:
     return to_host(x) if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize(
+    "kind,entry",
+    with_entries("paged_attention", ["torch", "numpy"], lambda k: ("numpy",) if k == "numpy" else ()),
+)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_block_tables_inside_out_refused(impl, kind):
+def test_attention_block_tables_inside_out_refused(impl, kind, entry):
     """A read array (block_tables, valid ids) stored in the elements of the written out."""
     require_usable(impl, "int8_per_token_head", kind=kind)
     rng = rng_for("hostile-tables-in-out", impl.name, kind)
     batch = make_batch(rng, "mixed")
     a = AttentionSetup(rng, "int8_per_token_head", kind, batch, qdtype="float32", impl=impl)
+    a.entry = entry
     S, M = batch.tables.shape
     words = a.out.index[:S, 0, :M]  # out[0:S, 0, 0:M]
     bt = _words_view(a.out, words, kind)
@@ -1461,8 +1565,9 @@ def test_impl_that_cannot_take_the_call_refused(impl):
 # 6. mode none: the caches share one dtype
 
 
+@pytest.mark.parametrize("entry", entries("reshape_and_cache", "caches"))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_none_mixed_cache_dtypes_refused(impl):
+def test_write_none_mixed_cache_dtypes_refused(impl, entry):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-mixed-write", impl.name)
     w = WriteSetup(rng, "none", "torch", T=5, dtype="float16", impl=impl)
@@ -1470,7 +1575,7 @@ def test_write_none_mixed_cache_dtypes_refused(impl):
     slots = w.valid_slots(rng)
     call_refused(
         impl,
-        kvzoo.reshape_and_cache,
+        via(entry, "reshape_and_cache"),
         ["value_cache", "key_cache"],
         w.guards() + [other],
         *w.args(case_tensor(slots, impl), value_cache=other.array),
@@ -1478,11 +1583,13 @@ def test_write_none_mixed_cache_dtypes_refused(impl):
     )
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention", "caches"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_none_mixed_cache_dtypes_refused(impl):
+def test_attention_none_mixed_cache_dtypes_refused(impl, entry):
     require_usable(impl, "none")
     rng = rng_for("hostile-none-mixed-attn", impl.name)
     a = AttentionSetup(rng, "none", "torch", make_batch(rng, "mixed"), model_dtype="float16", impl=impl)
+    a.entry = entry
     other = Region(rng, a.caches.value.shape, "bfloat16", "torch", label="value_cache(bf16)", impl=impl)
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     call_refused(
@@ -1523,34 +1630,35 @@ BAD_WINDOW = [float("nan"), float("inf"), 0, -1, 1.5, 3.0, True, "3"]
 HUGE_WINDOW = [2**63, 2**64 + 5, 10**30]
 
 
-def _attention_for_scalars(impl, key):
+def _attention_for_scalars(impl, key, entry="functional"):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-scalars", impl.name, key)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
+    a.entry = entry
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     return a, bt, sl, qsl, guards
 
 
-@pytest.mark.parametrize("value", BAD_SOFTMAX_SCALE, ids=scalar_id)
+@pytest.mark.parametrize("value,entry", with_entries("paged_attention", BAD_SOFTMAX_SCALE, ids=scalar_id))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_softmax_scale_refused(impl, value):
-    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("scale", repr(value)))
+def test_softmax_scale_refused(impl, value, entry):
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("scale", repr(value)), entry)
     call_refused(
         impl, lambda impl: a.call(impl, bt, sl, qsl, softmax_scale=value), ["softmax_scale"], a.caches.regions + [a.out]
     )
 
 
-@pytest.mark.parametrize("value", BAD_SOFTCAP, ids=scalar_id)
+@pytest.mark.parametrize("value,entry", with_entries("paged_attention", BAD_SOFTCAP, ids=scalar_id))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_softcap_refused(impl, value):
-    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("cap", repr(value)))
+def test_softcap_refused(impl, value, entry):
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("cap", repr(value)), entry)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, softcap=value), ["softcap"], a.caches.regions + [a.out])
 
 
-@pytest.mark.parametrize("value", BAD_WINDOW, ids=repr)
+@pytest.mark.parametrize("value,entry", with_entries("paged_attention", BAD_WINDOW, ids=repr))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_sliding_window_refused(impl, value):
-    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("window", repr(value)))
+def test_sliding_window_refused(impl, value, entry):
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("window", repr(value)), entry)
     call_refused(
         impl,
         lambda impl: a.call(impl, bt, sl, qsl, sliding_window=value),
@@ -1835,23 +1943,37 @@ BAD_MAX = [
 ]
 
 
-@pytest.mark.parametrize("name,value", BAD_MAX, ids=lambda v: repr(v))
+@pytest.mark.parametrize(
+    "name,value,entry",
+    with_entries(
+        "paged_attention",
+        BAD_MAX,
+        lambda nv: ("unvalidated",),
+        ids=lambda nv: f"{nv[0]!r}-{nv[1]!r}",
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_max_lens_out_of_range_refused(impl, name, value):
-    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max", name, repr(value)))
+def test_max_lens_out_of_range_refused(impl, name, value, entry):
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max", name, repr(value)), entry)
     kw = dict(validate=False, max_query_len=int(a.batch.q_lens.max()), max_seq_len=int(a.batch.seq_lens.max()))
     kw[name] = value
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **kw), [name], a.caches.regions + [a.out])
 
 
 @pytest.mark.parametrize(
-    "name,value", BAD_MAX + [("max_query_len", "3"), ("num_prefills", 10**6)], ids=lambda v: repr(v)
+    "name,value,entry",
+    with_entries(
+        "paged_attention",
+        BAD_MAX + [("max_query_len", "3"), ("num_prefills", 10**6)],
+        lambda nv: ("validate",),
+        ids=lambda nv: f"{nv[0]!r}-{nv[1]!r}",
+    ),
 )
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_given_bounds_checked_when_the_values_are_read(impl, name, value):
+def test_given_bounds_checked_when_the_values_are_read(impl, name, value, entry):
     """validate=True reads the bounds from the metadata; a bound given beside it is still an
     argument, checked as one (it was ignored, whatever it held)."""
-    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max-read", name, repr(value)))
+    a, bt, sl, qsl, _ = _attention_for_scalars(impl, ("max-read", name, repr(value)), entry)
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl, **{name: value}), [name], a.caches.regions + [a.out])
 
 
@@ -2735,7 +2857,10 @@ LYING_FAULTS = (
 # One mode per kernel family the faults reach: the paged kernels' codes and model dtype, a
 # static scale, and int4's own kernels.
 LYING_MODES = ("int8_per_token_head", "none", "fp8_per_tensor", "int4_per_token_head")
-ENTRY_POINTS = ("functional", "plan", "torch_op")
+# functional and torch_op with validate=False; plan: planned on valid metadata that then takes
+# the lying values in place (an engine updating a replayed step); cache: PagedKVCache's methods
+# with validate=False (hostile_support.via).
+LYING_ENTRIES = ("functional", "plan", "torch_op", "cache")
 
 
 def lying_metadata(rng, b: Batch, fault: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -2782,9 +2907,9 @@ def _run_lying_attention(a: AttentionSetup, impl, entry: str, valid, lying, rng)
     in place (an engine updating a replayed step)."""
     c = a.caches
     bounds = {k: max(v, _bounds(valid[2], valid[1])[k]) for k, v in _bounds(lying[2], lying[1]).items()}
-    if entry == "functional":
+    if entry in ("functional", "cache"):
         tensors = [_index(x, impl) for x in lying]
-        a.call(impl.name, *tensors, validate=False, **bounds)
+        a.call(impl.name, *tensors, validate=False, entry=entry, **bounds)
         return
     if entry == "torch_op":
         bt, sl, qsl = (_index(x, impl) for x in lying)
@@ -2852,7 +2977,7 @@ def check_lying_attention(a: AttentionSetup, impl, lying, what: str) -> None:
     )
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("entry", LYING_ENTRIES)
 @pytest.mark.parametrize("fault", LYING_FAULTS)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
 def test_attention_metadata_that_lies(impl, fault, entry):
@@ -2883,7 +3008,7 @@ def test_staged_prefill_metadata_that_lies(impl, fault):
     check_lying_attention(a, impl, lying, f"{impl.name} staged attention ({mode}, {fault})")
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("entry", LYING_ENTRIES)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
 def test_write_slots_past_the_cache_are_skipped(impl, entry):
     """A slot at or past num_blocks * block_size is skipped like a negative one, through every
@@ -2898,8 +3023,8 @@ def test_write_slots_past_the_cache_are_skipped(impl, entry):
     c = w.caches
     slot_t = case_tensor(torch.from_numpy(slots), impl)
     statics = dict(k_scale=_static(c.k_static, impl), v_scale=_static(c.v_static, impl))
-    if entry == "functional":
-        kvzoo.reshape_and_cache(
+    if entry in ("functional", "cache"):
+        via(entry, "reshape_and_cache")(
             w.key.array, w.value.array, c.key.array, c.value.array, slot_t, validate=False, impl=impl.name,
             **{**c.api_kwargs(), **statics},
         )  # fmt: skip
