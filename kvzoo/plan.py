@@ -509,6 +509,9 @@ class StepPlan:
     _layers: dict[int, _Held]
     # (name, array, byte extent) of the plan's own arrays: the metadata and the workspace.
     _meta_extents: tuple[tuple[str, Array, tuple[int, int] | None], ...]
+    # The caller's metadata arrays the plan copied (name, array, byte extent): a written array
+    # must not meet them either, although the kernels read the copies.
+    _given: tuple[tuple[str, Array, tuple[int, int] | None], ...]
     _rows: Geometry | None
     _queries: Geometry
     workspace: Array | None
