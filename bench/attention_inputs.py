@@ -68,21 +68,7 @@ def make(num_seqs, q_len, seq_len, mode, seed=0, quantize_query=False, fp8_dots=
         spare_columns=0,
         fill="torch",
     )
-    c = s.caches
-    return Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=torch.full_like(s.query, float("nan")),
-        max_query_len=q_len,
-        max_seq_len=seq_len,
-        softmax_scale=1 / math.sqrt(D),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
+    return s.attention_record(
         quantize_query=quantize_query,
         fp8_dots=fp8_dots,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from .layout import (
     inline_views,
 )
 from .modes import QuantMode, get_kv_quant_mode
+
+if TYPE_CHECKING:
+    from .problem import Attention
 
 Kind = Literal["torch", "numpy"]
 Size = Literal["medium", "small"]
@@ -631,6 +634,32 @@ class PagedSample:
             v_scale=None if self.v_scale is None else float(self.v_scale),
             sinks=self.sinks,
         )
+
+    def attention_record(self, **options: Any) -> Attention:
+        """The sample as a checked-call record (kvzoo.problem.Attention): its query, caches,
+        tables and lengths, a NaN-filled out, the batch's bounds, softmax scale 1/sqrt(head_size)
+        and the per-row scale caches; options (sinks, static scales, out, the attention's call
+        options, or any bound given otherwise) are passed on and win."""
+        from .problem import Attention
+
+        c = self.caches
+        fields: dict[str, Any] = dict(
+            mode=self.mode,
+            query=self.query,
+            key_cache=c.key_cache,
+            value_cache=c.value_cache,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            out=self.new_out(),
+            max_query_len=self.batch.max_query_len,
+            max_seq_len=self.batch.max_seq_len,
+            softmax_scale=1.0 / math.sqrt(self.query.shape[-1]),
+            k_scale_cache=c.k_scale_cache,
+            v_scale_cache=c.v_scale_cache,
+        )
+        fields.update(options)
+        return Attention(**fields)
 
     def new_out(self) -> Any:
         """An output like the query, NaN-filled so an unwritten element shows."""

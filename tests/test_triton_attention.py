@@ -8,8 +8,6 @@ come from kvzoo.samples (drawn from the session seed), references from kvzoo_spe
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -74,21 +72,7 @@ def make_problem(
         device=device,
     )
     static = lambda x: None if x is None else torch.tensor([float(x)], dtype=torch.float32, device=device)  # noqa: E731
-    c = s.caches
-    return Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=s.new_out(),
-        max_query_len=s.batch.max_query_len,
-        max_seq_len=s.batch.max_seq_len,
-        softmax_scale=1.0 / math.sqrt(head_size),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
+    return s.attention_record(
         k_scale=static(s.k_scale),
         v_scale=static(s.v_scale),
         sliding_window=sliding_window,
@@ -716,26 +700,9 @@ def _inline_decode(mode, num_kv_heads, head_size, lens, seed=0, **extra):
         spare_columns=0,
         device=DEVICE,
     )
-    c = s.caches
     # The output is a window of a NaN buffer wider on both sides, to see what was written.
     around = torch.full((len(lens), s.query.shape[1], head_size + 8), float("nan"), dtype=s.query.dtype, device=DEVICE)
-    p = Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=around[:, :, 4 : 4 + head_size],
-        max_query_len=1,
-        max_seq_len=max(lens),
-        softmax_scale=1.0 / math.sqrt(head_size),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        sinks=s.sinks,
-        **extra,
-    )
+    p = s.attention_record(out=around[:, :, 4 : 4 + head_size], sinks=s.sinks, **extra)
     return p, around
 
 

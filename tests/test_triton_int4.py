@@ -14,7 +14,6 @@ conversions in inline PTX) are compiled for sm_90a here and assembled by ptxas.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import subprocess
 import sys
@@ -451,27 +450,8 @@ def _attention_problem(
         spare_columns=1,
         device=DEVICE,
     )
-    c = s.caches
     lse = torch.full((sum(q_lens), num_q_heads), float("nan"), device=DEVICE) if opts.pop("lse", False) else None
-    return Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=torch.full_like(s.query, float("nan")),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        softmax_scale=opts.pop("softmax_scale", 1 / math.sqrt(head_size)),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        sinks=s.sinks,
-        lse=lse,
-        num_prefills=sum(q > 1 for q in q_lens),
-        **opts,
-    )
+    return s.attention_record(sinks=s.sinks, lse=lse, num_prefills=s.batch.num_prefills, **opts)
 
 
 def _reference(p: Attention) -> np.ndarray:

@@ -11,7 +11,6 @@ Refused calls (too small, overlapping an array of the call) write nothing.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -48,23 +47,7 @@ def _problem(mode: str, batch: str, seed: int = 0) -> Attention:
         spare_columns=0,
         device=DEVICE,
     )
-    c = s.caches
-    return Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=torch.full_like(s.query, float("nan")),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        softmax_scale=1 / math.sqrt(32),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        num_prefills=sum(q > 1 for q in q_lens),
-    )
+    return s.attention_record(num_prefills=s.batch.num_prefills)
 
 
 def _impl(**options):

@@ -11,7 +11,6 @@ attention_probe.py --sections fp8dots.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -23,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvzoo import samples  # noqa: E402
 from kvzoo.backends.triton import attention_kernels as K  # noqa: E402
 from kvzoo.inputs import host_float32, rng_for  # noqa: E402
-from kvzoo.problem import Attention  # noqa: E402
 
 
 def main() -> None:
@@ -39,23 +37,7 @@ def main() -> None:
         query_dtype="bfloat16",
         device="cuda",
     )
-    c = s.caches
-    p = Attention(
-        mode=s.mode,
-        query=s.query,
-        key_cache=c.key_cache,
-        value_cache=c.value_cache,
-        block_tables=s.block_tables,
-        seq_lens=s.seq_lens,
-        query_start_loc=s.query_start_loc,
-        out=torch.full_like(s.query, float("nan")),
-        max_query_len=300,
-        max_seq_len=700,
-        softmax_scale=1 / math.sqrt(128),
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        fp8_dots=True,
-    )
+    p = s.attention_record(fp8_dots=True)
     ref = s.reference(fp8_dots=True)
     qsl = s.qsl
     C = K.AttentionConfig
