@@ -46,6 +46,30 @@ WAITS: list[float] = []
 PHASES: dict[str, list[float]] = {}
 
 
+def _wrap_timed(owner, name: str, times: list[float]) -> None:
+    """owner.name replaced by a call that appends its host milliseconds to `times`."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times.append((time.perf_counter() - start) * 1e3)
+
+    setattr(owner, name, timed)
+
+
+def _time_stop_checks() -> None:
+    """generate() reads a tensor back at every step's stop check: the host waits there for the
+    GPU, so that wait is how far the GPU runs behind the host (0: the step is bound by the host)."""
+    from transformers.generation import utils
+
+    check = getattr(utils, "StopCheck", None)
+    if check is not None:
+        _wrap_timed(check, "__call__", WAITS)
+
+
 def _time_phases() -> None:
     """Host time in kvzoo's parts of an eager step (plain perf_counter around each, no profiler):
     the step's metadata (ForwardStep), the plan (plan_step), and each layer's write and attention
@@ -54,24 +78,15 @@ def _time_phases() -> None:
     from kvzoo.integrations.transformers import cache as cache_module
     from kvzoo.integrations.transformers import step as step_module
 
-    def wrap(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                PHASES.setdefault(label, []).append((time.perf_counter() - start) * 1e3)
-
-        setattr(owner, name, timed)
-
-    wrap(step_module.ForwardStep, "__init__", "ForwardStep (metadata to the device)")
-    wrap(step_module, "plan_step", "plan_step")
-    wrap(plan_module.StepPlan, "write", "plan.write")
-    wrap(plan_module.StepPlan, "attention", "plan.attention")
-    wrap(cache_module.KVZooLayer, "update", "KVZooLayer.update")
-    wrap(cache_module.KVZooLayer, "attend", "KVZooLayer.attend (all of the above but update)")
+    for owner, name, label in (
+        (step_module.ForwardStep, "__init__", "ForwardStep (metadata to the device)"),
+        (step_module, "plan_step", "plan_step"),
+        (plan_module.StepPlan, "write", "plan.write"),
+        (plan_module.StepPlan, "attention", "plan.attention"),
+        (cache_module.KVZooLayer, "update", "KVZooLayer.update"),
+        (cache_module.KVZooLayer, "attend", "KVZooLayer.attend (all of the above but update)"),
+    ):
+        _wrap_timed(owner, name, PHASES.setdefault(label, []))
 
 
 def _allocator_counts(device: torch.device) -> dict[str, int]:
@@ -90,26 +105,6 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
             if key.startswith("num_host_alloc") or key.startswith("num_host_free"):
                 counts["host." + key] = int(value)
     return counts
-
-
-def _time_stop_checks() -> None:
-    """generate() reads a tensor back at every step's stop check: the host waits there for the
-    GPU, so that wait is how far the GPU runs behind the host (0: the step is bound by the host)."""
-    from transformers.generation import utils
-
-    check = getattr(utils, "StopCheck", None)
-    if check is None or getattr(check, "_timed", False):
-        return
-    inner = check.__call__
-
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(self, *args, **kwargs)
-        finally:
-            WAITS.append((time.perf_counter() - start) * 1e3)
-
-    check.__call__, check._timed = timed, True
 
 
 def one_generate(model, ids, name: str, new_tokens: int, impl, profile: str | None):
@@ -172,13 +167,14 @@ def main() -> None:
     for name in args.caches.split(","):
         one_generate(model, ids, name, args.new_tokens, impl, None)  # compile, warm
         WAITS.clear()
-        PHASES.clear()
+        for times in PHASES.values():
+            times.clear()
         before = _allocator_counts(device)
         gpu, wall, _ = one_generate(model, ids, name, args.new_tokens, impl, None)
         after = _allocator_counts(device)
         waits = list(WAITS)
         steps = args.new_tokens
-        phases = {k: sum(v) / steps for k, v in PHASES.items()}
+        phases = {k: sum(v) / steps for k, v in PHASES.items() if v}
         _, _, tprof = one_generate(model, ids, name, 4, impl, "torch")
         events = tprof.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
