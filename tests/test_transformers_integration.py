@@ -271,6 +271,47 @@ def test_beam_search_matches_dynamic_cache(model):
     assert quantized.pages.epoch > 0  # the beams were reordered through the block tables
 
 
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head"])
+def test_decode_keeps_its_metadata_and_plans_and_gives_the_planned_steps_numbers(model, mode, monkeypatch):
+    """Issue 46: without validation, decode steps copy their metadata into one kept buffer and
+    run the plans built on it (each layer's calls then take the plan's bound path). The logits
+    are byte for byte those of a cache that plans every step (validate=True), across the kept
+    bounds being passed (every 8 tokens here), the pool growing, and a beam reorder (its
+    copy-on-write step runs on metadata of its own)."""
+    from kvzoo.integrations.transformers import step as step_module
+
+    monkeypatch.setattr(step_module, "_SEQ_BOUND_STEP", 8)
+    built = []
+    plan = step_module.plan_step
+    monkeypatch.setattr(step_module, "plan_step", lambda *a, **k: built.append(k["max_seq_len"]) or plan(*a, **k))
+    seq, prompt_len = random_ids(2, 44, seed=41), 12
+
+    def unchecked(**kw):
+        return KVZooCache(model.config, mode=mode, impl=IMPL, prefill_attention="kvzoo", block_size=4, **kw)
+
+    planned = teacher_forced(model, kvzoo(model, mode), seq, prompt_len)
+    per_step = len(built)
+    built.clear()
+    cache = unchecked()
+    kept = teacher_forced(model, cache, seq, prompt_len)
+    assert torch.equal(kept, planned)
+    steps = seq.shape[1] - prompt_len
+    assert per_step == steps + 1  # the planned cache: a plan a step
+    # The prefill, then a plan each time the lengths pass a bound or the pool grows.
+    assert 1 + (seq.shape[1] - 1) // 8 - prompt_len // 8 <= len(built) <= steps // 2, built
+    assert all(bound % 8 == 0 for bound in built) and max(built) <= -(-seq.shape[1] // 8) * 8, built
+    cache.pages.check()
+
+    _, ids, mask = left_padded([5, 8], seed=5)
+    beams = dict(num_beams=2, max_new_tokens=8)
+    ref = generate(model, kvzoo(model, mode), ids, mask, **beams)
+    beam_cache = unchecked()
+    out = generate(model, beam_cache, ids, mask, **beams)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    assert beam_cache.pages.epoch > 0
+
+
 def test_inline_layout_gives_the_separate_layouts_numbers(model):
     seq = random_ids(2, 20)
     separate = teacher_forced(model, kvzoo(model, "int8_per_token_head"), seq, 12)

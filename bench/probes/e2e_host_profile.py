@@ -152,12 +152,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--impl", default=None, help="kvzoo implementation (default: the registry's; numpy with --smoke)")
     args = ap.parse_args()
     _time_stop_checks()
     _time_phases()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    impl = "numpy" if device.type == "cpu" else None
+    impl = args.impl or ("numpy" if args.smoke else None)
     model = e2e.make_model(e2e.llama_config(args.smoke, args.layers), device, dtype)
     batch, prompt = (int(x) for x in args.shape.split("x"))
     if args.smoke:

@@ -79,6 +79,7 @@ class StepLayout:
     max_seq_len: int
     num_prefills: int
     capacity: int
+    block_size: int
     gapped: bool
 
 
@@ -333,6 +334,7 @@ class PageTable:
             max_seq_len=int(self.lens.max()) if batch else 0,
             num_prefills=int((n_new > 1).sum()),
             capacity=self.capacity,
+            block_size=self.block_size,
             gapped=bool(self._gapped.any()),
         )
 

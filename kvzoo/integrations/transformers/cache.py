@@ -55,7 +55,7 @@ from ...layout import inline_row_bytes
 from ...modes import QuantMode, get_kv_quant_mode
 from ._pages import PageTable
 from ._store import LayerStore
-from .step import ForwardStep
+from .step import ForwardStep, KeptMetadata
 
 # Tokens a sliding-window layer keeps beyond its window, so crop(-n) (assisted decoding's
 # rollback of rejected candidates) can take back up to this many without reaching released keys.
@@ -213,7 +213,8 @@ class KVZooLayer(PagedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
-        cache._check_attention_implementation()
+        if cache._step is None:  # the step's first layer (the others run in the same forward)
+            cache._check_attention_implementation()
         if self.pending is not None:
             cache._abort_step()
             raise KVZooIntegrationError(
@@ -256,7 +257,7 @@ class KVZooLayer(PagedLayer):
         cache = self.cache
         try:
             step = cache._step_for(self, start, query, padding_mask)
-            if options["sliding_window"] is not None and step.tables[self.sliding_window].layout.gapped:
+            if options["sliding_window"] is not None and step.layouts[self.sliding_window].gapped:
                 raise KVZooIntegrationError(
                     "a sliding window with padding after a real token: kvzoo counts the window in real tokens, "
                     "transformers in positions; only left padding is supported with sliding windows"
@@ -390,6 +391,9 @@ class KVZooCache(Cache):
             for w in dict.fromkeys(windows)
         }
         self._step: ForwardStep | None = None
+        # Decode steps' metadata and plans, kept across steps (not when validating: a kept
+        # plan does not check the metadata it is given again).
+        self._kept = KeptMetadata()
         super().__init__(layers=[KVZooLayer(self, i, windows[i]) for i in range(num_layers)])
 
     def __repr__(self) -> str:
@@ -453,7 +457,7 @@ class KVZooCache(Cache):
             for table in self._tables.values():
                 table.rollback()
             raise
-        self._step = ForwardStep(layouts, query.device)
+        self._step = ForwardStep(layouts, query.device, kept=None if self.validate else self._kept)
         return self._step
 
     def _reserve_ahead(self, batch: int) -> None:

@@ -9,7 +9,9 @@ would wait for every kernel queued before it). Each layer's `run_layer` then wri
 attends through a kvzoo engine-step plan (kvzoo.plan_step), built on the first layer that needs
 it and shared by every layer with the same cache geometry and attention parameters (Gemma2's
 sliding and global layers get one plan each). The plan is built with validate=False and the
-host-side bounds, so no layer reads anything back from the device.
+host-side bounds, so no layer reads anything back from the device. Without validation, steps
+of one shape (decode: one token a row) keep their metadata buffer and plans across steps
+(`KeptMetadata`): a layer's calls then go straight to the launch, as an engine's would.
 
 >>> import numpy as np, torch
 >>> from kvzoo.integrations.transformers._pages import PageTable
@@ -42,22 +44,36 @@ ImplChoice = str | Mapping[str, Any] | None
 _ALIGN = 4  # int32 elements
 
 
-class TableMetadata:
-    """Device views of one table's StepLayout (its docstring gives the shapes); int32."""
+# A kept step's plans are built with max_seq_len rounded up to this many tokens, so decode
+# plans again once per that many tokens (each new plan's first call per layer takes the full
+# check, about ten times a bound call's host time).
+_SEQ_BOUND_STEP = 256
 
-    def __init__(self, layout: StepLayout, arrays: dict[str, torch.Tensor]) -> None:
-        self.layout = layout
+
+class TableMetadata:
+    """Device views of one table's metadata (StepLayout's docstring gives the shapes; int32) and
+    max_seq_len, the bound the table's plans are built with (the step's own, or over it when
+    the views are kept across steps; block_tables is then wider than the step's, its extra
+    columns 0 and never read, as every length is within the bound)."""
+
+    def __init__(self, arrays: dict[str, torch.Tensor], max_seq_len: int) -> None:
         self.slot_mapping = arrays["slot_mapping"]
         self.block_tables = arrays["block_tables"]
         self.seq_lens = arrays["seq_lens"]
         self.query_start_loc = arrays["query_start_loc"]
-        self.copies = (arrays["copy_src"], arrays["copy_dst"]) if len(layout.copies) else None
+        self.copies = (arrays["copy_src"], arrays["copy_dst"]) if "copy_src" in arrays else None
+        self.max_seq_len = max_seq_len
 
 
-def _segments(layout: StepLayout) -> dict[str, np.ndarray]:
+def _segments(layout: StepLayout, width: int | None = None) -> dict[str, np.ndarray]:
+    """The layout's arrays as they go into the step's buffer; block_tables widened to `width`."""
+    tables = layout.block_tables
+    if width is not None and width != tables.shape[1]:
+        tables = np.zeros((layout.batch, width), np.int32)
+        tables[:, : layout.block_tables.shape[1]] = layout.block_tables
     arrays = {
         "slot_mapping": layout.slot_mapping,
-        "block_tables": layout.block_tables,
+        "block_tables": tables,
         "seq_lens": layout.seq_lens,
         "query_start_loc": layout.query_start_loc,
     }
@@ -66,41 +82,130 @@ def _segments(layout: StepLayout) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _pack(named: list[tuple[Any, str, np.ndarray]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """A pinned host buffer (a plain one on the CPU) holding the arrays, each at an offset of
+    a multiple of _ALIGN elements; and those offsets."""
+    offsets, total = [], 0
+    for _, _, a in named:
+        offsets.append(total)
+        total += -(-a.size // _ALIGN) * _ALIGN
+    # int64 on the CPU: the CPU kernels index with int64, and take these without a copy.
+    dtype = torch.int64 if device.type == "cpu" else torch.int32
+    host = torch.empty(max(total, 1), dtype=dtype, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for (_, _, a), at in zip(named, offsets):
+        flat[at : at + a.size] = a.reshape(-1)
+    return host, offsets
+
+
+def _views(
+    buffer: torch.Tensor, named: list[tuple[Any, str, np.ndarray]], offsets: list[int]
+) -> dict[Any, dict[str, torch.Tensor]]:
+    views: dict[Any, dict[str, torch.Tensor]] = {}
+    for (key, name, a), at in zip(named, offsets):
+        views.setdefault(key, {})[name] = buffer[at : at + a.size].view(a.shape)
+    return views
+
+
+class KeptMetadata:
+    """A decode step's metadata kept on the device across forward steps, and the plans built
+    on it: a step of the same shape (batch, query length, each table's capacity) whose lengths
+    are within the kept bounds copies its arrays into the same device buffer and runs the same
+    plans, so each layer's calls take the plan's bound path (kvzoo.plan) instead of a full check
+    per layer and step. The plans read the buffer by reference (what kvzoo.plan allows between
+    steps: every bound still an upper bound), and the copy is queued on the stream behind the
+    previous step's kernels, so those read their own step's metadata."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._bounds: dict[int | None, tuple[int, int]] = {}  # table: (block-table width, max_seq_len)
+        self._buffer: torch.Tensor | None = None
+        self.tables: dict[int | None, TableMetadata] = {}
+        self.plans: dict[tuple[Any, ...], StepPlan] = {}
+
+    def clear(self) -> None:
+        """Drop the buffer and the plans (and the caches objects the plans hold)."""
+        self.__init__()  # type: ignore[misc]
+
+    @staticmethod
+    def keeps(layouts: Mapping[int | None, StepLayout]) -> bool:
+        """Whether steps of these layouts can be kept: no padding row to gather and no
+        copy-on-write (both are per-step arrays)."""
+        return all(lay.real_rows is None and not len(lay.copies) for lay in layouts.values())
+
+    def load(self, layouts: Mapping[int | None, StepLayout], device: torch.device) -> dict[int | None, TableMetadata]:
+        """This step's metadata in the kept buffer (made anew, with new bounds and no plans,
+        where the step's shape changed or a length passed its bound); the tables' views."""
+        first = next(iter(layouts.values()))
+        key = (
+            device,
+            first.batch,
+            first.q_len,
+            first.max_query_len,
+            first.num_prefills,
+            tuple((table, lay.capacity) for table, lay in layouts.items()),
+        )
+        if key != self._key or any(
+            lay.block_tables.shape[1] > self._bounds[t][0] or lay.max_seq_len > self._bounds[t][1]
+            for t, lay in layouts.items()
+        ):
+            self.clear()
+            self._key = key
+            for t, lay in layouts.items():
+                bound = -(-max(lay.max_seq_len, 1) // _SEQ_BOUND_STEP) * _SEQ_BOUND_STEP
+                # Every row's blocks cover its length within a block, and a window's rows keep
+                # one more (the block their window starts in).
+                width = max(lay.block_tables.shape[1], -(-bound // lay.block_size) + 1)
+                self._bounds[t] = (width, bound)
+        named = [(t, name, a) for t, lay in layouts.items() for name, a in _segments(lay, self._bounds[t][0]).items()]
+        host, offsets = _pack(named, device)
+        if self._buffer is None:
+            self._buffer = host.to(device, non_blocking=True) if device.type != "cpu" else host
+            views = _views(self._buffer, named, offsets)
+            self.tables = {t: TableMetadata(views[t], self._bounds[t][1]) for t in layouts}
+        elif device.type == "cpu":
+            self._buffer.copy_(host)  # the CPU kernels of the step before have all run
+        else:
+            self._buffer.copy_(host, non_blocking=True)
+        return self.tables
+
+
 class ForwardStep:
     """Every table's metadata for one forward step on `device`, the rows the query keeps (None:
-    every token is real), and the layers run so far."""
+    every token is real), and the layers run so far. kept: where a decode step's metadata and
+    plans are kept across steps (None, or a step it does not keep: this step's own)."""
 
-    def __init__(self, layouts: Mapping[int | None, StepLayout], device: torch.device | str, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        layouts: Mapping[int | None, StepLayout],
+        device: torch.device | str,
+        epoch: int = 0,
+        kept: KeptMetadata | None = None,
+    ) -> None:
         device = torch.device(device)
         self.epoch = epoch
         self.layouts = dict(layouts)
         first = next(iter(self.layouts.values()))
         self.batch, self.q_len, self.start = first.batch, first.q_len, first.start
-        named: list[tuple[int | None, str, np.ndarray]] = [
+        self.done: set[int] = set()  # layer indices that have run this step
+        self.real_rows: torch.Tensor | None = None
+        self._plans: dict[tuple[Any, ...], StepPlan]
+        if kept is not None and KeptMetadata.keeps(self.layouts):
+            self.tables = kept.load(self.layouts, device)
+            self._plans = kept.plans
+            return
+        named: list[tuple[Any, str, np.ndarray]] = [
             (key, name, a) for key, layout in self.layouts.items() for name, a in _segments(layout).items()
         ]
         if first.real_rows is not None:
-            named.append((None, "real_rows", first.real_rows))
-        offsets, total = [], 0
-        for _, _, a in named:
-            offsets.append(total)
-            total += -(-a.size // _ALIGN) * _ALIGN
-        host = torch.empty(max(total, 1), dtype=torch.int32, pin_memory=device.type == "cuda")
-        flat = host.numpy()
-        for (_, _, a), at in zip(named, offsets):
-            flat[at : at + a.size] = a.reshape(-1)
+            named.append(("real_rows", "real_rows", first.real_rows))
+        host, offsets = _pack(named, device)
         buffer = host.to(device, non_blocking=True) if device.type != "cpu" else host
-        views: dict[int | None, dict[str, torch.Tensor]] = {key: {} for key in self.layouts}
-        self.real_rows = None
-        for (key, name, a), at in zip(named, offsets):
-            view = buffer[at : at + a.size].view(a.shape)
-            if name == "real_rows":
-                self.real_rows = view
-            else:
-                views[key][name] = view
-        self.tables = {key: TableMetadata(layout, views[key]) for key, layout in self.layouts.items()}
-        self.done: set[int] = set()  # layer indices that have run this step
-        self._plans: dict[tuple[Any, ...], StepPlan] = {}
+        views = _views(buffer, named, offsets)
+        if first.real_rows is not None:
+            self.real_rows = views.pop("real_rows")["real_rows"]
+        self.tables = {key: TableMetadata(views[key], lay.max_seq_len) for key, lay in self.layouts.items()}
+        self._plans = {}
 
     def run_layer(
         self,
@@ -123,8 +228,7 @@ class ForwardStep:
         [B, Hq, Q, D], key/value [B, Hkv, Q, D] (transformers' layout) -> [B, Q, Hq, D]; padding
         query rows give 0. fresh_prefill: attend with torch SDPA on this step's own K/V where
         that is the same attention (fresh_attention_applies), and over the pages otherwise."""
-        meta = self.tables[table]
-        lay = meta.layout
+        meta, lay = self.tables[table], self.layouts[table]
         batch, num_q_heads, q_len, head_size = query.shape
         num_kv_heads = key.shape[1]
         if (batch, q_len) != (lay.batch, lay.q_len):
@@ -136,7 +240,7 @@ class ForwardStep:
             store.copy_blocks(*meta.copies)
         t = store.tensors
         plan = self._plan(
-            meta, store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl, validate
+            meta, lay, store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl, validate
         )
         # [B, H, Q, D] -> [B*Q, H, D]: kvzoo's token-major rows (one copy unless B == 1).
         rows = batch * q_len
@@ -173,6 +277,7 @@ class ForwardStep:
     def _plan(
         self,
         meta: TableMetadata,
+        lay: StepLayout,
         store: LayerStore,
         num_q_heads: int,
         softmax_scale: float | None,
@@ -188,7 +293,6 @@ class ForwardStep:
         key = (id(meta), spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key)
         plan = self._plans.get(key)
         if plan is None:
-            lay = meta.layout
             plan = plan_step(
                 spec,
                 block_tables=meta.block_tables,
@@ -201,7 +305,7 @@ class ForwardStep:
                 softcap=softcap,
                 sinks=sinks,
                 max_query_len=lay.max_query_len,
-                max_seq_len=lay.max_seq_len,
+                max_seq_len=meta.max_seq_len,
                 num_prefills=lay.num_prefills,
                 validate=validate,
                 impl=impl,
