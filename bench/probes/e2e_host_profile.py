@@ -75,16 +75,20 @@ def _time_phases() -> None:
     the step's metadata (ForwardStep), the plan (plan_step), and each layer's write and attention
     calls, so the step's host time splits into kvzoo's and the model's."""
     from kvzoo import plan as plan_module
+    from kvzoo.integrations.transformers import _pages as pages_module
+    from kvzoo.integrations.transformers import attention as attention_module
     from kvzoo.integrations.transformers import cache as cache_module
     from kvzoo.integrations.transformers import step as step_module
 
     for owner, name, label in (
+        (pages_module.PageTable, "plan_step", "PageTable.plan_step (the step's slots and block tables)"),
         (step_module.ForwardStep, "__init__", "ForwardStep (metadata to the device)"),
-        (step_module, "plan_step", "plan_step"),
+        (step_module, "plan_step", "kvzoo.plan_step (a new plan)"),
         (plan_module.StepPlan, "write", "plan.write"),
         (plan_module.StepPlan, "attention", "plan.attention"),
         (cache_module.KVZooLayer, "update", "KVZooLayer.update"),
         (cache_module.KVZooLayer, "attend", "KVZooLayer.attend (all of the above but update)"),
+        (attention_module, "kvzoo_paged_attention", "kvzoo_paged_attention (attend and its checks)"),
     ):
         _wrap_timed(owner, name, PHASES.setdefault(label, []))
 
@@ -175,7 +179,8 @@ def main() -> None:
         after = _allocator_counts(device)
         waits = list(WAITS)
         steps = args.new_tokens
-        phases = {k: sum(v) / steps for k, v in PHASES.items() if v}
+        # Per part: the median call (the prefill's few calls do not move it) times its calls a step.
+        phases = {k: (statistics.median(v), len(v) / (steps + 1)) for k, v in PHASES.items() if v}
         _, _, tprof = one_generate(model, ids, name, 4, impl, "torch")
         events = tprof.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
@@ -194,9 +199,9 @@ def main() -> None:
         wait = statistics.median(waits[1:]) if len(waits) > 1 else float("nan")
         print(f"  host waits in generate's stop check (no profiler): {wait:.2f} ms/step")
         if phases:
-            print("  host ms per step (prefill included, over the generate), by kvzoo part:")
-            for label, ms in phases.items():
-                print(f"    {ms:7.3f}  {label}")
+            print("  host time of kvzoo's parts: median ms a call x calls a step (prefill included in the count)")
+            for label, (ms, calls) in phases.items():
+                print(f"    {ms:7.3f} x {calls:4.1f}  {label}")
         moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         print(f"  allocator calls to the driver during the generate: {moved or 'none'}")
         out = io.StringIO()

@@ -45,6 +45,8 @@ import numpy as np
 # than its tokens need (and a partly filled block per row), and a long generation regrows its
 # tensors O(log) times.
 GROWTH = 1 / 32
+# A step of at most this many tokens a row (and no padding) computes its slots one by one.
+_FEW_TOKENS = 4
 
 
 class PagesFullError(RuntimeError):
@@ -146,6 +148,34 @@ class PageTable:
         self._real = np.zeros((0, 0), bool)  # [B, >= positions]: was position p of row b real
         self._seen_real: np.ndarray = np.zeros(0, bool)
         self._gapped: np.ndarray = np.zeros(0, bool)
+        self._forget_mirror()
+
+    def _forget_mirror(self) -> None:
+        """Drop the block tables' array copy (some row changed other than by appending)."""
+        # The tables as a [B, width] int32 array and how many entries of each row it holds:
+        # a decode step appends, so only the rows' new blocks are copied in (the lists of a
+        # 32K context run to thousands of entries a row).
+        self._mirror: np.ndarray | None = None
+        self._mirrored: list[int] = []
+
+    def _block_tables(self, batch: int) -> np.ndarray:
+        """[batch, widest row (at least 1)] int32 of the rows' tables, zero-padded."""
+        rows = self._rows
+        widest = max(max((len(t) for t in rows), default=0), 1)
+        mirror = self._mirror
+        if mirror is None or mirror.shape[0] != batch:
+            mirror, self._mirrored = np.zeros((batch, widest), np.int32), [0] * batch
+        elif mirror.shape[1] < widest:
+            grown = np.zeros((batch, max(widest, 2 * mirror.shape[1])), np.int32)
+            grown[:, : mirror.shape[1]] = mirror
+            mirror = grown
+        for b, table in enumerate(rows):
+            held = self._mirrored[b]
+            if len(table) > held:
+                mirror[b, held : len(table)] = table[held:]
+                self._mirrored[b] = len(table)
+        self._mirror = mirror
+        return mirror[:, :widest].copy()
 
     @property
     def batch_size(self) -> int | None:
@@ -262,8 +292,9 @@ class PageTable:
         # Every block the step takes, counted before anything changes: a refusal changes nothing.
         # A copy-on-write leaves its source with one reader fewer, as the loop below will.
         needed, copied = 0, dict[int, int]()
-        for b, table in enumerate(tables):
-            old, count = int(lens[b]), int(n_new[b])
+        # Python ints in the per-row loops (a NumPy scalar costs more than the arithmetic).
+        counts = n_new.tolist()
+        for table, old, count in zip(tables, lens.tolist(), counts):
             if count:
                 needed += max(0, -(-(old + count) // bs) - len(table))
                 if old % bs and self.refcount[table[-1]] - copied.get(table[-1], 0) > 1:
@@ -290,9 +321,12 @@ class PageTable:
         start = self.positions
         self._record(flags)
         slots = np.full(batch * q_len, -1, np.int64)
+        few = real is None and q_len <= _FEW_TOKENS  # a decode step: every row's slots one by one
+        listed: list[int] = []
         copies: list[tuple[int, int]] = []
+        lens_now = self.lens.tolist()
         for b, table in enumerate(self._rows):
-            old, count = int(self.lens[b]), int(n_new[b])
+            old, count = lens_now[b], counts[b]
             if count == 0:
                 continue
             if old % bs and self.refcount[table[-1]] > 1:
@@ -302,23 +336,27 @@ class PageTable:
                 copies.append((src, dst))
                 undo.cow.append((b, src, dst))
                 table[-1] = dst
+                self._forget_mirror()
             new = old + count
             while len(table) * bs < new:
                 block = self._alloc()
                 undo.allocated.append(block)
                 table.append(block)
-            pos = np.arange(old, new)
-            row_slots = np.asarray(table, np.int64)[pos // bs] * bs + pos % bs
-            if real is None:
-                slots[b * q_len : (b + 1) * q_len] = row_slots
+            if few:
+                listed.extend(table[p // bs] * bs + p % bs for p in range(old, new))
             else:
-                slots[b * q_len + np.flatnonzero(flags[b])] = row_slots
-            self.lens[b] = new
+                pos = np.arange(old, new)
+                row_slots = np.asarray(table, np.int64)[pos // bs] * bs + pos % bs
+                if real is None:
+                    slots[b * q_len : (b + 1) * q_len] = row_slots
+                else:
+                    slots[b * q_len + np.flatnonzero(flags[b])] = row_slots
+            lens_now[b] = new
+        if few:
+            slots = np.asarray(listed, np.int64)
+        self.lens = np.asarray(lens_now, np.int64)
         self._undo = undo
-        widest = max((len(t) for t in self._rows), default=0)
-        block_tables = np.zeros((batch, max(widest, 1)), np.int32)
-        for b, table in enumerate(self._rows):
-            block_tables[b, : len(table)] = table
+        block_tables = self._block_tables(batch)
         qsl = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
         return StepLayout(
             start=start,
@@ -349,6 +387,7 @@ class PageTable:
         undo, self._undo = self._undo, None
         if undo is None:
             return
+        self._forget_mirror()
         for block in reversed(undo.allocated):
             self._release(block)
         for b, src, dst in reversed(undo.cow):
@@ -408,6 +447,7 @@ class PageTable:
             for block in self.live_blocks(b):
                 self._release(block)
         self.tables, self.first_live = tables, first_live
+        self._forget_mirror()
         self.lens = self.lens[index]
         self._real = self._real[index]
         self._seen_real = self._seen_real[index]
@@ -437,6 +477,7 @@ class PageTable:
         refusal = self.crop_refusal(count)
         if refusal:
             raise ValueError(f"crop: {refusal}")
+        self._forget_mirror()
         count = min(count, self.positions)
         keep = self.positions - count
         self.lens -= self._real[:, keep : self.positions].sum(axis=1)

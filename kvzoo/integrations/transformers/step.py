@@ -288,9 +288,16 @@ class ForwardStep:
         impl: ImplChoice,
         validate: bool,
     ) -> StepPlan:
+        # A layer finds its plan again by identities (no CacheSpec to hash); a layer new to the
+        # step looks it up by value, so the layers of one geometry share a plan.
+        options = (num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, rounding)
+        mine = (id(meta), id(store), store.num_blocks, id(impl), *options)
+        plan = self._plans.get(mine)
+        if plan is not None:
+            return plan
         spec = store.spec(rounding)
         impl_key = tuple(sorted(impl.items())) if isinstance(impl, Mapping) else impl
-        key = (id(meta), spec, num_q_heads, softmax_scale, sliding_window, softcap, sinks is not None, impl_key)
+        key = (id(meta), spec, *options, impl_key)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_step(
@@ -311,6 +318,7 @@ class ForwardStep:
                 impl=impl,
             )
             self._plans[key] = plan
+        self._plans[mine] = plan
         return plan
 
 
