@@ -17,11 +17,14 @@ of --new-tokens tokens after a random prompt, every row the same length (no padd
     kvzoo-<mode>-compiled KVZooStaticCache, decode compiled by generate (CUDA graphs)
     quanto-int4, hqq-int4 transformers' QuantizedCache (4 bits), eager, where the backend imports
 
-Each case runs generate twice with the same shapes (the first compiles kernels and graphs) and
-reports the second: the memory the cache holds after it (allocator figures: allocated now, less
+Each cache is warmed by one generate with the same shapes (kernels, compiled graphs), then
+measured over --rounds generates, interleaved with the other caches' (A, B, C, A, B, C, ...: the
+host's speed drifts within a run, and eager decode is bound by the host). Reported: the memory
+the cache holds after its first measured generate (allocator figures: allocated now, less
 what was allocated before the cache existed) and the peak during it, the prefill (the first
-forward) and the median decode step, timed by CUDA events recorded between steps (no host
-synchronisation added), tokens per second of decode, and the largest batch at this context
+forward, median over rounds) and the median decode step over every round, timed by CUDA events
+recorded between steps (no host synchronisation added), tokens per second of decode, and the
+largest batch at this context
 whose cache would fit: (GPU memory - weights - 4 GiB of headroom) / the cache's measured bytes
 per row. The physical limit of a decode step is printed too: the bytes it must read (every weight
 but the embedding table, of which a step reads one row a sequence, and the cache's KV) over the
@@ -85,6 +88,7 @@ class Row:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_spread: tuple[float, float] = (0.0, 0.0)
+    decode_rounds: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     largest_batch: int = 0
     kv_bytes_floor: int = 0
@@ -264,50 +268,84 @@ def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cach
     return clock, cache if cache is not None else used
 
 
+class Case:
+    """One cache at one shape, measured over rounds: warmed once (kernels, compiled graphs, CUDA
+    graphs), then one measured generate a round. The first measured round gives the memory
+    figures; every round gives its decode steps."""
+
+    def __init__(self, model, shape: str, name: str, new_tokens: int, impl: str | None) -> None:
+        self.model, self.name, self.new_tokens, self.impl = model, name, new_tokens, impl
+        self.row = Row(shape, name)
+        batch, prompt = (int(x) for x in shape.split("x"))
+        gen = torch.Generator().manual_seed(batch * 1000003 + prompt)
+        self.ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=gen).to(model.device)
+        self.reuse = None
+        self.warm = False
+        self.steps: list[float] = []
+        self.prefills: list[float] = []
+
+    def measure(self, weights: int, total: int) -> None:
+        """One more measured generate (the warm-up first, on the first call); a failure is the
+        row's status, and ends the case."""
+        if self.row.status != "ok":
+            return
+        device, row, batch = self.model.device, self.row, self.ids.shape[0]
+        try:
+            if not self.warm:
+                # The compiled caches are used again after reset (a new one would need graphs of
+                # its own addresses).
+                _, warm = generate_once(self.model, self.ids, self.name, self.new_tokens, self.impl)
+                if self.name.endswith("-compiled") and warm is not None:
+                    self.reuse = warm
+                del warm
+                self.warm = True
+            if self.reuse is not None:
+                self.reuse.reset()
+            _free(device)
+            first = not self.steps
+            before, reserved_before = _allocated(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            clock, cache = generate_once(self.model, self.ids, self.name, self.new_tokens, self.impl, cache=self.reuse)
+            _free(device)
+            if first:
+                after, reserved_after = _allocated(device)
+                row.held_bytes = after - before + (0 if self.reuse is None else _cache_bytes(self.reuse))
+                row.reserved_bytes = reserved_after - reserved_before
+                row.peak_bytes = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else 0
+                if cache is not None and hasattr(cache, "nbytes") and self.reuse is None and cache.nbytes:
+                    row.notes.append(f"pages {cache.nbytes / 2**30:.2f} GiB")
+                if self.name == "quanto-int4" and device.type == "cuda":
+                    row.notes.append("quanto's int4 unpack as torch ops (its CUDA extension is not built)")
+                per_row = row.held_bytes / batch
+                if total and per_row > 0:
+                    row.largest_batch = int((total - weights - HEADROOM) // per_row)
+            steps = clock.intervals_ms()
+            self.prefills.append(steps[0])
+            self.steps.extend(steps[1:])
+            row.decode_rounds.append(statistics.median(steps[1:]))
+            row.prefill_ms = statistics.median(self.prefills)
+            row.decode_ms = statistics.median(self.steps)
+            row.decode_spread = (min(row.decode_rounds), max(row.decode_rounds))
+            row.tokens_per_s = batch * len(self.steps) / (sum(self.steps) / 1e3)
+            del cache, clock
+        except Exception as exc:  # noqa: BLE001 (a cache that cannot run here is a row that says why)
+            row.status = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            self.reuse = None
+        finally:
+            _free(device)
+
+    def close(self) -> Row:
+        self.reuse = None
+        _free(self.model.device)
+        return self.row
+
+
 def run_case(model, shape: str, name: str, new_tokens: int, impl: str | None, weights: int, total: int) -> Row:
-    device = model.device
-    batch, prompt = (int(x) for x in shape.split("x"))
-    row = Row(shape, name)
-    gen = torch.Generator().manual_seed(batch * 1000003 + prompt)
-    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
-    try:
-        # Warm-up at the same shapes: kernels, compiled graphs, CUDA graphs. The compiled caches
-        # are used again after reset (a new one would need graphs of its own addresses).
-        _, warm = generate_once(model, ids, name, new_tokens, impl)
-        reuse = warm if name.endswith("-compiled") and warm is not None else None
-        if reuse is not None:
-            reuse.reset()
-        else:
-            del warm
-        _free(device)
-        before, reserved_before = _allocated(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        clock, cache = generate_once(model, ids, name, new_tokens, impl, cache=reuse)
-        _free(device)
-        after, reserved_after = _allocated(device)
-        row.held_bytes = after - before + (0 if reuse is None else _cache_bytes(reuse))
-        row.reserved_bytes = reserved_after - reserved_before
-        row.peak_bytes = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else 0
-        steps = clock.intervals_ms()
-        row.prefill_ms = steps[0]
-        decode = steps[1:]
-        row.decode_ms = statistics.median(decode)
-        row.decode_spread = (min(decode), max(decode))
-        row.tokens_per_s = batch * len(decode) / (sum(decode) / 1e3)
-        if cache is not None and hasattr(cache, "nbytes") and reuse is None and cache.nbytes:
-            row.notes.append(f"pages {cache.nbytes / 2**30:.2f} GiB")
-        if name == "quanto-int4" and device.type == "cuda":
-            row.notes.append("quanto's int4 unpack as torch ops (its CUDA extension is not built)")
-        per_row = row.held_bytes / batch
-        if total and per_row > 0:
-            row.largest_batch = int((total - weights - HEADROOM) // per_row)
-        del cache, clock
-    except Exception as exc:  # noqa: BLE001 (a cache that cannot run here is a row that says why)
-        row.status = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    finally:
-        _free(device)
-    return row
+    """One cache, one round (the smoke test's unit)."""
+    case = Case(model, shape, name, new_tokens, impl)
+    case.measure(weights, total)
+    return case.close()
 
 
 def _cache_bytes(cache) -> int:
@@ -377,7 +415,10 @@ def print_table(rows: list[Row], env: dict) -> None:
         by_shape.setdefault(r.shape, []).append(r)
     for shape, group in by_shape.items():
         base = next((r for r in group if r.cache == "dynamic" and r.status == "ok"), None)
-        print(f"\n{shape} (+new tokens): held / peak GiB, prefill ms, decode step ms (min-max), tokens/s, x dynamic")
+        print(
+            f"\n{shape} (+new tokens): held / peak GiB, prefill ms, decode step ms (median of every round's steps; "
+            "in brackets the fastest and slowest round's median), tokens/s, x dynamic"
+        )
         print(
             "| cache | held GiB | peak GiB | prefill ms | decode ms | tok/s | largest batch | "
             "held vs dynamic | decode speed vs dynamic | step floor ms |"
@@ -404,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None, help="write the rows and the environment here")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="measured generates of every cache, interleaved (cache A, B, ..., then A, B, ... again): the "
+        "host's speed drifts within a run, so every cache meets the same drift (default 3 on a GPU, 1 smoke)",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -430,10 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         copy_bytes_per_s=bandwidth,
         new_tokens=new_tokens,
     )
+    rounds = args.rounds or (1 if smoke else 3)
+    env["rounds"] = rounds
     rows: list[Row] = []
     for shape in shapes:
-        for name in caches:
-            row = run_case(model, shape, name, new_tokens, impl, weights, total)
+        cases = [Case(model, shape, name, new_tokens, impl) for name in caches]
+        for _ in range(rounds):
+            for case in cases:
+                case.measure(weights, total)
+        for case in cases:
+            name, row = case.name, case.close()
             mode = None if name in ("dynamic", "static-compiled") else MODES.get(name.split("-")[1])
             if mode is not None or name in ("dynamic", "static-compiled"):
                 row.kv_bytes_floor = kv_floor(model, shape, mode)

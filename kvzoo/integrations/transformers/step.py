@@ -242,14 +242,18 @@ class ForwardStep:
         plan = self._plan(
             meta, lay, store, num_q_heads, softmax_scale, sliding_window, softcap, sinks, rounding, impl, validate
         )
-        # [B, H, Q, D] -> [B*Q, H, D]: kvzoo's token-major rows (one copy unless B == 1).
+        # [B, H, Q, D] -> [B*Q, H, D]: kvzoo's token-major rows (one copy unless B == 1 or, a
+        # view of any strides, Q == 1: the kernels take those).
         rows = batch * q_len
-        k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
-        v = value.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
+        if q_len == 1:
+            k, v = key.select(2, 0), value.select(2, 0)
+        else:
+            k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
+            v = value.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
         plan.write(k, v, t, k_scale=store.k_scale, v_scale=store.v_scale)
         if fresh_prefill and self.fresh_attention_applies(sliding_window, softcap, sinks):
             return fresh_attention(query, key, value, softmax_scale)
-        q = query.transpose(1, 2).reshape(rows, num_q_heads, head_size)
+        q = query.select(2, 0) if q_len == 1 else query.transpose(1, 2).reshape(rows, num_q_heads, head_size)
         if self.real_rows is not None:
             q = q.index_select(0, self.real_rows)
         out = plan.attention(q, t, k_scale=store.k_scale, v_scale=store.v_scale, sinks=sinks)
