@@ -392,9 +392,14 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def environment(device: torch.device) -> dict:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE.parent
-    ).stdout.strip()
+    # KVZOO_BENCH_COMMIT names the commit where the checkout's .git is not the tree's own (a
+    # working tree copied to another machine), as in gpu_bench.py and host_cost.py.
+    commit = (
+        os.environ.get("KVZOO_BENCH_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE.parent
+        ).stdout.strip()
+    )
     env = {
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit,
