@@ -30,11 +30,16 @@ def pytest_report_header(config):
 ALWAYS_RUN = {"test_every_available_implementation_passes_a_check"}
 
 
+# Likewise a long-sequence Triton case (the split decode, the long prefill: the interpreter's
+# slowest, 2-3 s each) runs once per format in float32 by default; its bfloat16 twin runs the
+# same kernel on the same lengths, and the bfloat16 loads run in every other case. --all-platforms
+# runs the twins too (about 30 cases, 90 s of one core).
 def pytest_addoption(parser):
     parser.addoption(
         "--all-platforms",
         action="store_true",
-        help="under the Triton interpreter, also run triton-rocm's cases in formats triton-cuda shares",
+        help="under the Triton interpreter, also run triton-rocm's cases in formats triton-cuda shares, "
+        "and the bfloat16 twins of the long-sequence Triton cases",
     )
 
 
@@ -42,6 +47,16 @@ def _interpreted_twin(item, own_modes: tuple[str, ...]) -> bool:
     ident = getattr(getattr(item, "callspec", None), "id", "")
     return (
         "triton-rocm" in ident and item.originalname not in ALWAYS_RUN and not any(mode in ident for mode in own_modes)
+    )
+
+
+def _long_bfloat16_twin(item, idents: set[tuple[str, str]]) -> bool:
+    ident = getattr(getattr(item, "callspec", None), "id", "")
+    return (
+        "triton" in ident
+        and "-long-" in f"-{ident}-"
+        and "bfloat16" in ident
+        and (item.originalname, ident.replace("bfloat16", "float32")) in idents
     )
 
 
@@ -54,9 +69,11 @@ def pytest_collection_modifyitems(config, items):
     own_formats = PLATFORM_FORMATS["rocm"] - PLATFORM_FORMATS["cuda"]
     own_modes = tuple(m.name for m in MODES.values() if m.format is not None and m.format.name in own_formats)
     assert own_modes, "triton-rocm has no format of its own any more: revisit the twin rule"
+    idents = {(item.originalname, getattr(getattr(item, "callspec", None), "id", "")) for item in items}
     kept, twins = [], []
     for item in items:
-        (twins if _interpreted_twin(item, own_modes) else kept).append(item)
+        twin = _interpreted_twin(item, own_modes) or _long_bfloat16_twin(item, idents)
+        (twins if twin else kept).append(item)
     if twins:
         config.hook.pytest_deselected(items=twins)
         items[:] = kept

@@ -353,6 +353,7 @@ def test_the_per_tensor_modes_get_a_line_beside_per_token_head_int8(report, tmp_
     assert "Per-tensor modes" not in _page(report, tmp_path)
 
 
+@pytest.mark.slow  # the benchmark's own run under the Triton interpreter: 45-75 s of one core
 def test_report_reads_what_a_fresh_dry_run_writes(report, tmp_path):
     """The benchmark and the report agree on the JSON today, not only on the stored file (the write
     cases only: about 75 s on two busy cores under the Triton interpreter, one input set a case)."""
