@@ -341,13 +341,6 @@ class Case:
         return self.row
 
 
-def run_case(model, shape: str, name: str, new_tokens: int, impl: str | None, weights: int, total: int) -> Row:
-    """One cache, one round (the smoke test's unit)."""
-    case = Case(model, shape, name, new_tokens, impl)
-    case.measure(weights, total)
-    return case.close()
-
-
 def _cache_bytes(cache) -> int:
     """A reused cache existed before the measured run: what it holds is counted from it (kvzoo's
     report their pages; another cache, the storages of its layers' tensors)."""

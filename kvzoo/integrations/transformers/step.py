@@ -82,16 +82,19 @@ def _segments(layout: StepLayout, width: int | None = None) -> dict[str, np.ndar
     return arrays
 
 
-def _pack(named: list[tuple[Any, str, np.ndarray]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _pack(
+    named: list[tuple[Any, str, np.ndarray]], device: torch.device, into: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """A pinned host buffer (a plain one on the CPU) holding the arrays, each at an offset of
-    a multiple of _ALIGN elements; and those offsets."""
+    a multiple of _ALIGN elements, or `into` (a CPU buffer of the same arrays) refilled; and
+    the offsets."""
     offsets, total = [], 0
     for _, _, a in named:
         offsets.append(total)
         total += -(-a.size // _ALIGN) * _ALIGN
     # int64 on the CPU: the CPU kernels index with int64, and take these without a copy.
     dtype = torch.int64 if device.type == "cpu" else torch.int32
-    host = torch.empty(max(total, 1), dtype=dtype, pin_memory=device.type == "cuda")
+    host = into if into is not None else torch.empty(max(total, 1), dtype=dtype, pin_memory=device.type == "cuda")
     flat = host.numpy()
     for (_, _, a), at in zip(named, offsets):
         flat[at : at + a.size] = a.reshape(-1)
@@ -117,15 +120,15 @@ class KeptMetadata:
     previous step's kernels, so those read their own step's metadata."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop the buffer and the plans (and the caches objects the plans hold)."""
         self._key: tuple[Any, ...] | None = None
         self._bounds: dict[int | None, tuple[int, int]] = {}  # table: (block-table width, max_seq_len)
         self._buffer: torch.Tensor | None = None
         self.tables: dict[int | None, TableMetadata] = {}
         self.plans: dict[tuple[Any, ...], StepPlan] = {}
-
-    def clear(self) -> None:
-        """Drop the buffer and the plans (and the caches objects the plans hold)."""
-        self.__init__()  # type: ignore[misc]
 
     @staticmethod
     def keeps(layouts: Mapping[int | None, StepLayout]) -> bool:
@@ -158,14 +161,14 @@ class KeptMetadata:
                 width = max(lay.block_tables.shape[1], -(-bound // lay.block_size) + 1)
                 self._bounds[t] = (width, bound)
         named = [(t, name, a) for t, lay in layouts.items() for name, a in _segments(lay, self._bounds[t][0]).items()]
-        host, offsets = _pack(named, device)
+        on_cpu = device.type == "cpu"
+        # On the CPU the kept buffer is refilled where it is: the step before's kernels have all run.
+        host, offsets = _pack(named, device, self._buffer if on_cpu else None)
         if self._buffer is None:
-            self._buffer = host.to(device, non_blocking=True) if device.type != "cpu" else host
+            self._buffer = host if on_cpu else host.to(device, non_blocking=True)
             views = _views(self._buffer, named, offsets)
             self.tables = {t: TableMetadata(views[t], self._bounds[t][1]) for t in layouts}
-        elif device.type == "cpu":
-            self._buffer.copy_(host)  # the CPU kernels of the step before have all run
-        else:
+        elif not on_cpu:
             self._buffer.copy_(host, non_blocking=True)
         return self.tables
 
