@@ -202,7 +202,8 @@ def run(
     Returns (its arrays as checked, as the implementation took them, the signature's entry,
     the launch run or None); the last three None where nothing ran (no query rows)."""
     reg = _registry.default()
-    held = impl if isinstance(impl, _registry.Implementation) else reg
+    named = impl if isinstance(impl, _registry.Implementation) else None  # the call names one
+    held = reg if named is None else named
     shared, width = _LAYOUT[type(record)]
     sig = signature(record, shared, width)
     key = entry = None
@@ -214,7 +215,7 @@ def run(
     host, operands = check_values(record, facts, operands, validate, check_finite)
     if facts.empty:
         return operands, None, None, None
-    workspace = getattr(impl.options, "workspace", None) if isinstance(impl, _registry.Implementation) else None
+    workspace = None if named is None else getattr(named.options, "workspace", None)
     placed = operands if workspace is None else (*operands, workspace)
     checked = None
     if entry is None or not entry.placement.clear(placed):
@@ -232,11 +233,10 @@ def run(
                 _WATCHED.add(id(held))
                 weakref.finalize(held, _drop, id(held))
             _TABLE[key] = entry
-    if entry.chosen is not None:
-        chosen = entry.chosen
-    else:  # the implementation the call named (the registry's entries keep what it chose)
-        assert isinstance(held, _registry.Implementation)
-        chosen = held
+    # The registry's entries keep what it chose; a named implementation's is the one named.
+    picked = entry.chosen if entry.chosen is not None else named
+    assert picked is not None
+    chosen = picked
     adapted = entry.adapt(operands)
     # The mode is the signature's: the launch is told by the rest (attention's bounds).
     bounds = host[1:]

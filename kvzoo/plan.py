@@ -591,8 +591,9 @@ class StepPlan:
                     bound.launch((key, value, *bound.fixed) if c is None else (c(key), c(value), *bound.fixed))
                     return
         layer = held.layer
-        for name, a, extent in layer.extents if self._given else ():
-            _refuse_overlap(name, a, extent, self._given, "read")
+        if self._given:
+            for name, a, extent in layer.extents:
+                _refuse_overlap(name, a, extent, self._given, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -665,13 +666,14 @@ class StepPlan:
                         else:
                             bound.launch((c(query), *bound.fixed, c(out), *bound.tail, None if lse is None else c(lse)))
                         if return_lse:
-                            assert lse is not None  # allocated where not given (calls.check_lse)
+                            assert lse is not None  # allocated two lines above
                             return out, lse
                         return out
         layer = held.layer
-        for name, x in (("out", out), ("lse", lse)) if self._given else ():
-            if is_torch(x) or isinstance(x, np.ndarray):  # anything else: the record refuses it
-                _refuse_overlap(name, x, memory.byte_extent(x), self._given, "read")
+        if self._given:
+            for name, x in (("out", out), ("lse", lse)):
+                if is_torch(x) or isinstance(x, np.ndarray):  # anything else: the record refuses it
+                    _refuse_overlap(name, x, memory.byte_extent(x), self._given, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -711,8 +713,10 @@ class StepPlan:
         out, lse = operands[6], operands[12]
         if call is not None and entry is not None and adapted is not None and ks is None:
             # A given out is checked on later calls against the caches, the metadata and the query.
-            against = (*layer.extents, *self._meta_extents, *self._given)
-            checked, against = ((out,), against) if call[1][1] is not None else ((), ())
+            checked: tuple = ()
+            against: tuple = ()
+            if call[1][1] is not None:
+                checked, against = (out,), (*layer.extents, *self._meta_extents, *self._given)
             held.attention = _bind(call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12])
         if return_lse:
             assert lse is not None  # allocated where not given (calls.check_lse)
@@ -896,7 +900,7 @@ def plan_step(
         # At the bounds: every query row the step may bring (validate=False plans do not read
         # query_start_loc[-1]).
         rows = num_tokens if num_tokens is not None else num_seqs * max_query_len
-        sizing = meta.replace(query=_stand_in(block_tables, (rows, num_q_heads, spec.head_size), dtype))
+        sizing = meta.replace(query=_stand_in(meta.block_tables, (rows, num_q_heads, spec.head_size), dtype))
         plan.workspace_bytes = int(chosen.workspace_bytes(sizing, options=chosen.options))
     if workspace is not None:
         _check_workspace(workspace, plan.workspace_bytes, device, plan._meta_extents)
@@ -916,20 +920,20 @@ def plan_step(
         plan.write_impl = chosen = reg.select(write, "reshape_and_cache", write_choice)
         plan.slot_mapping = _for_impl(chosen, write).slot_mapping
     plan._impl = (write_choice, attention_choice)
-    # The caller's index arrays the kernels read through copies (unit strides, another array
-    # kind): a call's written arrays may not meet them either, as the functional API refuses
-    # (SPEC.md section 11), whether or not the chosen implementation copies them.
-    given = (
-        ("block_tables", block_tables, plan.block_tables),
-        ("seq_lens", seq_lens, plan.seq_lens),
-        ("query_start_loc", query_start_loc, plan.query_start_loc),
-        ("sinks", sinks, plan.sinks),
-        ("slot_mapping", slot_mapping, plan.slot_mapping),
-    )
+    # The caller's index arrays the kernels read through copies (launches.unit_index_strides:
+    # a view in another array kind keeps its address): a call's written arrays may not meet
+    # them either, as the functional API refuses (SPEC.md section 11).
+    callers: dict[str, Array | None] = {
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "query_start_loc": query_start_loc,
+        "sinks": sinks,
+        "slot_mapping": slot_mapping,
+    }
     plan._given = tuple(
         (name, x, memory.byte_extent(x))
-        for name, x, read in given
-        if x is not None and x is not read and memory.address(x) != memory.address(read)
+        for name, x in callers.items()
+        if x is not None and memory.address(x) != memory.address(getattr(plan, name))
     )
     return plan
 
@@ -945,9 +949,8 @@ def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[
 
 def _for_impl(impl: Implementation, record: Any) -> Any:
     """The record as `impl` reads it: every array of its array kind (the stand-ins too, which
-    its workspace_bytes reads as it reads a call's arrays: a NumPy plan of a torch
-    implementation raised AttributeError there), index tensors at unit strides if it needs
-    them (one copy now, none per layer)."""
+    its workspace_bytes reads as it reads a call's arrays), index tensors at unit strides if
+    it needs them (one copy now, none per layer)."""
     convert = as_numpy if impl.array_kind == "numpy" else as_torch
     changes = {name: convert(getattr(record, name)) for name in record.ARRAYS if getattr(record, name) is not None}
     record = record.replace(**changes)

@@ -63,7 +63,7 @@ from .modes import QuantMode
 from .plan import StepPlan
 from .problem import Attention, CacheWrite
 from .registry import Implementation
-from .validate import float32_scalar, int_scalar, normal_float32_scalar, require_array
+from .validate import float32_scalar, require_array
 
 __all__ = [
     "DEFAULT_PLAN",
@@ -465,14 +465,10 @@ def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds:
     casts True to 1.0 or 1 (which kvzoo.paged_attention refuses) and refuses a str, or an int
     past int64, with torch's RuntimeError instead of kvzoo's KVZooInputError naming it. The
     op's own checks run again inside it (what torch.ops.kvzoo.paged_attention is given)."""
-    float32_scalar("softmax_scale", softmax_scale)
-    if sliding_window is not None:
-        int_scalar("sliding_window", sliding_window, 1)
-    if softcap is not None:
-        normal_float32_scalar("softcap", softcap)
-    for name, bound in zip(("max_query_len", "max_seq_len", "num_prefills"), bounds):
-        if bound is not None:
-            int_scalar(name, bound, 0, calls.INT32_MAX if name != "num_prefills" else None)
+    # The functional API's own checks; what they return (the values as the kernels take them)
+    # is the op's to work out again.
+    calls.attention_scalars(1, calls.INT32_MAX, softmax_scale, sliding_window, softcap)
+    calls.check_bounds(bounds, None)
 
 
 def _impl_name(impl: str | Implementation | None) -> str | None:

@@ -1007,3 +1007,9 @@ def test_plan_calls_read_nothing_back(mode):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_step_plan_declares_a_type_for_each_slot_and_no_other():
+    """StepPlan's __slots__ and its class annotations name the same attributes (mypy reads the
+    annotations, Python the slots): a new attribute added to one and not the other fails here."""
+    assert set(kvzoo.plan.StepPlan.__slots__) == set(kvzoo.plan.StepPlan.__annotations__)
