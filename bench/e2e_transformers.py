@@ -271,7 +271,10 @@ def generate_once(model, ids, name: str, new_tokens: int, impl: str | None, cach
 class Case:
     """One cache at one shape, measured over rounds: warmed once (kernels, compiled graphs, CUDA
     graphs), then one measured generate a round. The first measured round gives the memory
-    figures; every round gives its decode steps."""
+    figures; every round gives its decode steps. A compiled cache stays allocated from its
+    warm-up to the end of its shape's rounds (its graphs read its addresses): the other caches'
+    held and peak figures are counted from a baseline that includes it, but the GPU has that
+    much less room meanwhile."""
 
     def __init__(self, model, shape: str, name: str, new_tokens: int, impl: str | None) -> None:
         self.model, self.name, self.new_tokens, self.impl = model, name, new_tokens, impl
@@ -326,7 +329,9 @@ class Case:
             row.decode_rounds.append(statistics.median(steps[1:]))
             row.prefill_ms = statistics.median(self.prefills)
             row.decode_ms = statistics.median(self.steps)
-            row.decode_spread = (min(row.decode_rounds), max(row.decode_rounds))
+            # Over rounds the slowest and fastest round; within one generate its slowest and fastest step.
+            spread = row.decode_rounds if len(row.decode_rounds) > 1 else self.steps
+            row.decode_spread = (min(spread), max(spread))
             row.tokens_per_s = batch * len(self.steps) / (sum(self.steps) / 1e3)
             del cache, clock
         except Exception as exc:  # noqa: BLE001 (a cache that cannot run here is a row that says why)
@@ -494,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{shape} {name}: {row.status}, decode {row.decode_ms:.2f} ms, held {row.held_bytes / 2**30:.3f} GiB",
                   flush=True)  # fmt: skip
-            if args.json:  # after every case: a run stopped part way keeps what it measured
+            if args.json:  # after every shape: a run stopped part way keeps the shapes it measured
                 Path(args.json).write_text(
                     json.dumps({"environment": env, "rows": [asdict(r) for r in rows]}, indent=1)
                 )

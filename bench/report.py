@@ -997,7 +997,7 @@ def _e2e_header(group: E2EShape) -> str:
         f"`{env.get('command', 'python bench/e2e_transformers.py')}`",
     ]
     if env.get("rounds"):
-        bits.append(f"{env['rounds']} rounds")
+        bits.append(f"{env['rounds']} round" + ("s" if env["rounds"] != 1 else ""))
     if env.get("copy_bytes_per_s") and weights is not None:
         bits.append(
             f"copy rate {env['copy_bytes_per_s'] / 1e9:,.0f} GB/s, weights read a step {weights / 1e9:.3f} GB"
@@ -1177,9 +1177,9 @@ def e2e_section(run: Run, plot: str | None = None) -> list[str]:
         "decoder with random bf16 weights, every row the same length; each cache warmed by one generate, then "
         "measured: over the rounds the run names, each a generate of every cache in turn, or, in runs that name "
         "none, one generate). KV held: what the cache holds after its first measured generate (allocated now, less "
-        "before the cache); peak: the allocator's peak during it; prefill: the first forward; decode step: the "
-        "median of the measured steps, CUDA events between them, with the fastest and slowest step (one "
-        "generate) or round's median (rounds); the largest batch at this context whose cache fits "
+        "before the cache); peak: the allocator's peak during it; prefill: the first forward (median over "
+        "rounds); decode step: the median of the measured steps, CUDA events between them, with the fastest and "
+        "slowest step (one generate) or round's median (rounds); the largest batch at this context whose cache fits "
         "beside the weights and 4 GiB of headroom. The step floor is what a decode step must read, every weight "
         "but the embedding table and the cache's KV, over the run's measured copy rate.",
     ]

@@ -7,6 +7,7 @@ The README's test command spreads the run over the CPUs with pytest-xdist (`-n a
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -31,9 +32,10 @@ ALWAYS_RUN = {"test_every_available_implementation_passes_a_check"}
 
 
 # Likewise a long-sequence Triton case (the split decode, the long prefill: the interpreter's
-# slowest, 2-3 s each) runs once per format in float32 by default; its bfloat16 twin runs the
-# same kernel on the same lengths, and the bfloat16 loads run in every other case. --all-platforms
-# runs the twins too (about 30 cases, 90 s of one core).
+# slowest, 2-3 s each) whose float32 twin runs leaves its bfloat16 twin to --all-platforms: the
+# same kernel on the same lengths, the bfloat16 loads running in every other case. Not mode
+# "none", whose cache is stored in the query's dtype (a bfloat16 cache is its own case). About
+# 25 cases, 80 s of one core: test_attention_extremes' and one fp8-dots conformance case.
 def pytest_addoption(parser):
     parser.addoption(
         "--all-platforms",
@@ -50,16 +52,24 @@ def _interpreted_twin(item, own_modes: tuple[str, ...]) -> bool:
     )
 
 
+def _test_of(item) -> tuple[str, str]:
+    """(the test function's node id, the parameters' id)."""
+    return item.nodeid.split("[")[0], getattr(getattr(item, "callspec", None), "id", "")
+
+
 def _long_bfloat16_twin(item, idents: set[tuple[str, str]]) -> bool:
-    ident = getattr(getattr(item, "callspec", None), "id", "")
+    test, ident = _test_of(item)
     return (
         "triton" in ident
         and "-long-" in f"-{ident}-"
         and "bfloat16" in ident
-        and (item.originalname, ident.replace("bfloat16", "float32")) in idents
+        and "-none-" not in f"-{ident}-"
+        and (test, ident.replace("bfloat16", "float32")) in idents
     )
 
 
+# Last: after -k, -m and --deselect, so a twin is left out only where its float32 twin still runs.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--all-platforms") or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
@@ -69,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
     own_formats = PLATFORM_FORMATS["rocm"] - PLATFORM_FORMATS["cuda"]
     own_modes = tuple(m.name for m in MODES.values() if m.format is not None and m.format.name in own_formats)
     assert own_modes, "triton-rocm has no format of its own any more: revisit the twin rule"
-    idents = {(item.originalname, getattr(getattr(item, "callspec", None), "id", "")) for item in items}
+    idents = {_test_of(item) for item in items}
     kept, twins = [], []
     for item in items:
         twin = _interpreted_twin(item, own_modes) or _long_bfloat16_twin(item, idents)

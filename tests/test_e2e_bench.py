@@ -27,11 +27,14 @@ def test_smoke_run_reports_every_cache(tmp_path):
     bench = _bench()
     out = tmp_path / "e2e.json"
     caches = "dynamic,kvzoo-int8,kvzoo-int4,kvzoo-int8-kernels"
-    assert bench.main(["--smoke", "--caches", caches, "--json", str(out)]) == 0
+    assert bench.main(["--smoke", "--caches", caches, "--rounds", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["cache"]: r for r in report["rows"]}
     assert sorted(rows) == sorted(caches.split(","))
     assert all(r["status"] == "ok" and r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
+    # Two interleaved rounds a cache, the spread their medians' range.
+    assert all(len(r["decode_rounds"]) == 2 for r in rows.values())
+    assert all(r["decode_spread"] == [min(r["decode_rounds"]), max(r["decode_rounds"])] for r in rows.values())
     # The smoke model is float32 with heads of 16: int8 keeps (16 + 4) of 64 bytes a row, int4 (8 + 4).
     held = {name: r["held_bytes"] for name, r in rows.items()}
     assert 0 < held["kvzoo-int4"] < held["kvzoo-int8"] < 0.4 * held["dynamic"], held

@@ -118,7 +118,8 @@ def kvzoo(model, mode="none", **kw) -> KVZooCache:
     # Every step through kvzoo's kernels (the checks below are of them); "auto" has its own test.
     kw.setdefault("prefill_attention", "kvzoo")
     kw.setdefault("block_size", 4)  # small pages: every sequence spans several, and the pool grows
-    return KVZooCache(model.config, mode=mode, validate=True, **kw)
+    kw.setdefault("validate", True)
+    return KVZooCache(model.config, mode=mode, **kw)
 
 
 def left_padded(lengths, seed=7):
@@ -285,14 +286,10 @@ def test_decode_keeps_its_metadata_and_plans_and_gives_the_planned_steps_numbers
     plan = step_module.plan_step
     monkeypatch.setattr(step_module, "plan_step", lambda *a, **k: built.append(k["max_seq_len"]) or plan(*a, **k))
     seq, prompt_len = random_ids(2, 44, seed=41), 12
-
-    def unchecked(**kw):
-        return KVZooCache(model.config, mode=mode, impl=IMPL, prefill_attention="kvzoo", block_size=4, **kw)
-
     planned = teacher_forced(model, kvzoo(model, mode), seq, prompt_len)
     per_step = len(built)
     built.clear()
-    cache = unchecked()
+    cache = kvzoo(model, mode, validate=False)
     kept = teacher_forced(model, cache, seq, prompt_len)
     assert torch.equal(kept, planned)
     steps = seq.shape[1] - prompt_len
@@ -305,7 +302,7 @@ def test_decode_keeps_its_metadata_and_plans_and_gives_the_planned_steps_numbers
     _, ids, mask = left_padded([5, 8], seed=5)
     beams = dict(num_beams=2, max_new_tokens=8)
     ref = generate(model, kvzoo(model, mode), ids, mask, **beams)
-    beam_cache = unchecked()
+    beam_cache = kvzoo(model, mode, validate=False)
     out = generate(model, beam_cache, ids, mask, **beams)
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
