@@ -387,6 +387,12 @@ class _Held:
         self.attention: _Bound | None = None
 
 
+# The operands a bound layer's call brings itself (the rest are the layer's and the plan's):
+# the positions _Bound.fixed and .tail leave open.
+_WRITE_VARIES = ("key", "value")
+_ATTEND_VARIES = ("query", "out", "lse")
+
+
 class _Bound:
     """A layer's call bound to its launch: what a later call of the same own-array metadata
     (`call`, launches.signature of them) runs without going through launches.run. launch: the
@@ -413,6 +419,8 @@ def _bind(
     other: Array | None,
     fixed: tuple,
     tail: tuple,
+    operands: tuple,
+    varying: tuple[str, ...],
 ) -> _Bound | None:
     """A layer's call bound to its launch, with what later calls are checked by: the spans of
     the arrays `checked` (the call's own written arrays, or the rows it reads into the caches
@@ -432,7 +440,9 @@ def _bind(
         (0, 0) if span is None or theirs is None else (theirs[0] - span[1], theirs[1] - span[0]) for span in spans
     )
     convert = adapter.convert if adapter.convert_at else None
-    return _Bound(call, launch, convert, fixed, tail, refused, apart)
+    hold = getattr(launch, "hold", None)
+    held = hold(operands, varying) if hold is not None else None
+    return _Bound(call, launch if held is None else held, convert, fixed, tail, refused, apart)
 
 
 class StepPlan:
@@ -606,7 +616,9 @@ class StepPlan:
         # A write always runs (launches.run returns None for these only where no query rows are).
         assert adapted is not None and entry is not None
         if call is not None and ks is None:
-            held.write = _bind(call, launch, entry.adapt, (key, value), layer.extents, None, adapted[2:], ())
+            held.write = _bind(
+                call, launch, entry.adapt, (key, value), layer.extents, None, adapted[2:], (), adapted, _WRITE_VARIES
+            )
 
     def attention(
         self,
@@ -717,7 +729,9 @@ class StepPlan:
             against: tuple = ()
             if call[1][1] is not None:
                 checked, against = (out,), (*layer.extents, *self._meta_extents, *self._given)
-            held.attention = _bind(call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12])
+            held.attention = _bind(
+                call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12], adapted, _ATTEND_VARIES
+            )
         if return_lse:
             assert lse is not None  # allocated where not given (calls.check_lse)
             return out, lse

@@ -135,6 +135,11 @@ class Implementation:
     # step and launches per layer; the functional API keeps prepared launches by that signature.
     # Neither asks problem_reasons again for a problem of a signature it has prepared, so an
     # implementation with a prepare hook decides its reasons from the signature alone.
+    # A launch may also carry hold(operands, varying): a launch for the calls of one engine-step
+    # layer, whose operands are `operands`' objects at every position but those named in
+    # `varying` (the call's own arrays); their contents may change between calls (a kept step
+    # refills its metadata in place), never their objects. It does once what those objects
+    # alone decide (views, records), and returns None where it cannot hold any of it.
     # None: every call goes through run.
     prepare: Callable[..., Callable[[tuple], None] | None] | None = None
     # workspace_bytes(problem, options=...): bytes of the caller-given workspace a call of the

@@ -134,6 +134,22 @@ def functional_write(key, value, c: KVCacheTensors, slots, spec, impl) -> None:
     )
 
 
+def functional_attention(query, c: KVCacheTensors, meta: dict, spec, impl, **options):
+    """kvzoo.paged_attention over cache c with meta's index tensors: the reference a plan's
+    attention is held to."""
+    return kvzoo.paged_attention(
+        query,
+        c.key_cache,
+        c.value_cache,
+        mode=spec.mode,
+        **{k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")},
+        k_scale_cache=c.k_scale_cache,
+        v_scale_cache=c.v_scale_cache,
+        impl=impl,
+        **options,
+    )
+
+
 def rows(rng, shape, dtype: str, device: str):
     return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(getattr(torch, dtype)).to(device)
 
@@ -178,17 +194,7 @@ def compare_with_functional(
         plan.write(key, value, mine, **scales_of(spec))
         out = plan.attention(query, mine, **scales_of(spec))
         functional_write(key, value, theirs, meta["slot_mapping"], spec, impl_name)
-        expected = kvzoo.paged_attention(
-            query,
-            theirs.key_cache,
-            theirs.value_cache,
-            mode=spec.mode,
-            **index,
-            k_scale_cache=theirs.k_scale_cache,
-            v_scale_cache=theirs.v_scale_cache,
-            impl=impl_name,
-            **scales_of(spec),
-        )
+        expected = functional_attention(query, theirs, index, spec, impl_name, **scales_of(spec))
         for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"{spec.mode.name} {spec.layout} cache after write")
         assert_same_bytes(out, expected, f"{spec.mode.name} {spec.layout} attention output")
@@ -345,16 +351,7 @@ def test_metadata_updated_in_place_is_what_the_next_call_reads():
     plan.write(key, value, c)
     out = plan.attention(query, c)
     functional_write(key, value, theirs, meta["slot_mapping"], spec, "numpy")
-    expected = kvzoo.paged_attention(
-        query,
-        theirs.key_cache,
-        theirs.value_cache,
-        mode=spec.mode,
-        **index,
-        k_scale_cache=theirs.k_scale_cache,
-        v_scale_cache=theirs.v_scale_cache,
-        impl="numpy",
-    )
+    expected = functional_attention(query, theirs, index, spec, "numpy")
     for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
         assert_same_bytes(a, b, "cache after write")
     assert_same_bytes(out, expected, "attention output")

@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 import torch
 from test_plan import (
+    BS,
     CONFIGS,
     HKV,
     HQ,
+    TABLE,
     cache_arrays,
     clone,
+    functional_attention,
     functional_write,
     metadata,
     poisoned,
@@ -96,18 +99,8 @@ def step_through_plan(spec, meta, layers, rng, *, lse=False, sinks=None, query_v
         plan.write(key, value, mine, **scales_of(spec))
         got = plan.attention(query, mine, return_lse=lse, **scales_of(spec))
         functional_write(key, value, theirs, meta["slot_mapping"], spec, "triton-cuda")
-        want = kvzoo.paged_attention(
-            query,
-            theirs.key_cache,
-            theirs.value_cache,
-            mode=spec.mode,
-            **index,
-            k_scale_cache=theirs.k_scale_cache,
-            v_scale_cache=theirs.v_scale_cache,
-            sinks=sinks,
-            return_lse=lse,
-            impl="triton-cuda",
-            **scales_of(spec),
+        want = functional_attention(
+            query, theirs, index, spec, "triton-cuda", sinks=sinks, return_lse=lse, **scales_of(spec)
         )
         for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"layer {layer} cache after write")
@@ -259,21 +252,6 @@ def test_operands_are_every_array_field_in_order():
         assert set(cls.WRITTEN) | set(cls.INDICES) <= set(arrays)
 
 
-def functional_attention(query, c, meta, impl, sinks=None):
-    index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
-    return kvzoo.paged_attention(
-        query,
-        c.key_cache,
-        c.value_cache,
-        mode="int8_per_token_head",
-        **index,
-        k_scale_cache=c.k_scale_cache,
-        v_scale_cache=c.v_scale_cache,
-        sinks=sinks,
-        impl=impl,
-    )
-
-
 @pytest.mark.parametrize("q_lens,seq_lens", [((5, 1, 4), (8, 13, 4)), ((1, 1, 1), (8, 13, 4))])
 def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
     from kvzoo import launches
@@ -301,13 +279,13 @@ def test_functional_calls_of_a_seen_signature_relaunch(q_lens, seq_lens):
         key, value = (rows(rng, (tokens, HKV, d), "bfloat16", DEVICE) for _ in range(2))
         query = rows(rng, (tokens, HQ, d), "bfloat16", DEVICE)
         functional_write(key, value, c, meta["slot_mapping"], spec, write)
-        got = functional_attention(query, c, meta, attend)
+        got = functional_attention(query, c, meta, spec, attend)
         # The same calls through a fresh object of the same implementation: its own first
         # prepare, on these very tensors.
         functional_write(
             key, value, theirs, meta["slot_mapping"], spec, dataclasses.replace(_triton("reshape_and_cache"))
         )
-        want = functional_attention(query, theirs, meta, dataclasses.replace(_triton("paged_attention")))
+        want = functional_attention(query, theirs, meta, spec, dataclasses.replace(_triton("paged_attention")))
         for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
             assert_same_bytes(a, b, f"call {call} cache")
         assert_same_bytes(got, want, f"call {call} attention")
@@ -498,3 +476,53 @@ def test_a_prepared_launch_serves_a_later_call_with_that_calls_values(op, impl, 
     assert counts == dict(run=0, prepare=1, launch=2), counts
     for a, b in pairs:
         assert_same_bytes(a, b, f"{impl.name} {op}: the later call through the first call's launch")
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "none"])
+def test_a_held_launch_follows_metadata_refilled_in_place(mode, index_dtype):
+    # A layer's later calls run a launch that holds the layer's records (Implementation.prepare's
+    # hold): with int64 metadata it holds the caller's own arrays, so refilling them in place must
+    # reach the kernels; int32 metadata is converted per call, so nothing is held.
+    numba_impl = kvzoo.registry.get("paged_attention", "numba")
+    if not numba_impl.available:
+        pytest.skip(f"numba: {'; '.join(numba_impl.unavailable())}")
+    if mode not in numba_impl.modes:
+        pytest.skip(f"numba: does not register mode {mode}")
+    spec = spec_for(mode, "separate", "cpu", model_dtype="float32")
+    meta = metadata("cpu")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        meta[name] = meta[name].to(index_dtype)
+    index = {k: meta[k] for k in ("block_tables", "seq_lens", "query_start_loc")}
+    plan = kvzoo.plan_step(spec, **index, slot_mapping=meta["slot_mapping"], num_q_heads=HQ, impl="numba")
+    rng = rng_for("held launch", mode, str(index_dtype))
+    h, d, tokens = spec.num_kv_heads, spec.head_size, int(meta["slot_mapping"].shape[0])
+    n = int(meta["context_slots"].shape[0])
+    layers = []
+    for _ in range(2):
+        c = poisoned(spec, rng)
+        functional_write(
+            *(rows(rng, (n, h, d), "float32", "cpu") for _ in range(2)), c, meta["context_slots"], spec, "numpy"
+        )
+        layers.append(c)
+    for call in range(3):
+        if call == 2:
+            # Within the plan's bounds: sequence 1's decode moves back one position, its slot with it.
+            meta["seq_lens"][1] -= 1
+            meta["slot_mapping"][5] = TABLE[1][1] * BS + 3
+        for layer, mine in enumerate(layers):
+            theirs = clone(mine)
+            key, value = (rows(rng, (tokens, h, d), "float32", "cpu") for _ in range(2))
+            query = rows(rng, (tokens, HQ, d), "float32", "cpu")
+            plan.write(key, value, mine)
+            got = plan.attention(query, mine)
+            functional_write(key, value, theirs, meta["slot_mapping"], spec, "numba")
+            want = functional_attention(query, theirs, index, spec, "numba")
+            for a, b in zip(cache_arrays(mine), cache_arrays(theirs)):
+                assert_same_bytes(a, b, f"call {call} layer {layer} cache after write")
+            assert_same_bytes(got, want, f"call {call} layer {layer} attention")
+    bound = plan._layers[id(layers[0])]
+    # The prepared launches carry hold; what a layer holds is the launch hold made.
+    held = index_dtype == torch.int64
+    assert hasattr(bound.attention.launch, "hold") is not held
+    assert not hasattr(bound.write.launch, "hold")  # slot_mapping is int64 in both cases

@@ -265,31 +265,19 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     if mode.code_dtype is None:
         kcs, vcs = flat(p.key_cache, carrier)[1], flat(p.value_cache, carrier)[1]
 
-        def write_plain(operands: tuple) -> None:
-            key, kst, value, vst = rows(operands)
+        def plain_fixed(operands: tuple) -> tuple:
             kc, vc = flat_view(operands[at["key_cache"]], carrier), flat_view(operands[at["value_cache"]], carrier)
-            k.write_plain(key, kst, value, vst, slots(operands), num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
+            return (slots(operands), num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
 
-        return write_plain
+        return _write_launch(at, rows, plain_fixed, lambda r, f: k.write_plain(*r, *f))
     if FORMAT_KINDS[mode.format.name] == U4:
         cache = _paged_cache(p, _cache_kind(mode, p.key_cache)[1])
         qmax, qmin, floor = np.float32(mode.qmax), np.float32(mode.qmin), np.float32(mode.scale_floor)
 
-        def write_int4(operands: tuple) -> None:
-            key, kst, value, vst = rows(operands)
-            k.write_int4(
-                Rows(kind, key, kst, value, vst),
-                cache(operands),
-                slots(operands),
-                num_slots,
-                heads,
-                hsize,
-                qmax,
-                qmin,
-                floor,
-            )
+        def int4_fixed(operands: tuple) -> tuple:
+            return (cache(operands), slots(operands), num_slots, heads, hsize, qmax, qmin, floor)
 
-        return write_int4
+        return _write_launch(at, rows, int4_fixed, lambda r, f: k.write_int4(Rows(kind, *r), *f))
     kcs, vcs = flat(p.key_cache, np.uint8)[1], flat(p.value_cache, np.uint8)[1]
     scales = _scale_operands(p, at)
     if mode.per_token_head:
@@ -310,31 +298,39 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
         mode.per_tensor,
     )
 
-    def write_quantized(operands: tuple) -> None:
-        key, kst, value, vst = rows(operands)
+    def quantized_fixed(operands: tuple) -> tuple:
         ksc, vsc, kts, vts = scales(operands)
-        k.write_quantized(
-            key,
-            kst,
-            value,
-            vst,
-            kind,
-            slots(operands),
-            num_slots,
-            flat_view(operands[at["key_cache"]], np.uint8),
-            kcs,
-            flat_view(operands[at["value_cache"]], np.uint8),
-            vcs,
-            ksc,
-            kscs,
-            vsc,
-            vscs,
-            *constants,
-            kts,
-            vts,
-        )
+        kc, vc = flat_view(operands[at["key_cache"]], np.uint8), flat_view(operands[at["value_cache"]], np.uint8)
+        return (kind, slots(operands), num_slots, kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, *constants, kts, vts)
 
-    return write_quantized
+    return _write_launch(at, rows, quantized_fixed, lambda r, f: k.write_quantized(*r, *f))
+
+
+def _write_launch(
+    at: dict[str, int],
+    rows: Callable[[tuple], tuple],
+    fixed: Callable[[tuple], tuple],
+    kernel: Callable[[tuple, tuple], None],
+) -> Callable[[tuple], None]:
+    """A write's launch: the kernel on the call's rows (views and strides) and on the rest of
+    its arguments (fixed(operands)), with the hold hook
+    (Implementation.prepare) that works out the rest once for a layer whose rows alone change."""
+
+    def launch(operands: tuple) -> None:
+        kernel(rows(operands), fixed(operands))
+
+    def hold(operands: tuple, varying: tuple[str, ...]) -> Callable[[tuple], None] | None:
+        if not set(varying) <= {"key", "value"}:
+            return None
+        # A converted slot mapping would not see the caller refill its own.
+        slot_mapping = operands[at["slot_mapping"]]
+        if np.ascontiguousarray(slot_mapping, dtype=np.int64) is not slot_mapping:
+            return None
+        args = fixed(operands)
+        return lambda operands: kernel(rows(operands), args)
+
+    launch.hold = hold  # type: ignore[attr-defined]
+    return launch
 
 
 def run_reshape_and_cache(p: Any) -> None:
@@ -480,27 +476,51 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
     out_strides = operand(p.out if direct else np.empty(out_shape, np.float32), np.float32)[1]
     lse_strides = operand(p.lse, np.float32)[1] if has_lse else NO_LSE[1]
 
-    def launch(operands: tuple) -> None:
-        def index(name: str) -> np.ndarray:
-            return np.ascontiguousarray(operands[at[name]], dtype=np.int64)
+    def metadata(operands: tuple) -> tuple[np.ndarray, ...]:
+        return tuple(np.ascontiguousarray(operands[at[name]], dtype=np.int64) for name in _METADATA)
 
-        seq_lens, qsl = index("seq_lens"), index("query_start_loc")
-        step = Step(index("block_tables"), seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
+    def params(operands: tuple) -> Params:
         sinks = np.ascontiguousarray(operands[at["sinks"]], dtype=np.float32) if has_sinks else NO_SINKS
+        return Params(*scalars, has_sinks, sinks)
+
+    def attend(operands: tuple, paged: PagedCache, tables: tuple, call_params: Params) -> None:
+        block_tables, seq_lens, qsl = tables
+        step = Step(block_tables, seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
         out = operands[at["out"]]
         out32 = out if direct else np.empty(out_shape, np.float32)
         lse = flat_view(operands[at["lse"]], np.float32) if has_lse else NO_LSE[0]
         k.attention(
             Query(flat_view(operands[at["query"]], q_carrier), q_strides, query_kind),
-            cache(operands),
+            paged,
             step,
-            Params(*scalars, has_sinks, sinks),
+            call_params,
             Outputs(flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides),
         )
         if not direct:
             _copy_owned_rows(out, out32, qsl, step)
 
+    def launch(operands: tuple) -> None:
+        attend(operands, cache(operands), metadata(operands), params(operands))
+
+    def hold(operands: tuple, varying: tuple[str, ...]) -> Callable[[tuple], None] | None:
+        # The cache's record and the parameters once; the metadata's arrays only where they are
+        # the caller's own (a converted copy would not see the caller refill them); the work
+        # items follow the lengths, so every call makes its own.
+        if not set(varying) <= {"query", "out", "lse"}:
+            return None
+        tables = metadata(operands)
+        if any(mine is not operands[at[name]] for mine, name in zip(tables, _METADATA)):
+            return None
+        paged, call_params = cache(operands), params(operands)
+        if has_sinks and call_params.sinks is not operands[at["sinks"]]:
+            return None
+        return lambda operands: attend(operands, paged, tables, call_params)
+
+    launch.hold = hold  # type: ignore[attr-defined]
     return launch
+
+
+_METADATA = ("block_tables", "seq_lens", "query_start_loc")
 
 
 def _copy_owned_rows(out: np.ndarray, out32: np.ndarray, qsl: np.ndarray, step: Step) -> None:
