@@ -1820,13 +1820,18 @@ def _attention_item(it, query, cache, step, params, outputs):
         # 1 / D, a power of two, rides with the key scale.
         key_unit = _ONE / np.float32(hd)
 
+    # The products take rows in fours, each K/V element loaded (and decoded) once for the four;
+    # a remainder of three (a GQA group of 3, a decode) takes an idle fourth row rather than
+    # three passes of one. The idle row's query is 0 and its weights 1: its scores and sums are
+    # never read. (uint4's products keep their own row order, so they take no idle row.)
+    padded = rows + 1 if rows % 4 == 3 and not u4 else rows
     # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
-    q = np.empty(rows * hd, dtype=np.float32)
+    q = np.zeros(padded * hd, dtype=np.float32)
     undo = np.empty(rows, dtype=np.float32)
     pos = np.empty(rows, dtype=np.int64)
     m = np.empty(rows, dtype=np.float32)
     l_sum = np.empty(rows, dtype=np.float32)
-    acc = np.zeros(rows * hd, dtype=np.float32)
+    acc = np.zeros(padded * hd, dtype=np.float32)
     for r in range(rows):
         j = r // group
         h = g * group + (r - j * group)
@@ -1863,7 +1868,7 @@ def _attention_item(it, query, cache, step, params, outputs):
     kzp = np.empty(TILE if u4 else 0, dtype=np.int32)
     vzp = np.empty(TILE if u4 else 0, dtype=np.int32)
     row_width = hd // 2 if u4 else hd  # elements of the cache's carrier in a row
-    sc = np.empty(rows * TILE, dtype=np.float32)  # scores, then weights, row-major
+    sc = np.empty(padded * TILE, dtype=np.float32)  # scores, then weights, row-major
     krow = np.empty(TILE, dtype=np.int64)
     vrow = np.empty(TILE, dtype=np.int64)
     # Few rows (decode): the products read the codes in the cache and decode them in registers.
@@ -1933,7 +1938,7 @@ def _attention_item(it, query, cache, step, params, outputs):
         if fused and u4:
             _fused_u4_scores(q, rows, kc, krow, kzp, n, hd, sc)
         elif fused:
-            _fused_scores(q, rows, kc, krow, kv_kind, n, hd, sc, factor)
+            _fused_scores(q, padded, kc, krow, kv_kind, n, hd, sc, factor)
         else:
             # The tile's K and V rows decoded once for all the rows (codes, unscaled).
             if u4:
@@ -1943,7 +1948,7 @@ def _attention_item(it, query, cache, step, params, outputs):
             else:
                 _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
                 _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-                _scores_tile(q, rows, kt, tile_rows, n, hd, sc, factor)
+                _scores_tile(q, padded, kt, tile_rows, n, hd, sc, factor)
         for r in range(rows):
             p = pos[r]
             s0 = r * TILE
@@ -1977,12 +1982,14 @@ def _attention_item(it, query, cache, step, params, outputs):
             l_sum[r] = l_sum[r] * alpha + _softmax_tile(sc, s0, n, m_new, vscale)
             if alpha != _ONE:
                 _scale(acc, r * hd, alpha, hd)
+        for kk in range(rows * TILE, padded * TILE):
+            sc[kk] = _ONE  # the idle row's weights: nonzero, so its fours stay whole
         if fused and u4:
             _fused_u4_accumulate(acc, sc, vc, vrow, vzp, rows, n, hd)
         elif fused:
-            _fused_accumulate(acc, sc, vc, vrow, kv_kind, rows, n, hd)
+            _fused_accumulate(acc, sc, vc, vrow, kv_kind, padded, n, hd)
         else:
-            _accumulate_tile(acc, sc, vt, tile_rows, rows, n, hd)
+            _accumulate_tile(acc, sc, vt, tile_rows, padded, n, hd)
 
     out, os_ = outputs.out, _strides4(outputs.out_strides)
     lse, ls_ = outputs.lse, _strides3(outputs.lse_strides)
