@@ -588,34 +588,33 @@ def staged_tile(
 
 
 @triton.jit
-def _attend_range(
+def attend_range(
     lo,
     hi,
     kv_end,
     bt_row,
-    m_i,
-    l_i,
-    acc,
-    v_unit,
+    state,
     TILE: tl.constexpr,
     tile_args,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi."""
+    """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi: the loop state after
+    them, state the tuple TILE takes after (start, kv_end, bt_row) and returns, whatever its
+    family keeps per row (paged_tile's (m, l, acc, v_unit), int4_attention's own)."""
     if INTERPRETED:
         # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
         # into the ints range() needs; a while loop compares them instead. Compiled code keeps
         # the for loop, which Triton software-pipelines.
         start = lo
         while start < hi:
-            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
+            state = TILE(start, kv_end, bt_row, *state, MASKED, *tile_args)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
-    return m_i, l_i, acc, v_unit
+            state = TILE(start, kv_end, bt_row, *state, MASKED, *tile_args)
+    return state
 
 
 @triton.jit
@@ -669,8 +668,8 @@ def attend(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc, v_unit = _attend_range(
-                lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED
+            m_i, l_i, acc, v_unit = attend_range(
+                lo, hi, kv_end, bt_row, (m_i, l_i, acc, v_unit), TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED
             )
     return m_i, poisoned_sum(l_i, seq_ok), acc, v_unit
 
@@ -821,7 +820,7 @@ def sequence_ok(
     end = tl.where(ok, tl.cdiv(last_key, PAGE), begin)
     bad = tl.program_id(0) * 0
     if INTERPRETED:
-        # while, not range(): see _attend_range's note.
+        # while, not range(): see attend_range's note.
         start = begin
         while start < end:
             bad += _entries_out_of_range(bt_row, start, end, num_blocks)

@@ -75,6 +75,7 @@ from .attention_tiles import (
     query_block,
     sequence_ok,
     softcap_logits,
+    store_partials,
     store_rows,
     tile_rows,
 )
@@ -535,10 +536,8 @@ def _int4_attention_kernel(
     # merge sums the partials) gives the same rows.
     acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if SPLIT:
-        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
+        store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
         store_rows(
             out_ptr,

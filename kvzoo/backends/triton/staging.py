@@ -140,7 +140,7 @@ def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, 
     sequence's first workspace page (a slot's pages are consecutive)."""
     used = tl.program_id(0) * 0
     start = used
-    # while, not range(): see the interpreter note in attention_tiles._attend_range.
+    # while, not range(): see the interpreter note in attention_tiles.attend_range.
     while start < num_seqs:
         seq = start + tl.arange(0, BLOCK)
         ok = seq < num_seqs
