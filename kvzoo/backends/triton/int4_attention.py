@@ -65,6 +65,7 @@ from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
     _initial_state,
     _whole_tiles,
+    attend_range,
     key_range,
     load_keys,
     logit_scale,
@@ -278,39 +279,6 @@ def _int4_tile(
 
 
 @triton.jit
-def _tile_range(
-    lo,
-    hi,
-    kv_end,
-    bt_row,
-    m_i,
-    l_i,
-    acc_e,
-    acc_o,
-    v_off,
-    tile_args,
-    MASKED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """_int4_tile on the key tiles starting at lo, lo + BLOCK_N, ... below hi (the interpreter
-    takes a while loop: attention_tiles._attend_range says why)."""
-    if INTERPRETED:
-        start = lo
-        while start < hi:
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
-            )
-            start += BLOCK_N
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
-            )
-    return m_i, l_i, acc_e, acc_o, v_off
-
-
-@triton.jit
 def attend_int4(
     seq,
     q_block,
@@ -360,8 +328,9 @@ def attend_int4(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc_e, acc_o, v_off = _tile_range(
-                lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
+            state = (m_i, l_i, acc_e, acc_o, v_off)
+            m_i, l_i, acc_e, acc_o, v_off = attend_range(
+                lo, hi, kv_end, bt_row, state, _int4_tile, tile_args, phase != 1, BLOCK_N, INTERPRETED
             )
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, poisoned_sum(l_i, seq_ok), acc
