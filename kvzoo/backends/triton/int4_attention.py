@@ -64,8 +64,7 @@ from .attention_kernels import (
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
     _initial_state,
-    _whole_tiles,
-    attend_range,
+    attend_tiles,
     key_range,
     load_keys,
     logit_scale,
@@ -308,7 +307,7 @@ def attend_int4(
     see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
     by l; an ill-formed sequence (not seq_ok) reads no key and leaves l NaN."""
     HALF: tl.constexpr = BLOCK_D // 2
-    kv_begin, kv_end, tile_first, tile_last = key_range(
+    keys = key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
@@ -316,22 +315,10 @@ def attend_int4(
     acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     v_off = tl.zeros([BLOCK_M], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
-    for phase in tl.static_range(3):
-        if phase == 0:
-            lo = kv_begin
-            hi = full_begin
-        elif phase == 1:
-            lo = full_begin
-            hi = full_end
-        else:
-            lo = full_end
-            hi = kv_end
-        if HAS_WINDOW or phase != 0:
-            state = (m_i, l_i, acc_e, acc_o, v_off)
-            m_i, l_i, acc_e, acc_o, v_off = attend_range(
-                lo, hi, kv_end, bt_row, state, _int4_tile, tile_args, phase != 1, BLOCK_N, INTERPRETED
-            )
+    state = (m_i, l_i, acc_e, acc_o, v_off)
+    m_i, l_i, acc_e, acc_o, v_off = attend_tiles(
+        keys, window, bt_row, state, _int4_tile, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED
+    )
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, poisoned_sum(l_i, seq_ok), acc
 
