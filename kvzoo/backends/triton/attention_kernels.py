@@ -557,7 +557,7 @@ def _merge_splits_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     if HAS_SINKS:
         m = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-    # while, not range(): see the interpreter note in attention_tiles._attend_range.
+    # while, not range(): see the interpreter note in attention_tiles.attend_range.
     i = own * 0
     while i < own:
         m = tl.maximum(m, tl.load(part_m_ptr + base + i))

@@ -588,34 +588,33 @@ def staged_tile(
 
 
 @triton.jit
-def _attend_range(
+def attend_range(
     lo,
     hi,
     kv_end,
     bt_row,
-    m_i,
-    l_i,
-    acc,
-    v_unit,
+    state,
     TILE: tl.constexpr,
     tile_args,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi."""
+    """TILE on the key tiles starting at lo, lo + BLOCK_N, ... below hi: the loop state after
+    them, state the tuple TILE takes after (start, kv_end, bt_row) and returns, whatever its
+    family keeps per row (paged_tile's (m, l, acc, v_unit), int4_attention's own)."""
     if INTERPRETED:
         # The interpreter keeps scalars as 1-element arrays, which NumPy >= 2.4 will not turn
         # into the ints range() needs; a while loop compares them instead. Compiled code keeps
         # the for loop, which Triton software-pipelines.
         start = lo
         while start < hi:
-            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
+            state = TILE(start, kv_end, bt_row, *state, MASKED, *tile_args)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc, v_unit = TILE(start, kv_end, bt_row, m_i, l_i, acc, v_unit, MASKED, *tile_args)
-    return m_i, l_i, acc, v_unit
+            state = TILE(start, kv_end, bt_row, *state, MASKED, *tile_args)
+    return state
 
 
 @triton.jit
@@ -646,17 +645,37 @@ def attend(
     seq_ok,
 ):
     """The online softmax of a query tile over every key its rows see (within this program's
-    split), TILE by TILE (tile_args: TILE's own arguments): (m, l, acc, v_unit) after the last.
-    Masked tiles come before the whole ones (a window only), then the whole tiles without
-    masks, then the masked tiles at the causal edge. An ill-formed sequence (not seq_ok:
-    sequence_ok) reads no key and leaves l NaN, so its rows store NaN."""
-    kv_begin, kv_end, tile_first, tile_last = key_range(
+    split), TILE by TILE in attend_tiles' order (tile_args: TILE's own arguments): (m, l, acc,
+    v_unit) after the last. An ill-formed sequence (not seq_ok: sequence_ok) reads no key and
+    leaves l NaN, so its rows store NaN."""
+    keys = key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    state = (m_i, l_i, acc, v_unit)
+    m_i, l_i, acc, v_unit = attend_tiles(keys, window, bt_row, state, TILE, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED)
+    return m_i, poisoned_sum(l_i, seq_ok), acc, v_unit
+
+
+@triton.jit
+def attend_tiles(
+    keys,
+    window,
+    bt_row,
+    state,
+    TILE: tl.constexpr,
+    tile_args,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """attend_range over a query tile's keys (key_range's four values): masked tiles before the
+    whole ones (a window only), the whole tiles without masks, then the masked tiles at the
+    causal edge."""
+    kv_begin, kv_end, tile_first, tile_last = keys
     full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
     for phase in tl.static_range(3):
         if phase == 0:
@@ -669,10 +688,8 @@ def attend(
             lo = full_end
             hi = kv_end
         if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc, v_unit = _attend_range(
-                lo, hi, kv_end, bt_row, m_i, l_i, acc, v_unit, TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED
-            )
-    return m_i, poisoned_sum(l_i, seq_ok), acc, v_unit
+            state = attend_range(lo, hi, kv_end, bt_row, state, TILE, tile_args, phase != 1, BLOCK_N, INTERPRETED)
+    return state
 
 
 # ----------------------------------------------------------------------------------------
@@ -821,7 +838,7 @@ def sequence_ok(
     end = tl.where(ok, tl.cdiv(last_key, PAGE), begin)
     bad = tl.program_id(0) * 0
     if INTERPRETED:
-        # while, not range(): see _attend_range's note.
+        # while, not range(): see attend_range's note.
         start = begin
         while start < end:
             bad += _entries_out_of_range(bt_row, start, end, num_blocks)

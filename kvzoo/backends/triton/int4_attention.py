@@ -64,7 +64,7 @@ from .attention_kernels import (
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
     _initial_state,
-    _whole_tiles,
+    attend_tiles,
     key_range,
     load_keys,
     logit_scale,
@@ -75,6 +75,7 @@ from .attention_tiles import (
     query_block,
     sequence_ok,
     softcap_logits,
+    store_partials,
     store_rows,
     tile_rows,
 )
@@ -277,39 +278,6 @@ def _int4_tile(
 
 
 @triton.jit
-def _tile_range(
-    lo,
-    hi,
-    kv_end,
-    bt_row,
-    m_i,
-    l_i,
-    acc_e,
-    acc_o,
-    v_off,
-    tile_args,
-    MASKED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """_int4_tile on the key tiles starting at lo, lo + BLOCK_N, ... below hi (the interpreter
-    takes a while loop: attention_tiles._attend_range says why)."""
-    if INTERPRETED:
-        start = lo
-        while start < hi:
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
-            )
-            start += BLOCK_N
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc_e, acc_o, v_off = _int4_tile(
-                start, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, MASKED, *tile_args
-            )
-    return m_i, l_i, acc_e, acc_o, v_off
-
-
-@triton.jit
 def attend_int4(
     seq,
     q_block,
@@ -339,7 +307,7 @@ def attend_int4(
     see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
     by l; an ill-formed sequence (not seq_ok) reads no key and leaves l NaN."""
     HALF: tl.constexpr = BLOCK_D // 2
-    kv_begin, kv_end, tile_first, tile_last = key_range(
+    keys = key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
@@ -347,21 +315,10 @@ def attend_int4(
     acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     v_off = tl.zeros([BLOCK_M], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    full_begin, full_end = _whole_tiles(kv_begin, kv_end, tile_first, tile_last, window, BLOCK_N, HAS_WINDOW)
-    for phase in tl.static_range(3):
-        if phase == 0:
-            lo = kv_begin
-            hi = full_begin
-        elif phase == 1:
-            lo = full_begin
-            hi = full_end
-        else:
-            lo = full_end
-            hi = kv_end
-        if HAS_WINDOW or phase != 0:
-            m_i, l_i, acc_e, acc_o, v_off = _tile_range(
-                lo, hi, kv_end, bt_row, m_i, l_i, acc_e, acc_o, v_off, tile_args, phase != 1, BLOCK_N, INTERPRETED
-            )
+    state = (m_i, l_i, acc_e, acc_o, v_off)
+    m_i, l_i, acc_e, acc_o, v_off = attend_tiles(
+        keys, window, bt_row, state, _int4_tile, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED
+    )
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     return m_i, poisoned_sum(l_i, seq_ok), acc
 
@@ -535,10 +492,8 @@ def _int4_attention_kernel(
     # merge sums the partials) gives the same rows.
     acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if SPLIT:
-        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
+        store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
         store_rows(
             out_ptr,

@@ -35,12 +35,8 @@ def _stage_rows(
     words_ptr,
     ws_ptr,
     page_scale_ptr,
-    block,
-    offset,
-    page_block,
-    page_offset,
-    page_ok,
-    t_ok,
+    rows,
+    page_rows,
     s_b,
     s_t,
     s_h,
@@ -54,7 +50,10 @@ def _stage_rows(
     D: tl.constexpr,
 ):
     """One tensor's rows: fp16 (code - zp) x (scale / page max) to ws_ptr [ROWS, D], and the page
-    max, by the page's first program (staging._stage_rows' rule, for packed rows)."""
+    max, by the page's first program (staging._stage_rows' rule, for packed rows; rows and
+    page_rows as it takes them)."""
+    block, offset, t_ok = rows
+    page_block, page_offset, page_ok = page_rows
     page_words = tl.load(words_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0)
     page_scales, _ = split_words(page_words)
     # A NaN scale (a poisoned row) must poison its own key only, as in the paged kernel; the
@@ -132,10 +131,8 @@ def _int4_stage_kernel(
     pos = chunk * ROWS + tl.arange(0, ROWS)
     bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
     block, t_ok = staging.cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks)
-    offset = (pos % page).to(tl.int64)
-    page_pos = stage_page * STAGE + tl.arange(0, STAGE)
-    page_block, page_ok = staging.cache_blocks(bt_row, page_pos, seq_len, page, max_blocks, num_blocks)
-    page_offset = (page_pos % page).to(tl.int64)
+    rows = (block, (pos % page).to(tl.int64), t_ok)
+    page_rows = staging.page_places(bt_row, stage_page, seq_len, page, max_blocks, num_blocks, STAGE)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     d = tl.arange(0, D)
     ws = ((ws_page * STAGE + pos % STAGE) * s_wt + head * s_wh)[:, None] + d[None, :]
@@ -146,12 +143,8 @@ def _int4_stage_kernel(
             ks_ptr,
             ws_k_ptr + ws,
             k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            block,
-            offset,
-            page_block,
-            page_offset,
-            page_ok,
-            t_ok,
+            rows,
+            page_rows,
             s_kb,
             s_kt,
             s_kh,
@@ -170,12 +163,8 @@ def _int4_stage_kernel(
             vs_ptr,
             ws_v_ptr + ws,
             v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            block,
-            offset,
-            page_block,
-            page_offset,
-            page_ok,
-            t_ok,
+            rows,
+            page_rows,
             s_vb,
             s_vt,
             s_vh,

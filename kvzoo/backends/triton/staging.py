@@ -65,12 +65,8 @@ def _stage_rows(
     scales_ptr,
     ws_ptr,
     page_scale_ptr,
-    block,
-    offset,
-    page_block,
-    page_offset,
-    page_ok,
-    t_ok,
+    rows,
+    page_rows,
     mask,
     d,
     s_b,
@@ -88,7 +84,9 @@ def _stage_rows(
 ):
     """One tensor's rows: fp16 codes x (scale / page max) to ws_ptr (per-token-head: and the
     page max, by the page's first program), or the codes alone (per-tensor). HW_DTYPE: the
-    Triton dtype the code bytes convert from in hardware, or None for the integer decoder."""
+    Triton dtype the code bytes convert from in hardware, or None for the integer decoder.
+    rows, page_rows: (block, offset in the block, in_sequence) of its keys and its page's."""
+    block, offset, t_ok = rows
     raw = tl.load(codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + d[None, :] * s_d, mask=mask, other=0)
     if HW_DTYPE is not None:
         # int8 or e4m3 straight to fp16 (one conversion instruction per code, or per pair).
@@ -96,6 +94,7 @@ def _stage_rows(
     else:
         x = decode_codes(raw, CODE).to(tl.float16)
     if PER_TOKEN_HEAD:
+        page_block, page_offset, page_ok = page_rows
         page_scales = tl.load(
             scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0
         )
@@ -125,13 +124,23 @@ def cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks):
 
 
 @triton.jit
+def page_places(bt_row, stage_page, seq_len, page, max_blocks, num_blocks, STAGE: tl.constexpr):
+    """(block, offset in the block, in_sequence) of the STAGE keys of workspace page stage_page:
+    every gather program of a page reads the page's scales for its largest (from cache: they
+    are 4 bytes a row); only the first stores it."""
+    page_pos = stage_page * STAGE + tl.arange(0, STAGE)
+    page_block, page_ok = cache_blocks(bt_row, page_pos, seq_len, page, max_blocks, num_blocks)
+    return page_block, (page_pos % page).to(tl.int64), page_ok
+
+
+@triton.jit
 def _slot_kernel(qsl_ptr, num_seqs, num_slots, pages_per_slot, seq_of_slot_ptr, first_page_ptr, BLOCK: tl.constexpr):
     """Workspace slots, in batch order, for the sequences with more than one query token.
     Writes each used slot's sequence, the count of used slots (at index num_slots), and every
     sequence's first workspace page (a slot's pages are consecutive)."""
     used = tl.program_id(0) * 0
     start = used
-    # while, not range(): see the interpreter note in attention_tiles._attend_range.
+    # while, not range(): see the interpreter note in attention_tiles.attend_range.
     while start < num_seqs:
         seq = start + tl.arange(0, BLOCK)
         ok = seq < num_seqs
@@ -208,12 +217,8 @@ def _stage_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * s_bt
     block, t_ok = cache_blocks(bt_row, pos, seq_len, page, max_blocks, num_blocks)
     mask = t_ok[:, None] & (d < head_size)[None, :]
-    offset = (pos % page).to(tl.int64)
-    # Every program of a page reads the page's scales for its largest (from cache: they are
-    # 4 bytes a row); only the first stores it.
-    page_pos = stage_page * STAGE + tl.arange(0, STAGE)
-    page_block, page_ok = cache_blocks(bt_row, page_pos, seq_len, page, max_blocks, num_blocks)
-    page_offset = (page_pos % page).to(tl.int64)
+    rows = (block, (pos % page).to(tl.int64), t_ok)
+    page_rows = page_places(bt_row, stage_page, seq_len, page, max_blocks, num_blocks, STAGE)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
@@ -223,12 +228,8 @@ def _stage_kernel(
             ks_ptr,
             ws_k_ptr + ws,
             k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            block,
-            offset,
-            page_block,
-            page_offset,
-            page_ok,
-            t_ok,
+            rows,
+            page_rows,
             mask,
             d,
             s_kb,
@@ -250,12 +251,8 @@ def _stage_kernel(
             vs_ptr,
             ws_v_ptr + ws,
             v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            block,
-            offset,
-            page_block,
-            page_offset,
-            page_ok,
-            t_ok,
+            rows,
+            page_rows,
             mask,
             d,
             s_vb,
