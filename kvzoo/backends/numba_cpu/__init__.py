@@ -425,11 +425,12 @@ def work_items(query_start_loc: np.ndarray, block_tokens: int, costs_from: np.nd
     last long causal block while the other idles. Only rows in [0, num_tokens) are placed,
     whatever query_start_loc says (SPEC.md 11.1)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
+    if qsl.size > 1 and qsl[0] >= 0 and qsl[-1] <= num_tokens:
+        # A decode step: one item a sequence (what the general form below gives).
+        items = _kernels().decode_work_items(qsl, np.asarray(costs_from, dtype=np.int64))
+        if items is not None:
+            return items
     qlens = qsl[1:] - qsl[:-1]
-    if (qlens == 1).all() and (not qsl.size or (qsl[0] >= 0 and qsl[-1] <= num_tokens)):
-        # A decode step: one item a sequence (what the general form below gives, in a third of its time).
-        order = np.argsort(-np.asarray(costs_from, dtype=np.int64), kind="stable")
-        return order, qsl[order], np.ones(order.size, np.int64)
     begin = np.clip(qsl[:-1], 0, num_tokens)
     end = np.maximum(np.clip(qsl[1:], 0, num_tokens), begin)
     nblk = -(-(end - begin) // block_tokens)

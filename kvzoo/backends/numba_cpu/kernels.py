@@ -2029,6 +2029,23 @@ def attention(query, cache, step, params, outputs):
         _attention_item(np.int64(it), query, cache, step, params, outputs)
 
 
+@njit(**_OPTS)
+def decode_work_items(query_start_loc, seq_lens):
+    """A decode step's work items (see __init__.work_items): one per sequence, longest first
+    (stable), each its one query token; None where a sequence queries other than one token.
+    Compiled: a decode runs it once per layer, where NumPy's calls cost more than the kernel's
+    smaller items."""
+    num_seqs = seq_lens.shape[0]
+    for s in range(num_seqs):
+        if query_start_loc[s + 1] - query_start_loc[s] != 1:
+            return None
+    order = np.argsort(-seq_lens, kind="mergesort")
+    first = np.empty(num_seqs, dtype=np.int64)
+    for i in range(num_seqs):
+        first[i] = query_start_loc[order[i]]
+    return order, first, np.ones(num_seqs, dtype=np.int64)
+
+
 # ----------------------------------------------------------------------------------------------
 # Test hooks: the exact element functions applied to whole arrays
 # ----------------------------------------------------------------------------------------------
