@@ -202,51 +202,31 @@ def _code_of_value(fmt: CodeFormat) -> np.ndarray:
 
 
 INT8 = CodeFormat("int8", "int", 8, True, "int8", qmax=127.0, qmin=-128.0, nan_code=0, inf_codes=(0x7F, 0x80))
-FLOAT8_E4M3FN = CodeFormat(
-    "float8_e4m3fn",
-    "float",
-    8,
-    True,
-    "float8_e4m3fn",
-    qmax=448.0,
-    qmin=-448.0,
-    nan_code=0x7F,
-    inf_codes=(0x7F, 0x7F),
-    exponent_bits=4,
-    mantissa_bits=3,
-    exponent_bias=7,
+
+
+def _float8(
+    name: str, qmax: float, nan_code: int, inf_codes: tuple[int, int], exponent_bits: int, exponent_bias: int
+) -> CodeFormat:
+    # What every fp8 format shares: one signed byte of 1 sign, exponent and mantissa bits, stored
+    # as its own ml_dtypes type, clamped to a range symmetric about 0.
+    return CodeFormat(
+        name, "float", 8, True, name, qmax=qmax, qmin=-qmax, nan_code=nan_code, inf_codes=inf_codes,
+        exponent_bits=exponent_bits, mantissa_bits=7 - exponent_bits, exponent_bias=exponent_bias,
+    )  # fmt: skip
+
+
+FLOAT8_E4M3FN = _float8(
+    "float8_e4m3fn", qmax=448.0, nan_code=0x7F, inf_codes=(0x7F, 0x7F), exponent_bits=4, exponent_bias=7
 )
 # ROCm MI300's variant: one NaN (0x80, "negative zero"), bias 8, largest finite 240. The clamp
 # at 224 follows vLLM, whose ROCm path reported accuracy problems at 240.
-FLOAT8_E4M3FNUZ = CodeFormat(
-    "float8_e4m3fnuz",
-    "float",
-    8,
-    True,
-    "float8_e4m3fnuz",
-    qmax=224.0,
-    qmin=-224.0,
-    nan_code=0x80,
-    inf_codes=(0x80, 0x80),
-    exponent_bits=4,
-    mantissa_bits=3,
-    exponent_bias=8,
+FLOAT8_E4M3FNUZ = _float8(
+    "float8_e4m3fnuz", qmax=224.0, nan_code=0x80, inf_codes=(0x80, 0x80), exponent_bits=4, exponent_bias=8
 )
 # IEEE-style: exponent 31 is Inf (mantissa 0) or NaN. The clamp at the largest finite value is
 # vLLM's __NV_SATFINITE; 0x7F is the NaN torch's cast stores.
-FLOAT8_E5M2 = CodeFormat(
-    "float8_e5m2",
-    "float",
-    8,
-    True,
-    "float8_e5m2",
-    qmax=57344.0,
-    qmin=-57344.0,
-    nan_code=0x7F,
-    inf_codes=(0x7C, 0xFC),
-    exponent_bits=5,
-    mantissa_bits=2,
-    exponent_bias=15,
+FLOAT8_E5M2 = _float8(
+    "float8_e5m2", qmax=57344.0, nan_code=0x7F, inf_codes=(0x7C, 0xFC), exponent_bits=5, exponent_bias=15
 )
 
 # Two unsigned 4-bit codes per byte with a per-row zero point in the scale word's low 4 bits

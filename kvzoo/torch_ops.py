@@ -194,13 +194,29 @@ def _mode_name(kv_cache_dtype: str | QuantMode) -> str:
     return kv_cache_dtype.name if isinstance(kv_cache_dtype, QuantMode) else kv_cache_dtype
 
 
-def _require_query(query: object) -> None:
+def _outputs(
+    query: object, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An attention op's (out, lse), allocated where not given: the op writes lse exactly when
+    it is given one, so return_lse is settled here."""
     # query's shape sizes out and lse before the op, which checks the rest, is called. Only
     # what torch.compile traces: the op's own checks run outside the graph.
     if not isinstance(query, torch.Tensor):
         fail(f"query: expected a torch.Tensor [num_tokens, num_q_heads, head_size], got {type(query).__name__}")
     if query.dim() != 3:
         fail(f"query: expected 3 dimensions [num_tokens, num_q_heads, head_size], got shape {tuple(query.shape)}")
+    if out is None:
+        out = torch.empty_like(query)
+    return out, calls.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
+
+
+def _result(
+    out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if return_lse:
+        assert lse is not None  # allocated where not given (calls.check_lse)
+        return out, lse
+    return out
 
 
 def _static_scale(name: str, scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -222,6 +238,12 @@ def _static_scale(name: str, scale: torch.Tensor | float | None, like: torch.Ten
     else:
         scale = float32_scalar(name, scale)
     return torch.tensor([scale], dtype=torch.float32, device=getattr(like, "device", None))
+
+
+def _static_scales(
+    k_scale: torch.Tensor | float | None, v_scale: torch.Tensor | float | None, like: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return _static_scale("k_scale", k_scale, like), _static_scale("v_scale", v_scale, like)
 
 
 # The least real number float32 rounds to +Inf (ties to even), and the largest it rounds to 0.
@@ -295,8 +317,7 @@ def reshape_and_cache(
         slot_mapping,
         k_scale_cache,
         v_scale_cache,
-        _static_scale("k_scale", k_scale, key_cache),
-        _static_scale("v_scale", v_scale, key_cache),
+        *_static_scales(k_scale, v_scale, key_cache),
         _mode_name(kv_cache_dtype),
         rounding,
         validate,
@@ -417,11 +438,7 @@ def paged_attention(
     >>> lse.shape, lse.dtype
     (torch.Size([20, 8]), torch.float32)
     """
-    _require_query(query)
-    if out is None:
-        out = torch.empty_like(query)
-    # The op writes lse exactly when it is given one, so return_lse is settled here.
-    lse = calls.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
+    out, lse = _outputs(query, out, lse, return_lse)
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
@@ -437,8 +454,7 @@ def paged_attention(
         query_start_loc,
         k_scale_cache,
         v_scale_cache,
-        _static_scale("k_scale", k_scale, key_cache),
-        _static_scale("v_scale", v_scale, key_cache),
+        *_static_scales(k_scale, v_scale, key_cache),
         sinks,
         _mode_name(kv_cache_dtype),
         softmax_scale,
@@ -454,10 +470,7 @@ def paged_attention(
         validate,
         impl,
     )
-    if return_lse:
-        assert lse is not None  # allocated where not given (calls.check_lse)
-        return out, lse
-    return out
+    return _result(out, lse, return_lse)
 
 
 def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds: tuple) -> None:
@@ -728,8 +741,7 @@ def step_write(
         k_scale_cache,
         v_scale_cache,
         plan_name,
-        _static_scale("k_scale", k_scale, key_cache),
-        _static_scale("v_scale", v_scale, key_cache),
+        *_static_scales(k_scale, v_scale, key_cache),
     )
 
 
@@ -798,11 +810,7 @@ def step_attention(
     >>> tuple(out.shape), tuple(lse.shape), lse.dtype
     ((20, 4, 64), (20, 4), torch.float32)
     """
-    _require_query(query)
-    if out is None:
-        out = torch.empty_like(query)
-    # The op writes lse exactly when it is given one, so return_lse is settled here.
-    lse = calls.lse_output(lse, return_lse, query, query.shape[0], query.shape[1])
+    out, lse = _outputs(query, out, lse, return_lse)
     torch.ops.kvzoo.step_attention(
         out,
         query,
@@ -812,11 +820,7 @@ def step_attention(
         v_scale_cache,
         plan_name,
         lse,
-        _static_scale("k_scale", k_scale, key_cache),
-        _static_scale("v_scale", v_scale, key_cache),
+        *_static_scales(k_scale, v_scale, key_cache),
         sinks,
     )
-    if return_lse:
-        assert lse is not None  # allocated where not given (calls.check_lse)
-        return out, lse
-    return out
+    return _result(out, lse, return_lse)

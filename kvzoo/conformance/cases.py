@@ -242,6 +242,11 @@ class AttentionCase:
         return Requirements(self.head_size, self.query_dtype, frozenset(options))
 
 
+# Every softmax option at once, one set of values for each case that takes them all, so their ids
+# (win19-cap30-sinks, which tests name) move together.
+_EVERY_SOFTMAX_OPTION: dict[str, Any] = dict(sliding_window=19, softcap=30.0, sinks=True)
+
+
 def attention_cases() -> list[AttentionCase]:
     cases = []
     for mode in MODE_NAMES:
@@ -266,9 +271,7 @@ def attention_cases() -> list[AttentionCase]:
                 num_q_heads=16,
                 num_kv_heads=2,
                 head_size=head_size_for(mode, 96),
-                sliding_window=19,
-                softcap=30.0,
-                sinks=True,
+                **_EVERY_SOFTMAX_OPTION,
             )
         )
         if _inline(mode):
@@ -287,9 +290,7 @@ def attention_cases() -> list[AttentionCase]:
                         num_kv_heads=4,
                         head_size=64,
                         layout="inline",
-                        sliding_window=19,
-                        softcap=30.0,
-                        sinks=True,
+                        **_EVERY_SOFTMAX_OPTION,
                         poison=MODES[mode].holds_nan,
                         row_align=decode_align,
                     )
@@ -316,9 +317,7 @@ def attention_cases() -> list[AttentionCase]:
                 num_kv_heads=2,
                 head_size=96,
                 query_dtype="float32",
-                sliding_window=19,
-                softcap=30.0,
-                sinks=True,
+                **_EVERY_SOFTMAX_OPTION,
                 **on,
             )
         )

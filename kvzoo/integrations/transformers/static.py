@@ -167,44 +167,45 @@ class KVZooStaticLayer(PagedLayer):
             out = full
         return out.view(batch, q_len, num_q_heads, head_size)
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def _op_arguments(self, op: str) -> dict[str, Any]:
+        """What both of this layer's op calls pass besides their own arguments."""
         store, cache = self._store, self.cache
         t = store.pages
+        # validate=False: the compiled decode step reads nothing back from the device.
+        return dict(
+            kv_cache_dtype=cache.mode.name,
+            k_scale_cache=t.k_scale_cache,
+            v_scale_cache=t.v_scale_cache,
+            k_scale=store.k_scale,
+            v_scale=store.v_scale,
+            validate=False,
+            impl=cache._impl(op),
+        )
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        t = self._store.pages
         torch_ops.reshape_and_cache(
             k,
             v,
             t.key_cache,
             t.value_cache,
             slots,
-            kv_cache_dtype=cache.mode.name,
-            k_scale_cache=t.k_scale_cache,
-            v_scale_cache=t.v_scale_cache,
-            k_scale=store.k_scale,
-            v_scale=store.v_scale,
-            rounding=cache.rounding,
-            validate=False,
-            impl=cache._impl("reshape_and_cache"),
+            rounding=self.cache.rounding,
+            **self._op_arguments("reshape_and_cache"),
         )
 
     def _attend(self, q, seq_lens, qsl, max_query_len: int, max_seq_len: int, **options: Any) -> torch.Tensor:
-        store, cache = self._store, self.cache
-        t = store.pages
+        t = self._store.pages
         out = torch_ops.paged_attention(
             q,
             t.key_cache,
             t.value_cache,
-            kv_cache_dtype=cache.mode.name,
-            block_tables=cache.block_tables,
+            block_tables=self.cache.block_tables,
             seq_lens=seq_lens,
             query_start_loc=qsl,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            k_scale_cache=t.k_scale_cache,
-            v_scale_cache=t.v_scale_cache,
-            k_scale=store.k_scale,
-            v_scale=store.v_scale,
-            validate=False,
-            impl=cache._impl("paged_attention"),
+            **self._op_arguments("paged_attention"),
             **options,
         )
         assert not isinstance(out, tuple)  # (out, lse) only with return_lse
