@@ -20,6 +20,24 @@ from support import SEED  # noqa: E402
 os.environ.setdefault("KVZOO_SEED", str(SEED))
 
 
+def pytest_configure(config):
+    # xdist's workers compile the numba kernels each time a test first needs one, both workers
+    # the same ones at once: on a clean clone that is minutes of the run. The controller compiles
+    # them first instead, each input-dtype width in its own process (`kvzoo warmup -j`), so the
+    # workers load every signature the warmup covers from numba's disk cache.
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if hasattr(config, "workerinput") or workers < 2 or os.environ.get("KVZOO_DISABLE_NUMBA"):
+        return
+    from kvzoo.backends import numba_cpu
+
+    if numba_cpu.unavailable():
+        return
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "kvzoo.cli", "warmup", "--jobs", str(workers)], check=True)
+
+
 def pytest_report_header(config):
     return f"kvzoo: random seed {SEED} (replay with KVZOO_SEED={SEED}); TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
 

@@ -215,3 +215,28 @@ def test_readme_lists_every_module_once():
     assert sorted(listed) == modules, (
         f"missing from README: {sorted(set(modules) - set(listed))}; gone: {sorted(set(listed) - set(modules))}"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, named", [(["--dtypes", "bfloat16,int8"], "--dtypes 'bfloat16,int8'"), (["--jobs", "0"], "--jobs 0")]
+)
+def test_warmup_refuses_a_bad_argument_naming_it_before_compiling(argv, named, capsys, monkeypatch):
+    from kvzoo import warmup
+    from kvzoo.backends import numba_cpu
+    from kvzoo.cli import main
+
+    if numba_cpu.unavailable():
+        pytest.skip("numba: " + "; ".join(numba_cpu.unavailable()))
+    monkeypatch.setattr(warmup, "run_every_signature", lambda **kw: pytest.fail("compiled after a bad argument"))
+    assert main(["warmup", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_warmup_groups_cover_every_input_dtype_once():
+    from kvzoo.warmup import CARRIER_GROUPS, INPUT_DTYPES
+
+    flat = [dtype for group in CARRIER_GROUPS for dtype in group]
+    assert sorted(flat) == sorted(INPUT_DTYPES)
+    # One element width per group: the width is what the kernels' signatures follow.
+    widths = [{torch.empty(0, dtype=getattr(torch, d)).element_size() for d in group} for group in CARRIER_GROUPS]
+    assert all(len(w) == 1 for w in widths) and len({w.pop() for w in widths}) == len(CARRIER_GROUPS)
