@@ -1010,13 +1010,19 @@ def _e2e_header(group: E2EShape) -> str:
 E2E_SHORT, E2E_LONG = "16x4096", "8x32768"
 
 
-def _e2e_find(run: Run, shape: str, cache: str) -> dict | None:
-    return next((r for g in e2e_shapes(run) if g.shape == shape if (r := g.ok(cache))), None)
+def _e2e_pairs(run: Run, shape: str, cache: str, base: str) -> list[tuple[str, dict, dict]]:
+    """(where, the cache's row, the base's row) from each JSON measuring both at the shape: a
+    ratio is only taken within one run. where names the run's commit when several JSONs hold
+    the shape (empty otherwise)."""
+    groups = [g for g in e2e_shapes(run) if g.shape == shape]
+    pairs = [(g, r, b) for g in groups if (r := g.ok(cache)) and (b := g.ok(base))]
+    several = len(groups) > 1
+    return [(f" ({g.env.get('commit', '?')})" if several else "", r, b) for g, r, b in pairs]
 
 
 def _e2e_verdict(figures: list[str], checks: list[bool], missing: list[str]) -> tuple[str, bool | None] | None:
-    """A target's cell and verdict: not measured without a figure; no if any figure misses; yes only
-    if every cache it names was measured."""
+    """A target's cell and verdict: not measured without a figure; no if any figure misses (in
+    any run); yes only if every cache it names was measured."""
     if not checks:
         return None
     figure = ", ".join(figures + [f"{m} not measured" for m in missing])
@@ -1024,35 +1030,33 @@ def _e2e_verdict(figures: list[str], checks: list[bool], missing: list[str]) -> 
 
 
 def _e2e_against(run: Run, shape: str, caches: Iterable[str], base: str, ratio, floor: float, spec: str = ".2f"):
-    """ratio(row, base_row) >= floor for each cache at the shape."""
-    b = _e2e_find(run, shape, base)
+    """ratio(row, base_row) >= floor for each cache at the shape, in every run that measured both."""
     figures, checks, missing = [], [], []
     for cache in caches:
-        r = _e2e_find(run, shape, cache)
-        if r is None or b is None:
+        pairs = _e2e_pairs(run, shape, cache, base)
+        if not pairs:
             missing.append(e2e_label(cache))
-            continue
-        value = ratio(r, b)
-        figures.append(f"{e2e_label(cache)} {value:{spec}}x")
-        checks.append(value >= floor)
+        for where, r, b in pairs:
+            value = ratio(r, b)
+            figures.append(f"{e2e_label(cache)} {value:{spec}}x{where}")
+            checks.append(value >= floor)
     return _e2e_verdict(figures, checks, missing)
 
 
 def _e2e_at_most(run: Run, caches: Iterable[str], key: str, ceiling: float, shapes: Iterable[str]):
-    """row[key] / dynamic's <= ceiling for each cache at each shape."""
+    """row[key] / dynamic's <= ceiling for each cache at each shape, in every run that measured both."""
     figures, checks, missing = [], [], []
     shapes = list(shapes)
     for shape in shapes:
-        b = _e2e_find(run, shape, E2E_BASE)
+        at = f" at {label('decode', shape).removeprefix('decode ')}" if len(shapes) > 1 else ""
         for cache in caches:
-            r = _e2e_find(run, shape, cache)
-            where = f" at {label('decode', shape).removeprefix('decode ')}" if len(shapes) > 1 else ""
-            if r is None or b is None:
-                missing.append(e2e_label(cache) + where)
-                continue
-            value = r[key] / b[key]
-            figures.append(f"{e2e_label(cache)} {value:.3f}x{where}")
-            checks.append(value <= ceiling)
+            pairs = _e2e_pairs(run, shape, cache, E2E_BASE)
+            if not pairs:
+                missing.append(e2e_label(cache) + at)
+            for where, r, b in pairs:
+                value = r[key] / b[key]
+                figures.append(f"{e2e_label(cache)} {value:.3f}x{at}{where}")
+                checks.append(value <= ceiling)
     return _e2e_verdict(figures, checks, missing)
 
 
@@ -1173,7 +1177,8 @@ def _e2e_split_rounds(run: Run) -> list[str]:
     E2E_SPLIT_ROUNDS times its fastest): there the pooled medians' ratio rests on how many rounds
     fell in each half, so each row's fastest round is set against DynamicCache's fastest too."""
     lines = []
-    for g in e2e_shapes(run):
+    groups = e2e_shapes(run)
+    for g in groups:
         rounds = {r["cache"]: r.get("decode_rounds") or [] for r in g.rows if r.get("status") == "ok"}
         base = rounds.get(E2E_BASE)
         if not base or not any(len(v) > 1 and max(v) > E2E_SPLIT_ROUNDS * min(v) for v in rounds.values()):
@@ -1181,8 +1186,10 @@ def _e2e_split_rounds(run: Run) -> list[str]:
         fastest = ", ".join(
             f"{e2e_label(cache)} {min(base) / min(v):.2f}x" for cache, v in rounds.items() if v and cache != E2E_BASE
         )
+        several = sum(other.shape == g.shape for other in groups) > 1
+        where = f" in the run of commit {g.env.get('commit', '?')}" if several else ""
         lines.append(
-            f"At {g.batch} x {g.context} the rounds split in two (each row's round medians in brackets above): the "
+            f"At {g.batch} x {g.context}{where} the rounds split in two (each row's round medians in brackets above): the "
             "host's speed changed between generates, so the ratios of the pooled medians depend on how many rounds "
             f"fell in the fast half. Each row's fastest round against DynamicCache's fastest ({min(base):.2f} ms): "
             f"{fastest}."
