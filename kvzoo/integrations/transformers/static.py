@@ -159,16 +159,12 @@ class KVZooStaticLayer(PagedLayer):
     def _op_arguments(self, op: str) -> dict[str, Any]:
         """What both of this layer's op calls pass besides their own arguments."""
         store, cache = self._store, self.cache
-        t = store.pages
         # validate=False: the compiled decode step reads nothing back from the device.
         return dict(
             kv_cache_dtype=cache.mode.name,
-            k_scale_cache=t.k_scale_cache,
-            v_scale_cache=t.v_scale_cache,
-            k_scale=store.k_scale,
-            v_scale=store.v_scale,
             validate=False,
             impl=cache._impl(op),
+            **store.pages.scale_arguments(store.k_scale, store.v_scale),
         )
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
