@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import api
 from .layout import KVCacheTensors, RowAlign, allocate_inline, allocate_separate
@@ -88,12 +88,6 @@ class PagedKVCache:
         self.layout = layout
         self.k_scale, self.v_scale = k_scale, v_scale
 
-    def _scales(self) -> dict[str, Any]:
-        t = self.tensors
-        return dict(
-            k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache, k_scale=self.k_scale, v_scale=self.v_scale
-        )
-
     def write(
         self,
         key: Array,
@@ -128,7 +122,7 @@ class PagedKVCache:
             impl=impl,
             validate=validate,
             check_finite=check_finite,
-            **self._scales(),
+            **self.tensors.scale_arguments(self.k_scale, self.v_scale),
         )
 
     def read(
@@ -254,5 +248,5 @@ class PagedKVCache:
             lse=lse,
             impl=impl,
             validate=validate,
-            **self._scales(),
+            **self.tensors.scale_arguments(self.k_scale, self.v_scale),
         )

@@ -37,6 +37,13 @@ class KVCacheTensors:
     # The single buffer behind an inline layout (None for separate tensors).
     buffer: Any | None = None
 
+    def scale_arguments(self, k_scale: Any = None, v_scale: Any = None) -> dict[str, Any]:
+        """What an op call over these pages takes besides their codes: their scale caches (None
+        where the mode keeps none) and a per-tensor mode's static scales, as given."""
+        return dict(
+            k_scale_cache=self.k_scale_cache, v_scale_cache=self.v_scale_cache, k_scale=k_scale, v_scale=v_scale
+        )
+
 
 def _zeros(shape, dtype: str, device: str | None):
     # Zero-filled, not uninitialised: a slot never written decodes to 0 (codes 0, scale 0),

@@ -247,6 +247,20 @@ class AttentionCase:
 _EVERY_SOFTMAX_OPTION: dict[str, Any] = dict(sliding_window=19, softcap=30.0, sinks=True)
 
 
+def _every_softmax_option_case(mode: str, **more: Any) -> AttentionCase:
+    """The mixed batch with every softmax option at once, GQA of 8 (16 query heads on 2 KV heads)
+    at head size 96 or the mode's nearest; more: what one use adds (its query dtype, its dots)."""
+    return AttentionCase(
+        mode,
+        "mixed",
+        num_q_heads=16,
+        num_kv_heads=2,
+        head_size=head_size_for(mode, 96),
+        **_EVERY_SOFTMAX_OPTION,
+        **more,
+    )
+
+
 def attention_cases() -> list[AttentionCase]:
     cases = []
     for mode in MODE_NAMES:
@@ -264,16 +278,7 @@ def attention_cases() -> list[AttentionCase]:
                 query_dtype="float16",
             )
         )
-        cases.append(
-            AttentionCase(
-                mode,
-                "mixed",
-                num_q_heads=16,
-                num_kv_heads=2,
-                head_size=head_size_for(mode, 96),
-                **_EVERY_SOFTMAX_OPTION,
-            )
-        )
+        cases.append(_every_softmax_option_case(mode))
         if _inline(mode):
             # vLLM's rows, then aligned pages: rows of 144 bytes (16-byte aligned, 132 of data)
             # and of 128 (a power of two, 68 of data), padding all ones (NaN were it read as a
@@ -309,18 +314,7 @@ def attention_cases() -> list[AttentionCase]:
     ):
         on: dict[str, Any] = {option: True}
         cases += [AttentionCase(mode, batch, **on) for batch in batches]
-        cases.append(
-            AttentionCase(
-                mode,
-                "mixed",
-                num_q_heads=16,
-                num_kv_heads=2,
-                head_size=96,
-                query_dtype="float32",
-                **_EVERY_SOFTMAX_OPTION,
-                **on,
-            )
-        )
+        cases.append(_every_softmax_option_case(mode, query_dtype="float32", **on))
         cases.append(AttentionCase(mode, "decode", poison=True, **on))
     cases.append(AttentionCase("fp8_per_token_head", "mixed", head_size=128, layout="inline", fp8_dots=True))
     cases.append(

@@ -142,6 +142,23 @@ class PagedLayer(CacheLayerMixin):
         self.store: LayerStore | None = None
         self.is_initialized = False
 
+    def _new_store(self, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device) -> LayerStore:
+        """The layer's pages, empty, as either cache holds them: its mode, layout, page size and
+        row alignment, and this layer's own static scales."""
+        cache = self.cache
+        return LayerStore(
+            cache.mode,
+            cache.layout,
+            block_size=cache.block_size,
+            row_align=cache.row_align,
+            k_scale=cache._k_scales[self.index],
+            v_scale=cache._v_scales[self.index],
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            model_dtype=dtype,
+            device=device,
+        )
+
     @property
     def _store(self) -> LayerStore:
         """The layer's pages, for the paths that run after its first update made them."""
@@ -198,7 +215,7 @@ class KVZooLayer(PagedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         _, num_kv_heads, _, head_size = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.store = self.cache._new_store(self.index, num_kv_heads, head_size, key_states.dtype, key_states.device)
+        self.store = self._new_store(num_kv_heads, head_size, key_states.dtype, key_states.device)
         self.is_initialized = True
 
     def update(
@@ -405,28 +422,17 @@ class KVZooCache(Cache):
         )
 
     @property
+    def block_size(self) -> int:
+        """Tokens per page (every page table's)."""
+        return self.pages.block_size
+
+    @property
     def pages(self) -> PageTable:
         """The full-attention layers' page table (the first sliding one's if every layer slides);
         every table holds the same rows, lengths and positions."""
         return self._tables.get(None) or next(iter(self._tables.values()))
 
     # -- used by the layers --------------------------------------------------------------
-
-    def _new_store(
-        self, index: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device
-    ) -> LayerStore:
-        return LayerStore(
-            self.mode,
-            self.layout,
-            block_size=self.pages.block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            model_dtype=dtype,
-            device=device,
-            k_scale=self._k_scales[index],
-            v_scale=self._v_scales[index],
-            row_align=self.row_align,
-        )
 
     def _check_attention_implementation(self) -> None:
         _require_kvzoo_attention(self._config, "KVZooCache", f" (or model.set_attn_implementation({ATTENTION_NAME!r}))")

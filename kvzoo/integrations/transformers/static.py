@@ -39,7 +39,6 @@ from transformers.cache_utils import Cache
 
 from ... import torch_ops
 from ...modes import QuantMode, get_kv_quant_mode
-from ._store import LayerStore
 from .cache import (
     _HANDOFF,
     KVZooIntegrationError,
@@ -91,17 +90,7 @@ class KVZooStaticLayer(PagedLayer):
     def initialize(self, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device) -> None:
         cache = self.cache
         self.device, self.dtype = torch.device(device), dtype
-        store = LayerStore(
-            cache.mode,
-            "separate",
-            block_size=cache.block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            model_dtype=dtype,
-            device=device,
-            k_scale=cache._k_scales[self.index],
-            v_scale=cache._v_scales[self.index],
-        )
+        store = self._new_store(num_kv_heads, head_size, dtype, device)
         store.ensure(cache.max_batch_size * cache.blocks_per_row)
         for t in store._arrays(store.pages):
             _static(t)
@@ -170,16 +159,12 @@ class KVZooStaticLayer(PagedLayer):
     def _op_arguments(self, op: str) -> dict[str, Any]:
         """What both of this layer's op calls pass besides their own arguments."""
         store, cache = self._store, self.cache
-        t = store.pages
         # validate=False: the compiled decode step reads nothing back from the device.
         return dict(
             kv_cache_dtype=cache.mode.name,
-            k_scale_cache=t.k_scale_cache,
-            v_scale_cache=t.v_scale_cache,
-            k_scale=store.k_scale,
-            v_scale=store.v_scale,
             validate=False,
             impl=cache._impl(op),
+            **store.pages.scale_arguments(store.k_scale, store.v_scale),
         )
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -255,6 +240,11 @@ class KVZooStaticCache(Cache):
     and repetition are not supported (the batch is fixed), beam reordering copies pages.
     """
 
+    # The separate layout only, so no rows to pad: torch.compile does not take the inline
+    # page's views (kvzoo.torch_ops). PagedLayer._new_store reads both off either cache.
+    layout = "separate"
+    row_align = None
+
     def __init__(
         self,
         config: Any,
@@ -272,7 +262,7 @@ class KVZooStaticCache(Cache):
         text, num_layers = _text_config(config)
         self.mode = get_kv_quant_mode(mode)
         self.prefill_attention = _prefill_attention(prefill_attention)
-        _refuse_geometry(self.mode, "separate", _head_size(text))
+        _refuse_geometry(self.mode, self.layout, _head_size(text))
         _check_rounding(self.mode, rounding)
         for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
