@@ -203,6 +203,8 @@ def _attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
 
+    # Strides are indexed where they are used, never unpacked by assignment: that would turn a
+    # stride Triton specialised to the constant 1 into a tensor.
     q_rows = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1]
     q_ok = row_ok[:, None] & d_ok[None, :]
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
