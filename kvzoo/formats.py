@@ -13,7 +13,7 @@ Adding a format: a CodeFormat row here (bits, so codes_per_byte and storage_widt
 stored for NaN and for +-Inf; zero_point_bits for a zero point carried per row in the scale
 word), a QuantMode using it in kvzoo/modes.py, the same definitions written independently in
 the oracle, and an entry in the table of each backend that implements it (numpy_vectorized
-ENCODERS, numba FORMAT_KINDS, triton formats.FORMAT_CODES) with that backend's encoder and
+ENCODERS, numba FORMAT_KINDS, triton formats.FORMATS) with that backend's encoder and
 decoder. The API's shapes and dtypes (kvzoo.arrays), the layouts and the conformance inputs
 follow from the row; a backend without the entry leaves the mode out (tests/test_formats.py
 prints the table). What packing does to the kernels' addressing is each backend's own work.

@@ -498,12 +498,12 @@ def test_every_platform_format_has_tile_rows():
     import types
 
     from kvzoo.backends.triton import attention_tables as tables
-    from kvzoo.backends.triton.formats import packed_rows
+    from kvzoo.backends.triton.formats import PAGED, family_of
     from kvzoo.modes import MODES
 
     k = _kernels()
     for name in set().union(*platform.PLATFORM_MODES.values()):
-        if packed_rows(MODES[name]):
+        if family_of(MODES[name]) != PAGED:
             continue  # int4's own kernels keep their own tables (test_triton_int4.py checks them)
         codes = k._cache_codes(types.SimpleNamespace(mode=MODES[name]))
         assert codes in tables.SPLIT_RULES, name
@@ -516,6 +516,22 @@ def test_every_platform_format_has_tile_rows():
     for row in (row for table in rows for row in table.values()):
         assert row.chosen_by and all(run.settled for run in row.chosen_by)
         assert row.chosen_by is tables.NOT_TIMED or all(run.command and run.commit for run in row.chosen_by)
+
+
+def test_every_format_names_a_family_with_the_entry_points():
+    # The registration reaches a format's kernels only through the family its row in formats.py
+    # names, by these names: a format is one row there, its family one module per part.
+    from kvzoo.backends.triton import formats
+
+    parts = {
+        "attention": ("run", "prepare", "workspace_bytes"),
+        "write": ("reshape_and_cache", "prepare_write", "dequantize"),
+    }
+    for name, row in formats.FORMATS.items():
+        for part, entry_points in parts.items():
+            module = formats._module(getattr(row.family, part))
+            missing = [e for e in entry_points if not callable(getattr(module, e, None))]
+            assert not missing, (name, module.__name__, missing)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -518,7 +518,7 @@ def test_every_int4_head_size_class_has_tile_rows():
     from kvzoo.backends.triton import formats
 
     for name in INT4:
-        assert formats.packed_rows(MODES[name])
+        assert formats.family_of(MODES[name]) == formats.INT4
     for size in (64, 128, 256):
         tiles = int4_attention.TILES[size]
         for row in (tiles.decode, tiles.prefill, int4_attention.SPLIT):

@@ -10,9 +10,9 @@ kernel_facts.py measures the same kernels on the GPU, with their time.
 
 Triton compiles for a target given by hand (GPUTarget("cuda", 90, 32)); the wheel's ptxas and
 cuobjdump give the rest. The problem is built from meta tensors, the launch arguments by the
-kernel's own `kernel_call` (`staged_kernel_call`), so what compiles here is what `_launch` would launch (argument
-specialisation follows Triton's rules: ints equal to 1 become constants, ints and pointers
-divisible by 16 are marked so).
+kernel's own `kernel_call` (`staged_kernel_call`), so what compiles here is what `_launch` would launch: the
+arguments are bound and specialised by Triton's own binder for that target (ints equal to 1
+become constants, ints and pointers divisible by 16 are marked so, tuples element by element).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -49,17 +50,6 @@ H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HQ, HKV, D, BS = 32, 8, 128, 16
-_TRITON_TYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int8: "i8",
-    torch.int16: "i16",
-    torch.uint8: "u8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.float8_e4m3fn: "fp8e4nv",
-}
 
 
 def meta_problem(
@@ -133,25 +123,16 @@ def meta_staged(p: Attention) -> staging.Staged:
 
 
 def compile_call(call: K.KernelCall):
+    """The launch compiled as JITFunction.run would compile it on an H200 (meta tensors' addresses
+    are 0, so every pointer is marked 16-byte aligned, as allocations are)."""
     fn = call.kernel
-    names = [n for n in fn.arg_names if n not in call.constexprs]
-    signature, constexprs, attrs = {}, dict(call.constexprs), {}
-    for name, value in zip(names, call.args):
-        if isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[value.dtype]
-            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]  # allocations are
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif value == 1:
-            constexprs[name] = 1
-        else:
-            signature[name] = "i32"
-            if value % 16 == 0:
-                attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
-    for name in constexprs:
-        signature[name] = "constexpr"
-    src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=H200, options=dict(call.options))
+    backend = make_backend(H200)
+    kwargs = {**call.constexprs, **call.options, "debug": False, "instrumentation_mode": ""}
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
+        *call.args, **kwargs
+    )
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=H200, options=options.__dict__)
 
 
 def loop_bodies(sass: str) -> list[collections.Counter]:

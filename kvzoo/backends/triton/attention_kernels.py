@@ -135,28 +135,13 @@ def _attention_kernel(
     window,
     split_keys,
     num_splits,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    q_strides,
+    out_strides,
+    lse_strides,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -191,7 +176,8 @@ def _attention_kernel(
 ):
     """Attention on the paged cache: decode (PER_SEQ, optionally SPLIT into partials for the
     merge) and direct prefill. FP8_DOTS: both dots on e4m3 operands (fp8_dots, SPEC.md 8.3),
-    e4m3 codes encoded with FP8_CODE."""
+    e4m3 codes encoded with FP8_CODE. Each *_strides is its array's stride() (zeros for the
+    scales and lse a launch has not)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PER_SEQ:
@@ -217,10 +203,12 @@ def _attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
 
-    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    # Strides are indexed where they are used, never unpacked by assignment: that would turn a
+    # stride Triton specialised to the constant 1 into a tensor.
+    q_rows = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1]
     q_ok = row_ok[:, None] & d_ok[None, :]
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    q = _encode.load_f32(q_rows + d[None, :] * stride_qd, q_ok)
+    q = _encode.load_f32(q_rows + d[None, :] * q_strides[2], q_ok)
     row_absmax = tl.max(tl.abs(q), axis=1)
     if Q_RESCALE:
         # Exact powers of two: q's fp16 cast keeps every bf16 bit and cannot overflow, and
@@ -275,20 +263,10 @@ def _attention_kernel(
             ks_ptr,
             vs_ptr,
             table_ptr,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            stride_vd,
-            stride_ksb,
-            stride_kst,
-            stride_ksh,
-            stride_vsb,
-            stride_vst,
-            stride_vsh,
+            k_strides,
+            v_strides,
+            ks_strides,
+            vs_strides,
             BLOCK_N,
             HEAD_D,
             BLOCK_D,
@@ -335,11 +313,8 @@ def _attention_kernel(
             d,
             row_ok,
             d_ok,
-            stride_ot,
-            stride_oh,
-            stride_od,
-            stride_lt,
-            stride_lh,
+            *out_strides,
+            *lse_strides,
             HAS_LSE,
         )
 
@@ -367,22 +342,12 @@ def _staged_attention_kernel(
     softmax_scale,
     softcap,
     window,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
-    stride_wb,
-    stride_wt,
-    stride_wh,
-    stride_wd,
-    stride_ksb,
-    stride_ksh,
-    stride_vsb,
-    stride_vsh,
+    q_strides,
+    out_strides,
+    lse_strides,
+    w_strides,
+    ks_strides,
+    vs_strides,
     stride_bt,
     stride_cache_bt,
     NUM_Q_HEADS: tl.constexpr,
@@ -405,9 +370,9 @@ def _staged_attention_kernel(
     ROTATE: tl.constexpr,
 ):
     """Prefill on staging.py's workspace: q the query rows rescaled into fp16 and q_undo their
-    factors, K and V (one layout: strides stride_w*) fp16 operands with one scale per page of
-    PAGE keys (ks, vs: [pages, KV heads]; static scales in per-tensor modes), first_page each
-    sequence's first workspace page. Decode tokens have no workspace: the paged kernel takes
+    factors, K and V (one layout: w_strides) fp16 operands with one scale per page of PAGE keys
+    (ks, vs: [pages, KV heads], their strides ks_strides and vs_strides; static scales in
+    per-tensor modes), first_page each sequence's first workspace page. Decode tokens have no workspace: the paged kernel takes
     them. The cache's own block tables (pages of CACHE_PAGE keys) tell an ill-formed sequence,
     as the paged kernel tells it; so does one longer than its workspace slot (workspace_keys).
     ROTATE: an int4 rotated mode's workspace (int4_staging.py), whose query and keys are in the
@@ -434,7 +399,7 @@ def _staged_attention_kernel(
         INTERPRETED,
     )
 
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_ptrs = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1] + d[None, :] * q_strides[2]
     q_ok = row_ok[:, None] & d_ok[None, :]
     # staging.py rescaled the rows into fp16 already: q meets the dot as loaded, so wgmma
     # reads it from shared memory (why that matters: staging.py's docstring).
@@ -468,14 +433,9 @@ def _staged_attention_kernel(
             v_ptr,
             ks_ptr,
             vs_ptr,
-            stride_wb,
-            stride_wt,
-            stride_wh,
-            stride_wd,
-            stride_ksb,
-            stride_ksh,
-            stride_vsb,
-            stride_vsh,
+            w_strides,
+            ks_strides,
+            vs_strides,
             BLOCK_N,
             HEAD_D,
             BLOCK_D,
@@ -509,11 +469,8 @@ def _staged_attention_kernel(
         d,
         row_ok,
         d_ok,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        stride_lt,
-        stride_lh,
+        *out_strides,
+        *lse_strides,
         HAS_LSE,
     )
 
@@ -1044,13 +1001,13 @@ def kernel_call(
         int(p.sliding_window or 0),
         max(cfg.split_keys, 1),
         num_splits,
-        *p.query.stride(),
-        *p.out.stride(),
-        *lse_strides,
-        *ops.k.stride(),
-        *ops.v.stride(),
-        *kss,
-        *vss,
+        p.query.stride(),
+        p.out.stride(),
+        lse_strides,
+        ops.k.stride(),
+        ops.v.stride(),
+        kss,
+        vss,
         p.block_tables.stride(0),
     )
     constexprs = dict(
@@ -1141,14 +1098,12 @@ def staged_kernel_call(staged: _staging.Staged, platform: str, cfg: StagedConfig
         float(p.softmax_scale),
         float(p.softcap or 1.0),
         int(p.sliding_window or 0),
-        *p.query.stride(),
-        *p.out.stride(),
-        *lse_strides,
-        *ws.stride(),
-        kss[0],
-        kss[2],
-        vss[0],
-        vss[2],
+        p.query.stride(),
+        p.out.stride(),
+        lse_strides,
+        ws.stride(),
+        (kss[0], kss[2]),
+        (vss[0], vss[2]),
         p.block_tables.stride(0),
         staged.cache_tables.stride(0),
     )

@@ -1,9 +1,10 @@
 """Registers the Triton unified paged attention ("triton-cuda", "triton-rocm").
 
 Kernels live in attention_kernels.py (their pieces in attention_tiles.py, their tile tables in
-attention_tables.py; int4's in int4_attention.py) and are imported on the first run, so this
-module loads (and lists the implementations as unavailable, with the reason) on machines
-without triton. The options the kernels take are options.py's, which both import.
+attention_tables.py; int4's in int4_attention.py): each mode's caches go to the family that
+formats.py's table names for its format, imported on the first run, so this module loads (and
+lists the implementations as unavailable, with the reason) on machines without triton. The
+options the kernels take are options.py's, which both import.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...registry import Implementation, Registry
 from . import platform
-from .formats import packed_rows, platform_formats
+from .formats import kernels, platform_formats
 from .options import TritonAttentionOptions
 
 if TYPE_CHECKING:
@@ -34,34 +35,25 @@ MAX_HEAD_SIZE = 256
 ATTENTION_RTOL = 5e-3
 
 
-def _kernels(p: Attention):
-    """The module whose kernels take `p`: the paged kernels, or int4's for packed rows."""
-    if packed_rows(p.mode):
-        from . import int4_attention
-
-        return int4_attention
-    from . import attention_kernels
-
-    return attention_kernels
-
-
 def _runner(platform_name: str):
     def run(p: Attention, options: TritonAttentionOptions | None = None) -> None:
-        _kernels(p).run(p, platform_name, options=options or TritonAttentionOptions())
+        kernels(p.mode, "attention").run(p, platform_name, options=options or TritonAttentionOptions())
 
     return run
 
 
 def _preparer(platform_name: str):
     def prepare(p: Attention, options: TritonAttentionOptions | None = None):
-        return _kernels(p).prepare(p, platform_name, options=options or TritonAttentionOptions())
+        return kernels(p.mode, "attention").prepare(p, platform_name, options=options or TritonAttentionOptions())
 
     return prepare
 
 
 def _sizer(platform_name: str):
     def workspace_bytes(p: Attention, options: TritonAttentionOptions | None = None) -> int:
-        return _kernels(p).workspace_bytes(p, platform_name, options=options or TritonAttentionOptions())
+        return kernels(p.mode, "attention").workspace_bytes(
+            p, platform_name, options=options or TritonAttentionOptions()
+        )
 
     return workspace_bytes
 

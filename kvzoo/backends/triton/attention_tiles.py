@@ -408,20 +408,10 @@ def paged_tile(
     ks_ptr,
     vs_ptr,
     table_ptr,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -441,6 +431,8 @@ def paged_tile(
 ):
     """One key tile on the paged cache, its keys gathered through the sequence's block-table row
     (a tile may span several pages of any size). acc carries no unit here (v_unit stays 1).
+    k_strides, v_strides: the caches' stride() (block, token, head, dim); ks_strides,
+    vs_strides: their scales' (block, token, head).
 
     SCALE_IN_CODES folds the per-key scales into the fp16 K/V operands (prefill; decode scales
     logits and probabilities). QK_INT8: q holds int8 codes (quantize_query). FP8_DOTS: q holds
@@ -451,12 +443,14 @@ def paged_tile(
     key_ok = keys < kv_end
     page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
-    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, ROW_ALIGN)
-    kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+    k_row = paged_rows(page, in_page, kv_head, k_strides[0], k_strides[1], k_strides[2], ROW_ALIGN)
+    kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * k_strides[3], key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if QK_INT8 or FP8_DOTS:
         tl.static_assert(SCALE_MODE == SCALE_TOKEN_HEAD, "quantize_query and fp8_dots take per-token-head scales")
     if SCALE_MODE == SCALE_TOKEN_HEAD:
-        ks = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        ks = load_keys(
+            ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+        )
         if QK_INT8:
             # q holds int8 codes (quantize_query) and meets the K codes as loaded in an int8 dot,
             # exact in int32. s is an integer and row_scale at least SCALE_FLOOR times the logit
@@ -488,15 +482,19 @@ def paged_tile(
 
     if SAME_KV_STRIDES:
         # V (and its scales) sit at K's offsets: one address computation serves both.
-        vc = load_rows(v_ptr + k_row[:, None] + d[None, :] * stride_kd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+        vc = load_rows(v_ptr + k_row[:, None] + d[None, :] * k_strides[3], key_ok, d, MASKED, HEAD_D, BLOCK_D)
     else:
-        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, ROW_ALIGN)
-        vc = load_rows(v_ptr + v_row[:, None] + d[None, :] * stride_vd, key_ok, d, MASKED, HEAD_D, BLOCK_D)
+        v_row = paged_rows(page, in_page, kv_head, v_strides[0], v_strides[1], v_strides[2], ROW_ALIGN)
+        vc = load_rows(v_ptr + v_row[:, None] + d[None, :] * v_strides[3], key_ok, d, MASKED, HEAD_D, BLOCK_D)
     if SCALE_MODE == SCALE_TOKEN_HEAD:
         if SAME_KV_STRIDES:
-            vs = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+            vs = load_keys(
+                vs_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+            )
         else:
-            vs = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
+            vs = load_keys(
+                vs_ptr + page * vs_strides[0] + in_page * vs_strides[1] + kv_head * vs_strides[2], key_ok, MASKED
+            )
     if FP8_DOTS:
         p8, unit = fp8_weights(p, vs, visible, FP8_CODE, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p8, as_e4m3(vc)) * unit[:, None]
@@ -532,14 +530,9 @@ def staged_tile(
     v_ptr,
     ks_ptr,
     vs_ptr,
-    stride_wb,
-    stride_wt,
-    stride_wh,
-    stride_wd,
-    stride_ksb,
-    stride_ksh,
-    stride_vsb,
-    stride_vsh,
+    w_strides,
+    ks_strides,
+    vs_strides,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -551,7 +544,8 @@ def staged_tile(
     """One key tile on staging.py's workspace: fp16 K and V as logits_folded_scales and
     pv_folded_scales would build them, with one scale per page of keys (the tile's page),
     nothing to convert or fold. The block_tables row holds one column, the sequence's first
-    workspace page; acc is kept in units of the current page's V scale, v_unit."""
+    workspace page; acc is kept in units of the current page's V scale, v_unit. w_strides: the
+    workspace's (page, key, head, dim); ks_strides, vs_strides: its page scales' (page, head)."""
     d = tl.arange(0, BLOCK_D)
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
@@ -562,12 +556,12 @@ def staged_tile(
     # with the staged query (staging.py): the compiler schedules either change alone worse.
     first_page = tl.load(bt_row).to(tl.int64)
     page = first_page + start // PAGE
-    tile_off = first_page * stride_wb + start.to(tl.int64) * stride_wt + kv_head * stride_wh
-    in_tile = tl.arange(0, BLOCK_N)[:, None] * stride_wt + d[None, :] * stride_wd
+    tile_off = first_page * w_strides[0] + start.to(tl.int64) * w_strides[1] + kv_head * w_strides[2]
+    in_tile = tl.arange(0, BLOCK_N)[:, None] * w_strides[1] + d[None, :] * w_strides[3]
     kc = load_rows(k_ptr + tile_off + in_tile, key_ok, d, MASKED, HEAD_D, BLOCK_D)
     s = tl.dot(q, tl.trans(kc))
     if SCALE_MODE == SCALE_TOKEN_HEAD:
-        s = s * (row_scale * tl.load(ks_ptr + page * stride_ksb + kv_head * stride_ksh))[:, None]
+        s = s * (row_scale * tl.load(ks_ptr + page * ks_strides[0] + kv_head * ks_strides[1]))[:, None]
     else:
         s = s * row_scale[:, None]
     if HAS_SOFTCAP:
@@ -580,7 +574,7 @@ def staged_tile(
     if SCALE_MODE == SCALE_TOKEN_HEAD:
         # acc is kept in units of the current page's V scale: moving to a new page costs one
         # factor per row, folded into alpha, instead of a product per element.
-        page_unit = tl.load(vs_ptr + page * stride_vsb + kv_head * stride_vsh)
+        page_unit = tl.load(vs_ptr + page * vs_strides[0] + kv_head * vs_strides[1])
         alpha = alpha * (v_unit / page_unit)
         v_unit = page_unit
     acc = tl.dot(p.to(tl.float16), vc, acc * alpha[:, None])

@@ -1,11 +1,17 @@
 """The Triton backend's table of code formats (a plain module: importable without triton).
 
-Kernels dispatch on the constexpr CODE; FORMAT_CODES maps each kvzoo.formats name the kernels
-implement to it. A format missing here, or from a platform's set, is a mode the registration
-leaves out for that platform: a declared refusal, never a KeyError inside a launch.
+FORMATS maps each kvzoo.formats name the kernels implement to its row: the constexpr CODE the
+kernels dispatch on, and the kernel family that takes caches of it. A format missing here, or
+from a platform's set, is a mode the registration leaves out for that platform: a declared
+refusal, never a KeyError inside a launch.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import NamedTuple
 
 from ...modes import MODES
 
@@ -19,16 +25,36 @@ CODE_E4M3FNUZ = 3
 # interpreter. An encoder-only code: caches and decoders see CODE_E4M3FN.
 CODE_E4M3FN_CVT = 4
 CODE_E5M2 = 5
-# Packed rows with a zero point in the scale word: their own kernels (int4_write.py,
-# int4_attention.py), to which write_kernels and attention_ops hand the modes using it.
+# Packed rows with a zero point in the scale word (the INT4 family's).
 CODE_UINT4 = 6
 
-FORMAT_CODES: dict[str, int] = {
-    "int8": CODE_INT8,
-    "float8_e4m3fn": CODE_E4M3FN,
-    "float8_e4m3fnuz": CODE_E4M3FNUZ,
-    "float8_e5m2": CODE_E5M2,
-    "uint4": CODE_UINT4,
+
+class Family(NamedTuple):
+    """A kernel family: the modules of this package whose kernels take a format's caches, each
+    with the entry points the registration calls. `attention`: run, prepare, workspace_bytes
+    (attention_ops.py); `write`: reshape_and_cache, prepare_write, dequantize (write_ops.py)."""
+
+    attention: str
+    write: str
+
+
+# Rows of one code or element a byte and mode "none": one set of kernels, dispatching on CODE.
+PAGED = Family("attention_kernels", "write_kernels")
+# Two codes a byte, rotated in the kernels, a zero point in the scale word: kernels of their own.
+INT4 = Family("int4_attention", "int4_write")
+
+
+class Format(NamedTuple):
+    code: int
+    family: Family
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format(CODE_INT8, PAGED),
+    "float8_e4m3fn": Format(CODE_E4M3FN, PAGED),
+    "float8_e4m3fnuz": Format(CODE_E4M3FNUZ, PAGED),
+    "float8_e5m2": Format(CODE_E5M2, PAGED),
+    "uint4": Format(CODE_UINT4, INT4),
 }
 
 # fp8 is e4m3fn on CUDA GPUs and e4m3fnuz on ROCm's MI300. e5m2 is an OCP format of NVIDIA's
@@ -42,19 +68,30 @@ PLATFORM_FORMATS: dict[str, frozenset[str]] = {
 
 def code_of(mode) -> int:
     """The kernels' CODE for a mode's format."""
-    return CODE_COPY if mode.format is None else FORMAT_CODES[mode.format.name]
+    return CODE_COPY if mode.format is None else FORMATS[mode.format.name].code
 
 
 def platform_formats(platform: str) -> dict[str, int]:
     """The format table of one platform's kernels (name -> CODE)."""
-    return {name: code for name, code in FORMAT_CODES.items() if name in PLATFORM_FORMATS[platform]}
+    return {name: row.code for name, row in FORMATS.items() if name in PLATFORM_FORMATS[platform]}
 
 
-def packed_rows(mode) -> bool:
-    """Whether `mode` stores uint4 rows, which the int4 kernels take."""
-    return mode.format is not None and FORMAT_CODES.get(mode.format.name) == CODE_UINT4
+def family_of(mode) -> Family:
+    """The kernel family that takes `mode`'s caches (PAGED for mode "none")."""
+    return PAGED if mode.format is None else FORMATS[mode.format.name].family
+
+
+def kernels(mode, part: str) -> ModuleType:
+    """The module of `part` ("attention" or "write") of `mode`'s family, imported on first use:
+    registering imports no triton."""
+    return _module(getattr(family_of(mode), part))
+
+
+@functools.cache
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def platform_modes(platform: str) -> frozenset[str]:
-    formats = PLATFORM_FORMATS[platform] & FORMAT_CODES.keys()
+    formats = PLATFORM_FORMATS[platform] & FORMATS.keys()
     return frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in formats)

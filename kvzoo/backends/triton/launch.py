@@ -1,7 +1,7 @@
 """A Triton launch bound once and relaunched with other tensors (the plan's per-layer path).
 
 `kernel[grid](*args)` binds all of a kernel's parameters, computes their specialisation key
-and looks the compiled kernel up again on every call; for the 70-parameter attention kernel
+and looks the compiled kernel up again on every call; for the attention kernel's many arguments
 that is most of an eager call's host time (bench/host_cost.py). The layers of one engine step
 differ only in their tensors, so a plan binds each launch once and each layer swaps its own
 tensors into the argument list and calls the compiled kernel's launcher directly.

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import int4_write, wide_rows
 from . import platform as _platform
+from . import wide_rows
 from .alignment import row_align
 from .encode import (
     CODE_COPY,
@@ -36,7 +36,7 @@ from .encode import (
     row_scale,
     widen_bf16_bits,
 )
-from .formats import code_of, packed_rows
+from .formats import code_of
 from .launch import BoundLaunch, launch_nothing
 from .wide_rows import widen_tile_layout
 
@@ -465,8 +465,6 @@ def _write_call(p, scale_floor: float):
 
 def reshape_and_cache(p, scale_floor: float) -> None:
     """Run a validated CacheWrite problem (torch tensors)."""
-    if packed_rows(p.mode):
-        return int4_write.reshape_and_cache(p, scale_floor)
     if p.key.shape[0] == 0:
         return
     grid, args, kwargs, _ = _write_call(p, scale_floor)
@@ -477,8 +475,6 @@ def prepare_write(p, scale_floor: float):
     """`p`'s launch bound once (launch.py): a function of p.operands() that writes a problem
     equal to `p` but for its arrays, each of the dtype, shape, strides and 16-byte
     alignment of `p`'s. It launches nothing now."""
-    if packed_rows(p.mode):
-        return int4_write.prepare_write(p, scale_floor)
     if p.key.shape[0] == 0:
         return launch_nothing
     grid, args, kwargs, slots = _write_call(p, scale_floor)
@@ -487,8 +483,6 @@ def prepare_write(p, scale_floor: float):
 
 def dequantize(p) -> None:
     """Run a validated Dequantize problem (torch tensors)."""
-    if packed_rows(p.mode):
-        return int4_write.dequantize(p)
     mode = p.mode
     num_seqs = p.seq_lens.shape[0]
     _, block_size, num_heads, head_size = p.cache.shape

@@ -1,8 +1,8 @@
 """Registers the Triton cache-write and dequantize kernels ("triton-cuda", "triton-rocm").
 
-Nothing here imports triton: the kernels (write_kernels.py) are imported on first run, so a
-machine without triton or a GPU still lists these implementations, with the reason they are
-unavailable.
+Nothing here imports triton: the kernels (write_kernels.py; int4's in int4_write.py, the
+family formats.py's table names for each format) are imported on first run, so a machine
+without triton or a GPU still lists these implementations, with the reason they are unavailable.
 """
 
 from __future__ import annotations
@@ -14,25 +14,19 @@ from ...capabilities import Capabilities
 from ...modes import SCALE_FLOOR
 from ...registry import Implementation, Registry
 from . import platform
-from .formats import platform_formats
+from .formats import kernels, platform_formats
 
 
 def _run_write(p: Any) -> None:
-    from . import write_kernels
-
-    write_kernels.reshape_and_cache(p, float(SCALE_FLOOR))
+    kernels(p.mode, "write").reshape_and_cache(p, float(SCALE_FLOOR))
 
 
 def _prepare_write(p: Any):
-    from . import write_kernels
-
-    return write_kernels.prepare_write(p, float(SCALE_FLOOR))
+    return kernels(p.mode, "write").prepare_write(p, float(SCALE_FLOOR))
 
 
 def _run_dequantize(p: Any) -> None:
-    from . import write_kernels
-
-    write_kernels.dequantize(p)
+    kernels(p.mode, "write").dequantize(p)
 
 
 def register(registry: Registry) -> None:
