@@ -440,10 +440,13 @@ def paged_attention(
     """
     out, lse = _outputs(query, out, lse, return_lse)
     if softmax_scale is None:
-        # As kvzoo.paged_attention defaults it, so the op's result equals the API's.
-        softmax_scale = 1.0 / math.sqrt(query.shape[-1])
+        # As kvzoo.paged_attention defaults it, so the op's result equals the API's. A head size
+        # of 0 is the op's to refuse, naming the query as the API does, not a ZeroDivisionError
+        # here: any scale stands in for one that is never used.
+        head_size = query.shape[-1]
+        softmax_scale = 1.0 / math.sqrt(head_size) if head_size > 0 else 1.0
     if not torch.compiler.is_compiling():
-        _host_scalars(softmax_scale, sliding_window, softcap, (max_query_len, max_seq_len, num_prefills))
+        _host_scalars(softmax_scale, sliding_window, softcap, (max_query_len, max_seq_len, num_prefills), seq_lens)
     torch.ops.kvzoo.paged_attention(
         out,
         query,
@@ -473,7 +476,7 @@ def paged_attention(
     return _result(out, lse, return_lse)
 
 
-def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds: tuple) -> None:
+def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds: tuple, seq_lens: Any) -> None:
     """The functional API's rules for the host scalars, before the op's schema sees them: it
     casts True to 1.0 or 1 (which kvzoo.paged_attention refuses) and refuses a str, or an int
     past int64, with torch's RuntimeError instead of kvzoo's KVZooInputError naming it. The
@@ -481,7 +484,16 @@ def _host_scalars(softmax_scale: Any, sliding_window: Any, softcap: Any, bounds:
     # The functional API's own checks; what they return (the values as the kernels take them)
     # is the op's to work out again.
     calls.attention_scalars(1, calls.INT32_MAX, softmax_scale, sliding_window, softcap)
-    calls.check_bounds(bounds, None)
+    # A bound the schema carries unchanged (an int of int64) is left to the op, whose check
+    # knows num_seqs and runs after the arrays': checked here, num_prefills=-1 was refused in
+    # other words than kvzoo.paged_attention's.
+    mangled = tuple(None if _schema_int(b) else b for b in bounds)
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 else None
+    calls.check_bounds(mangled, num_seqs)
+
+
+def _schema_int(value: Any) -> bool:
+    return value is None or (type(value) is int and -(2**63) <= value < 2**63)
 
 
 def _impl_name(impl: str | Implementation | None) -> str | None:
