@@ -640,13 +640,23 @@ def test_dequantize_index_layout(impl, tensor, layout, dtype):
 
 
 def check_dequantize(
-    impl, caches, bt, sl, tables, seq_lens, guards=(), cache_array=None, scale_array=None, storage_caches=None
+    impl,
+    caches,
+    bt,
+    sl,
+    tables,
+    seq_lens,
+    guards=(),
+    cache_array=None,
+    scale_array=None,
+    storage_caches=None,
+    entry="functional",
 ):
     """dequantize(key cache) accepted and equal to oracle.gather_dequantize (NaN = NaN)."""
     kw = caches.api_kwargs()
     got = call_accepted(
         impl,
-        kvzoo.dequantize,
+        via(entry, "dequantize"),
         caches.key.array if cache_array is None else cache_array,
         kw["k_scale_cache"] if scale_array is None else scale_array,
         mode=caches.mode,
@@ -1710,10 +1720,10 @@ def test_valid_scalars_accepted(impl, name, value):
 BAD_STATIC = [1e39, float("inf"), float("nan"), 0.0, -1.0, "abc", BEYOND_FLOAT]
 
 
-@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("which,entry", with_entries("reshape_and_cache", ["k_scale", "v_scale"]))
 @pytest.mark.parametrize("value", BAD_STATIC, ids=scalar_id)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_static_scale_refused(impl, value, which):
+def test_write_static_scale_refused(impl, value, which, entry):
     mode = pick_mode(impl, "static-write", repr(value), which, candidates=PER_TENSOR)
     require_usable(impl, mode)
     rng = rng_for("hostile-static-write", impl.name, repr(value), which)
@@ -1721,13 +1731,25 @@ def test_write_static_scale_refused(impl, value, which):
     kw = w.caches.api_kwargs()
     kw[which] = value
     call_refused(
-        impl, kvzoo.reshape_and_cache, [which], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **kw
+        impl,
+        via(entry, "reshape_and_cache"),
+        [which],
+        w.guards(),
+        *w.args(case_tensor(w.valid_slots(rng), impl)),
+        **kw,
     )
 
 
-@pytest.mark.parametrize("value", ["tensor-inf", "tensor-two", "tensor-float64"])
+@pytest.mark.parametrize(
+    "value,entry",
+    with_entries(
+        "reshape_and_cache",
+        ["tensor-inf", "tensor-two", "tensor-float64"],
+        lambda v: ("static-array",) if v == "tensor-inf" else (),
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_static_scale_tensor_refused(impl, value):
+def test_write_static_scale_tensor_refused(impl, value, entry):
     mode = pick_mode(impl, "static-tensor", value, candidates=PER_TENSOR)
     require_usable(impl, mode)
     rng = rng_for("hostile-static-tensor", impl.name, value)
@@ -1742,13 +1764,20 @@ def test_write_static_scale_tensor_refused(impl, value):
         impl,
     )
     call_refused(
-        impl, kvzoo.reshape_and_cache, ["k_scale"], w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **kw
+        impl,
+        via(entry, "reshape_and_cache"),
+        ["k_scale"],
+        w.guards(),
+        *w.args(case_tensor(w.valid_slots(rng), impl)),
+        **kw,
     )
 
 
-@pytest.mark.parametrize("form", ["float32-tensor", "offset-view", "numpy-float32"])
+@pytest.mark.parametrize(
+    "form,entry", with_entries("reshape_and_cache", ["float32-tensor", "offset-view", "numpy-float32"])
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_static_scale_forms_accepted(impl, form):
+def test_write_static_scale_forms_accepted(impl, form, entry):
     mode = pick_mode(impl, "static-forms", form, candidates=PER_TENSOR)
     require_usable(impl, mode)
     rng = rng_for("hostile-static-forms", impl.name, form)
@@ -1761,30 +1790,33 @@ def test_write_static_scale_forms_accepted(impl, form):
         "offset-view": case_tensor(torch.tensor([9.0, k, 7.0], dtype=torch.float32), impl)[1:2],
         "numpy-float32": np.float32(k),
     }[form]  # a number, not an array: fine on any device
-    call_accepted(impl, kvzoo.reshape_and_cache, *w.args(case_tensor(slots, impl)), **kw)
+    call_accepted(impl, via(entry, "reshape_and_cache"), *w.args(case_tensor(slots, impl)), **kw)
     assert_write_matches(impl.name, w.caches, w.key.values(), w.value.values(), slots)
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_static_scale_refused(impl):
+def test_attention_static_scale_refused(impl, entry):
     mode = pick_mode(impl, "static-attn", candidates=PER_TENSOR)
     require_usable(impl, mode)
     rng = rng_for("hostile-static-attn", impl.name)
     a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), impl=impl)
+    a.entry = entry
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     a.caches.k_static = 1e39
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), ["k_scale"], a.caches.regions + [a.out])
 
 
+@pytest.mark.parametrize("entry", entries("dequantize"))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_static_scale_refused(impl):
+def test_dequantize_static_scale_refused(impl, entry):
     mode = pick_mode(impl, "static-deq", candidates=PER_TENSOR)
     require_usable(impl, mode)
     rng = rng_for("hostile-static-deq", impl.name)
     caches = make_caches(rng, mode, (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(caches.key.array, mode=mode, scale=1e39, impl=impl),
+        lambda impl: via(entry, "dequantize")(caches.key.array, mode=mode, scale=1e39, impl=impl),
         ["scale"],
         caches.regions,
     )
@@ -1802,9 +1834,9 @@ WRITE_SIZES = {  # case: (heads, head_size, num_blocks, block_size)
 }
 
 
-@pytest.mark.parametrize("case", list(WRITE_SIZES))
+@pytest.mark.parametrize("case,entry", with_entries("reshape_and_cache", list(WRITE_SIZES), lambda c: ("zero-size",)))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_zero_sizes_refused(impl, case):
+def test_write_zero_sizes_refused(impl, case, entry):
     require_usable(impl, "int8_per_token_head")
     heads, hs, nb, bs = WRITE_SIZES[case]
     rng = rng_for("hostile-size-write", impl.name, case)
@@ -1825,7 +1857,7 @@ def test_write_zero_sizes_refused(impl, case):
         "num_blocks",
         "block_size",
     ]
-    call_refused(impl, kvzoo.reshape_and_cache, names, w.guards(), *w.args(slots), **w.caches.api_kwargs())
+    call_refused(impl, via(entry, "reshape_and_cache"), names, w.guards(), *w.args(slots), **w.caches.api_kwargs())
 
 
 ATTN_SIZES = {  # case: (heads_q, heads_kv, head_size, num_blocks, block_size)
@@ -1837,14 +1869,15 @@ ATTN_SIZES = {  # case: (heads_q, heads_kv, head_size, num_blocks, block_size)
 }
 
 
-@pytest.mark.parametrize("case", list(ATTN_SIZES))
+@pytest.mark.parametrize("case,entry", with_entries("paged_attention", list(ATTN_SIZES), lambda c: ("zero-size",)))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_zero_sizes_refused(impl, case):
+def test_attention_zero_sizes_refused(impl, case, entry):
     require_usable(impl, "int8_per_token_head")
     hq, hkv, hs, nb, bs = ATTN_SIZES[case]
     rng = rng_for("hostile-size-attn", impl.name, case)
     batch = Batch(np.array([1]), np.array([1]), np.array([[0]]), nb, bs)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", batch, heads_q=hq, heads_kv=hkv, head_size=hs, impl=impl)
+    a.entry = entry
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     names = [
         "query",
@@ -1863,9 +1896,9 @@ def test_attention_zero_sizes_refused(impl, case):
     call_refused(impl, lambda impl: a.call(impl, bt, sl, qsl), names, a.caches.regions + [a.out])
 
 
-@pytest.mark.parametrize("case", list(WRITE_SIZES))
+@pytest.mark.parametrize("case,entry", with_entries("dequantize", list(WRITE_SIZES), lambda c: ("zero-size",)))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_zero_sizes_refused(impl, case):
+def test_dequantize_zero_sizes_refused(impl, case, entry):
     require_usable(impl, "int8_per_token_head")
     heads, hs, nb, bs = WRITE_SIZES[case]
     rng = rng_for("hostile-size-deq", impl.name, case)
@@ -1873,29 +1906,42 @@ def test_dequantize_zero_sizes_refused(impl, case):
     names = ["cache", "scale_cache", "head_size", "num_kv_heads", "num_heads", "num_blocks", "block_size"]
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(caches.key.array, caches.k_scale.array, mode="int8_per_token_head", impl=impl),
+        lambda impl: via(entry, "dequantize")(
+            caches.key.array, caches.k_scale.array, mode="int8_per_token_head", impl=impl
+        ),
         names,
         caches.regions,
     )
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize(
+    "kind,entry", with_entries("reshape_and_cache", ["torch", "numpy"], lambda k: ("numpy",) if k == "numpy" else ())
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_zero_tokens_accepted(impl, kind):
+def test_write_zero_tokens_accepted(impl, kind, entry):
     require_usable(impl, kind=kind)
     mode = pick_mode(impl, "zero-tokens", kind)
     rng = rng_for("hostile-zero-tokens", impl.name, kind)
     w = WriteSetup(rng, mode, kind, T=0, num_blocks=2, impl=impl)
     empty = np.zeros(0, np.int64)
-    w.run_accepted(impl, case_array(empty, kind, impl), empty)
+    w.run_accepted(impl, case_array(empty, kind, impl), empty, entry=entry)
     for r in w.caches.regions:
         r.assert_unchanged(f"{impl.name}: zero tokens")
 
 
-@pytest.mark.parametrize("validate", [True, False], ids=["validate", "novalidate"])
+# validate=False through the unvalidated entry is the functional entry's novalidate case.
+@pytest.mark.parametrize(
+    "validate,entry",
+    with_entries(
+        "paged_attention",
+        [True, False],
+        lambda v: () if v else ("unvalidated",),
+        ids=lambda v: "validate" if v else "novalidate",
+    ),
+)
 @pytest.mark.parametrize("case", ["zero tokens", "zero sequences"])
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_empty_accepted(impl, case, validate):
+def test_attention_empty_accepted(impl, case, validate, entry):
     require_usable(impl)
     mode = pick_mode(impl, "empty-attn", case)
     rng = rng_for("hostile-empty-attn", impl.name, case, validate)
@@ -1904,14 +1950,16 @@ def test_attention_empty_accepted(impl, case, validate):
     else:
         batch = Batch(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2), np.int64), 3, BS)
     a = AttentionSetup(rng, mode, "torch", batch, impl=impl)
+    a.entry = entry
     bt, sl, qsl, guards = a.index_tensors("torch", "int32", rng)
     kw = {} if validate else dict(validate=False, max_query_len=0, max_seq_len=int(batch.seq_lens.max(initial=0)))
     a.run_accepted(impl, bt, sl, qsl, guards=guards, **kw)
     a.out.assert_unchanged(f"{impl.name}: empty batch")
 
 
+@pytest.mark.parametrize("entry", entries("dequantize"))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_empty_accepted(impl):
+def test_dequantize_empty_accepted(impl, entry):
     require_usable(impl)
     mode = pick_mode(impl, "empty-deq")
     rng = rng_for("hostile-empty-deq", impl.name)
@@ -1927,6 +1975,7 @@ def test_dequantize_empty_accepted(impl):
             case_tensor(seq_lens.astype(np.int32), impl),
             tables,
             seq_lens,
+            entry=entry,
         )
         assert tuple(got.shape) == (0, H, D)
 
@@ -2089,8 +2138,9 @@ def test_dequantize_lengths_checked_without_validation(impl, fault):
     )
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_positions_over_int32_refused(impl):
+def test_positions_over_int32_refused(impl, entry):
     """SPEC 11 'positions': max_blocks_per_seq * block_size at most 2^31 - 1. The caches are read
     arrays here, so stride-0 views make the shape cheap; so is a stride-0 block table."""
     require_usable(impl, "int8_per_token_head")
@@ -2105,7 +2155,7 @@ def test_positions_over_int32_refused(impl):
     before = out.clone()
     call_refused(
         impl,
-        lambda impl: kvzoo.paged_attention(
+        lambda impl: via(entry, "paged_attention")(
             q,
             kc,
             kc,
@@ -2124,8 +2174,9 @@ def test_positions_over_int32_refused(impl):
     assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize("entry", entries("dequantize"))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_slots_over_int32_refused(impl):
+def test_dequantize_slots_over_int32_refused(impl, entry):
     """num_blocks * block_size at most 2^31 - 1 (a stride-0 read cache of 2^20 x 2^11 + 1 slots)."""
     require_usable(impl, "int8_per_token_head")
     nb, bs = 2**20, 2**11 + 1
@@ -2134,7 +2185,7 @@ def test_dequantize_slots_over_int32_refused(impl):
     sc = t(torch.full((1, 1, 1), 0.01)).expand(nb, bs, 1)
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(
+        lambda impl: via(entry, "dequantize")(
             cache,
             sc,
             mode="int8_per_token_head",
@@ -2154,9 +2205,9 @@ def test_dequantize_slots_over_int32_refused(impl):
 REQUIRES_GRAD_WRITE = ["key", "value", "key_cache(none)", "k_scale_cache"]
 
 
-@pytest.mark.parametrize("arg", REQUIRES_GRAD_WRITE)
+@pytest.mark.parametrize("arg,entry", with_entries("reshape_and_cache", REQUIRES_GRAD_WRITE, _write_traits))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_requires_grad_refused(impl, arg):
+def test_write_requires_grad_refused(impl, arg, entry):
     mode = "none" if "(none)" in arg else "int8_per_token_head"
     require_usable(impl, mode)
     name = arg.split("(")[0]
@@ -2169,20 +2220,21 @@ def test_write_requires_grad_refused(impl, arg):
         args[pos[name]] = args[pos[name]].requires_grad_()
     else:
         kw[name] = kw[name].requires_grad_()
-    call_refused(impl, kvzoo.reshape_and_cache, [name], w.guards(), *args, words=["grad"], **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), [name], w.guards(), *args, words=["grad"], **kw)
 
 
 REQUIRES_GRAD_ATTN = ["query", "sinks", "k_scale_cache", "key_cache(none)", "out"]
 
 
-@pytest.mark.parametrize("arg", REQUIRES_GRAD_ATTN)
+@pytest.mark.parametrize("arg,entry", with_entries("paged_attention", REQUIRES_GRAD_ATTN, _attn_traits))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_requires_grad_refused(impl, arg):
+def test_attention_requires_grad_refused(impl, arg, entry):
     mode = "none" if "(none)" in arg else "int8_per_token_head"
     require_usable(impl, mode)
     name = arg.split("(")[0]
     rng = rng_for("hostile-grad-attn", impl.name, arg)
     a = AttentionSetup(rng, mode, "torch", make_batch(rng, "mixed"), qdtype="float32", model_dtype="float32", impl=impl)
+    a.entry = entry
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     sinks = a.sinks("torch", "contiguous", rng)[0]
     extra = {"sinks": sinks}
@@ -2201,14 +2253,15 @@ def test_attention_requires_grad_refused(impl, arg):
     )
 
 
+@pytest.mark.parametrize("entry", entries("dequantize", "caches"))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_requires_grad_refused(impl):
+def test_dequantize_requires_grad_refused(impl, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-grad-deq", impl.name)
     caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(
+        lambda impl: via(entry, "dequantize")(
             caches.key.array, caches.k_scale.array.requires_grad_(), mode="int8_per_token_head", impl=impl
         ),
         ["scale_cache"],
@@ -2295,8 +2348,10 @@ def test_write_negated_view_refused_after_an_unvalidated_call(impl):
     )
 
 
+# The functional entry runs validate=False too (the loop below), as the unvalidated entry would.
+@pytest.mark.parametrize("entry", entries("reshape_and_cache", "unvalidated", "sparse"))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_sparse_key_refused(impl):
+def test_write_sparse_key_refused(impl, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-sparse-write", impl.name)
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=5, dtype="float32", impl=impl)
@@ -2305,7 +2360,7 @@ def test_write_sparse_key_refused(impl):
     for validate in (True, False):
         call_refused(
             impl,
-            kvzoo.reshape_and_cache,
+            via(entry, "reshape_and_cache"),
             ["key"],
             w.guards(),
             *args,
@@ -2315,12 +2370,19 @@ def test_write_sparse_key_refused(impl):
         )
 
 
+def _all_meta(which: str) -> tuple[str, ...]:
+    """Every tensor on meta: one a PagedKVCache passes itself among them, and a trace to torch ops."""
+    return ("caches", "all-meta") if which == "all" else ()
+
+
 WRITE_NAMES = ["key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale_cache", "v_scale_cache"]
 
 
-@pytest.mark.parametrize("which", ["key_cache", "all"])
+@pytest.mark.parametrize(
+    "which,entry", with_entries("reshape_and_cache", ["key_cache", "all"], lambda w: _write_traits(w, *_all_meta(w)))
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_meta_refused(impl, which):
+def test_write_meta_refused(impl, which, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-write", impl.name, which)
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=5, impl=impl)
@@ -2333,7 +2395,7 @@ def test_write_meta_refused(impl, which):
         args = [x.to("meta") for x in args]
         kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         names = WRITE_NAMES
-    call_refused(impl, kvzoo.reshape_and_cache, names, w.guards(), *args, **kw)
+    call_refused(impl, via(entry, "reshape_and_cache"), names, w.guards(), *args, **kw)
 
 
 ATTN_NAMES = [
@@ -2350,12 +2412,15 @@ ATTN_NAMES = [
 ]
 
 
-@pytest.mark.parametrize("which", ["query", "block_tables", "all"])
+@pytest.mark.parametrize(
+    "which,entry", with_entries("paged_attention", ["query", "block_tables", "all"], lambda w: _all_meta(w))
+)
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_meta_refused(impl, which):
+def test_attention_meta_refused(impl, which, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-attn", impl.name, which)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
+    a.entry = entry
     bt, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     if which == "query":
         fn = lambda impl: a.call(impl, bt, sl, qsl, query=a.query.array.to("meta"))  # noqa: E731
@@ -2366,7 +2431,7 @@ def test_attention_meta_refused(impl, which):
 
         def fn(impl):
             m = lambda x: x.to("meta")  # noqa: E731
-            return kvzoo.paged_attention(
+            return via(entry, "paged_attention")(
                 m(a.query.array),
                 m(c.key.array),
                 m(c.value.array),
@@ -2382,14 +2447,15 @@ def test_attention_meta_refused(impl, which):
     call_refused(impl, fn, ATTN_NAMES, a.caches.regions + [a.out])
 
 
+@pytest.mark.parametrize("entry", entries("dequantize", "caches"))
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_meta_refused(impl):
+def test_dequantize_meta_refused(impl, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-meta-deq", impl.name)
     caches = make_caches(rng, "int8_per_token_head", (3, BS, H, D), "torch", realistic=False, impl=impl)
     call_refused(
         impl,
-        lambda impl: kvzoo.dequantize(
+        lambda impl: via(entry, "dequantize")(
             caches.key.array.to("meta"), caches.k_scale.array.to("meta"), mode="int8_per_token_head", impl=impl
         ),
         ["cache", "scale_cache"],
@@ -2397,15 +2463,16 @@ def test_dequantize_meta_refused(impl):
     )
 
 
+@pytest.mark.parametrize("entry", entries("reshape_and_cache", "not-a-tensor"))
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_list_slot_mapping_refused(impl):
+def test_write_list_slot_mapping_refused(impl, entry):
     """SPEC 11 'kind': a torch.Tensor or a numpy.ndarray; a Python list is refused."""
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-list-slots", impl.name)
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
     call_refused(
         impl,
-        kvzoo.reshape_and_cache,
+        via(entry, "reshape_and_cache"),
         ["slot_mapping"],
         w.guards(),
         *w.args(w.valid_slots(rng).tolist()),
@@ -2413,11 +2480,13 @@ def test_write_list_slot_mapping_refused(impl):
     )
 
 
+@pytest.mark.parametrize("entry", entries("paged_attention", "not-a-tensor"))
 @pytest.mark.parametrize("impl", impl_params("paged_attention"))
-def test_attention_list_block_tables_refused(impl):
+def test_attention_list_block_tables_refused(impl, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-list-tables", impl.name)
     a = AttentionSetup(rng, "int8_per_token_head", "torch", make_batch(rng, "mixed"), impl=impl)
+    a.entry = entry
     _, sl, qsl, _ = a.index_tensors("torch", "int32", rng)
     call_refused(
         impl, lambda impl: a.call(impl, a.batch.tables.tolist(), sl, qsl), ["block_tables"], a.caches.regions + [a.out]
@@ -2428,15 +2497,28 @@ def test_attention_list_block_tables_refused(impl):
 # 10. strings and the cache object
 
 
-@pytest.mark.parametrize("kw", [{"mode": "int4_magic"}, {"mode": 3}, {"rounding": None}, {"rounding": "up"}], ids=repr)
+@pytest.mark.parametrize(
+    "kw,entry",
+    with_entries(
+        "reshape_and_cache",
+        [{"mode": "int4_magic"}, {"mode": 3}, {"rounding": None}, {"rounding": "up"}],
+        lambda kw: _write_traits(*kw, *(() if isinstance(next(iter(kw.values())), str) else ("schema-str",))),
+        ids=repr,
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_bad_strings_refused(impl, kw):
+def test_write_bad_strings_refused(impl, kw, entry):
     require_usable(impl, "int8_per_token_head")
     rng = rng_for("hostile-strings", impl.name, repr(kw))
     w = WriteSetup(rng, "int8_per_token_head", "torch", T=4, impl=impl)
     api_kw = {**w.caches.api_kwargs(), **kw}
     call_refused(
-        impl, kvzoo.reshape_and_cache, list(kw), w.guards(), *w.args(case_tensor(w.valid_slots(rng), impl)), **api_kw
+        impl,
+        via(entry, "reshape_and_cache"),
+        list(kw),
+        w.guards(),
+        *w.args(case_tensor(w.valid_slots(rng), impl)),
+        **api_kw,
     )
 
 
