@@ -510,10 +510,23 @@ WRITE_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("validate", [True, False], ids=["validate", "novalidate"])
-@pytest.mark.parametrize("layout,dtype,kind", [pytest.param(*p, id="-".join(p)) for p in WRITE_LAYOUTS])
+def _layout_traits(case: tuple) -> tuple[str, ...]:
+    """(layout, dtype, kind, validate): NumPy arrays, and validate=False (the unvalidated entry's
+    case already, through the functional entry)."""
+    return (*(("numpy",) if case[2] == "numpy" else ()), *(() if case[3] else ("unvalidated",)))
+
+
+@pytest.mark.parametrize(
+    "layout,dtype,kind,validate,entry",
+    with_entries(
+        "reshape_and_cache",
+        [(*p, v) for p in WRITE_LAYOUTS for v in (True, False)],
+        _layout_traits,
+        ids=lambda c: "-".join(c[:3]) + ("-validate" if c[3] else "-novalidate"),
+    ),
+)
 @pytest.mark.parametrize("impl", impl_params("reshape_and_cache"))
-def test_write_slot_mapping_layout(impl, layout, dtype, kind, validate):
+def test_write_slot_mapping_layout(impl, layout, dtype, kind, validate, entry):
     require_usable(impl, kind=kind)
     mode = pick_mode(impl, "write-layout", layout, dtype, kind)
     rng = rng_for("hostile-write-layout", impl.name, layout, dtype, kind, validate)
@@ -526,7 +539,7 @@ def test_write_slot_mapping_layout(impl, layout, dtype, kind, validate):
         if dtype == "int64":
             slots[slots < 0] = -(2**40)  # negative beyond int32: still a skip
     sm, g = index_view(slots, dtype, kind, layout, rng, slot_junk(w.capacity), impl=impl)
-    w.run_accepted(impl, sm, slots, extra_guards=[g], validate=validate)
+    w.run_accepted(impl, sm, slots, extra_guards=[g], validate=validate, entry=entry)
     if layout == "expand":
         for r in w.caches.regions:
             r.assert_unchanged(f"{impl.name}: all slots negative")
@@ -624,10 +637,10 @@ def test_attention_unused_table_entries_hold_anything(impl):
 DEQ_LAYOUTS = [("block_tables", lay) for lay in TWO_D_LAYOUTS] + [("seq_lens", lay) for lay in ONE_D_LAYOUTS]
 
 
-@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype,entry", with_entries("dequantize", INDEX_DTYPES))
 @pytest.mark.parametrize("tensor,layout", [pytest.param(t, lay, id=f"{t}-{lay}") for t, lay in DEQ_LAYOUTS])
 @pytest.mark.parametrize("impl", impl_params("dequantize"))
-def test_dequantize_index_layout(impl, tensor, layout, dtype):
+def test_dequantize_index_layout(impl, tensor, layout, dtype, entry):
     kind = layout_kind(impl, dtype, layout)
     mode = pick_mode(impl, "deq-layout", tensor, layout, dtype)
     rng = rng_for("hostile-deq-layout", impl.name, tensor, layout, dtype)
@@ -636,7 +649,7 @@ def test_dequantize_index_layout(impl, tensor, layout, dtype):
         batch = batch_for(rng, [0, 0, 0, 0], [5, 0, 9, 4])
     caches = make_caches(rng, mode, (batch.num_blocks, BS, H, D), kind, realistic=False, impl=impl)
     bt, sl, _, guards = batch_index_tensors(batch, kind, dtype, rng, {tensor: layout}, impl=impl)
-    check_dequantize(impl, caches, bt, sl, batch.tables, batch.seq_lens, guards)
+    check_dequantize(impl, caches, bt, sl, batch.tables, batch.seq_lens, guards, entry=entry)
 
 
 def check_dequantize(
