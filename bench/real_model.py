@@ -101,6 +101,10 @@ KVZOO_MODES: list[tuple[str, str, str]] = [  # (label, mode, rounding)
     ("kvzoo fp8 per-tensor", "fp8_per_tensor", "nearest"),
     ("kvzoo int4 rotated", "int4_per_token_head", "nearest"),
     ("kvzoo int4 unrotated", "int4_per_token_head_norot", "nearest"),
+    ("kvzoo K int8 V int4 rotated", "k_int8_v_int4", "nearest"),
+    ("kvzoo K int8 V int4 unrotated", "k_int8_v_int4_norot", "nearest"),
+    ("kvzoo K fp8 V int4 rotated", "k_fp8_v_int4", "nearest"),
+    ("kvzoo K fp8 V int4 unrotated", "k_fp8_v_int4_norot", "nearest"),
 ]
 QUANTIZED_CACHE: list[tuple[str, str, dict[str, Any], str]] = [  # (label, backend, kwargs, needs module)
     ("HF quanto int4", "quanto", {"nbits": 4}, "optimum.quanto"),
@@ -1165,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_nll=chunk_nll,
         )
         print(f"  {fmt.label:22s} ppl {fmt.results['ppl']:.4f}  ({fmt.results['seconds']:.0f} s)", flush=True)
-        if fmt.kind == "kvzoo":
+        if fmt.kind == "kvzoo" and not kvzoo.get_kv_quant_mode(fmt.mode).split:  # the audit takes one format
             audit_cache(fmt, cache, full=args.audit or fmt.label == AUDIT_SHOWN)
     base = fmts[0].results["ppl"]
     unquantized = next(f for f in fmts if f.mode == "none").results["ppl"]

@@ -26,7 +26,8 @@ class PagedKVCache:
         ``head_size`` elements, for K and for V.
     mode : str or QuantMode
         ``"int8_per_token_head"``, ``"fp8_per_token_head"``, ``"int4_per_token_head"``,
-        ``"fp8_per_tensor"``, ``"none"``, ... (``kvzoo.MODES``; engine strings such as ``"fp8"``).
+        ``"fp8_per_tensor"``, ``"none"``, ... (``kvzoo.MODES``; engine strings such as ``"fp8"``);
+        ``"k_int8_v_int4"`` and the other split modes store keys and values in two formats.
     layout : {"separate", "inline"}
         vLLM's separate tensors, or one page buffer with each row's scale after its codes.
     row_align : None, int or "pow2"
@@ -163,7 +164,7 @@ class PagedKVCache:
         return api.dequantize(
             cache,
             scale_cache,
-            mode=self.mode,
+            mode=self.mode.key_side if which == "key" else self.mode.value_side,
             scale=scale,
             block_tables=block_tables,
             seq_lens=seq_lens,

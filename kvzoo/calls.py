@@ -83,14 +83,14 @@ class Facts(NamedTuple):
     """What a record's metadata check concluded, for every call of its signature.
 
     host: the checked record's fields after its arrays (attention's bounds as given: the
-    values tier fills in the ones read). views: positions of caches given as raw bytes, viewed
-    as the mode's codes on each call. statics: positions of static scales given as numbers.
+    values tier fills in the ones read). views: (position, side's mode) of caches given as raw
+    bytes, viewed as that side's codes on each call. statics: positions of static scales given as numbers.
     allocate: (position, shape, dtype) of the outputs made on each call, like the array at
     position `like`. table: (num_blocks, block_size), what slots and block ids are checked
     against. empty: nothing to run (no query rows). whole: dequantize's whole cache."""
 
     host: tuple
-    views: tuple[int, ...] = ()
+    views: tuple[tuple[int, QuantMode], ...] = ()
     statics: tuple[int, ...] = ()
     allocate: tuple[tuple[int, tuple, str], ...] = ()
     like: int = 0
@@ -195,7 +195,7 @@ def check_query_options(mode: QuantMode, quantize_query: bool, fp8_dots: bool) -
         fail("fp8_dots: cannot be combined with quantize_query (each defines the query's own rounding)")
     if quantize_query and not (mode.format is INT8 and mode.per_token_head):
         fail(f"quantize_query: needs an int8 per-token-head cache mode, got mode {mode.name!r}")
-    if fp8_dots and not (mode.format is FLOAT8_E4M3FN and mode.per_token_head):
+    if fp8_dots and not (mode.key_format is mode.value_format is FLOAT8_E4M3FN and mode.per_token_head):
         fail(f"fp8_dots: needs an fp8 e4m3fn per-token-head cache mode (fp8_per_token_head), got mode {mode.name!r}")
 
 
@@ -411,11 +411,30 @@ def check_lse(lse: Array | None, return_lse: bool, num_tokens: Any, num_q_heads:
     return False
 
 
-def _code_views(mode: QuantMode, named: tuple[tuple[int, Array], ...]) -> tuple[int, ...]:
-    """Positions of caches stored as raw bytes (uint8), which each call views as codes."""
-    if mode.code_dtype is None or mode.code_dtype == "uint8":
-        return ()
-    return tuple(at for at, x in named if dtype_name(x) == "uint8")
+def _code_views(named: tuple[tuple[int, Array, QuantMode], ...]) -> tuple[tuple[int, QuantMode], ...]:
+    """(position, side's mode) of the caches stored as raw bytes (uint8), which each call views
+    as the codes of its side."""
+    return tuple(
+        (at, side) for at, x, side in named if side.code_dtype not in (None, "uint8") and dtype_name(x) == "uint8"
+    )
+
+
+def _check_side_caches(
+    mode: QuantMode,
+    named: tuple[tuple[str, Array], ...],
+    leading: tuple[int, int, int],
+    head_size: int,
+    dtypes: Callable[[QuantMode], tuple[str, ...]],
+    layout: str,
+    *,
+    written: bool = False,
+    fake: bool = False,
+) -> None:
+    """key_cache then value_cache, each against its side's mode (a split mode stores them in
+    two formats, so in two widths and dtypes)."""
+    for (name, cache), side in zip(named, (mode.key_side, mode.value_side), strict=True):
+        shape = (*leading, side.cache_width(head_size))
+        check_caches(side, ((name, cache),), shape, dtypes(side), layout, written=written, fake=fake)
 
 
 # ------------------------------------------------------------------------------------------
@@ -435,12 +454,13 @@ def _check_write(r: CacheWrite, geometry: Geometry | None, fake: bool) -> Facts:
     num_tokens, num_kv_heads, head_size = key.shape
     require_ndim("key_cache", key_cache, 4, CACHE, fake)
     num_blocks, block_size = key_cache.shape[:2]
-    shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
-    check_caches(
+    shape = (num_blocks, block_size, num_kv_heads)
+    _check_side_caches(
         mode,
         (("key_cache", key_cache), ("value_cache", value_cache)),
         shape,
-        cache_dtypes(mode, dtype_name(key)),
+        head_size,
+        lambda side: cache_dtypes(side, dtype_name(key)),
         "[num_blocks, block_size, num_kv_heads, cache width of head_size]",
         written=True,
         fake=fake,
@@ -462,11 +482,11 @@ def _check_write(r: CacheWrite, geometry: Geometry | None, fake: bool) -> Facts:
         }
     )
     scales = (("k_scale_cache", r.k_scale_cache), ("v_scale_cache", r.v_scale_cache))
-    check_scale_caches(mode, scales, shape[:3], written=True, fake=fake)
+    check_scale_caches(mode, scales, shape, written=True, fake=fake)
     statics = check_statics(mode, (("k_scale", r.k_scale, 7), ("v_scale", r.v_scale, 8)), key_cache)
     return Facts(
         host=(mode, r.rounding),
-        views=_code_views(mode, ((2, key_cache), (3, value_cache))),
+        views=_code_views(((2, key_cache, mode.key_side), (3, value_cache, mode.value_side))),
         statics=statics,
         like=2,
         table=(num_blocks, block_size),
@@ -484,12 +504,13 @@ def _check_attention(r: Attention, geometry: Geometry | None, fake: bool) -> Fac
     num_tokens, num_q_heads, head_size = query.shape
     require_ndim("key_cache", key_cache, 4, CACHE, fake)
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-    shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
-    check_caches(
+    shape = (num_blocks, block_size, num_kv_heads)
+    _check_side_caches(
         mode,
         (("key_cache", key_cache), ("value_cache", value_cache)),
         shape,
-        FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode),
+        head_size,
+        lambda side: FLOAT_INPUTS if side.code_dtype is None else code_dtypes(side),
         "[num_blocks, block_size, num_kv_heads, cache width of head_size(query)]",
         fake=fake,
     )
@@ -552,7 +573,7 @@ def _check_attention(r: Attention, geometry: Geometry | None, fake: bool) -> Fac
     )
     return Facts(
         host=host,
-        views=_code_views(mode, ((1, key_cache), (2, value_cache))),
+        views=_code_views(((1, key_cache, mode.key_side), (2, value_cache, mode.value_side))),
         statics=statics,
         allocate=tuple(allocate),
         like=1,
@@ -563,6 +584,11 @@ def _check_attention(r: Attention, geometry: Geometry | None, fake: bool) -> Fac
 
 def _check_dequantize(r: Dequantize, geometry: Geometry | None, fake: bool) -> Facts:
     mode = get_kv_quant_mode(r.mode)
+    if mode.split:
+        fail(
+            f"mode: {mode.name!r} stores keys and values in two modes and dequantize reads one cache; "
+            f"pass the side's mode ({mode.key_side.name!r} for its keys, {mode.value_side.name!r} for its values)"
+        )
     cache = r.cache
     require_ndim("cache", cache, 4, CACHE, fake)
     require_dtype("cache", cache, FLOAT_INPUTS if mode.code_dtype is None else code_dtypes(mode))
@@ -590,7 +616,7 @@ def _check_dequantize(r: Dequantize, geometry: Geometry | None, fake: bool) -> F
         check_block_tables(r.block_tables, r.seq_lens, block_size, fake)
     return Facts(
         host=(mode,),
-        views=_code_views(mode, ((0, cache),)),
+        views=_code_views(((0, cache, mode),)),
         statics=statics,
         table=(num_blocks, block_size),
         whole=whole,
@@ -649,9 +675,8 @@ def arrays(record: Any, facts: Facts) -> tuple:
     if not (facts.views or facts.statics or facts.allocate):
         return given
     operands = list(given)
-    mode = facts.host[0]
-    for at in facts.views:
-        operands[at] = as_code_storage(operands[at], mode)
+    for at, side in facts.views:
+        operands[at] = as_code_storage(operands[at], side)
     like = operands[facts.like]
     for at in facts.statics:
         # The signature holds a number's type, not its value: each call's is checked here.

@@ -43,6 +43,17 @@ def _registry(args: argparse.Namespace, command: str) -> Registry | None:
     return None if failed else reg
 
 
+def _runs(codes: list[int]) -> str:
+    """Ascending codes as runs ("0-3,5,7-12")."""
+    runs: list[list[int]] = []
+    for code in codes:
+        if runs and runs[-1][1] == code - 1:
+            runs[-1][1] = code
+        else:
+            runs.append([code, code])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _list(args: argparse.Namespace) -> int:
     from .modes import MODES
 
@@ -79,7 +90,7 @@ def _list(args: argparse.Namespace) -> int:
                 impl.op,
                 impl.platform,
                 str(impl.priority),
-                ",".join(short[m] for m in MODES if m in impl.modes),
+                _runs([n for n, m in enumerate(MODES) if m in impl.modes]),
                 "available" if not why else "unavailable (below)",
             )
         )

@@ -81,14 +81,13 @@ def allocate_separate(
     _check_geometry(num_blocks, block_size, num_kv_heads, head_size)
     if model_dtype not in FLOAT_INPUTS:
         fail(f"model_dtype: expected one of {list(FLOAT_INPUTS)}, got {model_dtype!r}")
-    shape = (num_blocks, block_size, num_kv_heads, mode.cache_width(head_size))
-    dtype = mode.code_dtype or model_dtype
-    scales = (
-        (_zeros(shape[:3], "float32", device), _zeros(shape[:3], "float32", device))
-        if mode.per_token_head
-        else (None, None)
+    rows = (num_blocks, block_size, num_kv_heads)
+    key_cache, value_cache = (
+        _zeros((*rows, side.cache_width(head_size)), side.code_dtype or model_dtype, device)
+        for side in (mode.key_side, mode.value_side)
     )
-    return KVCacheTensors(_zeros(shape, dtype, device), _zeros(shape, dtype, device), *scales)
+    scales = (_zeros(rows, "float32", device), _zeros(rows, "float32", device)) if mode.per_token_head else (None, None)
+    return KVCacheTensors(key_cache, value_cache, *scales)
 
 
 def allocate_inline(

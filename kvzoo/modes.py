@@ -110,6 +110,34 @@ class QuantMode:
     # Whether SPEC.md section 5's inline page (each row's codes, then its float32 scale) is
     # defined for the mode's rows: not yet for packed int4 rows (SPEC.md section 5.3).
     inline_page: bool = True
+    # Keys and values stored in different formats (SPEC.md section 2's per-side rows): the
+    # one-sided modes of the key and of the value rows. None: both sides are this mode. The
+    # fields above then describe the key side (so a layer that reads them sees the keys'), and
+    # every layer that touches a cache asks key_side / value_side for its side.
+    sides: tuple[QuantMode, QuantMode] | None = None
+
+    @property
+    def key_side(self) -> QuantMode:
+        """The one-sided mode the key rows are stored in (this mode unless it is split)."""
+        return self if self.sides is None else self.sides[0]
+
+    @property
+    def value_side(self) -> QuantMode:
+        """The one-sided mode the value rows are stored in (this mode unless it is split)."""
+        return self if self.sides is None else self.sides[1]
+
+    @property
+    def key_format(self) -> CodeFormat | None:
+        return self.key_side.format
+
+    @property
+    def value_format(self) -> CodeFormat | None:
+        return self.value_side.format
+
+    @property
+    def split(self) -> bool:
+        """Whether keys and values are stored in different modes."""
+        return self.sides is not None
 
     @property
     def per_token_head(self) -> bool:
@@ -186,6 +214,8 @@ class QuantMode:
         """Why the inline layout (SPEC.md section 5) cannot hold this mode's rows; None when it can."""
         if not self.per_token_head:
             return f"the inline layout stores per-row scales; {self.name!r} has none"
+        if self.split:
+            return f"the inline page holds one format a row; {self.name!r} stores keys and values in two"
         if not self.inline_page:
             return f"the inline layout is not defined for {self.name!r} (SPEC.md section 5.3); use the separate one"
         return None
@@ -223,6 +253,39 @@ INT4_PER_TOKEN_HEAD_NOROT = QuantMode(
     "int4_per_token_head_norot", "per_token_head", UINT4, head_sizes=INT4_HEAD_SIZES, inline_page=False
 )
 
+
+def split_mode(name: str, key: QuantMode, value: QuantMode) -> QuantMode:
+    """A mode storing keys as `key` does and values as `value` does (both per token-head): its
+    head sizes are those both sides take, its roundings those both define; the inline page
+    holds one format a row, so a split mode has the separate layout only."""
+    if not (key.per_token_head and value.per_token_head) or key.split or value.split:
+        raise ValueError("split_mode: both sides must be one-sided per-token-head modes")
+    sides = (key, value)
+    highs = [m.head_sizes.highest for m in sides if m.head_sizes.highest is not None]
+    head_sizes = HeadSizes(
+        max(m.head_sizes.lowest for m in sides),
+        min(highs) if highs else None,
+        any(m.head_sizes.power_of_two for m in sides),
+    )
+    return QuantMode(
+        name,
+        "per_token_head",
+        key.format,
+        roundings=tuple(r for r in key.roundings if r in value.roundings),
+        rotation=key.rotation,
+        head_sizes=head_sizes,
+        inline_page=False,
+        sides=sides,
+    )
+
+
+# Keys keep 8 bits, values take 4 (keys need the precision: bench/RESULTS.md's K-only and
+# V-only ablation); the value side rotated as int4_per_token_head rotates, or not.
+INT8_K_INT4_V = split_mode("k_int8_v_int4", INT8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD)
+INT8_K_INT4_V_NOROT = split_mode("k_int8_v_int4_norot", INT8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD_NOROT)
+FP8_K_INT4_V = split_mode("k_fp8_v_int4", FP8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD)
+FP8_K_INT4_V_NOROT = split_mode("k_fp8_v_int4_norot", FP8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD_NOROT)
+
 MODES: dict[str, QuantMode] = {
     m.name: m
     for m in (
@@ -235,6 +298,10 @@ MODES: dict[str, QuantMode] = {
         FP8_E5M2_PER_TENSOR,
         INT4_PER_TOKEN_HEAD,
         INT4_PER_TOKEN_HEAD_NOROT,
+        INT8_K_INT4_V,
+        INT8_K_INT4_V_NOROT,
+        FP8_K_INT4_V,
+        FP8_K_INT4_V_NOROT,
     )
 }
 
@@ -259,6 +326,10 @@ _ALIASES: dict[str, str] = {
     "fp8_e5m2_per_tensor": "fp8_e5m2_per_tensor",
     "int4_per_token_head": "int4_per_token_head",
     "int4_per_token_head_norot": "int4_per_token_head_norot",
+    "k_int8_v_int4": "k_int8_v_int4",
+    "k_int8_v_int4_norot": "k_int8_v_int4_norot",
+    "k_fp8_v_int4": "k_fp8_v_int4",
+    "k_fp8_v_int4_norot": "k_fp8_v_int4_norot",
 }
 
 

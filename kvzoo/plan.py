@@ -166,8 +166,12 @@ class CacheSpec:
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int]:
-        """Shape of key_cache and value_cache."""
-        return (self.num_blocks, self.block_size, self.num_kv_heads, self.mode.cache_width(self.head_size))
+        """Shape of key_cache (and of value_cache, unless the mode is split: side_shape)."""
+        return self.side_shape(self.mode.key_side)
+
+    def side_shape(self, side: QuantMode) -> tuple[int, int, int, int]:
+        """Shape of the cache one side's mode (mode.key_side or mode.value_side) stores."""
+        return (self.num_blocks, self.block_size, self.num_kv_heads, side.cache_width(self.head_size))
 
     @property
     def scale_shape(self) -> tuple[int, int, int] | None:
@@ -176,8 +180,8 @@ class CacheSpec:
 
     @property
     def cache_dtypes(self) -> tuple[str, ...]:
-        """dtypes the code caches may have (the code dtype or uint8; model_dtype for mode none)."""
-        return cache_dtypes(self.mode, self.model_dtype)
+        """dtypes key_cache may have (the code dtype or uint8; model_dtype for mode none)."""
+        return cache_dtypes(self.mode.key_side, self.model_dtype)
 
     def allocate(self) -> KVCacheTensors:
         """A zero-filled cache of this spec (one layer's)."""
@@ -282,13 +286,15 @@ def _check_caches(tensors: Any, spec: CacheSpec, device: Any) -> _Layer:
             f"caches: the CacheSpec's layout is {spec.layout!r}, but the caches "
             f"{'are views of an inline buffer' if tensors.buffer is not None else 'have no inline buffer'}"
         )
-    codes = (("key_cache", tensors.key_cache), ("value_cache", tensors.value_cache))
-    check_caches(mode, codes, spec.cache_shape, spec.cache_dtypes, CACHE, source=_SPEC)
+    sides = (mode.key_side, mode.value_side)
+    for name, cache, side in zip(("key_cache", "value_cache"), (tensors.key_cache, tensors.value_cache), sides):
+        shape, dtypes = spec.side_shape(side), cache_dtypes(side, spec.model_dtype)
+        check_caches(side, ((name, cache),), shape, dtypes, CACHE, source=_SPEC)
     scales = (("k_scale_cache", tensors.k_scale_cache), ("v_scale_cache", tensors.v_scale_cache))
     check_scale_caches(mode, scales, spec.cache_shape[:3], source=_SPEC, absent="the caches must have None there")
     arrays = (
-        as_code_storage(tensors.key_cache, mode),
-        as_code_storage(tensors.value_cache, mode),
+        as_code_storage(tensors.key_cache, sides[0]),
+        as_code_storage(tensors.value_cache, sides[1]),
         tensors.k_scale_cache,
         tensors.v_scale_cache,
     )
@@ -325,24 +331,26 @@ def _stand_in(like: Array, shape: tuple[int, ...], dtype: str) -> Array:
     return np.broadcast_to(np.zeros(1, numpy_dtype(dtype)), shape)
 
 
-def _stand_in_caches(like: Array, spec: CacheSpec) -> tuple[Array, Array | None]:
-    """Stand-ins for a layer's codes and scales. Inline ones are views of one buffer, as the
-    real ones are: that is how the registry tells the inline layout from the separate one."""
+def _stand_in_caches(like: Array, spec: CacheSpec) -> tuple[Array, Array, Array | None]:
+    """Stand-ins for a layer's key codes, value codes and scales. Inline ones are views of one
+    buffer, as the real ones are: that is how the registry tells the inline layout from the
+    separate one."""
     code = spec.mode.code_dtype or spec.model_dtype
     if spec.layout != "inline":
         scales = _stand_in(like, spec.cache_shape[:3], "float32") if spec.mode.per_token_head else None
-        return _stand_in(like, spec.cache_shape, code), scales
+        key_side, value_side = spec.mode.key_side, spec.mode.value_side
+        return (
+            _stand_in(like, spec.side_shape(key_side), key_side.code_dtype or spec.model_dtype),
+            _stand_in(like, spec.side_shape(value_side), value_side.code_dtype or spec.model_dtype),
+            scales,
+        )
     if is_torch(like):
         base = torch.zeros(2 * SCALE_BYTES, dtype=torch.uint8, device=like.device)
-        return (
-            base[:1].view(torch_dtype(code)).expand(spec.cache_shape),
-            base[SCALE_BYTES:].view(torch.float32).expand(spec.cache_shape[:3]),
-        )
+        codes = base[:1].view(torch_dtype(code)).expand(spec.cache_shape)
+        return codes, codes, base[SCALE_BYTES:].view(torch.float32).expand(spec.cache_shape[:3])
     page = np.zeros(2 * SCALE_BYTES, np.uint8)
-    return (
-        as_strided(page[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4),
-        as_strided(page[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3),
-    )
+    page_codes = as_strided(page[:1].view(numpy_dtype(code)), spec.cache_shape, (0,) * 4)
+    return page_codes, page_codes, as_strided(page[SCALE_BYTES:].view(np.float32), spec.cache_shape[:3], (0,) * 3)
 
 
 def _impl_for(impl: ImplChoice, op: str) -> str | Implementation | None:
@@ -872,12 +880,12 @@ def plan_step(
     # shapes, dtypes, devices and options, not at values).
     reg = _registry.default()
     dtype = spec.model_dtype
-    kc, sc = _stand_in_caches(block_tables, spec)
+    kc, vc, sc = _stand_in_caches(block_tables, spec)
     static = _stand_in(block_tables, (1,), "float32") if mode.per_tensor else None
     stand_in = Attention(
         _stand_in(block_tables, (max(num_tokens or 0, 1), num_q_heads, spec.head_size), dtype),
         kc,
-        kc,
+        vc,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -930,7 +938,7 @@ def plan_step(
         tokens = int(slot_mapping.shape[0])
         plan._rows = Geometry((tokens, spec.num_kv_heads, spec.head_size), dtype, device)
         row = _stand_in(block_tables, (tokens, spec.num_kv_heads, spec.head_size), dtype)
-        write = CacheWrite(row, row, kc, kc, slot_mapping, sc, sc, static, static, mode, spec.rounding)
+        write = CacheWrite(row, row, kc, vc, slot_mapping, sc, sc, static, static, mode, spec.rounding)
         plan.write_impl = chosen = reg.select(write, "reshape_and_cache", write_choice)
         plan.slot_mapping = _for_impl(chosen, write).slot_mapping
     plan._impl = (write_choice, attention_choice)

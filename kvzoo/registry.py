@@ -184,7 +184,11 @@ class Implementation:
         missing = [
             m
             for m in self.modes
-            if m in MODES and (fmt := MODES[m].format) is not None and fmt.name not in self.capabilities.formats
+            if m in MODES
+            and any(
+                fmt is not None and fmt.name not in self.capabilities.formats
+                for fmt in (MODES[m].key_format, MODES[m].value_format)
+            )
         ]
         if missing and self.capabilities.formats:
             raise ValueError(f"{self.name}: registers {sorted(missing)} without their formats in capabilities.formats")

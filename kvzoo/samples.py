@@ -272,60 +272,67 @@ _TORCH_CHUNK = 1 << 22  # elements per step: bounds the float32 temporaries of a
 
 def _fill_torch(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
     """fill_quantized's distribution drawn in place by torch ops on the caches' device (the
-    dtype cast snaps to representable codes), for caches too big to draw on the host."""
+    dtype cast snaps to representable codes), for caches too big to draw on the host: each
+    side's codes and scales by its own mode."""
+    for side, cache, scales in (
+        (mode.key_side, caches.key_cache, caches.k_scale_cache),
+        (mode.value_side, caches.value_cache, caches.v_scale_cache),
+    ):
+        if side.format is not None and side.format.row_zero_point:
+            _fill_torch_with_zero_points(side, cache, scales, gen)
+        else:
+            _fill_torch_codes(side, cache, scales, gen)
+
+
+def _fill_torch_codes(mode: QuantMode, cache: Any, scales: Any, gen: Any) -> None:
+    """One side's codes (or model-dtype values) and per-row scales, fill_quantized's way."""
     import torch
 
     fmt = mode.format
-    if fmt is not None and fmt.row_zero_point:
-        _fill_torch_with_zero_points(mode, caches, gen)
-        return
     if fmt is not None:
         values = fmt.representable()
         half_tiny = float(values[values > 0].min()) / 2
-    for cache in (caches.key_cache, caches.value_cache):
-        if not cache.is_contiguous():
-            raise ValueError("fill='torch' takes contiguous caches")
-        flat = cache.view(-1, cache.shape[-1])
-        rows = max(1, _TORCH_CHUNK // flat.shape[1])
-        for i in range(0, flat.shape[0], rows):
-            part = flat[i : i + rows]
-            x = torch.randn(part.shape, device=part.device, generator=gen)
-            if fmt is None:
-                part.copy_(x.to(part.dtype))
-                continue
-            y = (x * (fmt.qmax / 3)).clamp_(fmt.qmin, fmt.qmax)
-            if fmt.kind == "int":
-                y = y.round()
-            else:  # the cast rounds to nearest even; what rounds to zero is +0, as fill_quantized's
-                y = torch.where(y.abs() <= half_tiny, torch.zeros_like(y), y)
-            part.copy_(y.to(part.dtype))
-    for sc in (caches.k_scale_cache, caches.v_scale_cache):
-        if sc is not None:
-            sc.uniform_(0.002, 0.05, generator=gen)
+    if not cache.is_contiguous():
+        raise ValueError("fill='torch' takes contiguous caches")
+    flat = cache.view(-1, cache.shape[-1])
+    rows = max(1, _TORCH_CHUNK // flat.shape[1])
+    for i in range(0, flat.shape[0], rows):
+        part = flat[i : i + rows]
+        x = torch.randn(part.shape, device=part.device, generator=gen)
+        if fmt is None:
+            part.copy_(x.to(part.dtype))
+            continue
+        y = (x * (fmt.qmax / 3)).clamp_(fmt.qmin, fmt.qmax)
+        if fmt.kind == "int":
+            y = y.round()
+        else:  # the cast rounds to nearest even; what rounds to zero is +0, as fill_quantized's
+            y = torch.where(y.abs() <= half_tiny, torch.zeros_like(y), y)
+        part.copy_(y.to(part.dtype))
+    if scales is not None:
+        scales.uniform_(0.002, 0.05, generator=gen)
 
 
-def _fill_torch_with_zero_points(mode: QuantMode, caches: KVCacheTensors, gen: Any) -> None:
-    """_fill_with_zero_points' distribution drawn by torch ops on the caches' device."""
+def _fill_torch_with_zero_points(mode: QuantMode, cache: Any, words: Any, gen: Any) -> None:
+    """One side's packed codes and scale words, _fill_with_zero_points' way."""
     import torch
 
     fmt = mode.format
     per_byte, bits = fmt.codes_per_byte, fmt.bits
     low = (1 << fmt.zero_point_bits) - 1
-    lowest, highest = row_scale_range(mode, fmt.head_size_of(caches.key_cache.shape[-1]))
-    for cache, words in ((caches.key_cache, caches.k_scale_cache), (caches.value_cache, caches.v_scale_cache)):
-        if not (cache.is_contiguous() and words.is_contiguous()):
-            raise ValueError("fill='torch' takes contiguous caches")
-        flat, flat_words = cache.view(-1, cache.shape[-1]), words.view(torch.int32).view(-1)
-        rows = max(1, _TORCH_CHUNK // (flat.shape[1] * per_byte))
-        for i in range(0, flat.shape[0], rows):
-            part, part_words = flat[i : i + rows], flat_words[i : i + rows]
-            zero_points = torch.randint(3, int(fmt.qmax) - 2, (part.shape[0], 1), device=part.device, generator=gen)
-            y = torch.randn((*part.shape, per_byte), device=part.device, generator=gen) * _ZERO_POINT_SPREAD
-            codes = (y + zero_points[..., None]).round_().clamp_(fmt.qmin, fmt.qmax).to(torch.int32)
-            shifts = torch.arange(per_byte, device=part.device, dtype=torch.int32) * bits
-            part.copy_((codes << shifts).sum(-1).to(part.dtype))
-            scales = torch.empty(part.shape[0], device=part.device).uniform_(lowest, highest, generator=gen)
-            part_words.copy_((scales.view(torch.int32) & ~low) | zero_points[:, 0].to(torch.int32))
+    lowest, highest = row_scale_range(mode, fmt.head_size_of(cache.shape[-1]))
+    if not (cache.is_contiguous() and words.is_contiguous()):
+        raise ValueError("fill='torch' takes contiguous caches")
+    flat, flat_words = cache.view(-1, cache.shape[-1]), words.view(torch.int32).view(-1)
+    rows = max(1, _TORCH_CHUNK // (flat.shape[1] * per_byte))
+    for i in range(0, flat.shape[0], rows):
+        part, part_words = flat[i : i + rows], flat_words[i : i + rows]
+        zero_points = torch.randint(3, int(fmt.qmax) - 2, (part.shape[0], 1), device=part.device, generator=gen)
+        y = torch.randn((*part.shape, per_byte), device=part.device, generator=gen) * _ZERO_POINT_SPREAD
+        codes = (y + zero_points[..., None]).round_().clamp_(fmt.qmin, fmt.qmax).to(torch.int32)
+        shifts = torch.arange(per_byte, device=part.device, dtype=torch.int32) * bits
+        part.copy_((codes << shifts).sum(-1).to(part.dtype))
+        scales = torch.empty(part.shape[0], device=part.device).uniform_(lowest, highest, generator=gen)
+        part_words.copy_((scales.view(torch.int32) & ~low) | zero_points[:, 0].to(torch.int32))
 
 
 def torch_generator(rng: np.random.Generator, device: str) -> Any:
@@ -375,6 +382,14 @@ def _scalar(x: Any) -> float | None:
 # the oracle's answer and the tolerance it is held to
 
 
+def _one_side(mode: str | QuantMode) -> QuantMode:
+    """The mode of one cache; a split mode names two (its key_side and value_side)."""
+    mode = get_kv_quant_mode(mode)
+    if mode.split:
+        raise ValueError(f"{mode.name} stores keys and values in two modes: pass the cache's side's mode")
+    return mode
+
+
 def _in_int4_oracle(mode: QuantMode) -> bool:
     # The oracle keeps its int4 functions beside ORACLE_MODES (SPEC.md 10), with their own
     # table of the modes they take.
@@ -387,7 +402,7 @@ def oracle_decoded_cache(
     """float32 [NB, BS, H, D]: the oracle's decode of a whole host cache (uint8 codes, or
     model-dtype values for mode none), bit for bit what dequantize returns (SPEC.md sections 7
     and 3.5: a rotated mode's rows un-rotated in float32)."""
-    mode = get_kv_quant_mode(mode)
+    mode = _one_side(mode)
     if not _in_int4_oracle(mode):
         return oracle.decode_cache(codes, host_scales(scales), mode.name, _scalar(static))
     decoded = oracle.int4_decode_rows(np.asarray(codes, np.uint8), host_scales(scales))
@@ -398,7 +413,7 @@ def oracle_gathered(
     mode: str | QuantMode, codes: np.ndarray, scales: Any, block_tables: Any, seq_lens: Any, static: Any = None
 ) -> np.ndarray:
     """float32 [sum(seq_lens), H, D]: the oracle's dequantize of each sequence's tokens in order."""
-    mode = get_kv_quant_mode(mode)
+    mode = _one_side(mode)
     if not _in_int4_oracle(mode):
         return oracle.gather_dequantize(codes, host_scales(scales), block_tables, seq_lens, mode.name, _scalar(static))
     # Each row decodes alone, so gathering the decoded rows is decoding the gathered ones.
@@ -416,7 +431,7 @@ def oracle_model_values(mode: str | QuantMode, codes: np.ndarray, scales: Any = 
     """[NB, BS, H, D]: the values a host cache stands for in the model's basis, as the oracle's
     attention reads them (float64 for int4, whose un-rotation the reference does in float64;
     the float32 decode otherwise)."""
-    mode = get_kv_quant_mode(mode)
+    mode = _one_side(mode)
     if not _in_int4_oracle(mode):
         return oracle_decoded_cache(mode, codes, scales, static)
     return oracle.int4_dequantize_rows_f64(np.asarray(codes, np.uint8), host_scales(scales), mode.name)
@@ -442,6 +457,16 @@ def oracle_write(
     dtype: a rotated mode rounds its rotated rows to it): (key_cache, value_cache,
     k_scale_cache, v_scale_cache) as uint8 codes and float32 scale words."""
     mode = get_kv_quant_mode(mode)
+    if mode.split:
+        # Each side is written by its own mode's rule (SPEC.md section 2's per-side rows).
+        shape = dict(num_blocks=num_blocks, block_size=block_size, rounding=rounding)
+        keys = oracle_write(
+            mode.key_side, key, key, slot_mapping, key_cache=key_cache, k_scale_cache=k_scale_cache, **shape
+        )
+        values = oracle_write(
+            mode.value_side, value, value, slot_mapping, key_cache=value_cache, k_scale_cache=v_scale_cache, **shape
+        )
+        return keys[0], values[0], keys[2], values[2]
     if not _in_int4_oracle(mode):
         return oracle.reshape_and_cache(
             key,
@@ -508,6 +533,18 @@ def oracle_attention(
     host = lambda x: None if x is None else np.asarray(as_numpy(x.cpu()) if is_torch(x) else x)  # noqa: E731
     q = as_numpy(query.detach().cpu()) if is_torch(query) else np.asarray(query)
     options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window, softcap=softcap, sinks=host(sinks))
+    if mode.split:
+        if fp8_dots:
+            raise ValueError(f"fp8_dots: defined for e4m3fn keys and values, not {mode.name}")
+        # Each side decoded by its own mode, in the model's basis (a rotated side un-rotated in
+        # float64); the query meets the keys as they are, so it is rotated only where they are.
+        k_deq = oracle_model_values(mode.key_side, key_codes, k_scales)
+        v_deq = oracle_model_values(mode.value_side, value_codes, v_scales)
+        if quantize_query:
+            q = _round_tripped_query(q)
+        return oracle.attention_f64(
+            q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc), **options
+        )
     if _in_int4_oracle(mode):
         if quantize_query:
             raise ValueError(f"quantize_query: defined for int8 per-token-head caches, not {mode.name}")
@@ -527,10 +564,7 @@ def oracle_attention(
     k_deq = oracle.decode_cache(key_codes, host_scales(k_scales), mode.name, _scalar(k_static))
     v_deq = oracle.decode_cache(value_codes, host_scales(v_scales), mode.name, _scalar(v_static))
     if quantize_query:
-        d = q.shape[-1]
-        rows = oracle.widen_to_float32(q).reshape(-1, d)
-        codes, scales = oracle.quantize_rows(rows, QUERY_ROUND_TRIP_MODE)
-        q = oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
+        q = _round_tripped_query(q)
     if fp8_dots:
         q = oracle.fp8_dots_query(q.reshape(-1, q.shape[-1])).reshape(q.shape)
         if probability_tile is not None:
@@ -539,6 +573,13 @@ def oracle_attention(
     return oracle.attention_f64(
         q, k_deq, v_deq, host(block_tables), host(seq_lens), host(query_start_loc), return_slack=return_slack, **options
     )
+
+
+def _round_tripped_query(q: np.ndarray) -> np.ndarray:
+    """The query as quantize_query attends with it (SPEC.md 8.1): each row int8-quantized and decoded."""
+    rows = oracle.widen_to_float32(q).reshape(-1, q.shape[-1])
+    codes, scales = oracle.quantize_rows(rows, QUERY_ROUND_TRIP_MODE)
+    return oracle.decode_rows(codes, scales, QUERY_ROUND_TRIP_MODE).reshape(q.shape)
 
 
 def attention_tolerance(impl: Any, out_dtype: str, fp8_dots: bool = False) -> float:
@@ -709,7 +750,7 @@ def _placed_caches(
         return KVCacheTensors(
             *(
                 None if a is None else _place(a, dt, kind, device)
-                for a, dt in ((kc, mode.code_dtype), (vc, mode.code_dtype), (ks, None), (vs, None))
+                for a, dt in ((kc, mode.key_side.code_dtype), (vc, mode.value_side.code_dtype), (ks, None), (vs, None))
             )
         )
     caches = allocate_inline(*shape, mode, device=None if kind == "numpy" else device, row_align=row_align)
@@ -785,7 +826,9 @@ def paged_sample(
     shape = (b.num_blocks, block_size, num_kv_heads, head_size)
     host = fill == "host"
     if host:
-        (kc, ks), (vc, vs) = (fill_quantized(mode, rng, shape, cache_dtype) for _ in range(2))
+        (kc, ks), (vc, vs) = (
+            fill_quantized(side, rng, shape, cache_dtype) for side in (mode.key_side, mode.value_side)
+        )
     static = _static_pair(mode, rng, static_scales)
     if poison:
         pos = int(b.seq_lens[0]) - 1
@@ -857,9 +900,10 @@ def poisoned_caches(
     if layout == "inline":
         buf = random_bytes(rng, (nb, 2, bs, h, inline_row_bytes(d, row_align)), "uint8", device, kind)
         return inline_views(buf, d, mode)
-    dtype = mode.code_dtype or model_dtype
-    code_shape = (nb, bs, h, mode.cache_width(d))
-    kc, vc = (random_bytes(rng, code_shape, dtype, device, kind) for _ in range(2))
+    kc, vc = (
+        random_bytes(rng, (nb, bs, h, side.cache_width(d)), side.code_dtype or model_dtype, device, kind)
+        for side in (mode.key_side, mode.value_side)
+    )
     if mode.per_token_head:
         ks, vs = (random_bytes(rng, shape[:3], "float32", device, kind) for _ in range(2))
         return KVCacheTensors(kc, vc, ks, vs)

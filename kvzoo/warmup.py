@@ -15,7 +15,10 @@ from .modes import MODES
 
 _BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, _TOKENS = 2, 4, 1, 8, 3
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
-STEPS = len(MODES) * len(INPUT_DTYPES)
+# The modes the compiled backend takes: a split one (keys and values in two formats) runs on
+# NumPy alone for now, so it has nothing to compile.
+COMPILED_MODES = tuple(m for m in MODES.values() if not m.split)
+STEPS = len(COMPILED_MODES) * len(INPUT_DTYPES)
 # The kernels take an input's bits through one unsigned carrier per element width, so the dtypes
 # of one width share every compiled signature and those of another share none: each group
 # compiles apart from the others (in a process of its own) without repeating their work.
@@ -30,7 +33,7 @@ def run_every_signature(
     takes minutes: say what is going on)."""
     rng = np.random.default_rng(0)
     calls = 0
-    for mode in MODES.values():
+    for mode in COMPILED_MODES:
         static = 0.5 if mode.per_tensor else None
         for dtype in dtypes:
             if progress is not None:

@@ -702,6 +702,16 @@ INT4_RHT_SIGN_BITS_512 = int(
 INT4_MAX_HEAD_SIZE = 512
 INT4_MODES = ("int4_per_token_head", "int4_per_token_head_norot")
 
+# Modes storing keys in one mode and values in another (SPEC.md section 2's per-side rows):
+# name -> (the keys' mode, the values' mode). Each side is written, decoded and attended by its
+# own mode's functions above; the query meets the keys as their mode stores them.
+SPLIT_MODES = {
+    "k_int8_v_int4": ("int8_per_token_head", "int4_per_token_head"),
+    "k_int8_v_int4_norot": ("int8_per_token_head", "int4_per_token_head_norot"),
+    "k_fp8_v_int4": ("fp8_per_token_head", "int4_per_token_head"),
+    "k_fp8_v_int4_norot": ("fp8_per_token_head", "int4_per_token_head_norot"),
+}
+
 
 def _int4_check_head_size(D: int) -> None:
     if D < 2 or D > INT4_MAX_HEAD_SIZE or D & (D - 1):

@@ -32,7 +32,7 @@ import kvzoo
 from kvzoo import KVZooInputError, registry, samples
 from kvzoo.arrays import as_numpy, numpy_dtype, torch_dtype
 from kvzoo.inputs import device_for
-from kvzoo.modes import MODES
+from kvzoo.modes import MODES, QuantMode
 from kvzoo.samples import OUT_ROUNDOFF, Batch, assert_attention_close  # noqa: F401 (the battery's names)
 
 from support import SEED, rng_for  # noqa: F401
@@ -941,17 +941,13 @@ def layouts_for(kind: str, ndim: int) -> tuple[str, ...]:
 # realistic cache contents (for attention) and the oracle's view of them
 
 
-def fill_codes(mode_name: str, rng: np.random.Generator, shape: tuple[int, ...], model_dtype: str = "bfloat16"):
-    """Cache values as (codes uint8 or model-dtype values, per-row scales or None): no NaN."""
-    return samples.fill_quantized(MODES[mode_name], rng, shape, model_dtype)
-
-
 def static_scale(rng: np.random.Generator, mode_name: str | None = None) -> float:
     return samples.unit_static_scale(rng, None if mode_name is None else MODES[mode_name])
 
 
-def cache_dtype(mode_name: str, model_dtype: str, storage: str = "code") -> str:
-    mode = MODES[mode_name]
+def cache_dtype(mode_name: str | QuantMode, model_dtype: str, storage: str = "code") -> str:
+    """The dtype of a cache of the mode (of one side's mode, for a split one)."""
+    mode = MODES[mode_name] if isinstance(mode_name, str) else mode_name
     if mode.code_dtype is None:
         return model_dtype
     return "uint8" if storage == "uint8" else mode.code_dtype
@@ -982,18 +978,23 @@ class Caches:
             v_scale=self.v_static,
         )
 
+    def side(self, which: str) -> QuantMode:
+        """The mode of the key or the value cache (they differ in a split mode)."""
+        mode = MODES[self.mode]
+        return mode.key_side if which == "key" else mode.value_side
+
     def oracle_codes(self, which: str, when: str = "now"):
         """(codes uint8 or model-dtype values, float32 scales or None) as the oracle takes them."""
         r = self.key if which == "key" else self.value
         s = self.k_scale if which == "key" else self.v_scale
-        codes = r.values(when) if MODES[self.mode].code_dtype is None else r.element_bytes(when)[..., 0]
+        codes = r.values(when) if self.side(which).code_dtype is None else r.element_bytes(when)[..., 0]
         scales = None if s is None else s.values(when)
         return codes, scales
 
     def decoded(self, which: str, when: str = "now") -> np.ndarray:
         codes, scales = self.oracle_codes(which, when)
         static = self.k_static if which == "key" else self.v_static
-        return samples.oracle_decoded_cache(self.mode, codes, scales, static)
+        return samples.oracle_decoded_cache(self.side(which), codes, scales, static)
 
 
 def make_caches(
@@ -1013,7 +1014,6 @@ def make_caches(
     buffer [NB, 2, BS, H, D + 4] with gaps, viewed through kvzoo.layout.inline_views (SPEC 5);
     "interleaved": separate codes, the two scale caches interleaved in one float32 buffer."""
     mode = MODES[mode_name]
-    dt = cache_dtype(mode_name, model_dtype, storage)
     if layout == "inline":
         from kvzoo.layout import inline_views
 
@@ -1026,10 +1026,19 @@ def make_caches(
         ks = page.sub("k_scale_cache", views.k_scale_cache, idx[:, 0, ..., d] // 4, "float32")
         vs = page.sub("v_scale_cache", views.v_scale_cache, idx[:, 1, ..., d] // 4, "float32")
     else:
-        # Rows of shape[-1] elements take the mode's cache width (int4: two codes a byte).
-        code_shape = (*shape[:3], mode.cache_width(shape[3]))
-        key = Region(rng, code_shape, dt, kind, impl=impl, label="key_cache", gaps=gaps)
-        value = Region(rng, code_shape, dt, kind, impl=impl, label="value_cache", gaps=gaps)
+        # Rows of shape[-1] elements take each side's cache width (int4: two codes a byte).
+        key, value = (
+            Region(
+                rng,
+                (*shape[:3], side.cache_width(shape[3])),
+                cache_dtype(side, model_dtype, storage),
+                kind,
+                impl=impl,
+                label=label,
+                gaps=gaps,
+            )
+            for side, label in ((mode.key_side, "key_cache"), (mode.value_side, "value_cache"))
+        )
         ks = vs = None
         if mode.per_token_head and layout == "interleaved":
             both = Region(rng, (*shape[:3], 2), "float32", kind, impl=impl, label="k/v scale buffer", gaps=gaps)
@@ -1039,9 +1048,9 @@ def make_caches(
             ks = Region(rng, shape[:3], "float32", kind, impl=impl, label="k_scale_cache", gaps=gaps)
             vs = Region(rng, shape[:3], "float32", kind, impl=impl, label="v_scale_cache", gaps=gaps)
     if realistic:
-        for codes_r, scale_r in ((key, ks), (value, vs)):
-            codes, scales = fill_codes(mode_name, rng, shape, model_dtype)
-            codes_r.set_values(codes if mode.code_dtype is None else codes)
+        for side, codes_r, scale_r in ((mode.key_side, key, ks), (mode.value_side, value, vs)):
+            codes, scales = samples.fill_quantized(side, rng, shape, model_dtype)
+            codes_r.set_values(codes)
             if scale_r is not None:
                 scale_r.set_values(scales)
     statics = (static_scale(rng, mode_name), static_scale(rng, mode_name)) if mode.per_tensor else (None, None)

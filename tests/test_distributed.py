@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_scenarios import launch
-
-import kvzoo
+from distributed_scenarios import launch, moved_modes
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -24,7 +22,7 @@ LAUNCH_TIMEOUT = 150.0
 
 
 def _sharded(world: int) -> list[str]:
-    return [f"sharded W={world} {m.name}/{layout}" for m in kvzoo.MODES.values() for layout in m.layouts]
+    return [f"sharded W={world} {m.name}/{layout}" for m in moved_modes() for layout in m.layouts]
 
 
 def _check(result: dict, required: dict[int, list[str]], killed: tuple[int, ...] = ()) -> None:
@@ -47,12 +45,12 @@ def _check(result: dict, required: dict[int, list[str]], killed: tuple[int, ...]
 
 def test_two_ranks_shard_transfer_reshard_refuse_and_survive_a_timeout_and_a_killed_sender(tmp_path):
     result = launch(2, tmp_path, timeout=LAUNCH_TIMEOUT)
-    transfers = [f"transfer 0->1 {m.name}/{a}->{b}" for m in kvzoo.MODES.values() for a in m.layouts for b in m.layouts]
+    transfers = [f"transfer 0->1 {m.name}/{a}->{b}" for m in moved_modes() for a in m.layouts for b in m.layouts]
     refusals = [
         f"refusal {f}" for f in ("mode", "total_kv_heads", "head_size", "static_scales[0]", "rows", "checksums")
     ]
     failures = ["timeout: the sender stalls after the handshake", "kill: the sender is killed after its first layer"]
-    reshard = [f"reshard 0->[0, 1] {m.name}/separate->{m.layouts[-1]}" for m in kvzoo.MODES.values()]
+    reshard = [f"reshard 0->[0, 1] {m.name}/separate->{m.layouts[-1]}" for m in moved_modes()]
     every = _sharded(2) + refusals + transfers + reshard + failures
     # Rank 0 is killed in the last check, after recording the others.
     _check(result, {0: every[:-1], 1: every}, killed=(0,))
@@ -62,7 +60,7 @@ def test_two_ranks_shard_transfer_reshard_refuse_and_survive_a_timeout_and_a_kil
 
 def test_four_ranks_shard_over_the_group_and_its_halves_and_reshard_one_to_two(tmp_path):
     result = launch(4, tmp_path, scenarios=("sharded", "reshard"), timeout=LAUNCH_TIMEOUT)
-    reshard = [f"reshard 0->[2, 3] {m.name}/separate->{m.layouts[-1]}" for m in kvzoo.MODES.values()]
+    reshard = [f"reshard 0->[2, 3] {m.name}/separate->{m.layouts[-1]}" for m in moved_modes()]
     sharded = _sharded(4) + _sharded(2)
     _check(result, {0: sharded + reshard, 1: sharded, 2: sharded + reshard, 3: sharded + reshard})
 

@@ -239,14 +239,20 @@ def test_random_calls(mode, num_tokens, heads, head_size, block_size, fault, see
     m = kvzoo.get_kv_quant_mode(mode)
     head_size = m.head_sizes.closest(head_size)  # int4 takes powers of two only
     num_blocks = num_tokens // block_size + 2
-    cache_dtype = m.code_dtype or "float16"
     key32 = (rng.standard_normal((num_tokens, heads, head_size)) * 3).astype(np.float32)
     val32 = (rng.standard_normal((num_tokens, heads, head_size)) * 3).astype(np.float32)
     key = torch.from_numpy(key32).half()
     value = torch.from_numpy(val32).half()
-    cache_shape = (num_blocks, block_size, heads, m.cache_width(head_size))
-    kc = random_bytes(rng, cache_shape, cache_dtype, "cpu", "torch")
-    vc = random_bytes(rng, cache_shape, cache_dtype, "cpu", "torch")
+    kc, vc = (
+        random_bytes(
+            rng,
+            (num_blocks, block_size, heads, side.cache_width(head_size)),
+            side.code_dtype or "float16",
+            "cpu",
+            "torch",
+        )
+        for side in (m.key_side, m.value_side)
+    )
     scale_shape = (num_blocks, block_size, heads)
     ks = random_bytes(rng, scale_shape, "float32", "cpu", "torch") if m.per_token_head else None
     vs = random_bytes(rng, scale_shape, "float32", "cpu", "torch") if m.per_token_head else None

@@ -25,8 +25,13 @@ INT4_MODES = list(oracle.INT4_MODES)
 
 
 def test_every_mode_is_an_oracle_mode_with_the_same_constants():
-    assert set(MODES) == set(oracle.ORACLE_MODES) | set(oracle.INT4_MODES)
+    assert set(MODES) == set(oracle.ORACLE_MODES) | set(oracle.INT4_MODES) | set(oracle.SPLIT_MODES)
     for name, mode in MODES.items():
+        if name in oracle.SPLIT_MODES:
+            assert (mode.key_side.name, mode.value_side.name) == oracle.SPLIT_MODES[name]
+            assert mode.granularity == "per_token_head" and not (mode.key_side.split or mode.value_side.split)
+            continue
+        assert not mode.split and mode.key_side is mode.value_side is mode
         assert mode.rotation == ("rht" if name == "int4_per_token_head" else None)
         if name in oracle.INT4_MODES:
             assert mode.granularity == "per_token_head" and mode.format.storage_dtype == "uint8"

@@ -349,6 +349,11 @@ def _fresh_registry() -> registry_module.Registry:
 @pytest.mark.parametrize("op", ["reshape_and_cache", "dequantize", "paged_attention"])
 def test_best_on_cpu_is_numba_then_numpy_without_it(op, monkeypatch):
     for mode in MODES:
+        if MODES[mode].split:
+            # No numba kernels for two formats yet: NumPy runs them (dequantize reads one side's mode).
+            if op != "dequantize":
+                assert _fresh_registry().best(op, mode, "cpu").name == "numpy"
+            continue
         assert _fresh_registry().best(op, mode, "cpu").name == "numba"
 
     monkeypatch.setenv(numba_cpu.DISABLE_ENV, "1")

@@ -89,13 +89,16 @@ def poisoned(spec: kvzoo.CacheSpec, rng: np.random.Generator) -> KVCacheTensors:
     if spec.layout == "inline":
         shape = (spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size + 4)
         return inline_views(random_bytes(rng, shape, "uint8", device, kind), spec.head_size, spec.mode)
-    dtype = spec.mode.code_dtype or spec.model_dtype
     scales = (
         [random_bytes(rng, spec.scale_shape, "float32", device, kind) for _ in range(2)]
         if spec.mode.per_token_head
         else [None, None]
     )
-    return KVCacheTensors(*(random_bytes(rng, spec.cache_shape, dtype, device, kind) for _ in range(2)), *scales)
+    codes = (
+        random_bytes(rng, spec.side_shape(side), side.code_dtype or spec.model_dtype, device, kind)
+        for side in (spec.mode.key_side, spec.mode.value_side)
+    )
+    return KVCacheTensors(*codes, *scales)
 
 
 def clone(c: KVCacheTensors) -> KVCacheTensors:

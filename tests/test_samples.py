@@ -15,7 +15,7 @@ import torch
 from kvzoo import samples
 from kvzoo.arrays import dtype_name
 from kvzoo.inputs import host_bytes, rng_for
-from kvzoo.modes import MODES
+from kvzoo.modes import MODES, QuantMode
 from kvzoo_spec import oracle
 
 PLACES = [
@@ -168,15 +168,14 @@ def test_tables_exactly_as_wide_as_asked():
 # cache contents
 
 
-def _valid_codes(mode: str) -> set[int]:
-    fmt = MODES[mode].format
+def _valid_codes(m: QuantMode) -> set[int]:
+    fmt = m.code_format
     return set(fmt.codes_of(fmt.representable()).tolist())
 
 
-def _codes_and_scales(mode: str, cache, scales) -> tuple[np.ndarray, np.ndarray | None]:
-    """(one code per element, the per-row scales) of a live cache: packed codes unpacked, and a
-    per-row zero point taken off the scale word."""
-    m = MODES[mode]
+def _codes_and_scales(m: QuantMode, cache, scales) -> tuple[np.ndarray, np.ndarray | None]:
+    """(one code per element, the per-row scales) of a live cache of one side's mode m: packed
+    codes unpacked, and a per-row zero point taken off the scale word."""
     codes, sc = samples.host_codes(cache, m), samples.host_scales(scales)
     if m.format is not None and m.format.row_zero_point:
         return m.format.unpack(codes), m.format.split_scale_words(sc)[0]
@@ -186,23 +185,24 @@ def _codes_and_scales(mode: str, cache, scales) -> tuple[np.ndarray, np.ndarray 
 @pytest.mark.parametrize("fill", ["host", "torch"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_caches_hold_representable_codes_and_no_nan(mode, fill):
-    m = MODES[mode]
     kw = dict(spare_blocks=0, spare_columns=0) if fill == "torch" else {}
     s = _small(rng_for("samples", "codes", mode, fill), mode, fill=fill, **kw)
-    for cache, scales in ((s.caches.key_cache, s.caches.k_scale_cache), (s.caches.value_cache, s.caches.v_scale_cache)):
-        codes, sc = _codes_and_scales(mode, cache, scales)
+    sides = (
+        (MODES[mode].key_side, s.caches.key_cache, s.caches.k_scale_cache),
+        (MODES[mode].value_side, s.caches.value_cache, s.caches.v_scale_cache),
+    )
+    for m, cache, scales in sides:
+        codes, sc = _codes_and_scales(m, cache, scales)
         if m.code_dtype is None:
             assert np.isfinite(codes.astype(np.float32)).all()
         else:
-            assert set(np.unique(codes).tolist()) <= _valid_codes(mode)
+            assert set(np.unique(codes).tolist()) <= _valid_codes(m)
             # Spread over the format's range (all 16 of uint4's, more than 20 of 8-bit ones).
-            assert len(np.unique(codes)) > min(20, len(_valid_codes(mode)) - 4), "codes spread over the range"
+            assert len(np.unique(codes)) > min(20, len(_valid_codes(m)) - 4), "codes spread over the range"
         if m.per_token_head:
             low, high = samples.row_scale_range(m, 16)
             assert ((np.float32(low) * (1 - 2.0**-19) <= sc) & (sc <= np.float32(high))).all()
-        decoded = samples.oracle_model_values(
-            mode, samples.host_codes(cache, m), samples.host_scales(scales), s.k_scale
-        )
+        decoded = samples.oracle_model_values(m, samples.host_codes(cache, m), samples.host_scales(scales), s.k_scale)
         assert np.isfinite(decoded).all()
         if m.format is not None and m.format.row_zero_point:
             # Rows decode to values of the size int8's do (about 0.1 to 2), and each row's
@@ -210,7 +210,8 @@ def test_caches_hold_representable_codes_and_no_nan(mode, fill):
             assert 0.05 < float(np.sqrt(np.mean(decoded**2))) < 2
             zp = m.format.split_scale_words(samples.host_scales(scales))[1]
             assert ((codes.min(axis=-1) <= zp) & (zp <= codes.max(axis=-1))).mean() > 0.9
-    if m.per_tensor:
+    if MODES[mode].per_tensor:
+        m = MODES[mode]
         # unit_static_scale: codes of about +-qmax / 3 decode to order 1 whatever the format.
         lo, hi = np.float32(0.004 * 448 / m.qmax), np.float32(0.02 * 448 / m.qmax)
         assert lo <= s.k_scale <= hi and lo <= s.v_scale <= hi
@@ -224,12 +225,12 @@ def test_poison_makes_exactly_the_asked_key_nan(mode):
             _small(rng_for("samples", "poison", mode), mode, poison=True)
         return
     s = _small(rng_for("samples", "poison", mode), mode, poison=True)
-    k = samples.oracle_model_values(mode, s.key_codes, s.k_scales, s.k_scale)
+    k = samples.oracle_model_values(MODES[mode].key_side, s.key_codes, s.k_scales, s.k_scale)
     bad = np.argwhere(~np.isfinite(k))
     pos = int(s.batch.seq_lens[0]) - 1
     block, off = int(s.batch.tables[0, pos // 4]), pos % 4
     assert len(bad) and all(tuple(b[:3]) == (block, off, 0) for b in bad), bad
-    assert np.isfinite(samples.oracle_model_values(mode, s.value_codes, s.v_scales, s.v_scale)).all()
+    assert np.isfinite(samples.oracle_model_values(MODES[mode].value_side, s.value_codes, s.v_scales, s.v_scale)).all()
     ref = s.reference()
     group = s.query.shape[1] // s.caches.key_cache.shape[2]
     last = int(s.batch.qsl[1]) - 1
@@ -259,9 +260,9 @@ def test_paged_sample_shapes_and_dtypes(mode, layout, place):
     arrays = [s.query, c.key_cache, c.value_cache, s.block_tables, s.seq_lens, s.query_start_loc, s.sinks]
     assert all(is_kind(x) for x in arrays)
     assert tuple(s.query.shape) == (T, 4, 16) and dtype_name(s.query) == "float16"
-    want_cache = m.code_dtype or "float16"
-    for cache in (c.key_cache, c.value_cache):
-        assert tuple(cache.shape) == (nb, 4, 2, m.cache_width(16)) and dtype_name(cache) == want_cache
+    for cache, side in ((c.key_cache, m.key_side), (c.value_cache, m.value_side)):
+        want_cache = side.code_dtype or "float16"
+        assert tuple(cache.shape) == (nb, 4, 2, side.cache_width(16)) and dtype_name(cache) == want_cache
     if m.per_token_head:
         assert tuple(c.k_scale_cache.shape) == (nb, 4, 2) and dtype_name(c.v_scale_cache) == "float32"
     else:

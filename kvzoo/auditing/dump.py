@@ -328,6 +328,10 @@ def read_dump(source: Mapping[str, Any]) -> CacheDump:
         mode = get_kv_quant_mode(mode_name)
     except KVZooInputError as bad:
         _fail(str(bad))
+    if mode.split:
+        _fail(
+            f"mode: {mode.name!r} stores keys and values in two formats; the audit reads one-format caches only (not yet split ones)"
+        )
     layout = _key(source, "layout", where, "'separate' or 'inline'")
     if layout not in LAYOUTS:
         _fail(f"layout: expected 'separate' or 'inline', got {layout!r}")

@@ -289,10 +289,21 @@ def local_spec(spec: Any) -> tuple[CacheSpec, tuple[int, int], int]:
 
     if isinstance(spec, HeadShard):
         heads = spec.kv_heads
+        _refuse_split(spec.spec)
         return spec.spec, (heads.start, heads.stop), spec.full.num_kv_heads
     if not isinstance(spec, CacheSpec):
         fail(f"spec: expected a kvzoo.CacheSpec or kvzoo.distributed.HeadShard, got {type(spec).__name__}")
+    _refuse_split(spec)
     return spec, (0, spec.num_kv_heads), spec.num_kv_heads
+
+
+def _refuse_split(spec: CacheSpec) -> None:
+    # A pages buffer's header names one cache dtype and one row width for K and V.
+    if spec.mode.split:
+        fail(
+            f"spec: mode {spec.mode.name!r} stores keys and values in two formats; kvzoo.distributed "
+            "moves pages of one-format modes only (not yet split ones)"
+        )
 
 
 def caches_of(layers: Any, spec: Any, static_scales: Any, *, written: bool) -> _Caches:

@@ -42,7 +42,10 @@ _PREFILL_ROWS = 64
 # fp32 dot products and online softmax over up to ~100K keys: measured ~1e-6; bound loosely.
 ATTENTION_RTOL = 2e-5
 
-_MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in FORMAT_KINDS)
+# Split modes (keys and values in two formats) wait for per-side kernels here.
+_MODES = frozenset(
+    m.name for m in MODES.values() if not m.split and (m.format is None or m.format.name in FORMAT_KINDS)
+)
 
 
 @functools.cache

@@ -22,8 +22,13 @@ def codec(mode: QuantMode, rounding: str = "nearest") -> vectorized.Codec:
     )
 
 
+def sides(mode: QuantMode, rounding: str = "nearest") -> tuple[vectorized.Codec, vectorized.Codec]:
+    """The codecs of the key rows and of the value rows (one codec twice unless mode is split)."""
+    return codec(mode.key_side, rounding), codec(mode.value_side, rounding)
+
+
 def _reshape_and_cache(p: CacheWrite) -> None:
-    vectorized.reshape_and_cache(p, codec(_mode(p), p.rounding))
+    vectorized.reshape_and_cache(p, sides(_mode(p), p.rounding))
 
 
 def _dequantize(p: Dequantize) -> None:
@@ -32,7 +37,8 @@ def _dequantize(p: Dequantize) -> None:
 
 def _paged_attention(p: Attention) -> None:
     mode = _mode(p)
-    vectorized.paged_attention(p, codec(mode), codec(mode) if p.quantizes_query else None)
+    # A quantized query takes the keys' rule (quantize_query: int8 keys; fp8_dots: e4m3fn).
+    vectorized.paged_attention(p, sides(mode), codec(mode.key_side) if p.quantizes_query else None)
 
 
 def _mode(p: CacheWrite | Dequantize | Attention) -> QuantMode:
@@ -41,8 +47,12 @@ def _mode(p: CacheWrite | Dequantize | Attention) -> QuantMode:
     return p.mode
 
 
-# Modes whose format kernels.py encodes (mode "none" has none).
-_MODES = frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in vectorized.ENCODERS)
+# Modes whose formats (both sides') kernels.py encodes (mode "none" has none).
+_MODES = frozenset(
+    m.name
+    for m in MODES.values()
+    if all(fmt is None or fmt.name in vectorized.ENCODERS for fmt in (m.key_format, m.value_format))
+)
 
 
 def register(registry: Registry) -> None:
@@ -56,7 +66,8 @@ def register(registry: Registry) -> None:
                 name=NAME,
                 op=op,
                 platform="any",
-                modes=_MODES,
+                # dequantize reads one cache, in one side's mode: never a split one.
+                modes=_MODES if op != "dequantize" else frozenset(m for m in _MODES if not MODES[m].split),
                 run=run,
                 array_kind="numpy",
                 devices=frozenset({"cpu"}),

@@ -177,16 +177,20 @@ def quantize_static(xf: np.ndarray, scale: np.float32, codec: Codec) -> np.ndarr
         return encode(xf / np.float32(scale), codec)
 
 
-def reshape_and_cache(p, codec: Codec) -> None:
-    """Run a checked CacheWrite record (NumPy arrays) with the mode's codec."""
+def reshape_and_cache(p, codecs: tuple[Codec, Codec]) -> None:
+    """Run a checked CacheWrite record (NumPy arrays) with the codecs of its key and value rows."""
     block_size = p.key_cache.shape[1]
     slots = p.slot_mapping.astype(np.int64)
     # Out-of-range slots only reach here with validation off: skipped, like negative ones.
     keep = (slots >= 0) & (slots < p.key_cache.shape[0] * block_size)
     block, offset = np.divmod(slots[keep], block_size)
-    for rows, cache, scale_cache, static in (
-        (p.key, p.key_cache, p.k_scale_cache, p.k_scale),
-        (p.value, p.value_cache, p.v_scale_cache, p.v_scale),
+    for codec, rows, cache, scale_cache, static in zip(
+        codecs,
+        (p.key, p.value),
+        (p.key_cache, p.value_cache),
+        (p.k_scale_cache, p.v_scale_cache),
+        (p.k_scale, p.v_scale),
+        strict=True,
     ):
         rows = rows[keep]
         if codec.granularity == "none":
@@ -352,9 +356,9 @@ def _sequence_kv(cache, scale_cache, static, block_row, seq_len, codec):
     return values, scale_cache[block, offset].astype(np.float32), None
 
 
-def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
+def paged_attention(p, codecs: tuple[Codec, Codec], query_codec: Codec | None = None) -> None:
     """fp32 attention with dot products on the codes and scales applied per key, for a checked
-    Attention record p (NumPy arrays).
+    Attention record p (NumPy arrays) whose key and value rows codecs encoded.
 
     query_codec: quantize each query row (token, head) with it and attend with the decoded
     rows instead (the quantize_query option). p.lse: float32 [T, Hq] to receive
@@ -368,6 +372,7 @@ def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
     fp8_dots, sliding_window, softcap = p.fp8_dots, p.sliding_window, p.softcap
     if fp8_dots and query_codec is None:
         raise ValueError("fp8_dots needs query_codec (the cache's codec)")
+    key_codec, value_codec = codecs
     num_tokens, num_q_heads = query.shape[:2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
@@ -386,9 +391,11 @@ def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
             if lse is not None:
                 lse[first:last] = np.nan
             continue
-        k_codes, k_scales, k_zero = _sequence_kv(key_cache, p.k_scale_cache, p.k_scale, block_tables[s], seq_len, codec)
+        k_codes, k_scales, k_zero = _sequence_kv(
+            key_cache, p.k_scale_cache, p.k_scale, block_tables[s], seq_len, key_codec
+        )
         v_codes, v_scales, v_zero = _sequence_kv(
-            value_cache, p.v_scale_cache, p.v_scale, block_tables[s], seq_len, codec
+            value_cache, p.v_scale_cache, p.v_scale, block_tables[s], seq_len, value_codec
         )
         # [Hkv, L, D] and [Hkv, 1, L] so each KV head serves its whole query group at once.
         k_codes = k_codes.transpose(1, 2, 0)
@@ -396,7 +403,9 @@ def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
         k_scales = k_scales.T[:, None, :]
         v_scales = v_scales.T[:, None, :]
         if k_zero is not None:
-            k_zero, v_zero = k_zero.T[:, None, :], v_zero.T[:, None, :]
+            k_zero = k_zero.T[:, None, :]
+        if v_zero is not None:
+            v_zero = v_zero.T[:, None, :]
         key_pos = np.arange(seq_len)
         for c0 in range(first, last, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, last)
@@ -410,7 +419,7 @@ def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
             if sliding_window is not None:
                 visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
             with np.errstate(all="ignore"):
-                q, logit_scales = _logit_operands(q, k_scales, sm_scale, codec)
+                q, logit_scales = _logit_operands(q, k_scales, sm_scale, key_codec)
                 logits = np.matmul(q, k_codes)
                 if k_zero is not None:
                     # q . (codes - zp) = q . codes - sum(q) * zp (SPEC.md 8.4)
@@ -434,7 +443,7 @@ def paged_attention(p, codec: Codec, query_codec: Codec | None = None) -> None:
                 if v_zero is not None:
                     acc = acc - (weights * v_zero).sum(axis=-1, keepdims=True)
                 acc = acc / denom
-                if codec.rotation is not None:
+                if value_codec.rotation is not None:
                     acc = unrotate_rows(acc)
             acc = acc.reshape(num_kv_heads, c1 - c0, group, -1).transpose(1, 0, 2, 3)
             out[c0:c1] = acc.reshape(c1 - c0, num_q_heads, -1).astype(out.dtype)

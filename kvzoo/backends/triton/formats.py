@@ -94,4 +94,5 @@ def _module(name: str) -> ModuleType:
 
 def platform_modes(platform: str) -> frozenset[str]:
     formats = PLATFORM_FORMATS[platform] & FORMATS.keys()
-    return frozenset(m.name for m in MODES.values() if m.format is None or m.format.name in formats)
+    # Split modes (keys and values in two formats) wait for per-side kernels here.
+    return frozenset(m.name for m in MODES.values() if not m.split and (m.format is None or m.format.name in formats))

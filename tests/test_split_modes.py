@@ -1,0 +1,165 @@
+"""Split modes: keys and values stored in two formats (SPEC.md section 2's per-side rows).
+
+The conformance suite holds every implementation that registers them to the oracle byte for
+byte (tests/test_conformance.py); here: what a split mode is made of, what each layer does with
+the two sides, and what is refused where they are not taken yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvzoo
+from kvzoo import KVZooInputError, samples
+from kvzoo.inputs import host_bytes, random_bytes, rng_for
+from kvzoo.modes import MODES
+from kvzoo.registry import NoImplementationError
+from kvzoo_spec import oracle
+
+SPLIT = [name for name, m in MODES.items() if m.split]
+NB, BS, H, D = 6, 4, 2, 32
+
+
+def test_every_split_mode_is_two_one_sided_per_token_head_modes():
+    assert SPLIT == list(oracle.SPLIT_MODES)
+    for name in SPLIT:
+        m = MODES[name]
+        key, value = m.key_side, m.value_side
+        assert (key.name, value.name) == oracle.SPLIT_MODES[name]
+        assert m.key_format is key.format and m.value_format is value.format
+        assert m.key_format is not m.value_format
+        assert m.per_token_head and m.layouts == ("separate",)
+        # Head sizes both sides take; roundings both define.
+        assert all(
+            m.head_sizes.takes(d) == (key.head_sizes.takes(d) and value.head_sizes.takes(d)) for d in range(1, 600)
+        )
+        assert set(m.roundings) == set(key.roundings) & set(value.roundings)
+        assert kvzoo.get_kv_quant_mode(name.upper()) is m
+
+
+@pytest.mark.parametrize("mode", SPLIT)
+def test_allocated_caches_hold_each_side_in_its_own_width_and_dtype(mode):
+    m = MODES[mode]
+    t = kvzoo.allocate_separate(NB, BS, H, D, mode, device=None)
+    for cache, side in ((t.key_cache, m.key_side), (t.value_cache, m.value_side)):
+        assert cache.shape == (NB, BS, H, side.cache_width(D)) and cache.dtype.name == side.code_dtype
+    # Keys at one byte a code, values at half a byte: 1.5 bytes an element plus two scales a row.
+    row_bytes = sum(x.nbytes for x in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)) / (NB * BS * H)
+    assert row_bytes == D + D // 2 + 8
+    with pytest.raises(KVZooInputError, match="^mode: the inline page holds one format a row; .* in two"):
+        kvzoo.PagedKVCache(NB, BS, H, D, mode, layout="inline", device=None)
+
+
+def _write_call(mode, rng, value_cache=None):
+    t = kvzoo.allocate_separate(NB, BS, H, D, mode, device=None)
+    for a in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache):
+        a.view(np.uint8)[...] = rng.integers(1, 256, a.view(np.uint8).shape, dtype=np.uint8)
+    if value_cache is not None:
+        t = dataclasses.replace(t, value_cache=value_cache)
+    rows = [rng.standard_normal((5, H, D)).astype(np.float32) for _ in range(2)]
+    slots = rng.permutation(NB * BS)[:5]
+    return t, rows, slots
+
+
+@pytest.mark.parametrize("mode", SPLIT)
+def test_a_value_cache_in_the_keys_format_is_refused_before_any_write(mode):
+    m = MODES[mode]
+    rng = rng_for("split", "refuse", mode)
+    wrong = random_bytes(rng, (NB, BS, H, D), m.key_side.code_dtype, "cpu", "numpy")
+    t, (key, value), slots = _write_call(mode, rng, value_cache=wrong)
+    before = [host_bytes(a).copy() for a in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)]
+    expected = f"value_cache: expected shape {(NB, BS, H, m.value_side.cache_width(D))}"
+    with pytest.raises(KVZooInputError, match="^" + re.escape(expected)):
+        kvzoo.reshape_and_cache(
+            key, value, t.key_cache, t.value_cache, slots, mode=mode,
+            k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache,
+        )  # fmt: skip
+    with pytest.raises(KVZooInputError, match="^value_cache: expected shape"):
+        kvzoo.paged_attention(
+            key[:1].repeat(2, axis=1), t.key_cache, t.value_cache, mode=mode,
+            block_tables=np.array([[0]], np.int32), seq_lens=np.array([1], np.int32),
+            query_start_loc=np.array([0, 1], np.int32), k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache,
+        )  # fmt: skip
+    after = [host_bytes(a) for a in (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)]
+    assert all(np.array_equal(b, a) for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("mode", SPLIT)
+def test_dequantize_takes_one_side_mode_and_refuses_the_split_one(mode):
+    m = MODES[mode]
+    rng = rng_for("split", "dequantize", mode)
+    t, (key, value), slots = _write_call(mode, rng)
+    cache = kvzoo.PagedKVCache(NB, BS, H, D, mode, device=None)
+    cache.tensors = t
+    kvzoo.reshape_and_cache(
+        key, value, t.key_cache, t.value_cache, slots, mode=mode,
+        k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache,
+    )  # fmt: skip
+    with pytest.raises(
+        KVZooInputError, match=f"^mode: '{mode}' stores keys and values in two modes.*'{m.value_side.name}'"
+    ):
+        kvzoo.dequantize(t.value_cache, t.v_scale_cache, mode=mode)
+    for which, side, rows, codes, scales in (
+        ("key", m.key_side, key, t.key_cache, t.k_scale_cache),
+        ("value", m.value_side, value, t.value_cache, t.v_scale_cache),
+    ):
+        got = cache.read(which)
+        want = samples.oracle_decoded_cache(side, host_bytes(codes)[..., 0], scales)
+        # Bit for bit, NaN for NaN (slots not written hold random bytes: NaN scale words among them).
+        np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+        block, offset = np.divmod(slots, BS)
+        # Each side keeps its own precision (relative RMS error of the rows written).
+        error = np.sqrt(np.mean((np.asarray(got)[block, offset] - rows) ** 2) / np.mean(rows**2))
+        assert error < {"int8": 0.01, "float8_e4m3fn": 0.04, "uint4": 0.2}[side.code_format.name], (which, error)
+
+
+@pytest.mark.parametrize("impl", ["numba", "triton-cuda"])
+def test_backends_without_split_kernels_say_so(impl):
+    rng = rng_for("split", "registry", impl)
+    t, (key, value), slots = _write_call("k_int8_v_int4", rng)
+    chosen = kvzoo.registry.get("reshape_and_cache", impl)
+    assert "k_int8_v_int4" not in chosen.modes
+    with pytest.raises(NoImplementationError, match="k_int8_v_int4"):
+        kvzoo.reshape_and_cache(
+            torch.from_numpy(key), torch.from_numpy(value), torch.from_numpy(t.key_cache),
+            torch.from_numpy(t.value_cache), torch.from_numpy(slots), mode="k_int8_v_int4",
+            k_scale_cache=torch.from_numpy(t.k_scale_cache), v_scale_cache=torch.from_numpy(t.v_scale_cache), impl=impl,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", SPLIT)
+def test_a_plan_takes_a_split_cache_and_attends_as_the_functional_call(mode):
+    rng = rng_for("split", "plan", mode)
+    spec = kvzoo.CacheSpec(
+        mode, num_blocks=NB, block_size=BS, num_kv_heads=H, head_size=D, model_dtype="float32", device=None
+    )
+    caches = spec.allocate()
+    rows = [rng.standard_normal((7, H, D)).astype(np.float32) for _ in range(2)]
+    tables, lens, qsl = np.array([[0, 1]], np.int32), np.array([7], np.int32), np.array([0, 7], np.int32)
+    plan = kvzoo.plan_step(
+        spec,
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=qsl,
+        num_q_heads=2 * H,
+        slot_mapping=np.arange(7),
+        impl="numpy",
+    )
+    plan.write(*rows, caches)
+    query = rng.standard_normal((7, 2 * H, D)).astype(np.float32)
+    got = plan.attention(query, caches)
+    want = kvzoo.paged_attention(
+        query, caches.key_cache, caches.value_cache, mode=mode, block_tables=tables, seq_lens=lens,
+        query_start_loc=qsl, k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache, impl="numpy",
+    )  # fmt: skip
+    assert np.array_equal(got, want)
+    ref = samples.oracle_attention(
+        mode, query, host_bytes(caches.key_cache)[..., 0], host_bytes(caches.value_cache)[..., 0], tables, lens, qsl,
+        k_scales=caches.k_scale_cache, v_scales=caches.v_scale_cache,
+    )  # fmt: skip
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
