@@ -257,7 +257,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
     run_every_signature(progress=progress, dtypes=dtypes)
     print(
-        f"kvzoo warmup: numba kernels compiled or loaded for {', '.join(dtypes)} inputs, every mode, in "
+        f"kvzoo warmup: numba kernels compiled or loaded for {', '.join(dtypes)} inputs, every mode numba takes, in "
         f"{time.perf_counter() - start:.1f}s"
     )
     return 0
