@@ -925,7 +925,7 @@ def plan_step(
         sizing = meta.replace(query=_stand_in(meta.block_tables, (rows, num_q_heads, spec.head_size), dtype))
         plan.workspace_bytes = int(chosen.workspace_bytes(sizing, options=chosen.options))
     if workspace is not None:
-        _check_workspace(workspace, plan.workspace_bytes, device, plan._meta_extents)
+        _check_workspace(workspace, plan.workspace_bytes, device)
         plan.workspace = workspace
         if chosen.workspace_bytes is not None:
             # The calls run on the implementation made for this buffer (their own table entries).
@@ -957,16 +957,26 @@ def plan_step(
         for name, x in callers.items()
         if x is not None and memory.address(x) != memory.address(getattr(plan, name))
     )
+    if workspace is not None:
+        # Every attention call writes the workspace, and each layer's write then reads
+        # slot_mapping: it may hold nothing the step reads, nor a caller's array the plan
+        # copied (the caller's bytes would change all the same).
+        slots = () if plan.slot_mapping is None else (("slot_mapping", plan.slot_mapping),)
+        read = (
+            *(entry for entry in plan._meta_extents if entry[0] != "workspace"),
+            *((name, x, memory.byte_extent(x)) for name, x in slots),
+            *plan._given,
+        )
+        _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), read, "read")
     return plan
 
 
-def _check_workspace(workspace: Any, need: int, device: Any, metadata: Sequence[tuple]) -> None:
+def _check_workspace(workspace: Any, need: int, device: Any) -> None:
     require_workspace(workspace)
     if device_of(workspace) != device:
         fail(f"workspace: on {device_of(workspace)}, the plan's tensors are on {device}")
     if workspace.numel() < need:
         fail(f"workspace: the plan's attention calls need {need} bytes, the buffer holds {workspace.numel()}")
-    _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), metadata, "read")
 
 
 def _for_impl(impl: Implementation, record: Any) -> Any:

@@ -262,3 +262,25 @@ def test_a_cuda_graph_of_planned_layers_replays_in_the_workspace():
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(buffer[need:], before[need:])
+
+
+@pytest.mark.parametrize("slots", ["as given", "copied by the plan"])
+def test_a_workspace_holding_the_steps_slot_mapping_is_refused(slots):
+    """The attention calls write the workspace and the next layer's write reads slot_mapping:
+    inside the workspace, the partials would move the next layer's rows to other slots. Refused
+    by plan_step whether the plan reads the caller's slot_mapping or its own copy of it (the
+    caller's array is written either way), before anything is written."""
+    p = _problem("int8_per_token_head", "decode")
+    spec = _spec(p)
+    need = _plan(spec, p, impl="triton-cuda").workspace_bytes
+    assert need > 0, "the decode must be split, or the workspace is not written"
+    num_tokens = p.query.shape[0]
+    buffer = _random_buffer(need + 16 * num_tokens + GUARD, 5)
+    # int64 slots at the start of the workspace (a stride of 2 makes the plan copy them).
+    step = 1 if slots == "as given" else 2
+    slot_mapping = buffer[: 8 * step * num_tokens].view(torch.int64)[::step]
+    slot_mapping.copy_(torch.arange(num_tokens, dtype=torch.int64))
+    before = buffer.clone()
+    with pytest.raises(KVZooInputError, match="workspace: shares memory with slot_mapping"):
+        _plan(spec, p, impl="triton-cuda", slot_mapping=slot_mapping, workspace=buffer[:need])
+    assert torch.equal(buffer, before)
