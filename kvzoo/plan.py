@@ -497,6 +497,7 @@ class StepPlan:
         "_layers",
         "_meta_extents",
         "_given",
+        "_read_between",
         "_rows",
         "_queries",
         "workspace",
@@ -530,6 +531,9 @@ class StepPlan:
     # The caller's metadata arrays the plan copied (name, array, byte extent): a written array
     # must not meet them either, although the kernels read the copies.
     _given: tuple[tuple[str, Array, tuple[int, int] | None], ...]
+    # What an attention call's outputs must not meet besides its own arguments: _given, and
+    # slot_mapping, which the next layer's write reads after this call has written them.
+    _read_between: tuple[tuple[str, Array, tuple[int, int] | None], ...]
     _rows: Geometry | None
     _queries: Geometry
     workspace: Array | None
@@ -690,10 +694,10 @@ class StepPlan:
                             return out, lse
                         return out
         layer = held.layer
-        if self._given:
+        if self._read_between:
             for name, x in (("out", out), ("lse", lse)):
                 if is_torch(x) or isinstance(x, np.ndarray):  # anything else: the record refuses it
-                    _refuse_overlap(name, x, memory.byte_extent(x), self._given, "read")
+                    _refuse_overlap(name, x, memory.byte_extent(x), self._read_between, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -736,7 +740,7 @@ class StepPlan:
             checked: tuple = ()
             against: tuple = ()
             if call[1][1] is not None:
-                checked, against = (out,), (*layer.extents, *self._meta_extents, *self._given)
+                checked, against = (out,), (*layer.extents, *self._meta_extents, *self._read_between)
             held.attention = _bind(
                 call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12], adapted, _ATTEND_VARIES
             )
@@ -957,17 +961,13 @@ def plan_step(
         for name, x in callers.items()
         if x is not None and memory.address(x) != memory.address(getattr(plan, name))
     )
+    slots = () if plan.slot_mapping is None else (("slot_mapping", plan.slot_mapping),)
+    plan._read_between = (*plan._given, *((name, x, memory.byte_extent(x)) for name, x in slots))
     if workspace is not None:
-        # Every attention call writes the workspace, and each layer's write then reads
-        # slot_mapping: it may hold nothing the step reads, nor a caller's array the plan
-        # copied (the caller's bytes would change all the same).
-        slots = () if plan.slot_mapping is None else (("slot_mapping", plan.slot_mapping),)
-        read = (
-            *(entry for entry in plan._meta_extents if entry[0] != "workspace"),
-            *((name, x, memory.byte_extent(x)) for name, x in slots),
-            *plan._given,
-        )
-        _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), read, "read")
+        # Every attention call writes the workspace: it may hold nothing the step reads, nor a
+        # caller's array the plan copied (the caller's bytes would change all the same).
+        metadata = tuple(entry for entry in plan._meta_extents if entry[0] != "workspace")
+        _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), (*metadata, *plan._read_between), "read")
     return plan
 
 

@@ -1013,3 +1013,33 @@ def test_step_plan_declares_a_type_for_each_slot_and_no_other():
     """StepPlan's __slots__ and its class annotations name the same attributes (mypy reads the
     annotations, Python the slots): a new attribute added to one and not the other fails here."""
     assert set(kvzoo.plan.StepPlan.__slots__) == set(kvzoo.plan.StepPlan.__annotations__)
+
+
+def test_an_attention_output_inside_the_steps_slot_mapping_is_refused():
+    """Each layer's write reads slot_mapping after the layer before wrote its attention output:
+    an out inside it would send the next layer's rows to other slots. Refused at the call,
+    unbound and bound alike, with nothing written."""
+    rng = rng_for("plan", "out-in-slot-mapping")
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8, model_dtype="float32"
+    )
+    caches = spec.allocate()
+    tables, lens, qsl = torch.tensor([[0, 1]]), torch.tensor([6]), torch.tensor([0, 6])
+    # slot_mapping and a float32 out [6, 4, 8] (768 bytes) in one buffer, overlapping.
+    buffer = torch.zeros(1024, dtype=torch.uint8)
+    slot_mapping = buffer[:48].view(torch.int64)
+    slot_mapping.copy_(torch.arange(6))
+    plan = kvzoo.plan_step(
+        spec, block_tables=tables, seq_lens=lens, query_start_loc=qsl, num_q_heads=4, slot_mapping=slot_mapping,
+        impl="numpy",
+    )  # fmt: skip
+    rows = torch.from_numpy(rng.standard_normal((6, 2, 8)).astype(np.float32))
+    plan.write(rows, rows, caches)
+    query = torch.from_numpy(rng.standard_normal((6, 4, 8)).astype(np.float32))
+    plan.attention(query, caches, out=torch.empty(6, 4, 8))  # a separate out: accepted (binds the launch)
+    inside = buffer[:768].view(torch.float32).view(6, 4, 8)
+    before = buffer.clone()
+    for _ in range(2):
+        with pytest.raises(KVZooInputError, match="^out: shares memory with slot_mapping"):
+            plan.attention(query, caches, out=inside)
+    assert torch.equal(buffer, before)
