@@ -561,6 +561,12 @@ class StepPlan:
         held = self._layers.get(id(tensors))
         if held is None:
             layer = _layer_of(tensors, self.spec, self._device)
+            # Every write writes the caches and every attention reads the step's metadata after
+            # it: the caches may not hold any of it (the caller's arrays the plan copied too).
+            # Once per caches object; each call checks the workspace against its own arrays.
+            metadata = (*(entry for entry in self._meta_extents if entry[0] != "workspace"), *self._given)
+            for name, a, extent in layer.extents:
+                _refuse_overlap(name, a, extent, metadata, "read")
             # The plan holds the object beside its entry, so the id stays its own meanwhile.
             held = self._layers[id(tensors)] = _Held(layer, tensors)
         return held, k_scale, v_scale

@@ -1043,3 +1043,31 @@ def test_an_attention_output_inside_the_steps_slot_mapping_is_refused():
         with pytest.raises(KVZooInputError, match="^out: shares memory with slot_mapping"):
             plan.attention(query, caches, out=inside)
     assert torch.equal(buffer, before)
+
+
+@pytest.mark.parametrize("inside", ["key_cache", "v_scale_cache"])
+def test_caches_holding_the_steps_block_tables_are_refused(inside):
+    """A write into caches that hold the step's block_tables would change which pages the
+    step's attention calls read (refused with nothing written, at the layer's first call)."""
+    rng = rng_for("plan", "caches-hold-block-tables", inside)
+    spec = kvzoo.CacheSpec(
+        "int8_per_token_head", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8, model_dtype="float32"
+    )
+    caches = spec.allocate()
+    holder = getattr(caches, inside)
+    tables = holder.view(torch.uint8).flatten()[:16].view(torch.int64).view(1, 2)
+    tables.copy_(torch.tensor([[0, 1]]))
+    before = [
+        host_bytes(a).copy() for a in (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)
+    ]
+    plan = kvzoo.plan_step(
+        spec, block_tables=tables, seq_lens=torch.tensor([6]), query_start_loc=torch.tensor([0, 6]), num_q_heads=4,
+        slot_mapping=torch.arange(6), impl="numpy",
+    )  # fmt: skip
+    rows = torch.from_numpy(rng.standard_normal((6, 2, 8)).astype(np.float32))
+    with pytest.raises(KVZooInputError, match=f"^{inside}: shares memory with block_tables"):
+        plan.write(rows, rows, caches)
+    with pytest.raises(KVZooInputError, match=f"^{inside}: shares memory with block_tables"):
+        plan.attention(torch.from_numpy(rng.standard_normal((6, 4, 8)).astype(np.float32)), caches)
+    after = [host_bytes(a) for a in (caches.key_cache, caches.value_cache, caches.k_scale_cache, caches.v_scale_cache)]
+    assert all(np.array_equal(b, a) for b, a in zip(before, after))
