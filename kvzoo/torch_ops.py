@@ -194,6 +194,26 @@ def _mode_name(kv_cache_dtype: str | QuantMode) -> str:
     return kv_cache_dtype.name if isinstance(kv_cache_dtype, QuantMode) else kv_cache_dtype
 
 
+def _schema_takes(tensors: tuple, scales: tuple, strs: tuple) -> bool:
+    """Whether torch.ops.kvzoo's schema carries these arguments on to kvzoo's checks. What it
+    cannot carry (a list where a tensor goes, a mode or rounding that is no str) or no kernel
+    of the dispatcher's takes (a sparse tensor), torch would refuse in its own words; the
+    wrappers then run the functional API's checks (calls.check) first, which refuse it as
+    kvzoo.reshape_and_cache / kvzoo.paged_attention do, before anything is written. A type
+    check an argument: a valid call builds no record. scales: static scales, numbers too."""
+    for x in tensors:
+        if x is not None and not _strided(x):
+            return False
+    for x in scales:
+        if x is not None and type(x) not in (int, float) and not _strided(x):
+            return False
+    return all(isinstance(x, str) for x in strs)
+
+
+def _strided(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.layout == torch.strided
+
+
 def _outputs(
     query: object, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -309,6 +329,10 @@ def reshape_and_cache(
     ...                                   kv_cache_dtype="int8_per_token_head",
     ...                                   k_scale_cache=t.k_scale_cache, v_scale_cache=t.v_scale_cache)
     """
+    mode = _mode_name(kv_cache_dtype)
+    tensors = (key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache)
+    if not torch.compiler.is_compiling() and not _schema_takes(tensors, (k_scale, v_scale), (mode, rounding)):
+        calls.check(CacheWrite(*tensors, k_scale, v_scale, kv_cache_dtype, rounding))
     torch.ops.kvzoo.reshape_and_cache(
         key,
         value,
@@ -318,7 +342,7 @@ def reshape_and_cache(
         k_scale_cache,
         v_scale_cache,
         *_static_scales(k_scale, v_scale, key_cache),
-        _mode_name(kv_cache_dtype),
+        mode,
         rounding,
         validate,
         impl,
@@ -438,6 +462,20 @@ def paged_attention(
     >>> lse.shape, lse.dtype
     (torch.Size([20, 8]), torch.float32)
     """
+    mode = _mode_name(kv_cache_dtype)
+    if not torch.compiler.is_compiling() and not _schema_takes(
+        (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, k_scale_cache, v_scale_cache,
+         sinks, lse),
+        (k_scale, v_scale),
+        (mode,),
+    ):  # fmt: skip
+        calls.check(
+            Attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, k_scale_cache,
+                v_scale_cache, k_scale, v_scale, sinks, lse, kv_cache_dtype, softmax_scale, sliding_window, softcap,
+                max_query_len, max_seq_len, num_prefills, batch_invariant, quantize_query, fp8_dots, return_lse,
+            )
+        )  # fmt: skip
     out, lse = _outputs(query, out, lse, return_lse)
     if softmax_scale is None:
         # As kvzoo.paged_attention defaults it, so the op's result equals the API's. A head size
@@ -459,7 +497,7 @@ def paged_attention(
         v_scale_cache,
         *_static_scales(k_scale, v_scale, key_cache),
         sinks,
-        _mode_name(kv_cache_dtype),
+        mode,
         softmax_scale,
         sliding_window,
         softcap,

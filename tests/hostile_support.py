@@ -337,19 +337,7 @@ NOT_THROUGH = {
 # Where an entry point fails a case the functional API passes (a defect found, not fixed yet):
 # collected as xfail(strict=True), so the fix turns into an XPASS that fails the run until the
 # entry is struck from here.
-KNOWN_DEFECTS = {
-    ("torch_op", "not-a-tensor"): (
-        "torch.ops.kvzoo's schema refuses a non-tensor (a list) with torch's RuntimeError before kvzoo's checks run; "
-        "kvzoo.torch_ops' wrappers check only the host scalars ahead of it"
-    ),
-    ("torch_op", "schema-str"): (
-        "torch.ops.kvzoo's schema refuses a mode or rounding that is not a str with torch's RuntimeError before "
-        "kvzoo's checks run"
-    ),
-    ("torch_op", "sparse"): (
-        "the dispatcher has no SparseCPU kernel for torch.ops.kvzoo: NotImplementedError before kvzoo's checks run"
-    ),
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 def entry_reason(entry: str, traits: Sequence[str]) -> str | None:
