@@ -265,35 +265,13 @@ def test_numpy_arrays_and_options_match_functional(impl_name):
     out = np.zeros((T, HQ, D), np.float32)
     assert plan.attention(query, c, out=out) is out
     functional_write(key, value, theirs, meta["slot_mapping"], spec, impl_name)
-    expected = kvzoo.paged_attention(
-        query,
-        theirs.key_cache,
-        theirs.value_cache,
-        mode=spec.mode,
-        **index,
-        k_scale_cache=theirs.k_scale_cache,
-        v_scale_cache=theirs.v_scale_cache,
-        sinks=sinks,
-        impl=impl_name,
-        **options,
-    )
+    expected = functional_attention(query, theirs, index, spec, impl_name, sinks=sinks, **options)
     for a, b in zip(cache_arrays(c), cache_arrays(theirs)):
         assert_same_bytes(a, b, "cache after write")
     assert_same_bytes(out, expected, "attention output")
     # A layer's own sinks replace the plan's (gpt-oss learns them per layer).
     layer_sinks = rng.standard_normal(HQ).astype(np.float32)[::-1]  # negative stride, as NumPy allows
-    expected = kvzoo.paged_attention(
-        query,
-        theirs.key_cache,
-        theirs.value_cache,
-        mode=spec.mode,
-        **index,
-        k_scale_cache=theirs.k_scale_cache,
-        v_scale_cache=theirs.v_scale_cache,
-        sinks=layer_sinks,
-        impl=impl_name,
-        **options,
-    )
+    expected = functional_attention(query, theirs, index, spec, impl_name, sinks=layer_sinks, **options)
     assert_same_bytes(plan.attention(query, c, sinks=layer_sinks), expected, "attention with a layer's sinks")
 
 
