@@ -496,6 +496,7 @@ class StepPlan:
         "_device",
         "_layers",
         "_meta_extents",
+        "_workspace_extent",
         "_given",
         "_read_between",
         "_rows",
@@ -526,8 +527,10 @@ class StepPlan:
     _impl: tuple[str | Implementation | None, str | Implementation | None]
     _device: Any
     _layers: dict[int, _Held]
-    # (name, array, byte extent) of the plan's own arrays: the metadata and the workspace.
+    # (name, array, byte extent) of the plan's own metadata arrays, and of its workspace (none
+    # without one).
     _meta_extents: tuple[tuple[str, Array, tuple[int, int] | None], ...]
+    _workspace_extent: tuple[tuple[str, Array, tuple[int, int] | None], ...]
     # The caller's metadata arrays the plan copied (name, array, byte extent): a written array
     # must not meet them either, although the kernels read the copies.
     _given: tuple[tuple[str, Array, tuple[int, int] | None], ...]
@@ -564,7 +567,7 @@ class StepPlan:
             # Every write writes the caches and every attention reads the step's metadata after
             # it: the caches may not hold any of it (the caller's arrays the plan copied too).
             # Once per caches object; each call checks the workspace against its own arrays.
-            metadata = (*(entry for entry in self._meta_extents if entry[0] != "workspace"), *self._given)
+            metadata = (*self._meta_extents, *self._given)
             for name, a, extent in layer.extents:
                 _refuse_overlap(name, a, extent, metadata, "read")
             # The plan holds the object beside its entry, so the id stays its own meanwhile.
@@ -619,9 +622,6 @@ class StepPlan:
                     bound.launch((key, value, *bound.fixed) if c is None else (c(key), c(value), *bound.fixed))
                     return
         layer = held.layer
-        if self._given:
-            for name, a, extent in layer.extents:
-                _refuse_overlap(name, a, extent, self._given, "read")
         ks, vs = self._statics(
             layer, k_scale if k_scale is not None else k_from, v_scale if v_scale is not None else v_from
         )
@@ -665,7 +665,7 @@ class StepPlan:
         if self.workspace is not None:
             # The workspace is written by the call, the query read.
             require_array("query", query)
-            _refuse_overlap("query", query, memory.byte_extent(query), self._meta_extents[-1:], "write")
+            _refuse_overlap("query", query, memory.byte_extent(query), self._workspace_extent, "write")
         call = None
         if sinks is None and lse is None and k_scale is None and v_scale is None and k_from is None and v_from is None:
             call = launches.signature((query, out))
@@ -746,7 +746,10 @@ class StepPlan:
             checked: tuple = ()
             against: tuple = ()
             if call[1][1] is not None:
-                checked, against = (out,), (*layer.extents, *self._meta_extents, *self._read_between)
+                checked, against = (
+                    (out,),
+                    (*layer.extents, *self._meta_extents, *self._workspace_extent, *self._read_between),
+                )
             held.attention = _bind(
                 call, launch, entry.adapt, checked, against, query, adapted[1:6], adapted[7:12], adapted, _ATTEND_VARIES
             )
@@ -927,7 +930,7 @@ def plan_step(
         for name in ("block_tables", "seq_lens", "query_start_loc", "sinks")
         if getattr(meta, name) is not None
     )
-    plan.workspace, plan.workspace_bytes = None, 0
+    plan.workspace, plan.workspace_bytes, plan._workspace_extent = None, 0, ()
     if chosen.workspace_bytes is not None:
         # At the bounds: every query row the step may bring (validate=False plans do not read
         # query_start_loc[-1]).
@@ -940,7 +943,7 @@ def plan_step(
         if chosen.workspace_bytes is not None:
             # The calls run on the implementation made for this buffer (their own table entries).
             plan.attention_impl = attention_choice = chosen.with_options(workspace=workspace)
-        plan._meta_extents += (("workspace", workspace, memory.byte_extent(workspace)),)
+        plan._workspace_extent = (("workspace", workspace, memory.byte_extent(workspace)),)
 
     plan.write_impl = plan.slot_mapping = plan._rows = None
     write_choice = _impl_for(impl, "reshape_and_cache")
@@ -972,8 +975,8 @@ def plan_step(
     if workspace is not None:
         # Every attention call writes the workspace: it may hold nothing the step reads, nor a
         # caller's array the plan copied (the caller's bytes would change all the same).
-        metadata = tuple(entry for entry in plan._meta_extents if entry[0] != "workspace")
-        _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), (*metadata, *plan._read_between), "read")
+        read = (*plan._meta_extents, *plan._read_between)
+        _refuse_overlap("workspace", workspace, memory.byte_extent(workspace), read, "read")
     return plan
 
 

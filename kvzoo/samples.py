@@ -459,12 +459,12 @@ def oracle_write(
     mode = get_kv_quant_mode(mode)
     if mode.split:
         # Each side is written by its own mode's rule (SPEC.md section 2's per-side rows).
-        shape = dict(num_blocks=num_blocks, block_size=block_size, rounding=rounding)
+        geometry = dict(num_blocks=num_blocks, block_size=block_size, rounding=rounding)
         keys = oracle_write(
-            mode.key_side, key, key, slot_mapping, key_cache=key_cache, k_scale_cache=k_scale_cache, **shape
+            mode.key_side, key, key, slot_mapping, key_cache=key_cache, k_scale_cache=k_scale_cache, **geometry
         )
         values = oracle_write(
-            mode.value_side, value, value, slot_mapping, key_cache=value_cache, k_scale_cache=v_scale_cache, **shape
+            mode.value_side, value, value, slot_mapping, key_cache=value_cache, k_scale_cache=v_scale_cache, **geometry
         )
         return keys[0], values[0], keys[2], values[2]
     if not _in_int4_oracle(mode):
