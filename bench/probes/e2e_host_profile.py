@@ -196,6 +196,16 @@ def main() -> None:
         print(f"  GPU busy over the 4-token generate (prefill included): {sum(busy.values()):.2f} ms; by kernel:")
         for k, ms in busy.most_common(10):
             print(f"    {ms:8.2f} ms  x{kernels[k]:<4} {k[:110]}")
+        # Host time by operator (self time: the op's own, not its children's), a 4-token
+        # generate: which host ops one cache makes slower or more numerous than another's.
+        on_host = sorted(
+            (e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.self_cpu_time_total,
+            reverse=True,
+        )
+        print("  host self time by op over the 4-token generate (ms, calls):")
+        for e in on_host[: args.top]:
+            print(f"    {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:<5} {e.key[:100]}")
         wait = statistics.median(waits[1:]) if len(waits) > 1 else float("nan")
         print(f"  host waits in generate's stop check (no profiler): {wait:.2f} ms/step")
         if phases:

@@ -47,6 +47,8 @@ import numpy as np
 GROWTH = 1 / 32
 # A step of at most this many tokens a row (and no padding) computes its slots one by one.
 _FEW_TOKENS = 4
+_NO_COPIES = np.zeros((0, 2), np.int64)
+_NO_COPIES.flags.writeable = False
 
 
 class PagesFullError(RuntimeError):
@@ -279,6 +281,10 @@ class PageTable:
             if batch is None:
                 raise ValueError("batch: the first step of a cache needs its batch size")
         first = self.tables is None
+        if real is None and q_len == 1 and not first and batch == len(self._rows):
+            decode = self._plan_decode()
+            if decode is not None:
+                return decode
         if self.tables is not None and batch != len(self.tables):
             raise ValueError(
                 f"batch: this step has {batch} rows but the cache holds {len(self.tables)}; change the batch "
@@ -373,6 +379,68 @@ class PageTable:
             num_prefills=int((n_new > 1).sum()),
             capacity=self.capacity,
             block_size=self.block_size,
+            gapped=bool(self._gapped.any()),
+        )
+
+    def _plan_decode(self) -> StepLayout | None:
+        """plan_step of one real token a row (generate's decode step), or None where a row
+        appends into a block another row shares (the general path copies it first). The same
+        layout and bookkeeping as the general path, without its per-token arrays: this runs
+        once per generated token, and each NumPy call it skips is host time the GPU waits for."""
+        rows, bs = self._rows, self.block_size
+        lens = self.lens.tolist()
+        refcount = self.refcount
+        needed = 0
+        for table, old in zip(rows, lens):
+            if old % bs == 0:
+                needed += 1
+            elif refcount[table[-1]] > 1:
+                return None
+        self._ensure_free(needed)
+        batch, start = len(rows), self.positions
+        undo = _Undo(
+            positions=start,
+            lens=self.lens,  # replaced below, never changed in place while a step is pending
+            seen_real=self._seen_real,
+            gapped=self._gapped,
+            table_lens=[len(t) for t in rows],
+            cow=[],
+            allocated=[],
+            was_first=False,
+        )
+        if start >= self._real.shape[1]:
+            self._record(np.ones((batch, 1), bool))
+        else:
+            # _record of an all-real column: no padding, so nothing is gapped and every row has
+            # seen a real token.
+            self._real[:, start] = True
+            self.positions = start + 1
+            self._seen_real = np.ones(batch, bool)
+        slots = []
+        for table, old in zip(rows, lens):
+            if old % bs == 0:
+                block = self._alloc()
+                undo.allocated.append(block)
+                table.append(block)
+            slots.append(table[old // bs] * bs + old % bs)
+        self.lens = np.asarray(lens, np.int64) + 1
+        self._undo = undo
+        seq_lens = self.lens.astype(np.int32)
+        return StepLayout(
+            start=start,
+            batch=batch,
+            q_len=1,
+            slot_mapping=np.asarray(slots, np.int64),
+            real_rows=None,
+            block_tables=self._block_tables(batch),
+            seq_lens=seq_lens,
+            query_start_loc=np.arange(batch + 1, dtype=np.int32),
+            copies=_NO_COPIES,
+            max_query_len=1 if batch else 0,
+            max_seq_len=int(seq_lens.max()) if batch else 0,
+            num_prefills=0,
+            capacity=self.capacity,
+            block_size=bs,
             gapped=bool(self._gapped.any()),
         )
 
