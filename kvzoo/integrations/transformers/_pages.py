@@ -37,7 +37,7 @@ anything, and keeps what `rollback` needs to put every row back; `commit` forget
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -95,10 +95,13 @@ class _Undo:
     lens: np.ndarray
     seen_real: np.ndarray
     gapped: np.ndarray
-    table_lens: list[int]
+    # Each row's table length before the step, or None where only the rows listed in `grown`
+    # took one entry more (a decode step: the rest are as they were).
+    table_lens: list[int] | None
     cow: list[tuple[int, int, int]]  # (row, source block, destination block)
     allocated: list[int]
     was_first: bool
+    grown: list[int] = field(default_factory=list)
 
 
 class PageTable:
@@ -160,10 +163,12 @@ class PageTable:
         self._mirror: np.ndarray | None = None
         self._mirrored: list[int] = []
 
-    def _block_tables(self, batch: int) -> np.ndarray:
-        """[batch, widest row (at least 1)] int32 of the rows' tables, zero-padded."""
+    def _block_tables(self, batch: int, widest: int | None = None) -> np.ndarray:
+        """[batch, widest row (at least 1)] int32 of the rows' tables, zero-padded; widest: the
+        longest row's length where the caller knows it."""
         rows = self._rows
-        widest = max(max((len(t) for t in rows), default=0), 1)
+        if widest is None:
+            widest = max(max((len(t) for t in rows), default=0), 1)
         mirror = self._mirror
         if mirror is None or mirror.shape[0] != batch:
             mirror, self._mirrored = np.zeros((batch, widest), np.int32), [0] * batch
@@ -403,7 +408,7 @@ class PageTable:
             lens=self.lens,  # replaced below, never changed in place while a step is pending
             seen_real=self._seen_real,
             gapped=self._gapped,
-            table_lens=[len(t) for t in rows],
+            table_lens=None,
             cow=[],
             allocated=[],
             was_first=False,
@@ -417,27 +422,33 @@ class PageTable:
             self.positions = start + 1
             self._seen_real = np.ones(batch, bool)
         slots = []
-        for table, old in zip(rows, lens):
-            if old % bs == 0:
+        for b, (table, old) in enumerate(zip(rows, lens)):
+            offset = old % bs
+            if offset == 0:
                 block = self._alloc()
                 undo.allocated.append(block)
+                undo.grown.append(b)
                 table.append(block)
-            slots.append(table[old // bs] * bs + old % bs)
+                slots.append(block * bs)
+            else:
+                slots.append(table[-1] * bs + offset)
         self.lens = np.asarray(lens, np.int64) + 1
         self._undo = undo
         seq_lens = self.lens.astype(np.int32)
+        max_seq_len = int(seq_lens.max()) if batch else 0
         return StepLayout(
             start=start,
             batch=batch,
             q_len=1,
             slot_mapping=np.asarray(slots, np.int64),
             real_rows=None,
-            block_tables=self._block_tables(batch),
+            # A row's table holds a block per block_size tokens (PageTable.check).
+            block_tables=self._block_tables(batch, max(-(-max_seq_len // bs), 1)),
             seq_lens=seq_lens,
             query_start_loc=np.arange(batch + 1, dtype=np.int32),
             copies=_NO_COPIES,
             max_query_len=1 if batch else 0,
-            max_seq_len=int(seq_lens.max()) if batch else 0,
+            max_seq_len=max_seq_len,
             num_prefills=0,
             capacity=self.capacity,
             block_size=bs,
@@ -465,8 +476,12 @@ class PageTable:
         if undo.was_first:
             self._clear_rows()
             return
-        for b, n in enumerate(undo.table_lens):
-            del self._rows[b][n:]
+        if undo.table_lens is None:
+            for b in undo.grown:
+                self._rows[b].pop()
+        else:
+            for b, n in enumerate(undo.table_lens):
+                del self._rows[b][n:]
         self.positions, self.lens = undo.positions, undo.lens
         self._seen_real, self._gapped = undo.seen_real, undo.gapped
 
