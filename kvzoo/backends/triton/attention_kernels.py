@@ -88,6 +88,7 @@ from .attention_tiles import (
     store_partials,
     store_rows,
     tile_rows,
+    zero_acc,
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .int4_tiles import unrotate_rows
@@ -235,7 +236,7 @@ def _attention_kernel(
         q_offset = tl.zeros([BLOCK_M], tl.float32)  # unused (and a raw sum could overflow)
 
     # The split path's sink joins in the merge.
-    m_i, l_i, acc, _ = attend(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -284,10 +285,10 @@ def _attention_kernel(
             FP8_DOTS,
             FP8_CODE,
         ),
+        zero_acc(BLOCK_M, BLOCK_D),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
@@ -295,6 +296,7 @@ def _attention_kernel(
         seq_ok,
     )
 
+    acc = accs[0]
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     if SPLIT:
@@ -407,7 +409,7 @@ def _staged_attention_kernel(
     row_scale = tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
     row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
 
-    m_i, l_i, acc, v_unit = attend(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -444,10 +446,10 @@ def _staged_attention_kernel(
             HAS_SOFTCAP,
             HAS_WINDOW,
         ),
+        zero_acc(BLOCK_M, BLOCK_D),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         False,
         HAS_SINKS,
@@ -455,6 +457,7 @@ def _staged_attention_kernel(
         seq_ok,
     )
 
+    acc, v_unit = accs
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)

@@ -55,23 +55,23 @@ from .attention_kernels import (
     StagedConfig,
     _launch,
     _merge_splits_kernel,
+    _pow2,
     bind_launches,
     call_arrays,
     decode_config_of,
+    same_kv_strides,
     split_partials,
     staged_prefill_config,
 )
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
-    _initial_state,
-    attend_tiles,
-    key_range,
+    attend,
     load_keys,
+    load_rows,
     logit_scale,
     mask_logits,
     online_softmax,
     paged_rows,
-    poisoned_sum,
     query_block,
     sequence_ok,
     softcap_logits,
@@ -172,19 +172,6 @@ def rotated_query(
 
 
 @triton.jit
-def _load_bytes(ptrs, key_ok, j, MASKED: tl.constexpr, BYTES: tl.constexpr, HALF: tl.constexpr):
-    # A row's bytes, zeros past them (a half row padded to HALF for the dots), and where the
-    # tile is masked zeros for keys past the sequence; an unmasked full row loads as it is, so
-    # the compiler sees whole 16-byte rows.
-    if MASKED:
-        return tl.load(ptrs, mask=key_ok[:, None] & (j < BYTES)[None, :], other=0)
-    elif BYTES < HALF:
-        return tl.load(ptrs, mask=(j < BYTES)[None, :], other=0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
 def _int4_tile(
     start,
     kv_end,
@@ -207,20 +194,10 @@ def _int4_tile(
     v_ptr,
     ks_ptr,
     vs_ptr,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     HALF: tl.constexpr,
@@ -238,9 +215,11 @@ def _int4_tile(
     key_ok = keys < kv_end
     page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
-    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, 1)
-    kc = _load_bytes(k_ptr + k_row[:, None] + j[None, :] * stride_kd, key_ok, j, MASKED, HEAD_D // 2, HALF)
-    k_words = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    k_row = paged_rows(page, in_page, kv_head, k_strides[0], k_strides[1], k_strides[2], 1)
+    kc = load_rows(k_ptr + k_row[:, None] + j[None, :] * k_strides[3], key_ok, j, MASKED, HEAD_D // 2, HALF)
+    k_words = load_keys(
+        ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+    )
     k_scale, k_zp = split_words(k_words)
     k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
     s = tl.dot(q_e, tl.trans(k_lo))
@@ -255,13 +234,17 @@ def _int4_tile(
     m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
 
     if SAME_KV_STRIDES:
-        v_rows = v_ptr + k_row[:, None] + j[None, :] * stride_kd
-        v_words = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        v_rows = v_ptr + k_row[:, None] + j[None, :] * k_strides[3]
+        v_words = load_keys(
+            vs_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+        )
     else:
-        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, 1)
-        v_rows = v_ptr + v_row[:, None] + j[None, :] * stride_vd
-        v_words = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
-    vc = _load_bytes(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
+        v_row = paged_rows(page, in_page, kv_head, v_strides[0], v_strides[1], v_strides[2], 1)
+        v_rows = v_ptr + v_row[:, None] + j[None, :] * v_strides[3]
+        v_words = load_keys(
+            vs_ptr + page * vs_strides[0] + in_page * vs_strides[1] + kv_head * vs_strides[2], key_ok, MASKED
+        )
+    vc = load_rows(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
     v_scale, v_zp = split_words(v_words)
     v_lo, v_hi = nibbles_to_dot(vc, CONVERT, False)
     pv = p * v_scale[None, :]
@@ -278,49 +261,10 @@ def _int4_tile(
 
 
 @triton.jit
-def attend_int4(
-    seq,
-    q_block,
-    q_len,
-    seq_len,
-    context,
-    block_tables_ptr,
-    stride_bt,
-    window,
-    split,
-    split_keys,
-    sinks_ptr,
-    head,
-    row_ok,
-    tile_args,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
-    WITH_SINK: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    seq_ok,
-):
-    """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
-    see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
-    by l; an ill-formed sequence (not seq_ok) reads no key and leaves l NaN."""
-    HALF: tl.constexpr = BLOCK_D // 2
-    keys = key_range(
-        context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
-    )
-    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
-    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
-    v_off = tl.zeros([BLOCK_M], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    state = (m_i, l_i, acc_e, acc_o, v_off)
-    m_i, l_i, acc_e, acc_o, v_off = attend_tiles(
-        keys, window, bt_row, state, _int4_tile, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED
-    )
-    acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
-    return m_i, poisoned_sum(l_i, seq_ok), acc
+def _zero_accs(BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """_int4_tile's accumulators before the first key: P . (CODE_OFFSET + codes) of the even and
+    the odd elements, and v_off, the sum of p * scale * (CODE_OFFSET + zp) they carry per row."""
+    return tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M], tl.float32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -352,28 +296,13 @@ def _int4_attention_kernel(
     window,
     split_keys,
     num_splits,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    q_strides,
+    out_strides,
+    lse_strides,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -422,13 +351,13 @@ def _int4_attention_kernel(
     )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_ptrs = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1] + d[None, :] * q_strides[2]
     q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if ROTATE:
         undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 8.4): exact, a power of two
     row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
 
-    m_i, l_i, acc = attend_int4(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -442,6 +371,7 @@ def _int4_attention_kernel(
         sinks_ptr,
         head,
         row_ok,
+        _int4_tile,
         (
             q_e,
             q_o,
@@ -455,20 +385,10 @@ def _int4_attention_kernel(
             v_ptr,
             ks_ptr,
             vs_ptr,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            stride_vd,
-            stride_ksb,
-            stride_kst,
-            stride_ksh,
-            stride_vsb,
-            stride_vst,
-            stride_vsh,
+            k_strides,
+            v_strides,
+            ks_strides,
+            vs_strides,
             BLOCK_N,
             HEAD_D,
             BLOCK_D // 2,
@@ -478,16 +398,19 @@ def _int4_attention_kernel(
             HAS_WINDOW,
             SAME_KV_STRIDES,
         ),
+        _zero_accs(BLOCK_M, BLOCK_D // 2),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
         seq_ok,
     )
+    # The tile's rows in the rotated basis with the code offsets taken off, unscaled by l.
+    acc_e, acc_o, v_off = accs
+    acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
     # The rotation is linear, so un-rotating acc before the division by l (or before the
     # merge sums the partials) gives the same rows.
     acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
@@ -506,11 +429,8 @@ def _int4_attention_kernel(
             d,
             row_ok,
             d_ok,
-            stride_ot,
-            stride_oh,
-            stride_od,
-            stride_lt,
-            stride_lh,
+            *out_strides,
+            *lse_strides,
             HAS_LSE,
         )
 
@@ -560,10 +480,6 @@ TILES: dict[int, Int4Tiles] = {
 SPLIT = SplitRule(8, 16, _OFFLINE)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def _tiles(p: Attention) -> Int4Tiles:
     return TILES[max(64, _pow2(p.head_size))]
 
@@ -592,10 +508,6 @@ def prefill_config(p: Attention) -> AttentionConfig:
 
 def _convert(platform: str) -> int:
     return CONVERT_ASM if platform == "cuda" and not _platform.interpreted() else CONVERT_CAST
-
-
-def same_kv_strides(p: Attention) -> bool:
-    return p.key_cache.stride() == p.value_cache.stride() and p.k_scale_cache.stride() == p.v_scale_cache.stride()
 
 
 _AT = {name: i for i, name in enumerate(_int4_attention_kernel.arg_names)}
@@ -719,13 +631,13 @@ def kernel_call(
         int(p.sliding_window or 0),
         max(cfg.split_keys, 1),
         num_splits,
-        *p.query.stride(),
-        *p.out.stride(),
-        *lse_strides,
-        *k.stride(),
-        *v.stride(),
-        *ks.stride(),
-        *vs.stride(),
+        p.query.stride(),
+        p.out.stride(),
+        lse_strides,
+        k.stride(),
+        v.stride(),
+        ks.stride(),
+        vs.stride(),
         p.block_tables.stride(0),
     )
     constexprs = dict(
