@@ -34,7 +34,6 @@ error is bench/gpu_bench.py's to report.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,14 +52,15 @@ from .attention_kernels import (
     AttentionConfig,
     KernelCall,
     StagedConfig,
-    _launch,
-    _merge_splits_kernel,
     _pow2,
     bind_launches,
     call_arrays,
     decode_config_of,
+    kernel_slots,
+    run_launches,
     same_kv_strides,
-    split_partials,
+    sinks_and_lse,
+    split_merge,
     staged_prefill_config,
 )
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
@@ -510,43 +510,6 @@ def _convert(platform: str) -> int:
     return CONVERT_ASM if platform == "cuda" and not _platform.interpreted() else CONVERT_CAST
 
 
-_AT = {name: i for i, name in enumerate(_int4_attention_kernel.arg_names)}
-
-
-@functools.cache
-def _slots(split: bool, sinks: bool, lse: bool) -> tuple[tuple, tuple]:
-    """(slots, merge_slots) of a launch, as attention_kernels._slots gives them for its kernel:
-    for each of Attention.operand_names(), then the split's partials, the arguments it fills."""
-    fills = {
-        "query": ("q_ptr",),
-        "key_cache": ("k_ptr",),
-        "value_cache": ("v_ptr",),
-        "block_tables": ("block_tables_ptr",),
-        "seq_lens": ("seq_lens_ptr",),
-        "query_start_loc": ("qsl_ptr",),
-        "out": ("out_ptr",) if split else ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"),
-        "k_scale_cache": ("ks_ptr",),
-        "v_scale_cache": ("vs_ptr",),
-        "sinks": ("sinks_ptr",) if sinks else (),
-        "lse": ("lse_ptr",) if lse else (),
-    }
-    partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
-    slots = tuple(tuple(_AT[a] for a in fills.get(name, ())) for name in Attention.operand_names())
-    slots += tuple((_AT[a],) for a in partials) if split else ((), (), ())
-    if not split:
-        return slots, ()
-    merge_at = {name: i for i, name in enumerate(_merge_splits_kernel.arg_names)}
-    merge_fills = {
-        "seq_lens": ("seq_lens_ptr",),
-        "query_start_loc": ("qsl_ptr",),
-        "out": ("out_ptr",),
-        "sinks": ("sinks_ptr",) if sinks else (),
-        "lse": ("lse_ptr",) if lse else (),
-    }
-    merge_slots = tuple(tuple(merge_at[a] for a in merge_fills.get(name, ())) for name in Attention.operand_names())
-    return slots, merge_slots + tuple((merge_at[a],) for a in partials)
-
-
 def block_d(head_size: int) -> int:
     """The tile's row width: the head size, or 2 * _MIN_DOT_K for the halves' dots."""
     return max(2 * _MIN_DOT_K, _pow2(head_size))
@@ -568,45 +531,11 @@ def kernel_call(
     width = block_d(p.head_size)
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
-    num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
     grid0 = num_seqs if per_seq else p.query.shape[0] // cfg.block_q + num_seqs
-    dummy = p.seq_lens
     k, v = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
     ks, vs = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
-    sinks = p.sinks if p.sinks is not None else dummy
-    lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
-    merge = None
-    if split:
-        scratch = scratch or Scratch(p.query.device, None, ())
-        part_m, part_l, part_acc = (scratch.take(*a) for a in split_partials(p, cfg, width))
-        merge = (
-            (num_seqs, p.num_q_heads),
-            (
-                part_m,
-                part_l,
-                part_acc,
-                p.out,
-                p.query_start_loc,
-                p.seq_lens,
-                sinks,
-                lse,
-                p.query.shape[0],
-                cfg.split_keys,
-                num_splits,
-                *p.out.stride(),
-                *lse_strides,
-            ),
-            dict(
-                NUM_Q_HEADS=p.num_q_heads,
-                HEAD_D=p.head_size,
-                BLOCK_D=width,
-                HAS_SINKS=p.sinks is not None,
-                HAS_LSE=p.lse is not None,
-                num_warps=1,
-            ),
-        )
-    else:
-        part_m = part_l = part_acc = p.out
+    sinks, lse, lse_strides = sinks_and_lse(p)
+    num_splits, (part_m, part_l, part_acc), merge = split_merge(p, cfg, split, width, scratch)
     args = (
         bf16_as_bits(p.query),
         k,
@@ -663,7 +592,9 @@ def kernel_call(
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
     )
-    slots, merge_slots = _slots(split, p.sinks is not None, p.lse is not None)
+    slots, merge_slots = kernel_slots(
+        _int4_attention_kernel, split, True, False, p.sinks is not None, p.lse is not None
+    )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():
         options["maxnreg"] = cfg.maxnreg
@@ -695,14 +626,8 @@ def run(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = 
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, options)
-    scratch = Scratch(
-        p.query.device, options.workspace, call_arrays(p, launches, staged_cfg, block_d(p.head_size), True), p
-    )
-    for cfg, per_seq, skip_decode in launches:
-        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
-    if staged_cfg is not None:
-        staged = int4_staging.staged_problem(p, options.workspace_fill, scratch)
-        _launch(int4_staging.staged_call(staged, platform, staged_cfg))
+    arrays = call_arrays(p, launches, staged_cfg, block_d(p.head_size), True)
+    run_launches(p, platform, options, launches, staged_cfg, arrays, kernel_call, int4_staging.staged_problem)
 
 
 def workspace_bytes(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> int:
@@ -718,8 +643,4 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     where `p` takes the staged prefill (its workspace is sized and filled per call)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return launch_nothing
-    launches, staged_cfg = _launches(p, platform, options)
-    if staged_cfg is not None:
-        return None
-    calls = [kernel_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
-    return bind_launches(p, calls, options.workspace)
+    return bind_launches(p, platform, options.workspace, *_launches(p, platform, options), kernel_call)
