@@ -81,7 +81,7 @@ from .attention_tiles import (
     logit_scale,
     paged_tile,
     poisoned_sum,
-    query_block,
+    program_query,
     sequence_ok,
     staged_sequence_ok,
     staged_tile,
@@ -181,21 +181,10 @@ def _attention_kernel(
     scales and lse a launch has not)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PER_SEQ:
-        # Decode launch: one program per (sequence, KV head, split); only 1-token sequences.
-        seq = tl.program_id(0)
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_block = 0
-        if q_len != 1:
-            return
-    else:
-        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-        if q_block * BLOCK_Q >= q_len:
-            return
-        if SKIP_DECODE:
-            if q_len == 1:
-                return
+    # Decode launch: one program per (sequence, KV head, split); prefill: per query block.
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, PER_SEQ, SKIP_DECODE, LONGEST_FIRST)
+    if not live:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
     row_ok, head, pos, token, d, d_ok = tile_rows(
@@ -380,10 +369,9 @@ def _staged_attention_kernel(
     ROTATE: an int4 rotated mode's workspace (int4_staging.py), whose query and keys are in the
     rotated basis: the rows are taken back to the model's before they are stored."""
     kv_head = tl.program_id(1)
-    seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-    if q_block * BLOCK_Q >= q_len:
-        return
-    if q_len == 1:
+    # A prefill grid that leaves 1-token sequences to the paged kernel.
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, False, True, LONGEST_FIRST)
+    if not live:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token

@@ -734,6 +734,33 @@ def query_block(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.cons
 
 
 @triton.jit
+def program_query(
+    qsl_ptr,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+):
+    """(seq, q_start, q_len, q_block, live) of this program: a decode launch's (PER_SEQ: one
+    program per sequence, which takes 1-token sequences only) or a prefill grid's (query_block;
+    SKIP_DECODE leaves 1-token sequences to the decode launch). A program not live has no rows
+    and returns at once."""
+    if PER_SEQ:
+        seq = tl.program_id(0)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = 0
+        live = q_len == 1
+    else:
+        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
+        live = q_block * BLOCK_Q < q_len
+        if SKIP_DECODE:
+            live = live & (q_len != 1)
+    return seq, q_start, q_len, q_block, live
+
+
+@triton.jit
 def tile_rows(
     q_block,
     q_start,

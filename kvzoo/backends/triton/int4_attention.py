@@ -72,7 +72,7 @@ from .attention_tiles import (
     mask_logits,
     online_softmax,
     paged_rows,
-    query_block,
+    program_query,
     sequence_ok,
     softcap_logits,
     store_partials,
@@ -330,20 +330,9 @@ def _int4_attention_kernel(
     the merge) and direct prefill; attention_kernels._attention_kernel's grid and rows."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PER_SEQ:
-        seq = tl.program_id(0)
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_block = 0
-        if q_len != 1:
-            return
-    else:
-        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-        if q_block * BLOCK_Q >= q_len:
-            return
-        if SKIP_DECODE:
-            if q_len == 1:
-                return
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, PER_SEQ, SKIP_DECODE, LONGEST_FIRST)
+    if not live:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     row_ok, head, pos, token, d, d_ok = tile_rows(
