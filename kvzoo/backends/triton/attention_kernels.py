@@ -285,6 +285,7 @@ def _attention_kernel(
         seq_ok,
     )
 
+    l_i = poisoned_sum(l_i, seq_ok)
     acc = accs[0]
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
@@ -293,21 +294,7 @@ def _attention_kernel(
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
         store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
-        store_rows(
-            out_ptr,
-            lse_ptr,
-            acc,
-            m_i,
-            l_i,
-            token,
-            head,
-            d,
-            row_ok,
-            d_ok,
-            *out_strides,
-            *lse_strides,
-            HAS_LSE,
-        )
+        store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 @triton.jit
@@ -445,25 +432,12 @@ def _staged_attention_kernel(
         seq_ok,
     )
 
+    l_i = poisoned_sum(l_i, seq_ok)
     acc, v_unit = accs
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
-    store_rows(
-        out_ptr,
-        lse_ptr,
-        acc,
-        m_i,
-        l_i,
-        token,
-        head,
-        d,
-        row_ok,
-        d_ok,
-        *out_strides,
-        *lse_strides,
-        HAS_LSE,
-    )
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 @triton.jit

@@ -645,14 +645,15 @@ def attend(
     split), TILE by TILE in attend_tiles' order (tile_args: TILE's own arguments): (m, l, accs)
     after the last, accs what TILE keeps per row besides (m, l), starting from the given ones
     (paged_tile's and staged_tile's (acc, v_unit), int4's own). An ill-formed sequence (not
-    seq_ok: sequence_ok) reads no key and leaves l NaN, so its rows store NaN."""
+    seq_ok: sequence_ok) reads no key: the caller takes l through poisoned_sum(l, seq_ok) once
+    its rows are final, which leaves that sequence's l NaN, so its rows store NaN."""
     keys = key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     state = attend_tiles(keys, window, bt_row, (m_i, l_i) + accs, TILE, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED)
-    return state[0], poisoned_sum(state[1], seq_ok), state[2:]
+    return state[0], state[1], state[2:]
 
 
 @triton.jit

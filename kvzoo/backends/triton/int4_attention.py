@@ -72,6 +72,7 @@ from .attention_tiles import (
     mask_logits,
     online_softmax,
     paged_rows,
+    poisoned_sum,
     program_query,
     sequence_ok,
     softcap_logits,
@@ -400,6 +401,7 @@ def _int4_attention_kernel(
     # The tile's rows in the rotated basis with the code offsets taken off, unscaled by l.
     acc_e, acc_o, v_off = accs
     acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
+    l_i = poisoned_sum(l_i, seq_ok)
     # The rotation is linear, so un-rotating acc before the division by l (or before the
     # merge sums the partials) gives the same rows.
     acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
@@ -407,21 +409,7 @@ def _int4_attention_kernel(
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
         store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
-        store_rows(
-            out_ptr,
-            lse_ptr,
-            acc,
-            m_i,
-            l_i,
-            token,
-            head,
-            d,
-            row_ok,
-            d_ok,
-            *out_strides,
-            *lse_strides,
-            HAS_LSE,
-        )
+        store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 # ----------------------------------------------------------------------------------------
