@@ -453,17 +453,17 @@ def _merge_splits_kernel(
     num_tokens,
     split_keys,
     num_splits,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
+    out_strides,
+    lse_strides,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
+    """A split decode's output row (sequence program_id(0), query head program_id(1)): its
+    splits' partials (m, l, acc: store_partials') summed in split order, each weighted by
+    exp2(m - the largest m), the sink's term joining the sum; lse from the merged (m, l)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -501,13 +501,14 @@ def _merge_splits_kernel(
     total = poisoned_sum(total, seq_len >= 1)
     out = acc / total
     tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
+        out_ptr + q_start.to(tl.int64) * out_strides[0] + head * out_strides[1] + d * out_strides[2],
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_D,
     )
     if HAS_LSE:
         # The splits' merged (max, sum), the sink's term included, in log2 units.
-        tl.store(lse_ptr + q_start.to(tl.int64) * stride_lt + head * stride_lh, (m_use + tl.log2(total)) * LN2)
+        lse_at = q_start.to(tl.int64) * lse_strides[0] + head * lse_strides[1]
+        tl.store(lse_ptr + lse_at, (m_use + tl.log2(total)) * LN2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -895,8 +896,8 @@ def split_merge(
             p.query.shape[0],
             cfg.split_keys,
             num_splits,
-            *p.out.stride(),
-            *lse_strides,
+            p.out.stride(),
+            lse_strides,
         ),
         dict(
             NUM_Q_HEADS=p.num_q_heads,
