@@ -419,22 +419,29 @@ def _code_views(named: tuple[tuple[int, Array, QuantMode], ...]) -> tuple[tuple[
     )
 
 
-def _check_side_caches(
+def _check_kv_caches(
     mode: QuantMode,
-    named: tuple[tuple[str, Array], ...],
-    leading: tuple[int, int, int],
+    key_cache: Array,
+    value_cache: Array,
+    num_kv_heads: int | None,
     head_size: int,
     dtypes: Callable[[QuantMode], tuple[str, ...]],
     layout: str,
     *,
     written: bool = False,
     fake: bool = False,
-) -> None:
-    """key_cache then value_cache, each against its side's mode (a split mode stores them in
-    two formats, so in two widths and dtypes)."""
+) -> tuple[int, int, int]:
+    """key_cache 4-d, then key_cache and value_cache each against its side's mode (a split mode
+    stores them in two formats, so in two widths and dtypes), [num_blocks, block_size,
+    num_kv_heads] (None: key_cache's own) before the rows: that leading shape."""
+    require_ndim("key_cache", key_cache, 4, CACHE, fake)
+    num_blocks, block_size = key_cache.shape[:2]
+    leading = (num_blocks, block_size, key_cache.shape[2] if num_kv_heads is None else num_kv_heads)
+    named = (("key_cache", key_cache), ("value_cache", value_cache))
     for (name, cache), side in zip(named, (mode.key_side, mode.value_side), strict=True):
         shape = (*leading, side.cache_width(head_size))
         check_caches(side, ((name, cache),), shape, dtypes(side), layout, written=written, fake=fake)
+    return leading
 
 
 # ------------------------------------------------------------------------------------------
@@ -452,19 +459,18 @@ def _check_write(r: CacheWrite, geometry: Geometry | None, fake: bool) -> Facts:
     require_shape("value", value, tuple(key.shape), "(same as key)")
     require_dtype("value", value, (dtype_name(key),))
     num_tokens, num_kv_heads, head_size = key.shape
-    require_ndim("key_cache", key_cache, 4, CACHE, fake)
-    num_blocks, block_size = key_cache.shape[:2]
-    shape = (num_blocks, block_size, num_kv_heads)
-    _check_side_caches(
+    shape = _check_kv_caches(
         mode,
-        (("key_cache", key_cache), ("value_cache", value_cache)),
-        shape,
+        key_cache,
+        value_cache,
+        num_kv_heads,
         head_size,
         lambda side: cache_dtypes(side, dtype_name(key)),
         "[num_blocks, block_size, num_kv_heads, cache width of head_size]",
         written=True,
         fake=fake,
     )
+    num_blocks, block_size = shape[:2]
     require_sizes(
         "key_cache", num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
     )
@@ -502,18 +508,17 @@ def _check_attention(r: Attention, geometry: Geometry | None, fake: bool) -> Fac
         geometry.check("query", query, QUERY_ROWS)
     require_dtype("query", query, FLOAT_INPUTS)
     num_tokens, num_q_heads, head_size = query.shape
-    require_ndim("key_cache", key_cache, 4, CACHE, fake)
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-    shape = (num_blocks, block_size, num_kv_heads)
-    _check_side_caches(
+    shape = _check_kv_caches(
         mode,
-        (("key_cache", key_cache), ("value_cache", value_cache)),
-        shape,
+        key_cache,
+        value_cache,
+        None,
         head_size,
         lambda side: FLOAT_INPUTS if side.code_dtype is None else code_dtypes(side),
         "[num_blocks, block_size, num_kv_heads, cache width of head_size(query)]",
         fake=fake,
     )
+    num_blocks, block_size, num_kv_heads = shape
     if mode.code_dtype is None:
         require_dtype("value_cache", value_cache, (dtype_name(key_cache),))
     require_sizes(

@@ -32,7 +32,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from kvzoo import samples  # noqa: E402
-from kvzoo.backends.triton import attention_ops, int4_attention, int4_rotation, int4_write  # noqa: E402
+from kvzoo.backends.triton import attention_kernels, attention_ops, int4_attention, int4_rotation, int4_write  # noqa: E402
 from kvzoo.backends.triton import platform as triton_platform  # noqa: E402
 from kvzoo.inputs import make_rows, random_bytes, rng_for  # noqa: E402
 from kvzoo.modes import MODES, SCALE_FLOOR, rht_signs  # noqa: E402
@@ -566,7 +566,7 @@ def test_decode_over_value_scales_far_apart(mode, order):
         words[block, pos % p.block_size] += torch.from_numpy(shift[: len(pos), None] << 23).to(DEVICE)
     # One pass over every tile (no split), so each tile's weights meet all that came before.
     cfg = dataclasses.replace(int4_attention.decode_config(p, False), split_keys=0)
-    int4_attention._launch(int4_attention.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False))
+    attention_kernels._launch(int4_attention.kernel_call(p, "cuda", cfg, per_seq=True, skip_decode=False))
     _check_attention(p, f" (V scales {order})")
 
 
@@ -581,7 +581,7 @@ def test_split_decode_matches_the_oracle_and_the_single_pass(mode):
         p.lse.fill_(float("nan"))
         call = int4_attention.kernel_call(p, "cuda", c, per_seq=True, skip_decode=False)
         assert (call.merge is not None) == (c.split_keys > 0)
-        int4_attention._launch(call)
+        attention_kernels._launch(call)
         _check_attention(p, f" (split_keys {c.split_keys})")
 
 

@@ -26,6 +26,34 @@ def head_size_for(mode: str, head_size: int) -> int:
     return MODES[mode].head_sizes.closest(head_size)
 
 
+# The fields of a case that are its sample's keywords (the rest are the call's, or the id's).
+_WRITE_SAMPLE_FIELDS = (
+    "num_tokens",
+    "num_kv_heads",
+    "head_size",
+    "block_size",
+    "dtype",
+    "dist",
+    "layout",
+    "row_align",
+    "negative_slots",
+    "wild_slots",
+    "strided",
+)
+_ATTENTION_SAMPLE_FIELDS = (
+    "batch",
+    "block_size",
+    "num_q_heads",
+    "num_kv_heads",
+    "head_size",
+    "query_dtype",
+    "layout",
+    "row_align",
+    "sinks",
+    "poison",
+)
+
+
 def _inline(mode: str) -> bool:
     return "inline" in MODES[mode].layouts
 
@@ -75,6 +103,10 @@ class WriteCase:
         if self.layout == "inline":
             options.add("inline_layout")
         return Requirements(self.head_size, self.dtype, frozenset(options))
+
+    def sample_args(self) -> dict[str, Any]:
+        """The fields samples.write_sample draws this case's sample by, as its keywords."""
+        return {name: getattr(self, name) for name in _WRITE_SAMPLE_FIELDS}
 
 
 def write_cases() -> list[WriteCase]:
@@ -227,6 +259,10 @@ class AttentionCase:
             ),
             self.row_align,
         )
+
+    def sample_args(self) -> dict[str, Any]:
+        """The fields samples.paged_sample draws this case's sample by, as its keywords."""
+        return {name: getattr(self, name) for name in _ATTENTION_SAMPLE_FIELDS}
 
     def requirements(self) -> Requirements:
         options = {

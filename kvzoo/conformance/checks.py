@@ -77,25 +77,16 @@ def check_reshape_and_cache(impl, case: WriteCase):
     rng = rng_for("write", case.id)
     # One guard block after the cache: with validate=False, out-of-range (wild) slots must be
     # skipped like negative ones, and nothing may land in the memory that follows the cache.
+    index_dtype = "int32" if case.num_tokens % 2 else "int64"
     w = samples.write_sample(
         rng,
         mode,
-        num_tokens=case.num_tokens,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        block_size=case.block_size,
-        dtype=case.dtype,
-        dist=case.dist,
-        layout=case.layout,
         kind=kind,
         device=device,
-        row_align=case.row_align,
-        negative_slots=case.negative_slots,
-        wild_slots=case.wild_slots,
-        strided=case.strided,
         guard_blocks=1,
         static_scale="wide",
-        index_dtype="int32" if case.num_tokens % 2 else "int64",
+        index_dtype=index_dtype,
+        **case.sample_args(),
     )
     caches, key, value, static = w.caches, w.key, w.value, w.static_scale
     key_cache, value_cache, k_scale_cache, v_scale_cache = w.cache_arrays()
@@ -244,22 +235,8 @@ def check_dequantize(impl, case: DequantCase):
 def check_paged_attention(impl, case: AttentionCase):
     _usable(impl, case.mode, case.requirements())
     device = device_for(impl)
-    s = samples.paged_sample(
-        rng_for("attention", case.id),
-        case.mode,
-        batch=case.batch,
-        block_size=case.block_size,
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        query_dtype=case.query_dtype,
-        layout=case.layout,
-        device=device,
-        row_align=case.row_align,
-        sinks=case.sinks,
-        poison=case.poison,
-        static_scales="wide",
-    )
+    rng = rng_for("attention", case.id)
+    s = samples.paged_sample(rng, case.mode, device=device, static_scales="wide", **case.sample_args())
     out = s.new_out()
     page_before = None if s.caches.buffer is None else host_bytes(s.caches.buffer)[..., 0].copy()
     api.paged_attention(

@@ -81,13 +81,14 @@ from .attention_tiles import (
     logit_scale,
     paged_tile,
     poisoned_sum,
-    query_block,
+    program_query,
     sequence_ok,
     staged_sequence_ok,
     staged_tile,
     store_partials,
     store_rows,
     tile_rows,
+    zero_acc,
 )
 from .formats import CODE_E4M3FN, CODE_INT8, code_of
 from .int4_tiles import unrotate_rows
@@ -180,21 +181,10 @@ def _attention_kernel(
     scales and lse a launch has not)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PER_SEQ:
-        # Decode launch: one program per (sequence, KV head, split); only 1-token sequences.
-        seq = tl.program_id(0)
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_block = 0
-        if q_len != 1:
-            return
-    else:
-        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-        if q_block * BLOCK_Q >= q_len:
-            return
-        if SKIP_DECODE:
-            if q_len == 1:
-                return
+    # Decode launch: one program per (sequence, KV head, split); prefill: per query block.
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, PER_SEQ, SKIP_DECODE, LONGEST_FIRST)
+    if not live:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
     row_ok, head, pos, token, d, d_ok = tile_rows(
@@ -235,7 +225,7 @@ def _attention_kernel(
         q_offset = tl.zeros([BLOCK_M], tl.float32)  # unused (and a raw sum could overflow)
 
     # The split path's sink joins in the merge.
-    m_i, l_i, acc, _ = attend(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -284,10 +274,10 @@ def _attention_kernel(
             FP8_DOTS,
             FP8_CODE,
         ),
+        zero_acc(BLOCK_M, BLOCK_D),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
@@ -295,6 +285,8 @@ def _attention_kernel(
         seq_ok,
     )
 
+    l_i = poisoned_sum(l_i, seq_ok)
+    acc = accs[0]
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     if SPLIT:
@@ -302,21 +294,7 @@ def _attention_kernel(
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
         store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
-        store_rows(
-            out_ptr,
-            lse_ptr,
-            acc,
-            m_i,
-            l_i,
-            token,
-            head,
-            d,
-            row_ok,
-            d_ok,
-            *out_strides,
-            *lse_strides,
-            HAS_LSE,
-        )
+        store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 @triton.jit
@@ -378,10 +356,9 @@ def _staged_attention_kernel(
     ROTATE: an int4 rotated mode's workspace (int4_staging.py), whose query and keys are in the
     rotated basis: the rows are taken back to the model's before they are stored."""
     kv_head = tl.program_id(1)
-    seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-    if q_block * BLOCK_Q >= q_len:
-        return
-    if q_len == 1:
+    # A prefill grid that leaves 1-token sequences to the paged kernel.
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, False, True, LONGEST_FIRST)
+    if not live:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # position of the sequence's first query token
@@ -407,7 +384,7 @@ def _staged_attention_kernel(
     row_scale = tl.load(q_undo_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
     row_scale = logit_scale(row_scale, ks_ptr, softmax_scale, SCALE_MODE, HAS_SOFTCAP)
 
-    m_i, l_i, acc, v_unit = attend(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -444,10 +421,10 @@ def _staged_attention_kernel(
             HAS_SOFTCAP,
             HAS_WINDOW,
         ),
+        zero_acc(BLOCK_M, BLOCK_D),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         False,
         HAS_SINKS,
@@ -455,24 +432,12 @@ def _staged_attention_kernel(
         seq_ok,
     )
 
+    l_i = poisoned_sum(l_i, seq_ok)
+    acc, v_unit = accs
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tl.load(vs_ptr)
     acc = unrotate_rows(acc * v_unit, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
-    store_rows(
-        out_ptr,
-        lse_ptr,
-        acc,
-        m_i,
-        l_i,
-        token,
-        head,
-        d,
-        row_ok,
-        d_ok,
-        *out_strides,
-        *lse_strides,
-        HAS_LSE,
-    )
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 @triton.jit
@@ -488,17 +453,17 @@ def _merge_splits_kernel(
     num_tokens,
     split_keys,
     num_splits,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
+    out_strides,
+    lse_strides,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
+    """A split decode's output row (sequence program_id(0), query head program_id(1)): its
+    splits' partials (m, l, acc: store_partials') summed in split order, each weighted by
+    exp2(m - the largest m), the sink's term joining the sum; lse from the merged (m, l)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -536,13 +501,14 @@ def _merge_splits_kernel(
     total = poisoned_sum(total, seq_len >= 1)
     out = acc / total
     tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d * stride_od,
+        out_ptr + q_start.to(tl.int64) * out_strides[0] + head * out_strides[1] + d * out_strides[2],
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_D,
     )
     if HAS_LSE:
         # The splits' merged (max, sum), the sink's term included, in log2 units.
-        tl.store(lse_ptr + q_start.to(tl.int64) * stride_lt + head * stride_lh, (m_use + tl.log2(total)) * LN2)
+        lse_at = q_start.to(tl.int64) * lse_strides[0] + head * lse_strides[1]
+        tl.store(lse_ptr + lse_at, (m_use + tl.log2(total)) * LN2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -808,9 +774,15 @@ def _optional_arrays(p: Attention) -> tuple:
     vs = p.v_scale_cache if token_head else p.v_scale if per_tensor else dummy
     kss = p.k_scale_cache.stride() if token_head else (0, 0, 0)
     vss = p.v_scale_cache.stride() if token_head else (0, 0, 0)
+    return (ks, vs, kss, vss, *sinks_and_lse(p))
+
+
+def sinks_and_lse(p: Attention) -> tuple:
+    """(sinks, lse, lse strides) of a launch, stand-ins (seq_lens, zero strides) where absent."""
+    dummy = p.seq_lens
     sinks = p.sinks if p.sinks is not None else dummy
     lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
-    return ks, vs, kss, vss, sinks, lse, lse_strides
+    return sinks, lse, lse_strides
 
 
 def same_kv_strides(p: Attention) -> bool:
@@ -846,16 +818,19 @@ def _arg_positions(kernel) -> dict[str, int]:
     return {name: i for i, name in enumerate(kernel.arg_names)}
 
 
-_PAGED_AT = _arg_positions(_attention_kernel)
 _MERGE_AT = _arg_positions(_merge_splits_kernel)
 
 
 @functools.cache
-def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bool) -> tuple[tuple, tuple]:
-    """(slots, merge_slots) of a paged launch: for each of Attention.operand_names(), then the
-    split's partials (m, l, acc, which a relaunch allocates afresh as run() does), the kernel
-    arguments it fills. Where an operand is absent its position keeps the stand-in, which the
-    kernel never dereferences."""
+def kernel_slots(
+    kernel, split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bool
+) -> tuple[tuple, tuple]:
+    """(slots, merge_slots) of a paged launch of `kernel` (_attention_kernel, or int4's, whose
+    arguments carry the same names): for each of Attention.operand_names(), then the split's
+    partials (m, l, acc, which a relaunch allocates afresh as run() does), the kernel arguments
+    it fills. Where an operand is absent its position keeps the stand-in, which the kernel never
+    dereferences."""
+    at = _arg_positions(kernel)
     fills = {
         "query": ("q_ptr",),
         "key_cache": ("k_ptr",),
@@ -874,8 +849,8 @@ def _slots(split: bool, token_head: bool, per_tensor: bool, sinks: bool, lse: bo
     }
     partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
     names = tuple(fills[name] for name in Attention.operand_names())
-    slots = tuple(tuple(_PAGED_AT[a] for a in args) for args in names)
-    slots += tuple((_PAGED_AT[a],) for a in partials) if split else ((), (), ())
+    slots = tuple(tuple(at[a] for a in args) for args in names)
+    slots += tuple((at[a],) for a in partials) if split else ((), (), ())
     if not split:
         return slots, ()
     merge_fills = {
@@ -894,6 +869,46 @@ def split_partials(p: Attention, cfg: AttentionConfig, width: int) -> list[Need]
     sequence, query head and split."""
     shape = (p.num_seqs, p.num_q_heads, -(-p.max_seq_len // cfg.split_keys))
     return [(shape, torch.float32), (shape, torch.float32), (shape + (width,), torch.float32)]
+
+
+def split_merge(
+    p: Attention, cfg: AttentionConfig, split: bool, width: int, scratch: Scratch | None
+) -> tuple[int, tuple, tuple | None]:
+    """(num_splits, the partials (m, l, acc), the merge's (grid, args, constexprs)) of a paged
+    launch: a split's partials of `width` columns from scratch (fresh ones by default), merged
+    by _merge_splits_kernel; without a split one program per row, the partials' pointers the
+    output's (never used) and no merge."""
+    if not split:
+        return 1, (p.out, p.out, p.out), None
+    num_splits = -(-p.max_seq_len // cfg.split_keys)
+    sinks, lse, lse_strides = sinks_and_lse(p)
+    scratch = scratch or Scratch(p.query.device, None, ())
+    partials = tuple(scratch.take(*a) for a in split_partials(p, cfg, width))
+    merge = (
+        (p.num_seqs, p.num_q_heads),
+        (
+            *partials,
+            p.out,
+            p.query_start_loc,
+            p.seq_lens,
+            sinks,
+            lse,
+            p.query.shape[0],
+            cfg.split_keys,
+            num_splits,
+            p.out.stride(),
+            lse_strides,
+        ),
+        dict(
+            NUM_Q_HEADS=p.num_q_heads,
+            HEAD_D=p.head_size,
+            BLOCK_D=width,
+            HAS_SINKS=p.sinks is not None,
+            HAS_LSE=p.lse is not None,
+            num_warps=1,
+        ),
+    )
+    return num_splits, partials, merge
 
 
 def call_arrays(p: Attention, launches: list, staged_cfg: StagedConfig | None, width: int, page_scales: bool):
@@ -937,45 +952,10 @@ def kernel_call(
     block_d = _block_d(p)
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
-    num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
-    if per_seq:
-        grid0 = num_seqs
-    else:
-        grid0 = p.query.shape[0] // cfg.block_q + num_seqs
+    grid0 = num_seqs if per_seq else p.query.shape[0] // cfg.block_q + num_seqs
     dummy = p.seq_lens
     ks, vs, kss, vss, sinks, lse, lse_strides = _optional_arrays(p)
-    merge = None
-    if split:
-        scratch = scratch or Scratch(p.query.device, None, ())
-        part_m, part_l, part_acc = (scratch.take(*a) for a in split_partials(p, cfg, block_d))
-        merge = (
-            (num_seqs, p.num_q_heads),
-            (
-                part_m,
-                part_l,
-                part_acc,
-                p.out,
-                p.query_start_loc,
-                p.seq_lens,
-                sinks,
-                lse,
-                p.query.shape[0],
-                cfg.split_keys,
-                num_splits,
-                *p.out.stride(),
-                *lse_strides,
-            ),
-            dict(
-                NUM_Q_HEADS=p.num_q_heads,
-                HEAD_D=p.head_size,
-                BLOCK_D=block_d,
-                HAS_SINKS=p.sinks is not None,
-                HAS_LSE=p.lse is not None,
-                num_warps=1,
-            ),
-        )
-    else:
-        part_m = part_l = part_acc = p.out
+    num_splits, (part_m, part_l, part_acc), merge = split_merge(p, cfg, split, block_d, scratch)
     args = (
         _encode.bf16_as_bits(p.query),
         ops.k,
@@ -1043,7 +1023,9 @@ def kernel_call(
         FP8_DOTS=p.fp8_dots,
         FP8_CODE=_encode.encoder_code(CODE_E4M3FN, p.query),
     )
-    slots, merge_slots = _slots(split, p.mode.per_token_head, p.mode.per_tensor, p.sinks is not None, p.lse is not None)
+    slots, merge_slots = kernel_slots(
+        _attention_kernel, split, p.mode.per_token_head, p.mode.per_tensor, p.sinks is not None, p.lse is not None
+    )
     return KernelCall(
         _attention_kernel,
         (grid0, p.num_kv_heads, num_splits),
@@ -1189,13 +1171,28 @@ def run(
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, decode, prefill, options)
-    scratch = Scratch(
-        p.query.device, options.workspace, call_arrays(p, launches, staged_cfg, _block_d(p), p.mode.per_token_head), p
-    )
+    arrays = call_arrays(p, launches, staged_cfg, _block_d(p), p.mode.per_token_head)
+    run_launches(p, platform, options, launches, staged_cfg, arrays, kernel_call, _staging.staged_problem)
+
+
+def run_launches(
+    p: Attention,
+    platform: str,
+    options: TritonAttentionOptions,
+    launches: list,
+    staged_cfg: StagedConfig | None,
+    arrays: list[Need],
+    paged_call: Any,
+    staged_problem: Any,
+) -> None:
+    """Runs a family's paged `launches` (paged_call: its kernel_call) and then, with staged_cfg,
+    its staged prefill (staged_problem: its staging.staged_problem), their arrays (call_arrays)
+    taken from the options' workspace or torch's allocator."""
+    scratch = Scratch(p.query.device, options.workspace, arrays, p)
     for cfg, per_seq, skip_decode in launches:
-        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
+        _launch(paged_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
     if staged_cfg is not None:
-        staged = _staging.staged_problem(p, options.workspace_fill, scratch)
+        staged = staged_problem(p, options.workspace_fill, scratch)
         _launch(staged_kernel_call(staged, platform, staged_cfg))
 
 
@@ -1214,17 +1211,24 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     workspace is sized and filled per call)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return launch_nothing
-    launches, staged_cfg = _launches(p, platform, None, None, options)
+    return bind_launches(p, platform, options.workspace, *_launches(p, platform, None, None, options), kernel_call)
+
+
+def bind_launches(
+    p: Attention,
+    platform: str,
+    workspace: torch.Tensor | None,
+    launches: list,
+    staged_cfg: StagedConfig | None,
+    paged_call: Any,
+):
+    """prepare()'s launch function for a family's paged `launches` (paged_call: its kernel_call;
+    after each, where it splits, the merge): their BoundLaunches, and the split's partials per
+    call from torch's allocator, or bound once from the caller's workspace (scratch.py). None
+    with a staged prefill (staged_cfg): its workspace is sized and filled per call."""
     if staged_cfg is not None:
         return None
-    calls = [kernel_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
-    return bind_launches(p, calls, options.workspace)
-
-
-def bind_launches(p: Attention, calls: list[KernelCall], workspace: torch.Tensor | None):
-    """prepare()'s launch function for `calls` (the second, where there is one, a split's
-    merge after it): their BoundLaunches, and the split's partials per call from torch's
-    allocator, or bound once from the caller's workspace (scratch.py)."""
+    calls = [paged_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
     bound, partials = [], ()
     for call in calls:
         bound.append(BoundLaunch(call.kernel, call.grid, call.args, {**call.constexprs, **call.options}, call.slots))

@@ -131,6 +131,9 @@ def load_keys(ptrs, key_ok, MASKED: tl.constexpr):
 
 @triton.jit
 def load_rows(ptrs, key_ok, d, MASKED: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key tile's rows (d: the columns 0..BLOCK_D), zeros past their HEAD_D elements (a row
+    padded to BLOCK_D for the dots; int4's half rows of bytes too) and, where MASKED, for keys
+    past the sequence; an unmasked full row loads as it is, so the compiler sees whole rows."""
     if MASKED:
         return tl.load(ptrs, mask=key_ok[:, None] & (d < HEAD_D)[None, :], other=0.0)
     elif HEAD_D < BLOCK_D:
@@ -628,10 +631,10 @@ def attend(
     row_ok,
     TILE: tl.constexpr,
     tile_args,
+    accs,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     WITH_SINK: tl.constexpr,
@@ -639,19 +642,25 @@ def attend(
     seq_ok,
 ):
     """The online softmax of a query tile over every key its rows see (within this program's
-    split), TILE by TILE in attend_tiles' order (tile_args: TILE's own arguments): (m, l, acc,
-    v_unit) after the last. An ill-formed sequence (not seq_ok: sequence_ok) reads no key and
-    leaves l NaN, so its rows store NaN."""
+    split), TILE by TILE in attend_tiles' order (tile_args: TILE's own arguments): (m, l, accs)
+    after the last, accs what TILE keeps per row besides (m, l), starting from the given ones
+    (paged_tile's and staged_tile's (acc, v_unit), int4's own). An ill-formed sequence (not
+    seq_ok: sequence_ok) reads no key: the caller takes l through poisoned_sum(l, seq_ok) once
+    its rows are final, which leaves that sequence's l NaN, so its rows store NaN."""
     keys = key_range(
         context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
     )
     m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    v_unit = 1.0  # the V scale acc is counted in, where a tile keeps one (staged_tile)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    state = (m_i, l_i, acc, v_unit)
-    m_i, l_i, acc, v_unit = attend_tiles(keys, window, bt_row, state, TILE, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED)
-    return m_i, poisoned_sum(l_i, seq_ok), acc, v_unit
+    state = attend_tiles(keys, window, bt_row, (m_i, l_i) + accs, TILE, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED)
+    return state[0], state[1], state[2:]
+
+
+@triton.jit
+def zero_acc(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """paged_tile's and staged_tile's accumulators before the first key: acc, and v_unit, the V
+    scale acc is counted in where a tile keeps one (staged_tile)."""
+    return tl.zeros([BLOCK_M, BLOCK_D], tl.float32), 1.0
 
 
 @triton.jit
@@ -723,6 +732,33 @@ def query_block(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.cons
     q_block = vblock - (q_start // BLOCK_Q + seq)
     q_len = tl.where((found >= 0) & (q_block >= 0), q_len, 0)
     return seq, q_start, q_len, tl.maximum(q_block, 0)
+
+
+@triton.jit
+def program_query(
+    qsl_ptr,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+):
+    """(seq, q_start, q_len, q_block, live) of this program: a decode launch's (PER_SEQ: one
+    program per sequence, which takes 1-token sequences only) or a prefill grid's (query_block;
+    SKIP_DECODE leaves 1-token sequences to the decode launch). A program not live has no rows
+    and returns at once."""
+    if PER_SEQ:
+        seq = tl.program_id(0)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = 0
+        live = q_len == 1
+    else:
+        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
+        live = q_block * BLOCK_Q < q_len
+        if SKIP_DECODE:
+            live = live & (q_len != 1)
+    return seq, q_start, q_len, q_block, live
 
 
 @triton.jit

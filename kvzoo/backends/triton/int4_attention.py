@@ -34,7 +34,6 @@ error is bench/gpu_bench.py's to report.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,26 +52,28 @@ from .attention_kernels import (
     AttentionConfig,
     KernelCall,
     StagedConfig,
-    _launch,
-    _merge_splits_kernel,
+    _pow2,
     bind_launches,
     call_arrays,
     decode_config_of,
-    split_partials,
+    kernel_slots,
+    run_launches,
+    same_kv_strides,
+    sinks_and_lse,
+    split_merge,
     staged_prefill_config,
 )
 from .attention_tables import DecodeTile, PrefillTile, Run, SplitRule
 from .attention_tiles import (
-    _initial_state,
-    attend_tiles,
-    key_range,
+    attend,
     load_keys,
+    load_rows,
     logit_scale,
     mask_logits,
     online_softmax,
     paged_rows,
     poisoned_sum,
-    query_block,
+    program_query,
     sequence_ok,
     softcap_logits,
     store_partials,
@@ -172,19 +173,6 @@ def rotated_query(
 
 
 @triton.jit
-def _load_bytes(ptrs, key_ok, j, MASKED: tl.constexpr, BYTES: tl.constexpr, HALF: tl.constexpr):
-    # A row's bytes, zeros past them (a half row padded to HALF for the dots), and where the
-    # tile is masked zeros for keys past the sequence; an unmasked full row loads as it is, so
-    # the compiler sees whole 16-byte rows.
-    if MASKED:
-        return tl.load(ptrs, mask=key_ok[:, None] & (j < BYTES)[None, :], other=0)
-    elif BYTES < HALF:
-        return tl.load(ptrs, mask=(j < BYTES)[None, :], other=0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
 def _int4_tile(
     start,
     kv_end,
@@ -207,20 +195,10 @@ def _int4_tile(
     v_ptr,
     ks_ptr,
     vs_ptr,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr,
     HALF: tl.constexpr,
@@ -238,9 +216,11 @@ def _int4_tile(
     key_ok = keys < kv_end
     page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
-    k_row = paged_rows(page, in_page, kv_head, stride_kb, stride_kt, stride_kh, 1)
-    kc = _load_bytes(k_ptr + k_row[:, None] + j[None, :] * stride_kd, key_ok, j, MASKED, HEAD_D // 2, HALF)
-    k_words = load_keys(ks_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+    k_row = paged_rows(page, in_page, kv_head, k_strides[0], k_strides[1], k_strides[2], 1)
+    kc = load_rows(k_ptr + k_row[:, None] + j[None, :] * k_strides[3], key_ok, j, MASKED, HEAD_D // 2, HALF)
+    k_words = load_keys(
+        ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+    )
     k_scale, k_zp = split_words(k_words)
     k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
     s = tl.dot(q_e, tl.trans(k_lo))
@@ -255,13 +235,17 @@ def _int4_tile(
     m_i, l_i, p, alpha = online_softmax(s, m_i, l_i)
 
     if SAME_KV_STRIDES:
-        v_rows = v_ptr + k_row[:, None] + j[None, :] * stride_kd
-        v_words = load_keys(vs_ptr + page * stride_ksb + in_page * stride_kst + kv_head * stride_ksh, key_ok, MASKED)
+        v_rows = v_ptr + k_row[:, None] + j[None, :] * k_strides[3]
+        v_words = load_keys(
+            vs_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+        )
     else:
-        v_row = paged_rows(page, in_page, kv_head, stride_vb, stride_vt, stride_vh, 1)
-        v_rows = v_ptr + v_row[:, None] + j[None, :] * stride_vd
-        v_words = load_keys(vs_ptr + page * stride_vsb + in_page * stride_vst + kv_head * stride_vsh, key_ok, MASKED)
-    vc = _load_bytes(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
+        v_row = paged_rows(page, in_page, kv_head, v_strides[0], v_strides[1], v_strides[2], 1)
+        v_rows = v_ptr + v_row[:, None] + j[None, :] * v_strides[3]
+        v_words = load_keys(
+            vs_ptr + page * vs_strides[0] + in_page * vs_strides[1] + kv_head * vs_strides[2], key_ok, MASKED
+        )
+    vc = load_rows(v_rows, key_ok, j, MASKED, HEAD_D // 2, HALF)
     v_scale, v_zp = split_words(v_words)
     v_lo, v_hi = nibbles_to_dot(vc, CONVERT, False)
     pv = p * v_scale[None, :]
@@ -278,49 +262,10 @@ def _int4_tile(
 
 
 @triton.jit
-def attend_int4(
-    seq,
-    q_block,
-    q_len,
-    seq_len,
-    context,
-    block_tables_ptr,
-    stride_bt,
-    window,
-    split,
-    split_keys,
-    sinks_ptr,
-    head,
-    row_ok,
-    tile_args,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
-    WITH_SINK: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    seq_ok,
-):
-    """attention_tiles.attend for the int4 tile: (m, l, acc) after every key the tile's rows
-    see, acc [BLOCK_M, BLOCK_D] in the rotated basis with the code offsets taken off, unscaled
-    by l; an ill-formed sequence (not seq_ok) reads no key and leaves l NaN."""
-    HALF: tl.constexpr = BLOCK_D // 2
-    keys = key_range(
-        context, q_block, q_len, seq_len, window, split, split_keys, seq_ok, BLOCK_Q, BLOCK_N, HAS_WINDOW, SPLIT
-    )
-    m_i, l_i = _initial_state(sinks_ptr, head, row_ok, BLOCK_M, WITH_SINK)
-    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
-    v_off = tl.zeros([BLOCK_M], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    state = (m_i, l_i, acc_e, acc_o, v_off)
-    m_i, l_i, acc_e, acc_o, v_off = attend_tiles(
-        keys, window, bt_row, state, _int4_tile, tile_args, BLOCK_N, HAS_WINDOW, INTERPRETED
-    )
-    acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
-    return m_i, poisoned_sum(l_i, seq_ok), acc
+def _zero_accs(BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """_int4_tile's accumulators before the first key: P . (CODE_OFFSET + codes) of the even and
+    the odd elements, and v_off, the sum of p * scale * (CODE_OFFSET + zp) they carry per row."""
+    return tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M, HALF], tl.float32), tl.zeros([BLOCK_M], tl.float32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -352,28 +297,13 @@ def _int4_attention_kernel(
     window,
     split_keys,
     num_splits,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lt,
-    stride_lh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
+    q_strides,
+    out_strides,
+    lse_strides,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -401,20 +331,9 @@ def _int4_attention_kernel(
     the merge) and direct prefill; attention_kernels._attention_kernel's grid and rows."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PER_SEQ:
-        seq = tl.program_id(0)
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_block = 0
-        if q_len != 1:
-            return
-    else:
-        seq, q_start, q_len, q_block = query_block(qsl_ptr, num_seqs, BLOCK_Q, LONGEST_FIRST)
-        if q_block * BLOCK_Q >= q_len:
-            return
-        if SKIP_DECODE:
-            if q_len == 1:
-                return
+    seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, PER_SEQ, SKIP_DECODE, LONGEST_FIRST)
+    if not live:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     row_ok, head, pos, token, d, d_ok = tile_rows(
@@ -422,13 +341,13 @@ def _int4_attention_kernel(
     )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q_ptrs = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1] + d[None, :] * q_strides[2]
     q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if ROTATE:
         undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 8.4): exact, a power of two
     row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
 
-    m_i, l_i, acc = attend_int4(
+    m_i, l_i, accs = attend(
         seq,
         q_block,
         q_len,
@@ -442,6 +361,7 @@ def _int4_attention_kernel(
         sinks_ptr,
         head,
         row_ok,
+        _int4_tile,
         (
             q_e,
             q_o,
@@ -455,20 +375,10 @@ def _int4_attention_kernel(
             v_ptr,
             ks_ptr,
             vs_ptr,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            stride_vd,
-            stride_ksb,
-            stride_kst,
-            stride_ksh,
-            stride_vsb,
-            stride_vst,
-            stride_vsh,
+            k_strides,
+            v_strides,
+            ks_strides,
+            vs_strides,
             BLOCK_N,
             HEAD_D,
             BLOCK_D // 2,
@@ -478,16 +388,20 @@ def _int4_attention_kernel(
             HAS_WINDOW,
             SAME_KV_STRIDES,
         ),
+        _zero_accs(BLOCK_M, BLOCK_D // 2),
         BLOCK_Q,
         BLOCK_M,
         BLOCK_N,
-        BLOCK_D,
         HAS_WINDOW,
         SPLIT,
         HAS_SINKS and not SPLIT,
         INTERPRETED,
         seq_ok,
     )
+    # The tile's rows in the rotated basis with the code offsets taken off, unscaled by l.
+    acc_e, acc_o, v_off = accs
+    acc = interleave(acc_e - v_off[:, None], acc_o - v_off[:, None], BLOCK_M, BLOCK_D)
+    l_i = poisoned_sum(l_i, seq_ok)
     # The rotation is linear, so un-rotating acc before the division by l (or before the
     # merge sums the partials) gives the same rows.
     acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
@@ -495,24 +409,7 @@ def _int4_attention_kernel(
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
         store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
     else:
-        store_rows(
-            out_ptr,
-            lse_ptr,
-            acc,
-            m_i,
-            l_i,
-            token,
-            head,
-            d,
-            row_ok,
-            d_ok,
-            stride_ot,
-            stride_oh,
-            stride_od,
-            stride_lt,
-            stride_lh,
-            HAS_LSE,
-        )
+        store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, d, row_ok, d_ok, *out_strides, *lse_strides, HAS_LSE)
 
 
 # ----------------------------------------------------------------------------------------
@@ -560,10 +457,6 @@ TILES: dict[int, Int4Tiles] = {
 SPLIT = SplitRule(8, 16, _OFFLINE)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def _tiles(p: Attention) -> Int4Tiles:
     return TILES[max(64, _pow2(p.head_size))]
 
@@ -594,47 +487,6 @@ def _convert(platform: str) -> int:
     return CONVERT_ASM if platform == "cuda" and not _platform.interpreted() else CONVERT_CAST
 
 
-def same_kv_strides(p: Attention) -> bool:
-    return p.key_cache.stride() == p.value_cache.stride() and p.k_scale_cache.stride() == p.v_scale_cache.stride()
-
-
-_AT = {name: i for i, name in enumerate(_int4_attention_kernel.arg_names)}
-
-
-@functools.cache
-def _slots(split: bool, sinks: bool, lse: bool) -> tuple[tuple, tuple]:
-    """(slots, merge_slots) of a launch, as attention_kernels._slots gives them for its kernel:
-    for each of Attention.operand_names(), then the split's partials, the arguments it fills."""
-    fills = {
-        "query": ("q_ptr",),
-        "key_cache": ("k_ptr",),
-        "value_cache": ("v_ptr",),
-        "block_tables": ("block_tables_ptr",),
-        "seq_lens": ("seq_lens_ptr",),
-        "query_start_loc": ("qsl_ptr",),
-        "out": ("out_ptr",) if split else ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"),
-        "k_scale_cache": ("ks_ptr",),
-        "v_scale_cache": ("vs_ptr",),
-        "sinks": ("sinks_ptr",) if sinks else (),
-        "lse": ("lse_ptr",) if lse else (),
-    }
-    partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
-    slots = tuple(tuple(_AT[a] for a in fills.get(name, ())) for name in Attention.operand_names())
-    slots += tuple((_AT[a],) for a in partials) if split else ((), (), ())
-    if not split:
-        return slots, ()
-    merge_at = {name: i for i, name in enumerate(_merge_splits_kernel.arg_names)}
-    merge_fills = {
-        "seq_lens": ("seq_lens_ptr",),
-        "query_start_loc": ("qsl_ptr",),
-        "out": ("out_ptr",),
-        "sinks": ("sinks_ptr",) if sinks else (),
-        "lse": ("lse_ptr",) if lse else (),
-    }
-    merge_slots = tuple(tuple(merge_at[a] for a in merge_fills.get(name, ())) for name in Attention.operand_names())
-    return slots, merge_slots + tuple((merge_at[a],) for a in partials)
-
-
 def block_d(head_size: int) -> int:
     """The tile's row width: the head size, or 2 * _MIN_DOT_K for the halves' dots."""
     return max(2 * _MIN_DOT_K, _pow2(head_size))
@@ -656,45 +508,11 @@ def kernel_call(
     width = block_d(p.head_size)
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
-    num_splits = -(-p.max_seq_len // cfg.split_keys) if split else 1
     grid0 = num_seqs if per_seq else p.query.shape[0] // cfg.block_q + num_seqs
-    dummy = p.seq_lens
     k, v = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
     ks, vs = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
-    sinks = p.sinks if p.sinks is not None else dummy
-    lse, lse_strides = (p.lse, p.lse.stride()) if p.lse is not None else (dummy, (0, 0))
-    merge = None
-    if split:
-        scratch = scratch or Scratch(p.query.device, None, ())
-        part_m, part_l, part_acc = (scratch.take(*a) for a in split_partials(p, cfg, width))
-        merge = (
-            (num_seqs, p.num_q_heads),
-            (
-                part_m,
-                part_l,
-                part_acc,
-                p.out,
-                p.query_start_loc,
-                p.seq_lens,
-                sinks,
-                lse,
-                p.query.shape[0],
-                cfg.split_keys,
-                num_splits,
-                *p.out.stride(),
-                *lse_strides,
-            ),
-            dict(
-                NUM_Q_HEADS=p.num_q_heads,
-                HEAD_D=p.head_size,
-                BLOCK_D=width,
-                HAS_SINKS=p.sinks is not None,
-                HAS_LSE=p.lse is not None,
-                num_warps=1,
-            ),
-        )
-    else:
-        part_m = part_l = part_acc = p.out
+    sinks, lse, lse_strides = sinks_and_lse(p)
+    num_splits, (part_m, part_l, part_acc), merge = split_merge(p, cfg, split, width, scratch)
     args = (
         bf16_as_bits(p.query),
         k,
@@ -719,13 +537,13 @@ def kernel_call(
         int(p.sliding_window or 0),
         max(cfg.split_keys, 1),
         num_splits,
-        *p.query.stride(),
-        *p.out.stride(),
-        *lse_strides,
-        *k.stride(),
-        *v.stride(),
-        *ks.stride(),
-        *vs.stride(),
+        p.query.stride(),
+        p.out.stride(),
+        lse_strides,
+        k.stride(),
+        v.stride(),
+        ks.stride(),
+        vs.stride(),
         p.block_tables.stride(0),
     )
     constexprs = dict(
@@ -751,7 +569,9 @@ def kernel_call(
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
     )
-    slots, merge_slots = _slots(split, p.sinks is not None, p.lse is not None)
+    slots, merge_slots = kernel_slots(
+        _int4_attention_kernel, split, True, False, p.sinks is not None, p.lse is not None
+    )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg is not None and not _platform.interpreted():
         options["maxnreg"] = cfg.maxnreg
@@ -783,14 +603,8 @@ def run(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = 
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return
     launches, staged_cfg = _launches(p, platform, options)
-    scratch = Scratch(
-        p.query.device, options.workspace, call_arrays(p, launches, staged_cfg, block_d(p.head_size), True), p
-    )
-    for cfg, per_seq, skip_decode in launches:
-        _launch(kernel_call(p, platform, cfg, per_seq=per_seq, skip_decode=skip_decode, scratch=scratch))
-    if staged_cfg is not None:
-        staged = int4_staging.staged_problem(p, options.workspace_fill, scratch)
-        _launch(int4_staging.staged_call(staged, platform, staged_cfg))
+    arrays = call_arrays(p, launches, staged_cfg, block_d(p.head_size), True)
+    run_launches(p, platform, options, launches, staged_cfg, arrays, kernel_call, int4_staging.staged_problem)
 
 
 def workspace_bytes(p: Attention, platform: str = "cuda", options: TritonAttentionOptions = _DEFAULT_OPTIONS) -> int:
@@ -806,8 +620,4 @@ def prepare(p: Attention, platform: str = "cuda", options: TritonAttentionOption
     where `p` takes the staged prefill (its workspace is sized and filled per call)."""
     if p.num_seqs == 0 or p.query.shape[0] == 0:
         return launch_nothing
-    launches, staged_cfg = _launches(p, platform, options)
-    if staged_cfg is not None:
-        return None
-    calls = [kernel_call(p, platform, cfg, per_seq=ps, skip_decode=sd) for cfg, ps, sd in launches]
-    return bind_launches(p, calls, options.workspace)
+    return bind_launches(p, platform, options.workspace, *_launches(p, platform, options), kernel_call)

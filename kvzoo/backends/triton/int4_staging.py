@@ -35,39 +35,39 @@ def _stage_rows(
     words_ptr,
     ws_ptr,
     page_scale_ptr,
+    strides,
+    word_strides,
     rows,
     page_rows,
-    s_b,
-    s_t,
-    s_h,
-    s_d,
-    s_sb,
-    s_st,
-    s_sh,
     head,
     store_page_scale,
     ROWS: tl.constexpr,
     D: tl.constexpr,
 ):
     """One tensor's rows: fp16 (code - zp) x (scale / page max) to ws_ptr [ROWS, D], and the page
-    max, by the page's first program (staging._stage_rows' rule, for packed rows; rows and
-    page_rows as it takes them)."""
+    max, by the page's first program (staging._stage_rows' rule, for packed rows; strides,
+    rows and page_rows as it takes them, word_strides its scale words')."""
     block, offset, t_ok = rows
     page_block, page_offset, page_ok = page_rows
-    page_words = tl.load(words_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0)
+    page_words = tl.load(
+        words_ptr + page_block * word_strides[0] + page_offset * word_strides[1] + head * word_strides[2],
+        mask=page_ok,
+        other=0,
+    )
     page_scales, _ = split_words(page_words)
     # A NaN scale (a poisoned row) must poison its own key only, as in the paged kernel; the
     # floor keeps 1 / page_max finite (staging._stage_rows).
     page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
     page_max = tl.maximum(page_max, SMALLEST_NORMAL)
-    words = tl.load(words_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0)
+    words = tl.load(
+        words_ptr + block * word_strides[0] + offset * word_strides[1] + head * word_strides[2], mask=t_ok, other=0
+    )
     scale, _ = split_words(words)
     zp = (words & ZP_MASK)[:, None]
     ratio = (scale * (1.0 / page_max)).to(tl.float16)[:, None]
     j = tl.arange(0, D // 2)
-    packed = tl.load(
-        codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + j[None, :] * s_d, mask=t_ok[:, None]
-    )
+    row = block * strides[0] + offset * strides[1] + head * strides[2]
+    packed = tl.load(codes_ptr + row[:, None] + j[None, :] * strides[3], mask=t_ok[:, None])
     even, odd = unpack_nibbles(packed.to(tl.int32))
     # code - zp is an integer in [-15, 15]: exact in fp16.
     x = interleave((even - zp).to(tl.float16) * ratio, (odd - zp).to(tl.float16) * ratio, ROWS, D)
@@ -93,20 +93,10 @@ def _int4_stage_kernel(
     pages_per_slot,
     num_blocks,
     max_blocks,
-    s_kb,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vb,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_ksb,
-    s_kst,
-    s_ksh,
-    s_vsb,
-    s_vst,
-    s_vsh,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     s_bt,
     s_wt,
     s_wh,
@@ -137,46 +127,14 @@ def _int4_stage_kernel(
     d = tl.arange(0, D)
     ws = ((ws_page * STAGE + pos % STAGE) * s_wt + head * s_wh)[:, None] + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
+    # The same rows of K or V: the places they share (staging._stage_kernel).
+    at = (rows, page_rows, head, first_of_page)
     if tl.program_id(2) % 2 == 0:
-        _stage_rows(
-            k_ptr,
-            ks_ptr,
-            ws_k_ptr + ws,
-            k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            rows,
-            page_rows,
-            s_kb,
-            s_kt,
-            s_kh,
-            s_kd,
-            s_ksb,
-            s_kst,
-            s_ksh,
-            head,
-            first_of_page,
-            ROWS,
-            D,
-        )
+        k_ws, k_page_scale = ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh
+        _stage_rows(k_ptr, ks_ptr, k_ws, k_page_scale, k_strides, ks_strides, *at, ROWS, D)
     else:
-        _stage_rows(
-            v_ptr,
-            vs_ptr,
-            ws_v_ptr + ws,
-            v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            rows,
-            page_rows,
-            s_vb,
-            s_vt,
-            s_vh,
-            s_vd,
-            s_vsb,
-            s_vst,
-            s_vsh,
-            head,
-            first_of_page,
-            ROWS,
-            D,
-        )
+        v_ws, v_page_scale = ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh
+        _stage_rows(v_ptr, vs_ptr, v_ws, v_page_scale, v_strides, vs_strides, *at, ROWS, D)
 
 
 @triton.jit
@@ -248,10 +206,10 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         pages_per_seq,
         p.key_cache.shape[0],
         p.block_tables.shape[1],
-        *k.stride(),
-        *v.stride(),
-        *ks.stride(),
-        *vs.stride(),
+        k.stride(),
+        v.stride(),
+        ks.stride(),
+        vs.stride(),
         p.block_tables.stride(0),
         ws_k.stride(1),
         ws_k.stride(2),

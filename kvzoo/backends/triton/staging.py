@@ -65,19 +65,14 @@ def _stage_rows(
     scales_ptr,
     ws_ptr,
     page_scale_ptr,
+    strides,
+    scale_strides,
     rows,
     page_rows,
-    mask,
-    d,
-    s_b,
-    s_t,
-    s_h,
-    s_d,
-    s_sb,
-    s_st,
-    s_sh,
     head,
     store_page_scale,
+    mask,
+    d,
     CODE: tl.constexpr,
     HW_DTYPE: tl.constexpr,
     PER_TOKEN_HEAD: tl.constexpr,
@@ -85,9 +80,11 @@ def _stage_rows(
     """One tensor's rows: fp16 codes x (scale / page max) to ws_ptr (per-token-head: and the
     page max, by the page's first program), or the codes alone (per-tensor). HW_DTYPE: the
     Triton dtype the code bytes convert from in hardware, or None for the integer decoder.
-    rows, page_rows: (block, offset in the block, in_sequence) of its keys and its page's."""
+    strides, scale_strides: the codes' and the scales' stride(); rows, page_rows: (block,
+    offset in the block, in_sequence) of its keys and its page's."""
     block, offset, t_ok = rows
-    raw = tl.load(codes_ptr + (block * s_b + offset * s_t + head * s_h)[:, None] + d[None, :] * s_d, mask=mask, other=0)
+    row = block * strides[0] + offset * strides[1] + head * strides[2]
+    raw = tl.load(codes_ptr + row[:, None] + d[None, :] * strides[3], mask=mask, other=0)
     if HW_DTYPE is not None:
         # int8 or e4m3 straight to fp16 (one conversion instruction per code, or per pair).
         x = raw.to(HW_DTYPE, bitcast=True).to(tl.float16)
@@ -96,14 +93,20 @@ def _stage_rows(
     if PER_TOKEN_HEAD:
         page_block, page_offset, page_ok = page_rows
         page_scales = tl.load(
-            scales_ptr + page_block * s_sb + page_offset * s_st + head * s_sh, mask=page_ok, other=0.0
+            scales_ptr + page_block * scale_strides[0] + page_offset * scale_strides[1] + head * scale_strides[2],
+            mask=page_ok,
+            other=0.0,
         )
         # A NaN scale (a poisoned row) must poison its own key only, as in the direct kernel.
         page_max = tl.max(tl.where(page_scales == page_scales, page_scales, 0.0), axis=0)
         # Floored at the smallest normal float32 so that 1 / page_max stays finite: a page of
         # subnormal scales (keys near 1e-37, for query rows near 1e37) keeps ratios below 1.
         page_max = tl.maximum(page_max, SMALLEST_NORMAL)
-        scale = tl.load(scales_ptr + block * s_sb + offset * s_st + head * s_sh, mask=t_ok, other=0.0)
+        scale = tl.load(
+            scales_ptr + block * scale_strides[0] + offset * scale_strides[1] + head * scale_strides[2],
+            mask=t_ok,
+            other=0.0,
+        )
         ratio = scale * (1.0 / page_max)
         x = x * ratio.to(tl.float16)[:, None]
         if store_page_scale:
@@ -174,20 +177,10 @@ def _stage_kernel(
     pages_per_slot,
     num_blocks,
     max_blocks,
-    s_kb,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vb,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_ksb,
-    s_kst,
-    s_ksh,
-    s_vsb,
-    s_vst,
-    s_vsh,
+    k_strides,
+    v_strides,
+    ks_strides,
+    vs_strides,
     s_bt,
     s_wt,
     s_wh,
@@ -222,52 +215,15 @@ def _stage_kernel(
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
     ws = (ws_page * STAGE + pos % STAGE)[:, None] * s_wt + head * s_wh + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
+    # The same rows of K or V: the places they share (tensors only: a tuple kept in a variable
+    # would turn constexprs into tensors).
+    at = (rows, page_rows, head, first_of_page, mask, d)
     if is_key:
-        _stage_rows(
-            k_ptr,
-            ks_ptr,
-            ws_k_ptr + ws,
-            k_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            rows,
-            page_rows,
-            mask,
-            d,
-            s_kb,
-            s_kt,
-            s_kh,
-            s_kd,
-            s_ksb,
-            s_kst,
-            s_ksh,
-            head,
-            first_of_page,
-            CODE,
-            HW_DTYPE,
-            PER_TOKEN_HEAD,
-        )
+        k_ws, k_page_scale = ws_k_ptr + ws, k_page_scales_ptr + ws_page * s_wsp + head * s_wsh
+        _stage_rows(k_ptr, ks_ptr, k_ws, k_page_scale, k_strides, ks_strides, *at, CODE, HW_DTYPE, PER_TOKEN_HEAD)
     else:
-        _stage_rows(
-            v_ptr,
-            vs_ptr,
-            ws_v_ptr + ws,
-            v_page_scales_ptr + ws_page * s_wsp + head * s_wsh,
-            rows,
-            page_rows,
-            mask,
-            d,
-            s_vb,
-            s_vt,
-            s_vh,
-            s_vd,
-            s_vsb,
-            s_vst,
-            s_vsh,
-            head,
-            first_of_page,
-            CODE,
-            HW_DTYPE,
-            PER_TOKEN_HEAD,
-        )
+        v_ws, v_page_scale = ws_v_ptr + ws, v_page_scales_ptr + ws_page * s_wsp + head * s_wsh
+        _stage_rows(v_ptr, vs_ptr, v_ws, v_page_scale, v_strides, vs_strides, *at, CODE, HW_DTYPE, PER_TOKEN_HEAD)
 
 
 @triton.jit
@@ -410,10 +366,10 @@ def staged_problem(p: Attention, fill: float | None = None, scratch: Scratch | N
         pages_per_seq,
         p.key_cache.shape[0],
         p.block_tables.shape[1],
-        *k_codes.stride(),
-        *v_codes.stride(),
-        *(k_scales.stride() if per_token_head else no_strides),
-        *(v_scales.stride() if per_token_head else no_strides),
+        k_codes.stride(),
+        v_codes.stride(),
+        k_scales.stride() if per_token_head else no_strides,
+        v_scales.stride() if per_token_head else no_strides,
         p.block_tables.stride(0),
         ws_k.stride(1),
         ws_k.stride(2),
