@@ -48,26 +48,31 @@ class _GeneralOnly(PageTable):
         return None
 
 
-def _drive(seed: int, window: int | None, max_num_blocks: int | None) -> int:
-    """One random history on both tables; returns how many steps took the decode path."""
+def _drive(seed: int, window: int | None, max_num_blocks: int | None, steps: int = 60, resets: bool = True) -> tuple:
+    """One random history on both tables; returns how many steps took the decode path and the
+    furthest position the decode path planned (past 64 it grows the table's record of which
+    positions were real, PageTable._real)."""
     rng = np.random.default_rng(seed)
     block_size = int(rng.choice([1, 2, 4, 16]))
     kwargs = dict(window=window, window_slack=int(rng.integers(0, 5)) if window else 0)
     fast = PageTable(block_size, int(rng.integers(0, 6)), max_num_blocks, **kwargs)
     slow = _GeneralOnly(block_size, fast.capacity, max_num_blocks, **kwargs)
-    taken = 0
+    taken = furthest = 0
     original = fast._plan_decode
 
     def counting():
-        nonlocal taken
+        nonlocal taken, furthest
         layout = original()
-        taken += layout is not None
+        if layout is not None:
+            taken += 1
+            furthest = max(furthest, fast.positions)
         return layout
 
     fast._plan_decode = counting  # type: ignore[method-assign]
     batch = int(rng.integers(1, 6))
-    for _ in range(60):
-        action = rng.choice(["prompt", "decode", "decode", "decode", "reorder", "crop", "reset", "rollback"])
+    actions = ["prompt", "decode", "decode", "decode", "reorder", "crop", "rollback"] + ["reset"] * resets
+    for _ in range(steps):
+        action = rng.choice(actions)
         if fast.tables is None and action != "prompt":
             action = "prompt"
         if action in ("prompt", "decode", "rollback"):
@@ -94,9 +99,12 @@ def _drive(seed: int, window: int | None, max_num_blocks: int | None) -> int:
                 for pages in (fast, slow):
                     pages.rollback() if action == "rollback" else pages.commit()
         elif action == "reorder":
-            index = rng.integers(0, batch, batch)
+            # Beam reorders keep the batch; batch_select_indices and repeat_interleave change it.
+            rows = batch if rng.random() < 0.5 else int(rng.integers(1, 7))
+            index = rng.integers(0, batch, rows)
             fast.reorder(index.copy())
             slow.reorder(index.copy())
+            batch = rows
         elif action == "crop":
             count = int(rng.integers(1, 4))
             if fast.crop_refusal(count) is None:
@@ -107,14 +115,22 @@ def _drive(seed: int, window: int | None, max_num_blocks: int | None) -> int:
             slow.reset()
         assert _state(fast) == _state(slow), action
         fast.check()
-    return taken
+    return taken, furthest
 
 
 @pytest.mark.parametrize("window", [None, 3, 9])
 @pytest.mark.parametrize("max_num_blocks", [None, 24])
 def test_decode_steps_plan_what_the_general_path_plans(window, max_num_blocks):
-    taken = sum(_drive(seed, window, max_num_blocks) for seed in range(12))
+    taken = sum(_drive(seed, window, max_num_blocks)[0] for seed in range(12))
     assert taken > 50  # the decode path did run (a suite that never took it would prove nothing)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_long_decode_histories_plan_what_the_general_path_plans(window):
+    """Histories without resets run past position 64, where the decode path grows the record of
+    real positions (its _record branch)."""
+    furthest = max(_drive(seed, window, None, steps=300, resets=False)[1] for seed in range(4))
+    assert furthest > 64
 
 
 def test_decode_step_into_a_shared_block_takes_the_general_path():

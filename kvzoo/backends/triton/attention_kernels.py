@@ -462,7 +462,7 @@ def _merge_splits_kernel(
     HAS_LSE: tl.constexpr,
 ):
     """A split decode's output row (sequence program_id(0), query head program_id(1)): its
-    splits' partials (m, l, acc: store_partials') summed in split order, each weighted by
+    splits' partials (m, l, acc as store_partials writes them) summed in split order, each weighted by
     exp2(m - the largest m), the sink's term joining the sum; lse from the merged (m, l)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)

@@ -45,10 +45,9 @@ import numpy as np
 # than its tokens need (and a partly filled block per row), and a long generation regrows its
 # tensors O(log) times.
 GROWTH = 1 / 32
-# A step of at most this many tokens a row (and no padding) computes its slots one by one.
+# A step of at most this many tokens a row (and no padding) computes its slots one by one
+# (decode steps into a block another row shares, and speculative steps of 2-4 tokens).
 _FEW_TOKENS = 4
-_NO_COPIES = np.zeros((0, 2), np.int64)
-_NO_COPIES.flags.writeable = False
 
 
 class PagesFullError(RuntimeError):
@@ -165,7 +164,8 @@ class PageTable:
 
     def _block_tables(self, batch: int, widest: int | None = None) -> np.ndarray:
         """[batch, widest row (at least 1)] int32 of the rows' tables, zero-padded; widest: the
-        longest row's length where the caller knows it."""
+        longest row's length where the caller knows it (at least that: a smaller one would cut rows
+        short)."""
         rows = self._rows
         if widest is None:
             widest = max(max((len(t) for t in rows), default=0), 1)
@@ -332,7 +332,7 @@ class PageTable:
         start = self.positions
         self._record(flags)
         slots = np.full(batch * q_len, -1, np.int64)
-        few = real is None and q_len <= _FEW_TOKENS  # a decode step: every row's slots one by one
+        few = real is None and q_len <= _FEW_TOKENS  # every row's slots one by one
         listed: list[int] = []
         copies: list[tuple[int, int]] = []
         lens_now = self.lens.tolist()
@@ -446,7 +446,7 @@ class PageTable:
             block_tables=self._block_tables(batch, max(-(-max_seq_len // bs), 1)),
             seq_lens=seq_lens,
             query_start_loc=np.arange(batch + 1, dtype=np.int32),
-            copies=_NO_COPIES,
+            copies=np.zeros((0, 2), np.int64),
             max_query_len=1 if batch else 0,
             max_seq_len=max_seq_len,
             num_prefills=0,

@@ -249,7 +249,8 @@ class ForwardStep:
         # view of any strides, Q == 1: the kernels take those).
         rows = batch * q_len
         if q_len == 1:
-            # squeeze, not select(2, 0): the same view at half the dispatcher's host time.
+            # squeeze(2): the view select(2, 0) gives, at about half its dispatcher time
+            # (bench/probes/integration_host.py).
             k, v = key.squeeze(2), value.squeeze(2)
         else:
             k = key.transpose(1, 2).reshape(rows, num_kv_heads, head_size)
