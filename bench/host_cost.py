@@ -71,6 +71,10 @@ class _Recorder:
     def __init__(self, kernel, calls: list) -> None:
         self.kernel, self.calls = kernel, calls
 
+    def __getattr__(self, name):
+        # The host code reads the kernel's signature (arg_names, params) to place arguments.
+        return getattr(self.kernel, name)
+
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.calls.append((self.kernel, grid, args, kwargs))
