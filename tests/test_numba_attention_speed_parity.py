@@ -91,8 +91,11 @@ def test_fused_and_tile_paths_match(mode, hq, hkv):
 
 def test_tile_products_relax_rounding_like_the_fused_ones():
     # The decoded-tile q.k and p.v are their own compiled functions (one copy of the loops, not
-    # one per kind): they must carry the same flags as _scores / _accumulate, no more.
+    # one per kind), and so are uint4's: they must carry the same flags as _scores / _accumulate,
+    # no more.
     from kvzoo.backends.numba_cpu import kernels
 
-    assert kernels._scores_tile.targetoptions["fastmath"] == kernels._scores.targetoptions["fastmath"]
-    assert kernels._accumulate_tile.targetoptions["fastmath"] == kernels._accumulate.targetoptions["fastmath"]
+    for scores in (kernels._scores_tile, kernels._scores_u4):
+        assert scores.targetoptions["fastmath"] == kernels._scores.targetoptions["fastmath"]
+    for accumulate in (kernels._accumulate_tile, kernels._accumulate_u4):
+        assert accumulate.targetoptions["fastmath"] == kernels._accumulate.targetoptions["fastmath"]

@@ -220,7 +220,7 @@ def test_int8_all_float32_bit_patterns(trunc):
 # fastmath
 # ----------------------------------------------------------------------------------------------
 
-BYTE_EXACT_KERNELS = ("write_quantized", "write_plain", "dequantize", "encode_codes_array", "decode_codes_array")
+BYTE_EXACT_KERNELS = ("write", "dequantize", "encode_codes_array", "decode_codes_array")
 
 
 @pytest.mark.parametrize("name", [*BYTE_EXACT_KERNELS, "attention"])
