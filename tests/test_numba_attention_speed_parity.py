@@ -34,6 +34,8 @@ def _strided_copy(a: np.ndarray) -> np.ndarray:
         "fp8_e4m3fnuz_per_token_head",
         "int4_per_token_head",
         "int4_per_token_head_norot",
+        "k_int8_v_int4",
+        "k_fp8_v_int4_norot",
     ],
 )
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 1), (8, 1)])

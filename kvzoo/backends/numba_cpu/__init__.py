@@ -45,13 +45,13 @@ ATTENTION_RTOL = 2e-5
 
 def _modes(op: str) -> frozenset[str]:
     """The modes registered for op: those whose formats are in the backend's table, each side's
-    (the kernels take keys and values each in its own format). The kernels rotate uint4 rows
-    only: a mode rotating another format's rows is left out. Split modes wait for their checks."""
+    (the kernels take keys and values each in its own format, so a split mode is a pairing of
+    sides they take). The kernels rotate uint4 rows only: a mode rotating another format's rows
+    is left out."""
     return frozenset(
         name
         for name in modes_for_formats(FORMAT_KINDS, op)
-        if not MODES[name].split
-        and all(
+        if all(
             side.rotation is None or FORMAT_KINDS[side.code_format.name] == U4
             for side in (MODES[name].key_side, MODES[name].value_side)
         )
