@@ -25,7 +25,7 @@ from ...capabilities import ALL_OPTIONS, Capabilities
 from ...modes import MODES, rht_signs
 from ...registry import Implementation, modes_for_formats
 from .formats import FORMAT_KINDS, U4
-from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Encoding, Outputs, Params, Query, Rows, Side, Step, operand
+from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Encoding, Params, Side, Step, operand
 from .strided import KINDS, flat, flat_view, stride_problem
 
 NAME = "numba"
@@ -173,13 +173,13 @@ _VALUES = ("value_cache", "v_scale_cache", "v_scale")
 _ONE_SIDE = ("cache", "scale_cache", "scale")
 
 
-def _side(p: Any, mode: Any, names: tuple[str, str, str]) -> Callable[[tuple], Side]:
+def _side(p: Any, mode: Any, names: tuple[str, str, str]) -> Callable[[tuple], tuple]:
     """One side of p's pages (stored in the one-sided mode `mode`; operands names: its pages,
-    scale cache, static scale) as the kernels' record, for any problem of p's signature: a
-    function of the call's operands (p's operand order). What the signature fixes (kind,
-    carrier, strides, the rotation) is worked out once, here. Per-token-head sides give a flat
-    uint32 view of their scale cache, per-tensor ones their static scale, read per call; the
-    other stays a stand-in the kernels never touch."""
+    scale cache, static scale) as the kernels' record, a Side as a plain tuple (records.py), for
+    any problem of p's signature: a function of the call's operands (p's operand order). What
+    the signature fixes (kind, carrier, strides, the rotation) is worked out once, here.
+    Per-token-head sides give a flat uint32 view of their scale cache, per-tensor ones their
+    static scale, read per call; the other stays a stand-in the kernels never touch."""
     at = _positions(p)
     pages, scale_cache, static = (at[n] for n in names)
     kind, carrier = _cache_kind(mode, getattr(p, names[0]))
@@ -196,31 +196,31 @@ def _side(p: Any, mode: Any, names: tuple[str, str, str]) -> Callable[[tuple], S
     else:
         scale_strides = NO_SCALES[1]
 
-    def side(operands: tuple) -> Side:
+    def side(operands: tuple) -> tuple:
         scales = flat_view(operands[scale_cache], np.uint32) if per_token_head else NO_SCALES[0]
         tensor_scale = _f32(operands[static]) if mode.per_tensor else _UNIT
-        return Side(
-            kind_code, flat_view(operands[pages], carrier), strides, per_token_head, scales, scale_strides,
-            tensor_scale, *rotation,
-        )  # fmt: skip
+        codes = flat_view(operands[pages], carrier)
+        return tuple(Side(kind_code, codes, strides, per_token_head, scales, scale_strides, tensor_scale, *rotation))
 
     return side
 
 
-def _sides(p: Any) -> Callable[[tuple], tuple[Side, Side]]:
+def _sides(p: Any) -> Callable[[tuple], tuple[tuple, tuple]]:
     """The key and the value side of a write or attention problem (_side), each in its own
     side's mode: a split mode pairs two."""
     keys, values = _side(p, p.mode.key_side, _KEYS), _side(p, p.mode.value_side, _VALUES)
     return lambda operands: (keys(operands), values(operands))
 
 
-def _encoding(mode: Any, rounding: str) -> Encoding:
-    """How the write encodes a side stored in the one-sided mode `mode` (its format's row)."""
+def _encoding(mode: Any, rounding: str) -> tuple:
+    """How the write encodes a side stored in the one-sided mode `mode` (its format's row): an
+    Encoding as a plain tuple (records.py)."""
     inf_pos, inf_neg = mode.inf_codes
-    return Encoding(
+    encoding = Encoding(
         rounding == "trunc", np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code),
         np.int32(inf_pos), np.int32(inf_neg), np.float32(mode.scale_floor),
     )  # fmt: skip
+    return tuple(encoding)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,6 +247,7 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     kind_code, carrier = KINDS[dtype_name(p.key)]
     kind = np.int64(kind_code)
     key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
+    at_key, at_value = at["key"], at["value"]
     sides = _sides(p)
     encodings = (_encoding(p.mode.key_side, p.rounding), _encoding(p.mode.value_side, p.rounding))
     sizes = (
@@ -256,9 +257,10 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
         np.int64(p.head_size),
     )
 
-    def rows(operands: tuple) -> Rows:
-        key, value = (flat_view(operands[at[name]], carrier) for name in ("key", "value"))
-        return Rows(kind, key, key_strides, value, value_strides)
+    def rows(operands: tuple) -> tuple:
+        # Rows' fields, as the kernel takes a record (records.py): built per call, so directly.
+        key, value = flat_view(operands[at_key], carrier), flat_view(operands[at_value], carrier)
+        return kind, key, key_strides, value, value_strides
 
     def fixed(operands: tuple) -> tuple:
         slots = np.ascontiguousarray(operands[at["slot_mapping"]], dtype=np.int64)
@@ -269,9 +271,9 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
 
 def _write_launch(
     at: dict[str, int],
-    rows: Callable[[tuple], Rows],
+    rows: Callable[[tuple], tuple],
     fixed: Callable[[tuple], tuple],
-    kernel: Callable[[Rows, tuple], None],
+    kernel: Callable[[tuple, tuple], None],
 ) -> Callable[[tuple], None]:
     """A write's launch: the kernel on the call's rows (views and strides) and on the rest of
     its arguments (fixed(operands)), with the hold hook
@@ -414,19 +416,17 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
         sinks = np.ascontiguousarray(operands[at["sinks"]], dtype=np.float32) if has_sinks else NO_SINKS
         return Params(*scalars, has_sinks, sinks)
 
-    def attend(operands: tuple, paged: tuple[Side, Side], tables: tuple, call_params: Params) -> None:
+    def attend(operands: tuple, paged: tuple[tuple, tuple], tables: tuple, call_params: Params) -> None:
         block_tables, seq_lens, qsl = tables
         step = Step(block_tables, *geometry, seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
         out = operands[at["out"]]
         out32 = out if direct else np.empty(out_shape, np.float32)
         lse = flat_view(operands[at["lse"]], np.float32) if has_lse else NO_LSE[0]
-        k.attention(
-            Query(flat_view(operands[at["query"]], q_carrier), q_strides, query_kind),
-            *paged,
-            step,
-            call_params,
-            Outputs(flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides),
-        )
+        # Query's and Outputs' fields, as the kernel takes a record (records.py): built per
+        # call, so directly.
+        query = flat_view(operands[at["query"]], q_carrier), q_strides, query_kind
+        outputs = flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides
+        k.attention(query, *paged, tuple(step), tuple(call_params), outputs)
         if not direct:
             _copy_owned_rows(out, out32, qsl, step)
 

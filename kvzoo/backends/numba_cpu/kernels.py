@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .formats import BF16, E4M3FN, E4M3FNUZ, E5M2, F16, F32, I8, U4
+from .records import Encoding, Outputs, Params, Query, Rows, Side, Step
 
 # ----------------------------------------------------------------------------------------------
 # Bit-level helpers: reinterpretation, widening, fp8 coding. They live in this file because
@@ -702,11 +703,20 @@ def _write_side(t_lo, t_hi, xf, lanes, src, st, kind, side, enc, slots, num_slot
                 side.scales[_u(scs[0] + blk * scs[1] + off * scs[2] + h * scs[3])] = bits
 
 
-@njit(parallel=True, **_OPTS)
+@njit(**_OPTS)
 def write(rows, keys, values, key_encoding, value_encoding, slots, num_slots, block_size, num_heads, head_size):
     """reshape_and_cache, every mode: the K and V rows (records.Rows) into their pages, each
-    side (records.Side) in its own format (records.Encoding); parallel over chunks of tokens,
-    heads inside."""
+    side (records.Side) in its own format (records.Encoding). The records arrive as plain
+    tuples of their fields (records.py) and are named here."""
+    _write_chunks(
+        Rows(*rows), Side(*keys), Side(*values), Encoding(*key_encoding), Encoding(*value_encoding), slots,
+        num_slots, block_size, num_heads, head_size,
+    )  # fmt: skip
+
+
+@njit(parallel=True, **_OPTS)
+def _write_chunks(rows, keys, values, key_encoding, value_encoding, slots, num_slots, block_size, num_heads, head_size):
+    """write, parallel over chunks of tokens, heads inside."""
     num_tokens = slots.shape[0]
     lanes = _WRITE_CHUNK * num_heads * head_size if keys.rotated or values.rotated else 0
     for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
@@ -801,10 +811,17 @@ def _dequantize_tokens(t_lo, t_hi, lanes, side, block_tables, cu_seq_lens, out, 
     _lanes_out(side.codes, side.rotated, side.signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads)
 
 
-@njit(parallel=True, **_OPTS)
+@njit(**_OPTS)
 def dequantize(side, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size):
     """Gather the tokens of each sequence and decode them (see _dequantize_tokens): side a
-    records.Side, out flat float32 with (offset, sT, sH, sD). Parallel over chunks of tokens."""
+    records.Side (a plain tuple of its fields, records.py), out flat float32 with (offset, sT,
+    sH, sD)."""
+    _dequantize_chunks(Side(*side), block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size)
+
+
+@njit(parallel=True, **_OPTS)
+def _dequantize_chunks(side, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size):
+    """dequantize, parallel over chunks of tokens."""
     total = cu_seq_lens[cu_seq_lens.shape[0] - 1]
     lanes = _WRITE_CHUNK * num_heads * head_size if side.kind == U4 else 0
     for chunk in prange((total + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
@@ -1699,16 +1716,23 @@ def _attention_item(it, query, keys, values, step, params, outputs):
             )
 
 
-@njit(parallel=True, **_OPTS)
+@njit(**_OPTS)
 def attention(query, keys, values, step, params, outputs):
     """Causal paged attention; one parallel item per (query block, kv head). The arguments are
-    the records of records.py: keys and values each a Side, in its own format.
+    the records of records.py (keys and values each a Side, in its own format), as plain
+    tuples of their fields, named here.
 
     A query block is up to a few query tokens of one sequence; the item processes all
     Hq/Hkv query heads of its KV head together, so each K/V row is decoded once per group.
     Online softmax over tiles of TILE keys. Per-token-head scales are applied per key: the K
     scale on the q.codes product, the V scale on the probability.
     """
+    _attention_items(Query(*query), Side(*keys), Side(*values), Step(*step), Params(*params), Outputs(*outputs))
+
+
+@njit(parallel=True, **_OPTS)
+def _attention_items(query, keys, values, step, params, outputs):
+    """attention's items in parallel."""
     # The per-item work is a compiled function: a small parfor body compiles much faster.
     for it in prange(step.item_seq.shape[0] * params.num_kv_heads):
         _attention_item(np.int64(it), query, keys, values, step, params, outputs)
