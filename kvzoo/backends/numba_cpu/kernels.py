@@ -913,6 +913,11 @@ def _decode_rows(row, src, st, kind, zps, block_tables, seq, bi, off, g, n, dst,
             bi += 1
 
 
+@njit(inline="always")
+def _decode_element_rows(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    _decode_rows(_decode_row_elements, src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+
 def _decode_rows_any(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
     """_decode_rows for the kinds src's carrier can hold (uint8: 8-bit codes, int8: uint4 bytes,
     uint16: bf16/fp16, uint32: fp32), chosen at typing time: each inlined decode loop is
@@ -925,21 +930,13 @@ def _decode_rows_any_overload(src, st, kind, zps, block_tables, seq, bi, off, g,
 
         def codes(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
             if kind == I8:
-                _decode_rows(
-                    _decode_row_elements, src, st, I8, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, I8, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             elif kind == E4M3FN:
-                _decode_rows(
-                    _decode_row_elements, src, st, E4M3FN, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, E4M3FN, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             elif kind == E5M2:
-                _decode_rows(
-                    _decode_row_elements, src, st, E5M2, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, E5M2, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             else:
-                _decode_rows(
-                    _decode_row_elements, src, st, E4M3FNUZ, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, E4M3FNUZ, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
         return codes
     if src.dtype == types.int8:
@@ -952,18 +949,14 @@ def _decode_rows_any_overload(src, st, kind, zps, block_tables, seq, bi, off, g,
 
         def half(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
             if kind == BF16:
-                _decode_rows(
-                    _decode_row_elements, src, st, BF16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, BF16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             else:
-                _decode_rows(
-                    _decode_row_elements, src, st, F16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size
-                )
+                _decode_element_rows(src, st, F16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
         return half
 
     def single(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-        _decode_rows(_decode_row_elements, src, st, F32, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+        _decode_element_rows(src, st, F32, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
     return single
 
