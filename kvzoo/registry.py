@@ -59,7 +59,7 @@ from typing import Any
 
 from .capabilities import Capabilities, required
 from .errors import KVZooInputError, did_you_mean
-from .modes import QuantMode, get_kv_quant_mode
+from .modes import MODES, QuantMode, get_kv_quant_mode
 from .problem import OPS
 
 # The built-in backends, imported on first use of the default registry. Each has register(reg).
@@ -179,8 +179,6 @@ class Implementation:
     def __post_init__(self) -> None:
         # Every registered mode's format must be in the declared table, so a format the
         # backend lacks is a mode it leaves out, never a KeyError inside its kernel.
-        from .modes import MODES
-
         missing = [
             m
             for m in self.modes
@@ -214,6 +212,21 @@ class Implementation:
         """What `kvzoo list` shows: the probe's reasons where it can tell, else unavailable()'s."""
         told = self.probe() if self.probe is not None else None
         return self.unavailable() if told is None else told
+
+
+def modes_for_formats(formats: Iterable[str], op: str) -> frozenset[str]:
+    """The modes a backend can register for op whose table of code formats holds `formats`
+    (kvzoo.formats names): those whose formats are in it, each side's where keys and values are
+    stored in two (a split mode pairs two one-sided modes), mode "none" having none. dequantize
+    reads one cache in one side's mode, so no split mode is one of its modes (kvzoo.calls
+    refuses one, naming the sides' modes to pass instead)."""
+    table = frozenset(formats)
+    return frozenset(
+        m.name
+        for m in MODES.values()
+        if all(f is None or f.name in table for f in (m.key_format, m.value_format))
+        and not (op == "dequantize" and m.split)
+    )
 
 
 def prepared_signature(arrays: Iterable[Any]) -> tuple:

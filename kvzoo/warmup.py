@@ -15,9 +15,10 @@ from .modes import MODES
 
 _BLOCKS, _BLOCK_SIZE, _HEADS, _HEAD_SIZE, _TOKENS = 2, 4, 1, 8, 3
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
-# The modes the compiled backend takes: a split one (keys and values in two formats) runs on
-# NumPy alone for now, so it has nothing to compile.
-COMPILED_MODES = tuple(m for m in MODES.values() if not m.split)
+# The modes the compiled backend takes: every one. A split mode (keys and values in two formats)
+# pairs two sides whose row functions the one-sided modes compile; its write and attention
+# kernels are signatures of their own.
+COMPILED_MODES = tuple(MODES.values())
 STEPS = len(COMPILED_MODES) * len(INPUT_DTYPES)
 # The kernels take an input's bits through one unsigned carrier per element width, so the dtypes
 # of one width share every compiled signature and those of another share none: each group
@@ -53,7 +54,8 @@ def run_every_signature(
                 k_scale=static,
                 v_scale=static,
             )
-            api.dequantize(t.key_cache, t.k_scale_cache, mode=mode, scale=static, impl=impl)
+            # dequantize reads one cache in one side's mode (a split mode's keys: its key side's).
+            api.dequantize(t.key_cache, t.k_scale_cache, mode=mode.key_side, scale=static, impl=impl)
             api.paged_attention(
                 rows,
                 t.key_cache,

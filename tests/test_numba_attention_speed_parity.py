@@ -34,6 +34,8 @@ def _strided_copy(a: np.ndarray) -> np.ndarray:
         "fp8_e4m3fnuz_per_token_head",
         "int4_per_token_head",
         "int4_per_token_head_norot",
+        "k_int8_v_int4",
+        "k_fp8_v_int4_norot",
     ],
 )
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 1), (8, 1)])
@@ -91,8 +93,11 @@ def test_fused_and_tile_paths_match(mode, hq, hkv):
 
 def test_tile_products_relax_rounding_like_the_fused_ones():
     # The decoded-tile q.k and p.v are their own compiled functions (one copy of the loops, not
-    # one per kind): they must carry the same flags as _scores / _accumulate, no more.
+    # one per kind), and so are uint4's: they must carry the same flags as _scores / _accumulate,
+    # no more.
     from kvzoo.backends.numba_cpu import kernels
 
-    assert kernels._scores_tile.targetoptions["fastmath"] == kernels._scores.targetoptions["fastmath"]
-    assert kernels._accumulate_tile.targetoptions["fastmath"] == kernels._accumulate.targetoptions["fastmath"]
+    for scores in (kernels._scores_tile, kernels._scores_u4):
+        assert scores.targetoptions["fastmath"] == kernels._scores.targetoptions["fastmath"]
+    for accumulate in (kernels._accumulate_tile, kernels._accumulate_u4):
+        assert accumulate.targetoptions["fastmath"] == kernels._accumulate.targetoptions["fastmath"]

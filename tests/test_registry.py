@@ -13,7 +13,7 @@ import torch
 import kvzoo
 from kvzoo import registry
 from kvzoo.errors import KVZooInputError
-from kvzoo.registry import Implementation, NoImplementationError, Registry
+from kvzoo.registry import Implementation, NoImplementationError, Registry, modes_for_formats
 
 
 def _impl(
@@ -338,3 +338,13 @@ def test_the_registry_says_what_it_chose_and_why_not_the_faster_one(caplog):
     assert any("dequantize (int8_per_token_head on cpu)" in r.getMessage() for r in debug), caplog.text
     declined = [r.getMessage() for r in info if r.getMessage().startswith("paged_attention")]
     assert declined and "numpy" in declined[0] and "quantize_query" in declined[0], caplog.text
+
+
+def test_a_format_table_gives_the_modes_of_those_formats_split_ones_but_for_dequantize():
+    one_sided = {"none", "int8_per_token_head", "int8_per_tensor"}
+    assert modes_for_formats({"int8"}, "paged_attention") == one_sided
+    int4 = {"int4_per_token_head", "int4_per_token_head_norot"}
+    split = {"k_int8_v_int4", "k_int8_v_int4_norot"}  # int8 keys, uint4 values
+    for op in ("reshape_and_cache", "paged_attention"):
+        assert modes_for_formats(["int8", "uint4"], op) == one_sided | int4 | split
+    assert modes_for_formats(["int8", "uint4"], "dequantize") == one_sided | int4

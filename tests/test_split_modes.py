@@ -2,7 +2,8 @@
 
 The conformance suite holds every implementation that registers them to the oracle byte for
 byte (tests/test_conformance.py); here: what a split mode is made of, what each layer does with
-the two sides, and what is refused where they are not taken yet.
+the two sides, the compiled CPU backend against the NumPy one on the same calls, and what is
+refused where they are not taken yet.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 import kvzoo
-from kvzoo import KVZooInputError, samples
+from kvzoo import KVZooInputError, registry, samples
+from kvzoo.arrays import numpy_dtype
 from kvzoo.inputs import host_bytes, random_bytes, rng_for
 from kvzoo.modes import MODES
+from kvzoo.problem import OPS
 from kvzoo.registry import NoImplementationError
 from kvzoo_spec import oracle
 
@@ -118,7 +121,58 @@ def test_dequantize_takes_one_side_mode_and_refuses_the_split_one(mode):
         assert error < {"int8": 0.01, "float8_e4m3fn": 0.04, "uint4": 0.2}[side.code_format.name], (which, error)
 
 
-@pytest.mark.parametrize("impl", ["numba", "triton-cuda"])
+def test_numba_registers_the_split_modes_for_what_numpy_takes_them():
+    # Write and attention; dequantize reads one cache in one side's mode, so neither lists them.
+    for op in OPS:
+        taken = {backend: {m for m in SPLIT if m in registry.get(op, backend).modes} for backend in ("numpy", "numba")}
+        assert taken["numba"] == taken["numpy"] == (set() if op == "dequantize" else set(SPLIT)), op
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("mode", SPLIT)
+def test_numba_writes_a_split_mode_as_numpy_does_and_attends_to_it(mode, dtype):
+    """Fresh rows (a NaN and an Inf among them) into caches of random bytes: numba's bytes are
+    numpy's, each side in its own format, a skipped slot's poison kept; then numba's attention,
+    with every softmax option, over every slot it wrote, against the float64 reference (rows
+    free of NaN: a prefill may read a poisoned later key masked, SPEC.md section 8; the
+    conformance suite's poisoned decodes cover them)."""
+    pytest.importorskip("numba")
+    rng = rng_for("split", "numba", mode, dtype)
+    t, (key, value), slots = _write_call(mode, rng)
+    key[1, 0, 3], value[2, 1, 5] = np.nan, np.inf  # rows whose scale words are the canonical NaN
+    slots[0] = -1  # a padded token: no slot written
+    key, value = (x.astype(numpy_dtype(dtype)) for x in (key, value))
+    arrays = (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)
+    written = {}
+    for impl in ("numpy", "numba"):
+        kc, vc, ks, vs = (a.copy() for a in arrays)
+        kvzoo.reshape_and_cache(key, value, kc, vc, slots, mode=mode, k_scale_cache=ks, v_scale_cache=vs, impl=impl)
+        written[impl] = (kc, vc, ks, vs)
+    for name, want, got in zip(("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"), *written.values()):
+        assert host_bytes(got).tobytes() == host_bytes(want).tobytes(), name
+    kc, vc, ks, vs = written["numba"]
+    rows = [rng.standard_normal((NB * BS, H, D)).astype(numpy_dtype(dtype)) for _ in range(2)]
+    every = rng.permutation(NB * BS)
+    kvzoo.reshape_and_cache(*rows, kc, vc, every, mode=mode, k_scale_cache=ks, v_scale_cache=vs, impl="numba")
+    # A decode, a prefill and another decode, 4 query heads a KV head.
+    tables = rng.permutation(NB).astype(np.int32).reshape(3, 2)
+    lens, qsl = np.array([5, 8, 6], np.int32), np.array([0, 1, 6, 7], np.int32)
+    query = rng.standard_normal((7, 4 * H, D)).astype(numpy_dtype(dtype))
+    sinks = rng.standard_normal(4 * H).astype(np.float32)
+    options = dict(sliding_window=6, softcap=20.0, sinks=sinks)
+    impl = registry.get("paged_attention", "numba")
+    got = kvzoo.paged_attention(
+        query, kc, vc, mode=mode, block_tables=tables, seq_lens=lens, query_start_loc=qsl,
+        k_scale_cache=ks, v_scale_cache=vs, impl=impl, **options,
+    )  # fmt: skip
+    ref = samples.oracle_attention(
+        mode, query, host_bytes(kc)[..., 0], host_bytes(vc)[..., 0], tables, lens, qsl, k_scales=ks, v_scales=vs,
+        **options,
+    )  # fmt: skip
+    samples.assert_attention_close(impl, got, ref, qsl, dtype, f" {mode}")
+
+
+@pytest.mark.parametrize("impl", ["triton-cuda"])
 def test_backends_without_split_kernels_say_so(impl):
     rng = rng_for("split", "registry", impl)
     t, (key, value), slots = _write_call("k_int8_v_int4", rng)
@@ -132,9 +186,12 @@ def test_backends_without_split_kernels_say_so(impl):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
 @pytest.mark.parametrize("mode", SPLIT)
-def test_a_plan_takes_a_split_cache_and_attends_as_the_functional_call(mode):
-    rng = rng_for("split", "plan", mode)
+def test_a_plan_takes_a_split_cache_and_attends_as_the_functional_call(mode, impl):
+    if impl == "numba":
+        pytest.importorskip("numba")
+    rng = rng_for("split", "plan", mode, impl)
     spec = kvzoo.CacheSpec(
         mode, num_blocks=NB, block_size=BS, num_kv_heads=H, head_size=D, model_dtype="float32", device=None
     )
@@ -148,14 +205,14 @@ def test_a_plan_takes_a_split_cache_and_attends_as_the_functional_call(mode):
         query_start_loc=qsl,
         num_q_heads=2 * H,
         slot_mapping=np.arange(7),
-        impl="numpy",
+        impl=impl,
     )
     plan.write(*rows, caches)
     query = rng.standard_normal((7, 2 * H, D)).astype(np.float32)
     got = plan.attention(query, caches)
     want = kvzoo.paged_attention(
         query, caches.key_cache, caches.value_cache, mode=mode, block_tables=tables, seq_lens=lens,
-        query_start_loc=qsl, k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache, impl="numpy",
+        query_start_loc=qsl, k_scale_cache=caches.k_scale_cache, v_scale_cache=caches.v_scale_cache, impl=impl,
     )  # fmt: skip
     assert np.array_equal(got, want)
     ref = samples.oracle_attention(

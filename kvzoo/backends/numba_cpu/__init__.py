@@ -23,9 +23,9 @@ import numpy as np
 
 from ...capabilities import ALL_OPTIONS, Capabilities
 from ...modes import MODES, rht_signs
-from ...registry import Implementation
+from ...registry import Implementation, modes_for_formats
 from .formats import FORMAT_KINDS, U4
-from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Outputs, PagedCache, Params, Query, Rows, Step, operand
+from .records import NO_LSE, NO_SCALES, NO_SIGNS, NO_SINKS, Encoding, Params, Side, Step, operand
 from .strided import KINDS, flat, flat_view, stride_problem
 
 NAME = "numba"
@@ -42,10 +42,20 @@ _PREFILL_ROWS = 64
 # fp32 dot products and online softmax over up to ~100K keys: measured ~1e-6; bound loosely.
 ATTENTION_RTOL = 2e-5
 
-# Split modes (keys and values in two formats) wait for per-side kernels here.
-_MODES = frozenset(
-    m.name for m in MODES.values() if not m.split and (m.format is None or m.format.name in FORMAT_KINDS)
-)
+
+def _modes(op: str) -> frozenset[str]:
+    """The modes registered for op: those whose formats are in the backend's table, each side's
+    (the kernels take keys and values each in its own format, so a split mode is a pairing of
+    sides they take). The kernels rotate uint4 rows only: a mode rotating another format's rows
+    is left out."""
+    return frozenset(
+        name
+        for name in modes_for_formats(FORMAT_KINDS, op)
+        if all(
+            side.rotation is None or FORMAT_KINDS[side.code_format.name] == U4
+            for side in (MODES[name].key_side, MODES[name].value_side)
+        )
+    )
 
 
 @functools.cache
@@ -142,7 +152,7 @@ def _signs(head_size: int) -> np.ndarray:
 
 
 def _rotation(mode: Any, head_size: int) -> tuple[bool, np.ndarray]:
-    """(whether the mode's rows are stored rotated, the rotation's signs) for PagedCache."""
+    """(whether the side's rows are stored rotated, the rotation's signs) for its Side."""
     if mode.rotation is None:
         return False, NO_SIGNS
     if mode.rotation != "rht":
@@ -156,73 +166,61 @@ def _positions(p: Any) -> dict[str, int]:
 
 
 _UNIT = np.float32(1.0)
+# Each side's operands in a write's or attention's record: its pages, their per-row scales and
+# its static scale; a dequantize reads one side, under names of its own.
+_KEYS = ("key_cache", "k_scale_cache", "k_scale")
+_VALUES = ("value_cache", "v_scale_cache", "v_scale")
+_ONE_SIDE = ("cache", "scale_cache", "scale")
 
 
-def _scale_operands(p: Any, at: dict[str, int]) -> Callable[[tuple], tuple]:
-    """A call's scales as the kernels take them, for any problem of p's signature: (K scale
-    cache view, V scale cache view, K static scale, V static scale). Per-token-head modes give
-    flat uint32 views of their scale caches; the per-tensor modes their static scales, read
-    per call; either way the other pair is a stand-in the kernels never touch."""
-    mode = p.mode
-    if mode.per_token_head:
-
-        def per_row(operands: tuple) -> tuple:
-            k_view, v_view = (flat_view(operands[at[n]], np.uint32) for n in ("k_scale_cache", "v_scale_cache"))
-            return k_view, v_view, _UNIT, _UNIT
-
-        return per_row
-    if mode.code_dtype is not None and not mode.per_tensor:
-        # The write stores a row's scale for every mode that is not per tensor: handed the
-        # shared stand-in, such a mode would write into it from every thread.
-        raise NotImplementedError(f"numba: mode {mode.name!r} has neither per-row nor static scales")
-    if mode.per_tensor:
-
-        def static(operands: tuple) -> tuple:
-            return NO_SCALES[0], NO_SCALES[0], _f32(operands[at["k_scale"]]), _f32(operands[at["v_scale"]])
-
-        return static
-    return lambda operands: (NO_SCALES[0], NO_SCALES[0], _UNIT, _UNIT)
-
-
-def _paged_cache(p: Any, carrier: type) -> Callable[[tuple], PagedCache]:
-    """The cache operands of a write or attention problem as the kernels' record, for any
-    problem of p's signature: a function of the call's operands (p's operand order). What the
-    signature fixes (kinds, strides, the rotation) is worked out once, here."""
-    mode = p.mode
+def _side(p: Any, mode: Any, names: tuple[str, str, str]) -> Callable[[tuple], tuple]:
+    """One side of p's pages (stored in the one-sided mode `mode`; operands names: its pages,
+    scale cache, static scale) as the kernels' record, a Side as a plain tuple (records.py), for
+    any problem of p's signature: a function of the call's operands (p's operand order). What
+    the signature fixes (kind, carrier, strides, the rotation) is worked out once, here.
+    Per-token-head sides give a flat uint32 view of their scale cache, per-tensor ones their
+    static scale, read per call; the other stays a stand-in the kernels never touch."""
     at = _positions(p)
-    scales = _scale_operands(p, at)
-    kind = np.int64(_cache_kind(mode, p.key_cache)[0])
-    key_strides, value_strides = operand(p.key_cache, carrier)[1], operand(p.value_cache, carrier)[1]
+    pages, scale_cache, static = (at[n] for n in names)
+    kind, carrier = _cache_kind(mode, getattr(p, names[0]))
+    kind_code = np.int64(kind)
+    strides = operand(getattr(p, names[0]), carrier)[1]
     per_token_head = mode.per_token_head
-    if per_token_head:
-        scale_strides = operand(p.k_scale_cache, np.uint32)[1], operand(p.v_scale_cache, np.uint32)[1]
-    else:
-        scale_strides = NO_SCALES[1], NO_SCALES[1]
-    block_size = np.int64(p.block_size)
-    num_blocks = np.int64(p.key_cache.shape[0])
     rotation = _rotation(mode, p.head_size)
+    if per_token_head:
+        scale_strides = operand(getattr(p, names[1]), np.uint32)[1]
+    elif mode.code_dtype is not None and not mode.per_tensor:
+        # The write stores a row's scale for every side that is not per tensor: handed the
+        # shared stand-in, such a side would write into it from every thread.
+        raise NotImplementedError(f"numba: mode {mode.name!r} has neither per-row nor static scales")
+    else:
+        scale_strides = NO_SCALES[1]
 
-    def cache(operands: tuple) -> PagedCache:
-        k_view, v_view, k_static, v_static = scales(operands)
-        return PagedCache(
-            kind,
-            flat_view(operands[at["key_cache"]], carrier),
-            key_strides,
-            flat_view(operands[at["value_cache"]], carrier),
-            value_strides,
-            per_token_head,
-            k_view,
-            scale_strides[0],
-            v_view,
-            scale_strides[1],
-            k_static,
-            v_static,
-            block_size,
-            num_blocks,
-            *rotation,
-        )
+    def side(operands: tuple) -> tuple:
+        scales = flat_view(operands[scale_cache], np.uint32) if per_token_head else NO_SCALES[0]
+        tensor_scale = _f32(operands[static]) if mode.per_tensor else _UNIT
+        codes = flat_view(operands[pages], carrier)
+        return tuple(Side(kind_code, codes, strides, per_token_head, scales, scale_strides, tensor_scale, *rotation))
 
-    return cache
+    return side
+
+
+def _sides(p: Any) -> Callable[[tuple], tuple[tuple, tuple]]:
+    """The key and the value side of a write or attention problem (_side), each in its own
+    side's mode: a split mode pairs two."""
+    keys, values = _side(p, p.mode.key_side, _KEYS), _side(p, p.mode.value_side, _VALUES)
+    return lambda operands: (keys(operands), values(operands))
+
+
+def _encoding(mode: Any, rounding: str) -> tuple:
+    """How the write encodes a side stored in the one-sided mode `mode` (its format's row): an
+    Encoding as a plain tuple (records.py)."""
+    inf_pos, inf_neg = mode.inf_codes
+    encoding = Encoding(
+        rounding == "trunc", np.float32(mode.qmax), np.float32(mode.qmin), np.int32(mode.nan_code),
+        np.int32(inf_pos), np.int32(inf_neg), np.float32(mode.scale_floor),
+    )  # fmt: skip
+    return tuple(encoding)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +236,7 @@ def _nothing(operands: tuple) -> None:
 
 def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     """The launch of p's write for every problem of its signature and host fields
-    (Implementation.prepare): element kinds, strides and the mode's constants are worked out
+    (Implementation.prepare): element kinds, strides and each side's constants are worked out
     once; a call makes its arrays' flat views and runs the kernel."""
     if p.num_tokens == 0:
         return _nothing
@@ -249,64 +247,26 @@ def prepare_reshape_and_cache(p: Any) -> Callable[[tuple], None]:
     kind_code, carrier = KINDS[dtype_name(p.key)]
     kind = np.int64(kind_code)
     key_strides, value_strides = operand(p.key, carrier)[1], operand(p.value, carrier)[1]
-    bs = np.int64(p.block_size)
-    num_slots = np.int64(p.key_cache.shape[0] * p.block_size)
-    heads, hsize = np.int64(p.num_kv_heads), np.int64(p.head_size)
-    mode = p.mode
-
-    def rows(operands: tuple) -> tuple:
-        return (
-            flat_view(operands[at["key"]], carrier),
-            key_strides,
-            flat_view(operands[at["value"]], carrier),
-            value_strides,
-        )
-
-    def slots(operands: tuple) -> np.ndarray:
-        return np.ascontiguousarray(operands[at["slot_mapping"]], dtype=np.int64)
-
-    if mode.code_dtype is None:
-        kcs, vcs = flat(p.key_cache, carrier)[1], flat(p.value_cache, carrier)[1]
-
-        def plain_fixed(operands: tuple) -> tuple:
-            kc, vc = flat_view(operands[at["key_cache"]], carrier), flat_view(operands[at["value_cache"]], carrier)
-            return (slots(operands), num_slots, kc, kcs, vc, vcs, bs, heads, hsize)
-
-        return _write_launch(at, rows, plain_fixed, lambda r, f: k.write_plain(*r, *f))
-    if FORMAT_KINDS[mode.format.name] == U4:
-        cache = _paged_cache(p, _cache_kind(mode, p.key_cache)[1])
-        qmax, qmin, floor = np.float32(mode.qmax), np.float32(mode.qmin), np.float32(mode.scale_floor)
-
-        def int4_fixed(operands: tuple) -> tuple:
-            return (cache(operands), slots(operands), num_slots, heads, hsize, qmax, qmin, floor)
-
-        return _write_launch(at, rows, int4_fixed, lambda r, f: k.write_int4(Rows(kind, *r), *f))
-    kcs, vcs = flat(p.key_cache, np.uint8)[1], flat(p.value_cache, np.uint8)[1]
-    scales = _scale_operands(p, at)
-    if mode.per_token_head:
-        kscs, vscs = flat(p.k_scale_cache, np.uint32)[1], flat(p.v_scale_cache, np.uint32)[1]
-    else:
-        kscs = vscs = (0, 0, 0, 0)
-    constants = (
-        bs,
-        heads,
-        hsize,
-        np.int64(FORMAT_KINDS[mode.format.name]),
-        p.rounding == "trunc",
-        np.float32(mode.qmax),
-        np.float32(mode.qmin),
-        np.int32(mode.nan_code),
-        *(np.int32(c) for c in mode.inf_codes),
-        np.float32(mode.scale_floor),
-        mode.per_tensor,
+    at_key, at_value = at["key"], at["value"]
+    sides = _sides(p)
+    encodings = (_encoding(p.mode.key_side, p.rounding), _encoding(p.mode.value_side, p.rounding))
+    sizes = (
+        np.int64(p.key_cache.shape[0] * p.block_size),
+        np.int64(p.block_size),
+        np.int64(p.num_kv_heads),
+        np.int64(p.head_size),
     )
 
-    def quantized_fixed(operands: tuple) -> tuple:
-        ksc, vsc, kts, vts = scales(operands)
-        kc, vc = flat_view(operands[at["key_cache"]], np.uint8), flat_view(operands[at["value_cache"]], np.uint8)
-        return (kind, slots(operands), num_slots, kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, *constants, kts, vts)
+    def rows(operands: tuple) -> tuple:
+        # Rows' fields, as the kernel takes a record (records.py): built per call, so directly.
+        key, value = flat_view(operands[at_key], carrier), flat_view(operands[at_value], carrier)
+        return kind, key, key_strides, value, value_strides
 
-    return _write_launch(at, rows, quantized_fixed, lambda r, f: k.write_quantized(*r, *f))
+    def fixed(operands: tuple) -> tuple:
+        slots = np.ascontiguousarray(operands[at["slot_mapping"]], dtype=np.int64)
+        return (*sides(operands), *encodings, slots, *sizes)
+
+    return _write_launch(at, rows, fixed, lambda r, f: k.write(r, *f))
 
 
 def _write_launch(
@@ -364,47 +324,15 @@ def run_dequantize(p: Any) -> None:
     k = _kernels()
     if p.out.size == 0:
         return
-    kind, carrier = _cache_kind(p.mode, p.cache)
-    cache, cst = flat(p.cache, carrier)
     out, ost = flat(p.out, np.float32)
-    if kind == U4:
-        scales, sst = flat(p.scale_cache, np.uint32)
-        k.dequantize_int4(
-            cache,
-            cst,
-            scales,
-            sst,
-            *_rotation(p.mode, p.head_size),
-            np.ascontiguousarray(p.block_tables, dtype=np.int64),
-            np.ascontiguousarray(p.cu_seq_lens, dtype=np.int64),
-            out,
-            ost,
-            np.int64(p.cache.shape[2]),
-            np.int64(p.head_size),
-            np.int64(p.cache.shape[1]),
-        )
-        return
-    if p.mode.per_token_head:
-        scales, sst = flat(p.scale_cache, np.uint32)
-        tscale = np.float32(1.0)
-    else:
-        scales, sst = np.empty(1, np.uint32), (0, 0, 0, 0)
-        tscale = _f32(p.scale) if p.mode.per_tensor else np.float32(1.0)
     k.dequantize(
-        cache,
-        cst,
-        np.int64(kind),
-        scales,
-        sst,
-        p.mode.per_token_head,
-        tscale,
-        p.mode.code_dtype is not None,
+        _side(p, p.mode, _ONE_SIDE)(p.operands()),
         np.ascontiguousarray(p.block_tables, dtype=np.int64),
         np.ascontiguousarray(p.cu_seq_lens, dtype=np.int64),
         out,
         ost,
         np.int64(p.cache.shape[2]),
-        np.int64(p.cache.shape[3]),
+        np.int64(p.head_size),
         np.int64(p.cache.shape[1]),
     )
 
@@ -462,7 +390,8 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
     q_kind, q_carrier = KINDS[dtype_name(p.query)]
     query_kind = np.int64(q_kind)
     q_strides = operand(p.query, q_carrier)[1]
-    cache = _paged_cache(p, _cache_kind(p.mode, p.key_cache)[1])
+    sides = _sides(p)
+    geometry = (np.int64(p.block_size), np.int64(p.key_cache.shape[0]))
     group = p.num_q_heads // p.num_kv_heads
     block_tokens = 1 if p.max_query_len <= 1 else max(1, _PREFILL_ROWS // group)
     scalars = (
@@ -487,24 +416,22 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
         sinks = np.ascontiguousarray(operands[at["sinks"]], dtype=np.float32) if has_sinks else NO_SINKS
         return Params(*scalars, has_sinks, sinks)
 
-    def attend(operands: tuple, paged: PagedCache, tables: tuple, call_params: Params) -> None:
+    def attend(operands: tuple, paged: tuple[tuple, tuple], tables: tuple, call_params: Params) -> None:
         block_tables, seq_lens, qsl = tables
-        step = Step(block_tables, seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
+        step = Step(block_tables, *geometry, seq_lens, qsl, *work_items(qsl, block_tokens, seq_lens, num_tokens))
         out = operands[at["out"]]
         out32 = out if direct else np.empty(out_shape, np.float32)
         lse = flat_view(operands[at["lse"]], np.float32) if has_lse else NO_LSE[0]
-        k.attention(
-            Query(flat_view(operands[at["query"]], q_carrier), q_strides, query_kind),
-            paged,
-            step,
-            call_params,
-            Outputs(flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides),
-        )
+        # Query's and Outputs' fields, as the kernel takes a record (records.py): built per
+        # call, so directly.
+        query = flat_view(operands[at["query"]], q_carrier), q_strides, query_kind
+        outputs = flat_view(out32, np.float32), out_strides, has_lse, lse, lse_strides
+        k.attention(query, *paged, tuple(step), tuple(call_params), outputs)
         if not direct:
             _copy_owned_rows(out, out32, qsl, step)
 
     def launch(operands: tuple) -> None:
-        attend(operands, cache(operands), metadata(operands), params(operands))
+        attend(operands, sides(operands), metadata(operands), params(operands))
 
     def hold(operands: tuple, varying: tuple[str, ...]) -> Callable[[tuple], None] | None:
         # The cache's record and the parameters once; the metadata's arrays only where they are
@@ -515,7 +442,7 @@ def prepare_paged_attention(p: Any) -> Callable[[tuple], None]:
         tables = metadata(operands)
         if any(mine is not operands[at[name]] for mine, name in zip(tables, _METADATA)):
             return None
-        paged, call_params = cache(operands), params(operands)
+        paged, call_params = sides(operands), params(operands)
         if has_sinks and call_params.sinks is not operands[at["sinks"]]:
             return None
         return lambda operands: attend(operands, paged, tables, call_params)
@@ -552,50 +479,37 @@ def attention_reasons(p: Any) -> list[str]:
 
 
 def register(registry: Any) -> None:
-    modes = _MODES
-    common: dict[str, Any] = dict(
-        platform="cpu",
-        modes=modes,
-        array_kind="numpy",
-        devices=frozenset({"cpu"}),
-        priority=PRIORITY,
-        unavailable=unavailable,
-        capabilities=Capabilities(formats=FORMAT_KINDS),
-    )
-    registry.add(
-        Implementation(
-            name=NAME,
-            op="reshape_and_cache",
-            run=run_reshape_and_cache,
-            prepare=prepare_reshape_and_cache,
-            problem_reasons=write_reasons,
-            notes="rounding=trunc, inline_layout, any strides; parallel over tokens x heads",
-            **common,
+    def add(op: str, run: Callable[[Any], None], **fields: Any) -> None:
+        registry.add(
+            Implementation(
+                name=NAME,
+                op=op,
+                platform="cpu",
+                modes=_modes(op),
+                run=run,
+                array_kind="numpy",
+                devices=frozenset({"cpu"}),
+                priority=PRIORITY,
+                unavailable=unavailable,
+                **{"capabilities": Capabilities(formats=FORMAT_KINDS), **fields},
+            )
         )
+
+    add(
+        "reshape_and_cache",
+        run_reshape_and_cache,
+        prepare=prepare_reshape_and_cache,
+        problem_reasons=write_reasons,
+        notes="rounding=trunc, inline_layout, any strides; parallel over tokens x heads",
     )
-    registry.add(
-        Implementation(
-            name=NAME,
-            op="dequantize",
-            run=run_dequantize,
-            problem_reasons=dequantize_reasons,
-            notes="inline_layout, any strides",
-            **common,
-        )
-    )
-    registry.add(
-        Implementation(
-            name=NAME,
-            op="paged_attention",
-            run=run_paged_attention,
-            prepare=prepare_paged_attention,
-            problem_reasons=attention_reasons,
-            attention_rtol=ATTENTION_RTOL,
-            notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",
-            # quantize_query and fp8_dots are not implemented here: impl "numpy" runs them on the CPU.
-            **{
-                **common,
-                "capabilities": Capabilities(ALL_OPTIONS - {"quantize_query", "fp8_dots"}, formats=FORMAT_KINDS),
-            },
-        )
+    add("dequantize", run_dequantize, problem_reasons=dequantize_reasons, notes="inline_layout, any strides")
+    add(
+        "paged_attention",
+        run_paged_attention,
+        prepare=prepare_paged_attention,
+        problem_reasons=attention_reasons,
+        attention_rtol=ATTENTION_RTOL,
+        notes="varlen, causal, GQA/MQA, sliding window, softcap, sinks; batch invariant",
+        # quantize_query and fp8_dots are not implemented here: impl "numpy" runs them on the CPU.
+        capabilities=Capabilities(ALL_OPTIONS - {"quantize_query", "fp8_dots"}, formats=FORMAT_KINDS),
     )

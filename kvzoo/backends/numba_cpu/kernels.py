@@ -1,12 +1,15 @@
 """Numba kernels: the quantizing cache write, dequantize/gather, and paged attention, for the
-8-bit formats and for int4 (uint4 codes, SPEC.md section 2's int4 rows).
+8-bit formats and for int4 (uint4 codes, SPEC.md section 2's int4 rows), keys and values each
+in their own side's format (records.Side), so a mode storing them in two formats is a pairing
+of sides the kernels already take.
 
 Every array arrives as a flat 1-D contiguous view of the caller's memory plus its offset and
 strides in elements (see strided.py): a tuple beside it, or an int64 array beside it in one of
-records.py's records (attention, the int4 write). So one compiled specialization serves every
-layout (contiguous, inline-scale pages, views into a fused QKV tensor) and the innermost loops
-see a plain 1-D array LLVM can vectorize. Float inputs travel as their bit patterns (uint16 for
-bf16/fp16, uint32 for fp32) and are widened in-kernel, exactly.
+records.py's records (a side of the pages, the write's rows, ...). So one compiled
+specialization serves every layout (contiguous, inline-scale pages, views into a fused QKV
+tensor) and the innermost loops see a plain 1-D array LLVM can vectorize. Float inputs travel
+as their bit patterns (uint16 for bf16/fp16, uint32 for fp32) and are widened in-kernel,
+exactly.
 
 Indices in hot loops are cast to uint64 (`_u`): numba wraps negative signed indices, and that
 per-element select keeps LLVM from vectorizing (measured 8x on the widening loop). Offsets
@@ -17,8 +20,8 @@ an inlined helper, so each inner loop is compiled for one format.
 
 fastmath stays off in this module: the write and dequantize bytes are fixed by the spec, and
 the attention kernel keeps IEEE NaN/Inf propagation so a poisoned cache row shows in the output.
-The exceptions are attention's q.k and p.v products (_scores, _accumulate and their uint4
-twins): reassociation and contraction only, no flag that changes NaN/Inf/signed-zero behaviour.
+The exceptions are attention's q.k and p.v products (_scores, _accumulate): reassociation
+and contraction only, no flag that changes NaN/Inf/signed-zero behaviour.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .formats import BF16, E4M3FN, E4M3FNUZ, E5M2, F16, F32, I8, U4
+from .records import Encoding, Outputs, Params, Query, Rows, Side, Step
 
 # ----------------------------------------------------------------------------------------------
 # Bit-level helpers: reinterpretation, widening, fp8 coding. They live in this file because
@@ -269,7 +273,7 @@ def _strides5(a):
 
 
 # ----------------------------------------------------------------------------------------------
-# Quantizing write
+# Quantizing write: 8-bit rows
 # ----------------------------------------------------------------------------------------------
 
 
@@ -351,7 +355,7 @@ def _store_codes(xf, mul, div, dst, d0, dd, n, fmt, trunc, qmax, qmin, nan_code,
             dst[_u(d0 + d * dd)] = _code(xf[_u(d)] * mul, fmt, trunc, qmax, qmin, nan_code, inf_pos, inf_neg)
 
 
-# A compiled function rather than inlined: inlining both calls into _write_tokens tripled the
+# A compiled function rather than inlined: inlining both calls into the write tripled the
 # first-call compile time. It must call no other compiled function: numba then drops the
 # refcount updates of its array arguments, which otherwise cost an atomic increment and
 # decrement per array per row, on counters both threads share (measured ~30% of the write).
@@ -412,200 +416,8 @@ def _quantize_row(
     return _i32(_CANONICAL_NAN) if scale != scale else i32_from_f32(scale)
 
 
-# The parallel body only calls this, so the refcount updates of the arrays passed down happen
-# once per chunk of tokens, not once per row.
-@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _write_tokens(
-    t_lo,
-    t_hi,
-    xf,
-    key,
-    ks_,
-    value,
-    vs_,
-    kind,
-    slots,
-    num_slots,
-    kc,
-    kcs,
-    vc,
-    vcs,
-    ksc,
-    kscs,
-    vsc,
-    vscs,
-    block_size,
-    num_heads,
-    head_size,
-    fmt,
-    trunc,
-    qmax,
-    qmin,
-    nan_code,
-    inf_pos,
-    inf_neg,
-    floor,
-    per_tensor,
-    k_tscale,
-    v_tscale,
-):
-    """The write of tokens t_lo..t_hi-1 (see write_quantized)."""
-    for t in range(t_lo, t_hi):
-        slot = slots[t]
-        # Past-the-end slots reach here only with validation off: skipped like negative
-        # ones, so nothing is written outside the cache.
-        if slot < 0 or slot >= num_slots:
-            continue
-        blk = slot // block_size
-        off = slot - blk * block_size
-        for h in range(num_heads):
-            kbits = _quantize_row(
-                key,
-                ks_[0] + t * ks_[1] + h * ks_[2],
-                ks_[3],
-                kind,
-                xf,
-                kc,
-                kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3],
-                kcs[4],
-                head_size,
-                fmt,
-                trunc,
-                qmax,
-                qmin,
-                nan_code,
-                inf_pos,
-                inf_neg,
-                floor,
-                per_tensor,
-                k_tscale,
-            )
-            vbits = _quantize_row(
-                value,
-                vs_[0] + t * vs_[1] + h * vs_[2],
-                vs_[3],
-                kind,
-                xf,
-                vc,
-                vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3],
-                vcs[4],
-                head_size,
-                fmt,
-                trunc,
-                qmax,
-                qmin,
-                nan_code,
-                inf_pos,
-                inf_neg,
-                floor,
-                per_tensor,
-                v_tscale,
-            )
-            if not per_tensor:
-                ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
-                vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
-
-
-@njit(parallel=True, **_OPTS)
-def write_quantized(
-    key,
-    ks_,
-    value,
-    vs_,
-    kind,
-    slots,
-    num_slots,
-    kc,
-    kcs,
-    vc,
-    vcs,
-    ksc,
-    kscs,
-    vsc,
-    vscs,
-    block_size,
-    num_heads,
-    head_size,
-    fmt,
-    trunc,
-    qmax,
-    qmin,
-    nan_code,
-    inf_pos,
-    inf_neg,
-    floor,
-    per_tensor,
-    k_tscale,
-    v_tscale,
-):
-    """reshape_and_cache for quantized modes; parallel over chunks of tokens, heads inside.
-
-    key/value: flat input bits with (offset, sT, sH, sD); kc/vc: flat uint8 codes with
-    (offset, sB, sS, sH, sD); ksc/vsc: flat uint32 scale bits with (offset, sB, sS, sH).
-    """
-    num_tokens = slots.shape[0]
-    for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
-        xf = np.empty(head_size, dtype=np.float32)
-        _write_tokens(
-            chunk * _WRITE_CHUNK,
-            min(num_tokens, (chunk + 1) * _WRITE_CHUNK),
-            xf,
-            key,
-            ks_,
-            value,
-            vs_,
-            kind,
-            slots,
-            num_slots,
-            kc,
-            kcs,
-            vc,
-            vcs,
-            ksc,
-            kscs,
-            vsc,
-            vscs,
-            block_size,
-            num_heads,
-            head_size,
-            fmt,
-            trunc,
-            qmax,
-            qmin,
-            nan_code,
-            inf_pos,
-            inf_neg,
-            floor,
-            per_tensor,
-            k_tscale,
-            v_tscale,
-        )
-
-
-@njit(parallel=True, **_OPTS)
-def write_plain(key, ks_, value, vs_, slots, num_slots, kc, kcs, vc, vcs, block_size, num_heads, head_size):
-    """reshape_and_cache for mode none: a bit copy of each row into its slot."""
-    rows = slots.shape[0] * num_heads
-    for item in prange(rows):
-        t = item // num_heads
-        h = item - t * num_heads
-        slot = slots[t]
-        if slot < 0 or slot >= num_slots:
-            continue
-        blk = slot // block_size
-        off = slot - blk * block_size
-        k0 = ks_[0] + t * ks_[1] + h * ks_[2]
-        v0 = vs_[0] + t * vs_[1] + h * vs_[2]
-        kd = kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3]
-        vd = vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3]
-        for d in range(head_size):
-            kc[_u(kd + d * kcs[4])] = key[_u(k0 + d * ks_[3])]
-        for d in range(head_size):
-            vc[_u(vd + d * vcs[4])] = value[_u(v0 + d * vs_[3])]
-
-
 # ----------------------------------------------------------------------------------------------
-# Dequantize / gather
+# Dequantize / gather: 8-bit rows (and the model dtype's)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -636,50 +448,6 @@ def _decode_row_any(src, s0, sd, kind, dst, d0, dd, n, scale, scaled):
         _decode_row(src, s0, sd, F16, dst, d0, dd, n, scale, scaled)
     else:
         _decode_row(src, s0, sd, F32, dst, d0, dd, n, scale, scaled)
-
-
-@njit(parallel=True, **_OPTS)
-def dequantize(
-    cache,
-    cs,
-    kind,
-    scales,
-    ss,
-    has_scales,
-    tscale,
-    scaled,
-    block_tables,
-    cu_seq_lens,
-    out,
-    os_,
-    num_heads,
-    head_size,
-    block_size,
-):
-    """Gather the tokens of each sequence and decode them: x = float32(code) * scale."""
-    num_seqs = cu_seq_lens.shape[0] - 1
-    total = cu_seq_lens[num_seqs]
-    for t in prange(total):
-        s = np.searchsorted(cu_seq_lens, t, side="right") - 1
-        i = t - cu_seq_lens[s]
-        blk = block_tables[s, i // block_size]
-        off = i - (i // block_size) * block_size
-        for h in range(num_heads):
-            sc = tscale
-            if has_scales:
-                sc = f32_from_bits(scales[_u(ss[0] + blk * ss[1] + off * ss[2] + h * ss[3])])
-            _decode_row_any(
-                cache,
-                cs[0] + blk * cs[1] + off * cs[2] + h * cs[3],
-                cs[4],
-                kind,
-                out,
-                os_[0] + t * os_[1] + h * os_[2],
-                os_[3],
-                head_size,
-                sc,
-                scaled,
-            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -816,70 +584,15 @@ def _quantize_rotated_u4(lanes, r, rows, kind, xf, dst, d0, dd, n, qmax, qmin, f
     return _encode_u4(xf, dst, d0, dd, n, qmax, qmin, floor)
 
 
-@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _write_tokens_u4(t_lo, t_hi, xf, klanes, vlanes, rows, cache, slots, num_slots, num_heads, n, qmax, qmin, floor):
-    """The int4 write of tokens t_lo..t_hi-1 (see write_int4); klanes / vlanes hold their
-    rotated rows (rotated modes)."""
-    kind = rows.kind
-    key, ks_, value, vs_ = rows.key, _strides4(rows.key_strides), rows.value, _strides4(rows.value_strides)
-    kc, kcs, vc, vcs = cache.key, _strides5(cache.key_strides), cache.value, _strides5(cache.value_strides)
-    ksc, kscs = cache.key_scales, _strides4(cache.key_scale_strides)
-    vsc, vscs = cache.value_scales, _strides4(cache.value_scale_strides)
-    block_size = cache.block_size
-    rotate = cache.rotated
-    lanes_rows = (t_hi - t_lo) * num_heads
-    if rotate:
-        _rotate_rows_u4(key, ks_, kind, t_lo, t_hi, num_heads, n, cache.signs, klanes, xf)
-        _rotate_rows_u4(value, vs_, kind, t_lo, t_hi, num_heads, n, cache.signs, vlanes, xf)
-    for t in range(t_lo, t_hi):
-        slot = slots[t]
-        if slot < 0 or slot >= num_slots:  # as in _write_tokens
-            continue
-        blk = slot // block_size
-        off = slot - blk * block_size
-        for h in range(num_heads):
-            kd = kcs[0] + blk * kcs[1] + off * kcs[2] + h * kcs[3]
-            vd = vcs[0] + blk * vcs[1] + off * vcs[2] + h * vcs[3]
-            if rotate:
-                r = (t - t_lo) * num_heads + h
-                kbits = _quantize_rotated_u4(klanes, r, lanes_rows, kind, xf, kc, kd, kcs[4], n, qmax, qmin, floor)
-                vbits = _quantize_rotated_u4(vlanes, r, lanes_rows, kind, xf, vc, vd, vcs[4], n, qmax, qmin, floor)
-            else:
-                k0 = ks_[0] + t * ks_[1] + h * ks_[2]
-                v0 = vs_[0] + t * vs_[1] + h * vs_[2]
-                kbits = _quantize_row_u4(key, k0, ks_[3], kind, xf, kc, kd, kcs[4], n, qmax, qmin, floor)
-                vbits = _quantize_row_u4(value, v0, vs_[3], kind, xf, vc, vd, vcs[4], n, qmax, qmin, floor)
-            ksc[_u(kscs[0] + blk * kscs[1] + off * kscs[2] + h * kscs[3])] = kbits
-            vsc[_u(vscs[0] + blk * vscs[1] + off * vscs[2] + h * vscs[3])] = vbits
-
-
-@njit(parallel=True, **_OPTS)
-def write_int4(rows, cache, slots, num_slots, num_heads, head_size, qmax, qmin, floor):
-    """reshape_and_cache for the uint4 modes; rows and cache are records.py's Rows and
-    PagedCache (codes uint8 [.., head_size / 2] bytes, scale words uint32). Parallel over chunks
-    of tokens, heads inside, as write_quantized."""
-    num_tokens = slots.shape[0]
-    lanes = _WRITE_CHUNK * num_heads * head_size if cache.rotated else 0
-    for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
-        xf = np.empty(head_size, dtype=np.float32)
-        klanes = np.empty(lanes, dtype=np.float32)
-        vlanes = np.empty(lanes, dtype=np.float32)
-        _write_tokens_u4(
-            chunk * _WRITE_CHUNK,
-            min(num_tokens, (chunk + 1) * _WRITE_CHUNK),
-            xf,
-            klanes,
-            vlanes,
-            rows,
-            cache,
-            slots,
-            num_slots,
-            num_heads,
-            head_size,
-            qmax,
-            qmin,
-            floor,
-        )
+@njit(inline="always")
+def _unrotate_lanes(t, n, lanes, signs):
+    """SPEC.md 3.4's float32 inverse on `lanes` rows of n elements held element-major (see
+    _fwht_lanes), in place: fl(fl(fwht(y) * s) / D)."""
+    _fwht_lanes(t, n, lanes)
+    dsize = np.float32(n)
+    for d in range(n):
+        for r in range(lanes):
+            t[_u(d * lanes + r)] = (t[_u(d * lanes + r)] * signs[_u(d)]) / dsize
 
 
 @njit(inline="always")
@@ -891,85 +604,232 @@ def _u4_values(b, zp):
     return np.float32(_i32(lo - zp)), np.float32(_i32(hi - zp))
 
 
+@njit(inline="always")
+def _decode_u4_row(src, a, sd, zp, dst, d0, half):
+    """The values code - zp of the uint4 row of half bytes at src[a + j * sd] into dst[d0:],
+    even elements then odd (the attention products' order)."""
+    for j in range(half):
+        lo, hi = _u4_values(_i32(src[_u(a + j * sd)]), zp)
+        dst[_u(d0 + j)] = lo
+        dst[_u(d0 + half + j)] = hi
+
+
+# ----------------------------------------------------------------------------------------------
+# The write: keys and values each in their own side's format
+# ----------------------------------------------------------------------------------------------
+
+# A side's path is chosen by the carrier of its pages (__init__._cache_kind): uint8 holds 8-bit
+# codes, int8 uint4 bytes, uint16 / uint32 the model dtype's bits (mode none). The carrier is
+# part of the compiled signature, so a kernel compiles a side's path only where a side of that
+# format can reach it, and a mode storing keys and values in two formats (a split mode) runs
+# the two paths the one-format modes compile too: a pairing, not a path of its own.
+
+
+def _rotate_side(codes, src, st, kind, t_lo, t_hi, num_heads, n, rotated, signs, lanes, xf):
+    """SPEC.md 3.4 steps 1-2 on a rotated side's rows of tokens t_lo..t_hi-1, into lanes (the
+    kernels rotate uint4 rows only; the registration declines a mode rotating any other)."""
+
+
+@overload(_rotate_side, inline="always")
+def _rotate_side_overload(codes, src, st, kind, t_lo, t_hi, num_heads, n, rotated, signs, lanes, xf):
+    if codes.dtype == types.int8:
+
+        def rotate(codes, src, st, kind, t_lo, t_hi, num_heads, n, rotated, signs, lanes, xf):
+            if rotated:
+                _rotate_rows_u4(src, st, kind, t_lo, t_hi, num_heads, n, signs, lanes, xf)
+
+        return rotate
+    return lambda codes, src, st, kind, t_lo, t_hi, num_heads, n, rotated, signs, lanes, xf: None
+
+
+def _store_row(codes, d0, dd, src, s0, sd, kind, xf, lanes, r, rows, n, side, enc):
+    """One row into a side's pages at codes[d0 + d * dd], from src[s0 + d * sd] (a rotated
+    side's: row r of lanes); returns the row's scale word (0 where the side keeps none)."""
+
+
+@overload(_store_row, inline="always")
+def _store_row_overload(codes, d0, dd, src, s0, sd, kind, xf, lanes, r, rows, n, side, enc):
+    if codes.dtype == types.int8:
+
+        def uint4(codes, d0, dd, src, s0, sd, kind, xf, lanes, r, rows, n, side, enc):
+            if side.rotated:
+                return _quantize_rotated_u4(lanes, r, rows, kind, xf, codes, d0, dd, n, enc.qmax, enc.qmin, enc.floor)
+            return _quantize_row_u4(src, s0, sd, kind, xf, codes, d0, dd, n, enc.qmax, enc.qmin, enc.floor)
+
+        return uint4
+    if codes.dtype == types.uint8:
+
+        def eight_bit(codes, d0, dd, src, s0, sd, kind, xf, lanes, r, rows, n, side, enc):
+            return _quantize_row(
+                src, s0, sd, kind, xf, codes, d0, dd, n, side.kind, enc.trunc, enc.qmax, enc.qmin, enc.nan_code,
+                enc.inf_pos, enc.inf_neg, enc.floor, not side.per_token_head, side.tensor_scale,
+            )  # fmt: skip
+
+        return eight_bit
+
+    def plain(codes, d0, dd, src, s0, sd, kind, xf, lanes, r, rows, n, side, enc):
+        # Mode none: the row's bits, as given.
+        for d in range(n):
+            codes[_u(d0 + d * dd)] = src[_u(s0 + d * sd)]
+        return _i32(0)
+
+    return plain
+
+
+# The parallel body only calls this, so the refcount updates of the arrays passed down happen
+# once per chunk of tokens, not once per row.
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _dequantize_tokens_u4(
-    t_lo,
-    t_hi,
-    lanes,
-    cache,
-    cs,
-    scales,
-    ss,
-    rotate,
-    signs,
-    block_tables,
-    cu_seq_lens,
-    out,
-    os_,
-    num_heads,
-    head_size,
-    block_size,
-):
-    """dequantize_int4 of the output rows t_lo..t_hi-1, every head: the stored value
-    fl((code - zp) * scale_t), then (rotate) SPEC.md 3.4's float32 inverse fl(fl(fwht(y) * s)
-    / D), the rows held in lanes element-major (see _fwht_lanes)."""
+def _write_side(t_lo, t_hi, xf, lanes, src, st, kind, side, enc, slots, num_slots, block_size, num_heads, n):
+    """One side's rows of tokens t_lo..t_hi-1 (src, with st's strides) into its pages, in the
+    side's format (see write); lanes holds a rotated side's rotated rows."""
+    codes, cs, scs = side.codes, _strides5(side.strides), _strides4(side.scale_strides)
+    ss = _strides4(st)
     rows = (t_hi - t_lo) * num_heads
-    half = head_size // 2
+    _rotate_side(codes, src, st, kind, t_lo, t_hi, num_heads, n, side.rotated, side.signs, lanes, xf)
+    for t in range(t_lo, t_hi):
+        slot = slots[t]
+        # Past-the-end slots reach here only with validation off: skipped like negative
+        # ones, so nothing is written outside the cache.
+        if slot < 0 or slot >= num_slots:
+            continue
+        blk = slot // block_size
+        off = slot - blk * block_size
+        for h in range(num_heads):
+            d0 = cs[0] + blk * cs[1] + off * cs[2] + h * cs[3]
+            s0 = ss[0] + t * ss[1] + h * ss[2]
+            r = (t - t_lo) * num_heads + h
+            bits = _store_row(codes, d0, cs[4], src, s0, ss[3], kind, xf, lanes, r, rows, n, side, enc)
+            if side.per_token_head:
+                side.scales[_u(scs[0] + blk * scs[1] + off * scs[2] + h * scs[3])] = bits
+
+
+@njit(**_OPTS)
+def write(rows, keys, values, key_encoding, value_encoding, slots, num_slots, block_size, num_heads, head_size):
+    """reshape_and_cache, every mode: the K and V rows (records.Rows) into their pages, each
+    side (records.Side) in its own format (records.Encoding). The records arrive as plain
+    tuples of their fields (records.py) and are named here."""
+    _write_chunks(
+        Rows(*rows), Side(*keys), Side(*values), Encoding(*key_encoding), Encoding(*value_encoding), slots,
+        num_slots, block_size, num_heads, head_size,
+    )  # fmt: skip
+
+
+@njit(parallel=True, **_OPTS)
+def _write_chunks(rows, keys, values, key_encoding, value_encoding, slots, num_slots, block_size, num_heads, head_size):
+    """write, parallel over chunks of tokens, heads inside."""
+    num_tokens = slots.shape[0]
+    lanes = _WRITE_CHUNK * num_heads * head_size if keys.rotated or values.rotated else 0
+    for chunk in prange((num_tokens + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
+        t_lo = chunk * _WRITE_CHUNK
+        t_hi = min(num_tokens, t_lo + _WRITE_CHUNK)
+        xf = np.empty(head_size, dtype=np.float32)
+        rotated = np.empty(lanes, dtype=np.float32)
+        _write_side(
+            t_lo, t_hi, xf, rotated, rows.key, rows.key_strides, rows.kind, keys, key_encoding, slots, num_slots,
+            block_size, num_heads, head_size,
+        )  # fmt: skip
+        _write_side(
+            t_lo, t_hi, xf, rotated, rows.value, rows.value_strides, rows.kind, values, value_encoding, slots,
+            num_slots, block_size, num_heads, head_size,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Dequantize / gather
+# ----------------------------------------------------------------------------------------------
+
+
+def _dequantize_row(codes, c0, cd, word, side, lanes, r, rows, out, o0, od, n):
+    """A side's row at codes[c0 + d * cd] decoded into out[o0 + d * od] (word: its scale word
+    where the side keeps one); a uint4 row into row r of lanes instead (element-major, see
+    _fwht_lanes), its stored values (code - zp) * scale before any rotation is undone."""
+
+
+@overload(_dequantize_row, inline="always")
+def _dequantize_row_overload(codes, c0, cd, word, side, lanes, r, rows, out, o0, od, n):
+    if codes.dtype == types.int8:
+
+        def uint4(codes, c0, cd, word, side, lanes, r, rows, out, o0, od, n):
+            scale = f32_from_bits(word & _SCALE_BITS)
+            zp = _i32(word & _ZP_MASK)
+            for j in range(n // 2):
+                lo, hi = _u4_values(_i32(codes[_u(c0 + j * cd)]), zp)
+                lanes[_u(2 * j * rows + r)] = lo * scale
+                lanes[_u((2 * j + 1) * rows + r)] = hi * scale
+
+        return uint4
+
+    def elements(codes, c0, cd, word, side, lanes, r, rows, out, o0, od, n):
+        scale = f32_from_bits(word) if side.per_token_head else side.tensor_scale
+        _decode_row_any(codes, c0, cd, side.kind, out, o0, od, n, scale, is_code_kind(side.kind))
+
+    return elements
+
+
+def _lanes_out(codes, rotated, signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads):
+    """A uint4 side's rows from lanes into out, a rotated side's rotation undone first (SPEC.md
+    3.4's float32 inverse); nothing for other sides, which decode into out directly."""
+
+
+@overload(_lanes_out, inline="always")
+def _lanes_out_overload(codes, rotated, signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads):
+    if codes.dtype == types.int8:
+
+        def uint4(codes, rotated, signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads):
+            if rotated:
+                _unrotate_lanes(lanes, n, rows, signs)
+            for t in range(t_lo, t_hi):
+                for h in range(num_heads):
+                    r = (t - t_lo) * num_heads + h
+                    o0 = os_[0] + t * os_[1] + h * os_[2]
+                    for d in range(n):
+                        out[_u(o0 + d * os_[3])] = lanes[_u(d * rows + r)]
+
+        return uint4
+    return lambda codes, rotated, signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads: None
+
+
+@njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def _dequantize_tokens(t_lo, t_hi, lanes, side, block_tables, cu_seq_lens, out, os_, num_heads, n, block_size):
+    """dequantize of the output rows t_lo..t_hi-1, every head, into the model's basis:
+    float32(code) * scale, a uint4 row's fl((code - zp) * scale) then (rotated) SPEC.md 3.4's
+    float32 inverse fl(fl(fwht(y) * s) / D), its rows held in lanes."""
+    cs, ss = _strides5(side.strides), _strides4(side.scale_strides)
+    rows = (t_hi - t_lo) * num_heads
     for t in range(t_lo, t_hi):
         s = np.searchsorted(cu_seq_lens, t, side="right") - 1
         i = t - cu_seq_lens[s]
         blk = block_tables[s, i // block_size]
         off = i - (i // block_size) * block_size
         for h in range(num_heads):
-            r = (t - t_lo) * num_heads + h
-            word = _i32(scales[_u(ss[0] + blk * ss[1] + off * ss[2] + h * ss[3])])
-            scale = f32_from_bits(word & _SCALE_BITS)
-            zp = _i32(word & _ZP_MASK)
+            # A side without per-row scales has the one-word stand-in and zero strides: word 0.
+            word = _i32(side.scales[_u(ss[0] + blk * ss[1] + off * ss[2] + h * ss[3])])
             c0 = cs[0] + blk * cs[1] + off * cs[2] + h * cs[3]
-            for j in range(half):
-                lo, hi = _u4_values(_i32(cache[_u(c0 + j * cs[4])]), zp)
-                lanes[_u(2 * j * rows + r)] = lo * scale
-                lanes[_u((2 * j + 1) * rows + r)] = hi * scale
-    if rotate:
-        _fwht_lanes(lanes, head_size, rows)
-        dsize = np.float32(head_size)
-        for d in range(head_size):
-            for r in range(rows):
-                lanes[_u(d * rows + r)] = (lanes[_u(d * rows + r)] * signs[_u(d)]) / dsize
-    for t in range(t_lo, t_hi):
-        for h in range(num_heads):
-            r = (t - t_lo) * num_heads + h
             o0 = os_[0] + t * os_[1] + h * os_[2]
-            for d in range(head_size):
-                out[_u(o0 + d * os_[3])] = lanes[_u(d * rows + r)]
+            r = (t - t_lo) * num_heads + h
+            _dequantize_row(side.codes, c0, cs[4], word, side, lanes, r, rows, out, o0, os_[3], n)
+    _lanes_out(side.codes, side.rotated, side.signs, lanes, rows, n, out, os_, t_lo, t_hi, num_heads)
+
+
+@njit(**_OPTS)
+def dequantize(side, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size):
+    """Gather the tokens of each sequence and decode them (see _dequantize_tokens): side a
+    records.Side (a plain tuple of its fields, records.py), out flat float32 with (offset, sT,
+    sH, sD)."""
+    _dequantize_chunks(Side(*side), block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size)
 
 
 @njit(parallel=True, **_OPTS)
-def dequantize_int4(
-    cache, cs, scales, ss, rotate, signs, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size
-):
-    """dequantize for the uint4 modes, into the model's basis (see _dequantize_tokens_u4):
-    cache flat uint8 with (offset, sB, sS, sH, sByte), scales flat uint32 words."""
+def _dequantize_chunks(side, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size):
+    """dequantize, parallel over chunks of tokens."""
     total = cu_seq_lens[cu_seq_lens.shape[0] - 1]
+    lanes = _WRITE_CHUNK * num_heads * head_size if side.kind == U4 else 0
     for chunk in prange((total + _WRITE_CHUNK - 1) // _WRITE_CHUNK):
-        lanes = np.empty(_WRITE_CHUNK * num_heads * head_size, dtype=np.float32)
-        _dequantize_tokens_u4(
-            chunk * _WRITE_CHUNK,
-            min(total, (chunk + 1) * _WRITE_CHUNK),
-            lanes,
-            cache,
-            cs,
-            scales,
-            ss,
-            rotate,
-            signs,
-            block_tables,
-            cu_seq_lens,
-            out,
-            os_,
-            num_heads,
-            head_size,
-            block_size,
+        t_lo = chunk * _WRITE_CHUNK
+        t_hi = min(total, t_lo + _WRITE_CHUNK)
+        rows = np.empty(lanes, dtype=np.float32)
+        _dequantize_tokens(
+            t_lo, t_hi, rows, side, block_tables, cu_seq_lens, out, os_, num_heads, head_size, block_size
         )
 
 
@@ -1019,72 +879,94 @@ def _tile_factor(kind):
     return _ONE
 
 
+# A row is read element by element, or for uint4 two elements to a byte: the drivers below
+# (_decode_rows, _scores_of, _accumulate_of) take the functions that read one row as arguments,
+# and numba inlines both, so each driver is one copy of its loops in the source and each kind's
+# compiled copy holds its own row functions only.
+
+
 @njit(inline="always")
-def _decode_tile_row(src, s0, sd, kind, dst, d0, n):
+def _decode_row_elements(src, s0, sd, kind, zps, kk, dst, d0, n):
+    """dst[d0:d0+n] = the tile values of row kk, at src[s0 + d * sd] (_tile_element's)."""
     for d in range(n):
         dst[_u(d0 + d)] = _tile_element(src[_u(s0 + d * sd)], kind)
 
 
 @njit(inline="always")
-def _decode_rows(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+def _decode_row_pairs(src, s0, sd, kind, zps, kk, dst, d0, n):
+    """dst[d0:d0+n] = uint4 row kk's codes - zps[kk], even elements then odd."""
+    _decode_u4_row(src, s0, sd, zps[kk], dst, d0, n // 2)
+
+
+@njit(inline="always")
+def _decode_rows(row, src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
     for kk in range(n):
         blk = block_tables[seq, bi]
         a = st[0] + blk * st[1] + off * st[2] + g * st[3]
-        if st[4] == 1:
-            _decode_tile_row(src, a, 1, kind, dst, kk * hd, hd)
+        if st[4] == 1:  # the stride a constant, so the loop vectorizes
+            row(src, a, 1, kind, zps, kk, dst, kk * hd, hd)
         else:
-            _decode_tile_row(src, a, st[4], kind, dst, kk * hd, hd)
+            row(src, a, st[4], kind, zps, kk, dst, kk * hd, hd)
         off += 1
         if off == block_size:
             off = 0
             bi += 1
 
 
-def _decode_rows_any(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-    """_decode_rows for the kinds src's carrier can hold (uint8: codes, uint16: bf16/fp16,
-    uint32: fp32), chosen at typing time: each inlined decode loop is compiled only where
-    some mode can reach it."""
+@njit(inline="always")
+def _decode_element_rows(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    _decode_rows(_decode_row_elements, src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+
+def _decode_rows_any(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """_decode_rows for the kinds src's carrier can hold (uint8: 8-bit codes, int8: uint4 bytes,
+    uint16: bf16/fp16, uint32: fp32), chosen at typing time: each inlined decode loop is
+    compiled only where some mode can reach it."""
 
 
 @overload(_decode_rows_any)
-def _decode_rows_any_overload(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+def _decode_rows_any_overload(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
     if src.dtype == types.uint8:
 
-        def codes(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+        def codes(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
             if kind == I8:
-                _decode_rows(src, st, I8, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, I8, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             elif kind == E4M3FN:
-                _decode_rows(src, st, E4M3FN, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, E4M3FN, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             elif kind == E5M2:
-                _decode_rows(src, st, E5M2, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, E5M2, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             else:
-                _decode_rows(src, st, E4M3FNUZ, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, E4M3FNUZ, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
         return codes
-    if src.dtype == types.int8:  # uint4 codes: _decode_tile_u4 decodes them
-        return lambda src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size: None
+    if src.dtype == types.int8:
+
+        def nibbles(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+            _decode_rows(_decode_row_pairs, src, st, U4, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+
+        return nibbles
     if src.dtype == types.uint16:
 
-        def half(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+        def half(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
             if kind == BF16:
-                _decode_rows(src, st, BF16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, BF16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
             else:
-                _decode_rows(src, st, F16, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+                _decode_element_rows(src, st, F16, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
         return half
 
-    def single(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-        _decode_rows(src, st, F32, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+    def single(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+        _decode_element_rows(src, st, F32, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
     return single
 
 
 @njit(**_LEAF)
-def _decode_tile(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-    """dst[kk*hd:(kk+1)*hd] = float32 values of the n key rows starting at page index bi,
-    offset off (codes unscaled; e4m3 values divided by _tile_factor). One call per tile:
-    per-row calls cost as much as the decode."""
-    _decode_rows_any(src, st, kind, block_tables, seq, bi, off, g, n, dst, hd, block_size)
+def _decode_tile(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
+    """dst[kk*hd:(kk+1)*hd] = float32 values of the n rows starting at page index bi, offset
+    off (codes unscaled; e4m3 values divided by _tile_factor; uint4 rows codes - zps[kk], even
+    elements then odd). One call per tile: per-row calls cost as much as the decode."""
+    _decode_rows_any(src, st, kind, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
 
 
 @njit(**_LEAF)
@@ -1123,201 +1005,13 @@ def _kv_overload(src, i, kind):
     return decode
 
 
-# The K/V rows of a tile come either decoded (a float32 tile, row kk at rowa[kk]) or as code
-# rows in the cache (row kk at rowa[kk]), decoded inside the loops below. The second is for few
-# query rows: each code is then decoded once per 4 rows in registers, instead of once per tile
-# into a buffer that is stored and loaded again.
-
-
-@njit(inline="always")
-def _scores_of(q, rows, src, rowa, kind, n, hd, out, factor):
-    # Four rows per pass: each K element is loaded (and decoded) once for the four; every
-    # row's sum is still its own reduction over d, in the same order as one row at a time.
-    r = 0
-    while r + 4 <= rows:
-        q0 = r * hd
-        q1 = q0 + hd
-        q2 = q1 + hd
-        q3 = q2 + hd
-        for kk in range(n):
-            s0 = _ZERO
-            s1 = _ZERO
-            s2 = _ZERO
-            s3 = _ZERO
-            k0 = rowa[kk]
-            for d in range(hd):
-                kv = _kv(src, _u(k0 + d), kind)
-                s0 += q[_u(q0 + d)] * kv
-                s1 += q[_u(q1 + d)] * kv
-                s2 += q[_u(q2 + d)] * kv
-                s3 += q[_u(q3 + d)] * kv
-            out[_u(r * TILE + kk)] = s0 * factor
-            out[_u(r * TILE + TILE + kk)] = s1 * factor
-            out[_u(r * TILE + 2 * TILE + kk)] = s2 * factor
-            out[_u(r * TILE + 3 * TILE + kk)] = s3 * factor
-        r += 4
-    for row in range(r, rows):
-        q0 = row * hd
-        for kk in range(n):
-            acc = _ZERO
-            k0 = rowa[kk]
-            for d in range(hd):
-                acc += q[_u(q0 + d)] * _kv(src, _u(k0 + d), kind)
-            out[_u(row * TILE + kk)] = acc * factor
-
-
-@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _scores(q, rows, src, rowa, kind, n, hd, out, factor):
-    """out[r*TILE + kk] = (q[r] . K row kk) * factor for every query row and the n keys of a
-    tile; K rows at src[rowa[kk]:], decoded float32 or codes of the given kind."""
-    if kind == E4M3FN:
-        _scores_of(q, rows, src, rowa, E4M3FN, n, hd, out, factor)
-    elif kind == E4M3FNUZ:
-        _scores_of(q, rows, src, rowa, E4M3FNUZ, n, hd, out, factor)
-    elif kind == E5M2:
-        _scores_of(q, rows, src, rowa, E5M2, n, hd, out, factor)
-    else:
-        _scores_of(q, rows, src, rowa, I8, n, hd, out, factor)
-
-
-# A decoded float32 tile reads the same whatever the kind: one copy of the loops, not three.
-@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _scores_tile(q, rows, tile, rowa, n, hd, out, factor):
-    """_scores on a decoded float32 tile."""
-    _scores_of(q, rows, tile, rowa, I8, n, hd, out, factor)
-
-
-@njit(inline="always")
-def _axpy_block(acc, w, src, rowa, kind, r, kk, hd):
-    """acc[r+i] += w[(r+i)*TILE + kk+j] * V row kk+j for 4 rows i and 4 keys j, in key order.
-
-    Each acc element is loaded and stored once for the 4 keys and each V element loaded once for
-    the 4 rows; the additions into one acc element happen in key order, as one key at a time
-    would do them: same result."""
-    w0 = r * TILE + kk
-    x00 = w[_u(w0)]
-    x01 = w[_u(w0 + 1)]
-    x02 = w[_u(w0 + 2)]
-    x03 = w[_u(w0 + 3)]
-    x10 = w[_u(w0 + TILE)]
-    x11 = w[_u(w0 + TILE + 1)]
-    x12 = w[_u(w0 + TILE + 2)]
-    x13 = w[_u(w0 + TILE + 3)]
-    x20 = w[_u(w0 + 2 * TILE)]
-    x21 = w[_u(w0 + 2 * TILE + 1)]
-    x22 = w[_u(w0 + 2 * TILE + 2)]
-    x23 = w[_u(w0 + 2 * TILE + 3)]
-    x30 = w[_u(w0 + 3 * TILE)]
-    x31 = w[_u(w0 + 3 * TILE + 1)]
-    x32 = w[_u(w0 + 3 * TILE + 2)]
-    x33 = w[_u(w0 + 3 * TILE + 3)]
-    v0 = rowa[kk]
-    v1 = rowa[kk + 1]
-    v2 = rowa[kk + 2]
-    v3 = rowa[kk + 3]
-    a0 = r * hd
-    a1 = a0 + hd
-    a2 = a1 + hd
-    a3 = a2 + hd
-    for d in range(hd):
-        e0 = _kv(src, _u(v0 + d), kind)
-        e1 = _kv(src, _u(v1 + d), kind)
-        e2 = _kv(src, _u(v2 + d), kind)
-        e3 = _kv(src, _u(v3 + d), kind)
-        acc[_u(a0 + d)] = (((acc[_u(a0 + d)] + x00 * e0) + x01 * e1) + x02 * e2) + x03 * e3
-        acc[_u(a1 + d)] = (((acc[_u(a1 + d)] + x10 * e0) + x11 * e1) + x12 * e2) + x13 * e3
-        acc[_u(a2 + d)] = (((acc[_u(a2 + d)] + x20 * e0) + x21 * e1) + x22 * e2) + x23 * e3
-        acc[_u(a3 + d)] = (((acc[_u(a3 + d)] + x30 * e0) + x31 * e1) + x32 * e2) + x33 * e3
-
-
-@njit(inline="always")
-def _axpy_key(acc, a0, wk, src, v0, kind, hd):
-    # A zero weight (masked key, or exp underflow) adds nothing: skip it, so that a masked key's
-    # non-finite V row (0 * Inf = NaN) stays out of the sum.
-    if wk != _ZERO:
-        for d in range(hd):
-            acc[_u(a0 + d)] += wk * _kv(src, _u(v0 + d), kind)
-
-
-@njit(inline="always")
-def _accumulate_of(acc, w, src, rowa, kind, rows, n, hd):
-    # Groups of 4 rows take 4x4 blocks where all 16 weights are nonzero; every other (row, key)
-    # goes one key at a time. One call site of each: every inlined copy of these vectorized
-    # loops costs compile time (LLVM unrolled the per-key loops over i and j into 16 copies).
-    r = 0
-    while r < rows:
-        nr = 4 if r + 4 <= rows else 1
-        kk = 0
-        while kk < n:
-            ke = min(kk + 4, n) if nr == 4 else n
-            nonzero = ke - kk == 4
-            for i in range(nr):
-                for j in range(kk, ke):
-                    nonzero = nonzero and w[_u((r + i) * TILE + j)] != _ZERO
-            if nonzero and nr == 4:
-                _axpy_block(acc, w, src, rowa, kind, r, kk, hd)
-            else:
-                for i in range(nr):
-                    for k in range(kk, ke):
-                        _axpy_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], kind, hd)
-            kk = ke
-        r += nr
-
-
-@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
-def _accumulate(acc, w, src, rowa, kind, rows, n, hd):
-    """acc[r] += w[r*TILE + kk] * V row kk for every row and the n keys of a tile, in key order;
-    V rows as in _scores."""
-    if kind == E4M3FN:
-        _accumulate_of(acc, w, src, rowa, E4M3FN, rows, n, hd)
-    elif kind == E4M3FNUZ:
-        _accumulate_of(acc, w, src, rowa, E4M3FNUZ, rows, n, hd)
-    elif kind == E5M2:
-        _accumulate_of(acc, w, src, rowa, E5M2, rows, n, hd)
-    else:
-        _accumulate_of(acc, w, src, rowa, I8, rows, n, hd)
-
-
-@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
-def _accumulate_tile(acc, w, tile, rowa, rows, n, hd):
-    """_accumulate on a decoded float32 tile."""
-    _accumulate_of(acc, w, tile, rowa, I8, rows, n, hd)
-
-
-def _fused_scores(q, rows, kc, krow, kind, n, hd, out, factor):
-    """_scores on the cache's code rows; nothing for a cache of model-dtype elements, which
-    never takes the fused path (so _scores is not compiled for it)."""
-
-
-@overload(_fused_scores)
-def _fused_scores_overload(q, rows, kc, krow, kind, n, hd, out, factor):
-    if kc.dtype == types.uint8:
-        return lambda q, rows, kc, krow, kind, n, hd, out, factor: _scores(q, rows, kc, krow, kind, n, hd, out, factor)
-    return lambda q, rows, kc, krow, kind, n, hd, out, factor: None
-
-
-def _fused_accumulate(acc, w, vc, vrow, kind, rows, n, hd):
-    """_accumulate on the cache's code rows (see _fused_scores)."""
-
-
-@overload(_fused_accumulate)
-def _fused_accumulate_overload(acc, w, vc, vrow, kind, rows, n, hd):
-    if vc.dtype == types.uint8:
-        return lambda acc, w, vc, vrow, kind, rows, n, hd: _accumulate(acc, w, vc, vrow, kind, rows, n, hd)
-    return lambda acc, w, vc, vrow, kind, rows, n, hd: None
-
-
 # uint4 rows (SPEC.md 8.4): byte j holds elements 2j and 2j + 1, and the products take a row
 # in the order "even elements, then odd" (element 2j at j, 2j + 1 at D/2 + j), so each loop
 # runs over a row's D/2 bytes with unit-stride query, accumulator and byte operands. A uint4
-# item keeps its query rows and accumulators in that order (_u4_query_rows, _u4_output_rows).
-# Each code enters as code - zp, exact, keeping the zero point out of the products' rounding
-# (SPEC.md's q . codes - sum(q) * zp form subtracts two large sums). As for the 8-bit codes, a
-# tile is read either as the cache's bytes (few query rows) or decoded once into a float32
-# tile in the same order, and both give the same bytes: q . k is one copy of the loops for
-# both (_scores_u4); p . v on a decoded tile is _accumulate_tile, whose additions into each
-# element are _accumulate_u4's, in the same order and the same expression shape
-# (tests/test_numba_attention_speed_parity.py holds the two paths together).
+# key side keeps the item's query rows in that order (_u4_query_rows), a uint4 value side its
+# accumulators (_u4_output_rows). Each code enters as code - zp, exact, keeping the zero point
+# out of the products' rounding (SPEC.md's q . codes - sum(q) * zp form subtracts two large
+# sums).
 
 
 def _u4_pair(src, a, j, half, zp):
@@ -1332,109 +1026,223 @@ def _u4_pair_overload(src, a, j, half, zp):
     return lambda src, a, j, half, zp: _u4_values(_i32(src[_u(a + j)]), zp)
 
 
-@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
-def _scores_u4(q, rows, src, rowa, zps, n, hd, out):
-    """out[r*TILE + kk] = q[r] . (codes - zp) of uint4 K row kk (at src[rowa[kk]:], bytes or a
-    decoded tile), q rows in even-then-odd order; four rows per pass, as _scores_of."""
-    half = hd // 2
-    r = 0
-    while r + 4 <= rows:
-        q0 = r * hd
-        q1 = q0 + hd
-        q2 = q1 + hd
-        q3 = q2 + hd
-        for kk in range(n):
-            s0 = _ZERO
-            s1 = _ZERO
-            s2 = _ZERO
-            s3 = _ZERO
-            k0 = rowa[kk]
-            zp = zps[kk]
-            for j in range(half):
-                lo, hi = _u4_pair(src, k0, j, half, zp)
-                s0 += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
-                s1 += q[_u(q1 + j)] * lo + q[_u(q1 + half + j)] * hi
-                s2 += q[_u(q2 + j)] * lo + q[_u(q2 + half + j)] * hi
-                s3 += q[_u(q3 + j)] * lo + q[_u(q3 + half + j)] * hi
-            out[_u(r * TILE + kk)] = s0
-            out[_u(r * TILE + TILE + kk)] = s1
-            out[_u(r * TILE + 2 * TILE + kk)] = s2
-            out[_u(r * TILE + 3 * TILE + kk)] = s3
-        r += 4
-    for row in range(r, rows):
-        q0 = row * hd
-        for kk in range(n):
-            acc = _ZERO
-            k0 = rowa[kk]
-            zp = zps[kk]
-            for j in range(half):
-                lo, hi = _u4_pair(src, k0, j, half, zp)
-                acc += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
-            out[_u(row * TILE + kk)] = acc
+# The K/V rows of a tile come either decoded (a float32 tile, row kk at rowa[kk]) or as code
+# rows in the cache (row kk at rowa[kk]), decoded inside the loops below. The second is for few
+# query rows: each code is then decoded once per 4 rows in registers, instead of once per tile
+# into a buffer that is stored and loaded again. Both give the same bytes: a decoded tile holds
+# a row's values in the order the loops take them from the codes (uint4: even then odd), q . k
+# sums them in the same order either way, and each element of p . v takes its terms in key
+# order with the same expression (tests/test_numba_attention_speed_parity.py holds the two
+# paths together). kind U4 says a row is uint4's (src the cache's int8 bytes or their tile).
 
 
 @njit(inline="always")
-def _axpy_u4_block(acc, w, src, rowa, zps, r, kk, hd):
-    """_axpy_block for uint4 V rows: acc rows r..r+3 += their weights for keys kk..kk+3 times
-    the keys' values, each acc element's additions in key order."""
+def _dot_elements(q, q0, src, k0, kind, zps, kk, hd):
+    """q[q0:q0+hd] . K row kk (at src[k0:])."""
+    acc = _ZERO
+    for d in range(hd):
+        acc += q[_u(q0 + d)] * _kv(src, _u(k0 + d), kind)
+    return acc
+
+
+@njit(inline="always")
+def _dot4_elements(q, q0, src, k0, kind, zps, kk, hd):
+    """_dot_elements of the four query rows from q0 (hd apart): each K element loaded (and
+    decoded) once for the four, every row's sum still its own reduction, in the same order."""
+    q1, q2, q3 = q0 + hd, q0 + 2 * hd, q0 + 3 * hd
+    s0, s1, s2, s3 = _ZERO, _ZERO, _ZERO, _ZERO
+    for d in range(hd):
+        kv = _kv(src, _u(k0 + d), kind)
+        s0 += q[_u(q0 + d)] * kv
+        s1 += q[_u(q1 + d)] * kv
+        s2 += q[_u(q2 + d)] * kv
+        s3 += q[_u(q3 + d)] * kv
+    return s0, s1, s2, s3
+
+
+@njit(inline="always")
+def _dot_pairs(q, q0, src, k0, kind, zps, kk, hd):
+    """_dot_elements of a uint4 K row, its values and q's in even-then-odd order."""
+    acc = _ZERO
     half = hd // 2
+    zp = zps[kk]
+    for j in range(half):
+        lo, hi = _u4_pair(src, k0, j, half, zp)
+        acc += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
+    return acc
+
+
+@njit(inline="always")
+def _dot4_pairs(q, q0, src, k0, kind, zps, kk, hd):
+    """_dot4_elements of a uint4 K row (see _dot_pairs)."""
+    q1, q2, q3 = q0 + hd, q0 + 2 * hd, q0 + 3 * hd
+    s0, s1, s2, s3 = _ZERO, _ZERO, _ZERO, _ZERO
+    half = hd // 2
+    zp = zps[kk]
+    for j in range(half):
+        lo, hi = _u4_pair(src, k0, j, half, zp)
+        s0 += q[_u(q0 + j)] * lo + q[_u(q0 + half + j)] * hi
+        s1 += q[_u(q1 + j)] * lo + q[_u(q1 + half + j)] * hi
+        s2 += q[_u(q2 + j)] * lo + q[_u(q2 + half + j)] * hi
+        s3 += q[_u(q3 + j)] * lo + q[_u(q3 + half + j)] * hi
+    return s0, s1, s2, s3
+
+
+@njit(inline="always")
+def _scores_of(dot4, dot, q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    # Four rows per pass (dot4), then the rest one at a time (dot).
+    r = 0
+    while r + 4 <= rows:
+        for kk in range(n):
+            s0, s1, s2, s3 = dot4(q, r * hd, src, rowa[kk], kind, zps, kk, hd)
+            out[_u(r * TILE + kk)] = s0 * factor
+            out[_u(r * TILE + TILE + kk)] = s1 * factor
+            out[_u(r * TILE + 2 * TILE + kk)] = s2 * factor
+            out[_u(r * TILE + 3 * TILE + kk)] = s3 * factor
+        r += 4
+    for row in range(r, rows):
+        for kk in range(n):
+            out[_u(row * TILE + kk)] = dot(q, row * hd, src, rowa[kk], kind, zps, kk, hd) * factor
+
+
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores(q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    """out[r*TILE + kk] = (q[r] . K row kk) * factor for every query row and the n keys of a
+    tile; K rows at src[rowa[kk]:], 8-bit codes of the given kind in the cache."""
+    if kind == E4M3FN:
+        _scores_of(_dot4_elements, _dot_elements, q, rows, src, rowa, E4M3FN, zps, n, hd, out, factor)
+    elif kind == E4M3FNUZ:
+        _scores_of(_dot4_elements, _dot_elements, q, rows, src, rowa, E4M3FNUZ, zps, n, hd, out, factor)
+    elif kind == E5M2:
+        _scores_of(_dot4_elements, _dot_elements, q, rows, src, rowa, E5M2, zps, n, hd, out, factor)
+    else:
+        _scores_of(_dot4_elements, _dot_elements, q, rows, src, rowa, I8, zps, n, hd, out, factor)
+
+
+# A decoded float32 tile reads the same whatever the kind: one copy of the loops, not four.
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores_tile(q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    """_scores on a tile decoded from 8-bit codes or the model dtype's elements."""
+    _scores_of(_dot4_elements, _dot_elements, q, rows, src, rowa, I8, zps, n, hd, out, factor)
+
+
+@njit(cache=True, fastmath=set(DOT_FASTMATH), error_model="numpy", boundscheck=False)
+def _scores_u4(q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    """_scores on uint4 rows, the cache's bytes or a tile decoded from them, zero points zps."""
+    _scores_of(_dot4_pairs, _dot_pairs, q, rows, src, rowa, U4, zps, n, hd, out, factor)
+
+
+def _product_for(pages, src, eight_bit, uint4, tile):
+    """At typing time, the compiled product for a side whose pages have the type of pages, read
+    from src (the pages themselves, or a tile decoded from them): uint4 for uint4 pages (int8),
+    eight_bit on 8-bit codes, tile on a tile decoded from them or from the model dtype's
+    elements; None for those elements themselves, which reach the products decoded."""
+    if pages.dtype == types.int8:
+        return uint4
+    if src.dtype == types.uint8:
+        return eight_bit
+    return tile if isinstance(src.dtype, types.Float) else None
+
+
+def _side_scores(codes, q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    """The q . k of a tile of the key side whose pages are codes (_product_for)."""
+
+
+@overload(_side_scores)
+def _side_scores_overload(codes, q, rows, src, rowa, kind, zps, n, hd, out, factor):
+    scores = _product_for(codes, src, _scores, _scores_u4, _scores_tile)
+    if scores is None:
+        return lambda codes, q, rows, src, rowa, kind, zps, n, hd, out, factor: None
+    return lambda codes, q, rows, src, rowa, kind, zps, n, hd, out, factor: scores(
+        q, rows, src, rowa, kind, zps, n, hd, out, factor
+    )
+
+
+@njit(inline="always")
+def _weights4(w, i):
+    return w[_u(i)], w[_u(i + 1)], w[_u(i + 2)], w[_u(i + 3)]
+
+
+@njit(inline="always")
+def _axpy4(acc, b, x, e0, e1, e2, e3):
+    acc[_u(b)] = (((acc[_u(b)] + x[0] * e0) + x[1] * e1) + x[2] * e2) + x[3] * e3
+
+
+@njit(inline="always")
+def _axpy_rows(acc, a, hd, x0, x1, x2, x3, e0, e1, e2, e3):
+    """Element a of the four accumulator rows from a (hd apart) += their weights (row i's four
+    in xi) times the four keys' elements e, in key order."""
+    _axpy4(acc, a, x0, e0, e1, e2, e3)
+    _axpy4(acc, a + hd, x1, e0, e1, e2, e3)
+    _axpy4(acc, a + 2 * hd, x2, e0, e1, e2, e3)
+    _axpy4(acc, a + 3 * hd, x3, e0, e1, e2, e3)
+
+
+@njit(inline="always")
+def _axpy_block(keys, acc, w, src, rowa, kind, zps, r, kk, hd):
+    """acc[r+i] += w[(r+i)*TILE + kk+j] * V row kk+j for 4 rows i and 4 keys j, in key order.
+
+    Each acc element is loaded and stored once for the 4 keys and each V element loaded once for
+    the 4 rows; the additions into one acc element happen in key order, as one key at a time
+    would do them: same result."""
     w0 = r * TILE + kk
-    x00 = w[_u(w0)]
-    x01 = w[_u(w0 + 1)]
-    x02 = w[_u(w0 + 2)]
-    x03 = w[_u(w0 + 3)]
-    x10 = w[_u(w0 + TILE)]
-    x11 = w[_u(w0 + TILE + 1)]
-    x12 = w[_u(w0 + TILE + 2)]
-    x13 = w[_u(w0 + TILE + 3)]
-    x20 = w[_u(w0 + 2 * TILE)]
-    x21 = w[_u(w0 + 2 * TILE + 1)]
-    x22 = w[_u(w0 + 2 * TILE + 2)]
-    x23 = w[_u(w0 + 2 * TILE + 3)]
-    x30 = w[_u(w0 + 3 * TILE)]
-    x31 = w[_u(w0 + 3 * TILE + 1)]
-    x32 = w[_u(w0 + 3 * TILE + 2)]
-    x33 = w[_u(w0 + 3 * TILE + 3)]
+    x0 = _weights4(w, w0)
+    x1 = _weights4(w, w0 + TILE)
+    x2 = _weights4(w, w0 + 2 * TILE)
+    x3 = _weights4(w, w0 + 3 * TILE)
+    keys(acc, r * hd, hd, src, rowa, kind, zps, kk, x0, x1, x2, x3)
+
+
+@njit(inline="always")
+def _axpy_keys_elements(acc, a0, hd, src, rowa, kind, zps, kk, x0, x1, x2, x3):
+    """_axpy_block's loop over the elements of V rows kk..kk+3, weights xi of row i."""
+    v0, v1, v2, v3 = rowa[kk], rowa[kk + 1], rowa[kk + 2], rowa[kk + 3]
+    for d in range(hd):
+        e0 = _kv(src, _u(v0 + d), kind)
+        e1 = _kv(src, _u(v1 + d), kind)
+        e2 = _kv(src, _u(v2 + d), kind)
+        e3 = _kv(src, _u(v3 + d), kind)
+        _axpy_rows(acc, a0 + d, hd, x0, x1, x2, x3, e0, e1, e2, e3)
+
+
+@njit(inline="always")
+def _axpy_keys_pairs(acc, a0, hd, src, rowa, kind, zps, kk, x0, x1, x2, x3):
+    """_axpy_keys_elements on uint4 V rows: the accumulator rows in even-then-odd order."""
     v0, v1, v2, v3 = rowa[kk], rowa[kk + 1], rowa[kk + 2], rowa[kk + 3]
     z0, z1, z2, z3 = zps[kk], zps[kk + 1], zps[kk + 2], zps[kk + 3]
-    a0 = r * hd
-    a1 = a0 + hd
-    a2 = a1 + hd
-    a3 = a2 + hd
+    half = hd // 2
     for j in range(half):
         e0, f0 = _u4_pair(src, v0, j, half, z0)
         e1, f1 = _u4_pair(src, v1, j, half, z1)
         e2, f2 = _u4_pair(src, v2, j, half, z2)
         e3, f3 = _u4_pair(src, v3, j, half, z3)
-        acc[_u(a0 + j)] = (((acc[_u(a0 + j)] + x00 * e0) + x01 * e1) + x02 * e2) + x03 * e3
-        acc[_u(a1 + j)] = (((acc[_u(a1 + j)] + x10 * e0) + x11 * e1) + x12 * e2) + x13 * e3
-        acc[_u(a2 + j)] = (((acc[_u(a2 + j)] + x20 * e0) + x21 * e1) + x22 * e2) + x23 * e3
-        acc[_u(a3 + j)] = (((acc[_u(a3 + j)] + x30 * e0) + x31 * e1) + x32 * e2) + x33 * e3
-        h0 = a0 + half + j
-        h1 = a1 + half + j
-        h2 = a2 + half + j
-        h3 = a3 + half + j
-        acc[_u(h0)] = (((acc[_u(h0)] + x00 * f0) + x01 * f1) + x02 * f2) + x03 * f3
-        acc[_u(h1)] = (((acc[_u(h1)] + x10 * f0) + x11 * f1) + x12 * f2) + x13 * f3
-        acc[_u(h2)] = (((acc[_u(h2)] + x20 * f0) + x21 * f1) + x22 * f2) + x23 * f3
-        acc[_u(h3)] = (((acc[_u(h3)] + x30 * f0) + x31 * f1) + x32 * f2) + x33 * f3
+        _axpy_rows(acc, a0 + j, hd, x0, x1, x2, x3, e0, e1, e2, e3)
+        _axpy_rows(acc, a0 + half + j, hd, x0, x1, x2, x3, f0, f1, f2, f3)
 
 
 @njit(inline="always")
-def _axpy_u4_key(acc, a0, wk, src, v0, zp, hd):
-    """_axpy_key for a uint4 V row (a zero weight adds nothing)."""
-    if wk != _ZERO:
-        half = hd // 2
-        for j in range(half):
-            lo, hi = _u4_pair(src, v0, j, half, zp)
-            acc[_u(a0 + j)] += wk * lo
-            acc[_u(a0 + half + j)] += wk * hi
+def _axpy_key_elements(acc, a0, wk, src, v0, kind, zps, k, hd):
+    """acc[a0:a0+hd] += wk * V row k (at src[v0:])."""
+    for d in range(hd):
+        acc[_u(a0 + d)] += wk * _kv(src, _u(v0 + d), kind)
 
 
-@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
-def _accumulate_u4(acc, w, src, rowa, zps, rows, n, hd):
-    """_accumulate (the same blocks, the same key order) on uint4 V code rows: acc[r] +=
-    w[r*TILE + kk] * (codes - zp) of V row kk, acc rows in even-then-odd order."""
+@njit(inline="always")
+def _axpy_key_pairs(acc, a0, wk, src, v0, kind, zps, k, hd):
+    """_axpy_key_elements on a uint4 V row (see _axpy_keys_pairs)."""
+    half = hd // 2
+    zp = zps[k]
+    for j in range(half):
+        lo, hi = _u4_pair(src, v0, j, half, zp)
+        acc[_u(a0 + j)] += wk * lo
+        acc[_u(a0 + half + j)] += wk * hi
+
+
+@njit(inline="always")
+def _accumulate_of(keys, key, acc, w, src, rowa, kind, zps, rows, n, hd):
+    # Groups of 4 rows take 4x4 blocks where all 16 weights are nonzero; every other (row, key)
+    # goes one key at a time. One call site of each: every inlined copy of these vectorized
+    # loops costs compile time (LLVM unrolled the per-key loops over i and j into 16 copies).
     r = 0
     while r < rows:
         nr = 4 if r + 4 <= rows else 1
@@ -1446,90 +1254,61 @@ def _accumulate_u4(acc, w, src, rowa, zps, rows, n, hd):
                 for j in range(kk, ke):
                     nonzero = nonzero and w[_u((r + i) * TILE + j)] != _ZERO
             if nonzero and nr == 4:
-                _axpy_u4_block(acc, w, src, rowa, zps, r, kk, hd)
+                _axpy_block(keys, acc, w, src, rowa, kind, zps, r, kk, hd)
             else:
                 for i in range(nr):
                     for k in range(kk, ke):
-                        _axpy_u4_key(acc, (r + i) * hd, w[_u((r + i) * TILE + k)], src, rowa[k], zps[k], hd)
+                        # A zero weight (masked key, or exp underflow) adds nothing: skipped, so
+                        # that a masked key's non-finite V row (0 * Inf = NaN) stays out of the sum.
+                        wk = w[_u((r + i) * TILE + k)]
+                        if wk != _ZERO:
+                            key(acc, (r + i) * hd, wk, src, rowa[k], kind, zps, k, hd)
             kk = ke
         r += nr
 
 
-@njit(inline="always")
-def _decode_u4_row(src, a, sd, zp, dst, d0, half):
-    for j in range(half):
-        lo, hi = _u4_values(_i32(src[_u(a + j * sd)]), zp)
-        dst[_u(d0 + j)] = lo
-        dst[_u(d0 + half + j)] = hi
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate(acc, w, src, rowa, kind, zps, rows, n, hd):
+    """acc[r] += w[r*TILE + kk] * V row kk for every row and the n keys of a tile, in key order;
+    V rows at src[rowa[kk]:], 8-bit codes of the given kind in the cache."""
+    if kind == E4M3FN:
+        _accumulate_of(_axpy_keys_elements, _axpy_key_elements, acc, w, src, rowa, E4M3FN, zps, rows, n, hd)
+    elif kind == E4M3FNUZ:
+        _accumulate_of(_axpy_keys_elements, _axpy_key_elements, acc, w, src, rowa, E4M3FNUZ, zps, rows, n, hd)
+    elif kind == E5M2:
+        _accumulate_of(_axpy_keys_elements, _axpy_key_elements, acc, w, src, rowa, E5M2, zps, rows, n, hd)
+    else:
+        _accumulate_of(_axpy_keys_elements, _axpy_key_elements, acc, w, src, rowa, I8, zps, rows, n, hd)
 
 
-@njit(**_LEAF)
-def _decode_tile_u4(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-    """_decode_tile for uint4 rows: dst row kk = codes - zps[kk], even elements then odd."""
-    half = hd // 2
-    for kk in range(n):
-        blk = block_tables[seq, bi]
-        a = st[0] + blk * st[1] + off * st[2] + g * st[3]
-        if st[4] == 1:  # the stride a constant, so the loop vectorizes (as _decode_rows)
-            _decode_u4_row(src, a, 1, zps[kk], dst, kk * hd, half)
-        else:
-            _decode_u4_row(src, a, st[4], zps[kk], dst, kk * hd, half)
-        off += 1
-        if off == block_size:
-            off = 0
-            bi += 1
+# As _scores_tile: one copy of the loops for a decoded tile, uint4's included (each element of
+# the accumulators takes its own terms, whatever order a row's elements are held in).
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate_tile(acc, w, src, rowa, kind, zps, rows, n, hd):
+    """_accumulate on a decoded tile."""
+    _accumulate_of(_axpy_keys_elements, _axpy_key_elements, acc, w, src, rowa, I8, zps, rows, n, hd)
 
 
-# uint4 caches arrive as int8 (see __init__._cache_kind): the functions below run the uint4
-# loops for those and are nothing for any other cache, so other signatures compile no uint4 code.
+@njit(cache=True, fastmath=set(AXPY_FASTMATH), error_model="numpy", boundscheck=False)
+def _accumulate_u4(acc, w, src, rowa, kind, zps, rows, n, hd):
+    """_accumulate on the cache's uint4 bytes, zero points zps: acc rows in even-then-odd order."""
+    _accumulate_of(_axpy_keys_pairs, _axpy_key_pairs, acc, w, src, rowa, U4, zps, rows, n, hd)
 
 
-def _fused_u4_scores(q, rows, kc, krow, kzp, n, hd, out):
-    """_scores_u4 on the cache's code rows."""
+def _side_accumulate(codes, acc, w, src, rowa, kind, zps, rows, n, hd):
+    """The p . v of a tile of the value side whose pages are codes (_product_for; a decoded
+    tile is _accumulate_tile's whatever the format)."""
 
 
-@overload(_fused_u4_scores)
-def _fused_u4_scores_overload(q, rows, kc, krow, kzp, n, hd, out):
-    if kc.dtype == types.int8:
-        return lambda q, rows, kc, krow, kzp, n, hd, out: _scores_u4(q, rows, kc, krow, kzp, n, hd, out)
-    return lambda q, rows, kc, krow, kzp, n, hd, out: None
-
-
-def _fused_u4_accumulate(acc, w, vc, vrow, vzp, rows, n, hd):
-    """_accumulate_u4 on the cache's code rows."""
-
-
-@overload(_fused_u4_accumulate)
-def _fused_u4_accumulate_overload(acc, w, vc, vrow, vzp, rows, n, hd):
-    if vc.dtype == types.int8:
-        return lambda acc, w, vc, vrow, vzp, rows, n, hd: _accumulate_u4(acc, w, vc, vrow, vzp, rows, n, hd)
-    return lambda acc, w, vc, vrow, vzp, rows, n, hd: None
-
-
-def _u4_decode_tile(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-    """_decode_tile_u4 on the cache's code rows."""
-
-
-@overload(_u4_decode_tile)
-def _u4_decode_tile_overload(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-    if src.dtype == types.int8:
-
-        def codes(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size):
-            _decode_tile_u4(src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size)
-
-        return codes
-    return lambda src, st, zps, block_tables, seq, bi, off, g, n, dst, hd, block_size: None
-
-
-def _u4_tile_scores(kc, q, rows, kt, rowa, kzp, n, hd, out):
-    """_scores_u4 on a decoded tile kt, where kc (the cache it came from) holds uint4 codes."""
-
-
-@overload(_u4_tile_scores)
-def _u4_tile_scores_overload(kc, q, rows, kt, rowa, kzp, n, hd, out):
-    if kc.dtype == types.int8:
-        return lambda kc, q, rows, kt, rowa, kzp, n, hd, out: _scores_u4(q, rows, kt, rowa, kzp, n, hd, out)
-    return lambda kc, q, rows, kt, rowa, kzp, n, hd, out: None
+@overload(_side_accumulate)
+def _side_accumulate_overload(codes, acc, w, src, rowa, kind, zps, rows, n, hd):
+    fused = _product_for(codes, src, _accumulate, _accumulate_u4, _accumulate_tile)
+    accumulate = _accumulate_tile if isinstance(src.dtype, types.Float) else fused
+    if accumulate is None:
+        return lambda codes, acc, w, src, rowa, kind, zps, rows, n, hd: None
+    return lambda codes, acc, w, src, rowa, kind, zps, rows, n, hd: accumulate(
+        acc, w, src, rowa, kind, zps, rows, n, hd
+    )
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -1586,84 +1365,54 @@ def _softmax_tile(sc, s0, n, m_new, vscale):
 
 
 @njit(**_LEAF)
-def _prefetch_tile(
-    kc, kcs, vc, vcs, ksc, kscs, vsc, vscs, has_scales, block_tables, seq, bi, off, g, n, hd, block_size
-):
-    """Ask the cache for the K/V rows (and scales) of the n keys from page index bi, offset off,
-    so their loads overlap the current tile's arithmetic. One page lookup per page run."""
+def _prefetch_rows(side, block_tables, seq, bi, off, g, n, hd, block_size):
+    """Ask the cache for a side's rows (and scales) of the n keys from page index bi, offset
+    off, so their loads overlap the current tile's arithmetic. One page lookup per page run."""
+    codes, st, sst = side.codes, _strides5(side.strides), _strides4(side.scale_strides)
+    row_bytes = (hd // 2 if side.kind == U4 else hd) * codes.itemsize
     while n > 0:
         blk = block_tables[seq, bi]
         run = min(n, block_size - off)
-        ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
-        va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
+        a = st[0] + blk * st[1] + off * st[2] + g * st[3]
         for i in range(run):
-            for line in range(0, hd * kc.itemsize, 64):
-                _prefetch(kc, ka + i * kcs[2] + line // kc.itemsize)
-                _prefetch(vc, va + i * vcs[2] + line // vc.itemsize)
-        if has_scales:
-            ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
-            va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
+            for line in range(0, row_bytes, 64):
+                _prefetch(codes, a + i * st[2] + line // codes.itemsize)
+        if side.per_token_head:
+            a = sst[0] + blk * sst[1] + off * sst[2] + g * sst[3]
             for i in range(run):
-                _prefetch(ksc, ka + i * kscs[2])
-                _prefetch(vsc, va + i * vscs[2])
+                _prefetch(side.scales, a + i * sst[2])
         n -= run
         off = 0
         bi += 1
 
 
 @njit(**_LEAF)
-def _tile_keys(
-    kcs,
-    vcs,
-    ksc,
-    kscs,
-    vsc,
-    vscs,
-    has_scales,
-    zero_points,
-    block_tables,
-    seq,
-    bi,
-    off,
-    g,
-    n,
-    block_size,
-    key_unit,
-    krow,
-    vrow,
-    kscale,
-    vscale,
-    kzp,
-    vzp,
-):
-    """For the n keys from page index bi, offset off: where their K and V code rows start
-    (krow, vrow) and, with per-token-head scales, kscale = K scale * key_unit and vscale =
-    V scale; with zero_points (uint4) the scale words' low bits go to kzp / vzp instead. One
-    page lookup per page run, not per key."""
+def _tile_rows(side, block_tables, seq, bi, off, g, n, block_size, unit, row, scale, zp):
+    """For the n keys from page index bi, offset off: where the side's rows start (row) and
+    their scales times unit (scale: the per-row scales, else the static one); a uint4 side's
+    zero points, the scale words' low bits, go to zp. One page lookup per page run, not per
+    key."""
+    st, sst = _strides5(side.strides), _strides4(side.scale_strides)
+    u4 = side.kind == U4
     kk = 0
     while kk < n:
         blk = block_tables[seq, bi]
         run = min(n - kk, block_size - off)
-        ka = kcs[0] + blk * kcs[1] + off * kcs[2] + g * kcs[3]
-        va = vcs[0] + blk * vcs[1] + off * vcs[2] + g * vcs[3]
+        a = st[0] + blk * st[1] + off * st[2] + g * st[3]
         for i in range(run):
-            krow[kk + i] = ka + i * kcs[2]
-            vrow[kk + i] = va + i * vcs[2]
-        if has_scales:
-            ka = kscs[0] + blk * kscs[1] + off * kscs[2] + g * kscs[3]
-            va = vscs[0] + blk * vscs[1] + off * vscs[2] + g * vscs[3]
-            if zero_points:
-                for i in range(run):
-                    kw = _i32(ksc[_u(ka + i * kscs[2])])
-                    vw = _i32(vsc[_u(va + i * vscs[2])])
-                    kscale[_u(kk + i)] = f32_from_bits(kw & _SCALE_BITS) * key_unit
-                    vscale[_u(kk + i)] = f32_from_bits(vw & _SCALE_BITS)
-                    kzp[_u(kk + i)] = _i32(kw & _ZP_MASK)
-                    vzp[_u(kk + i)] = _i32(vw & _ZP_MASK)
-            else:
-                for i in range(run):
-                    kscale[_u(kk + i)] = f32_from_bits(ksc[_u(ka + i * kscs[2])]) * key_unit
-                    vscale[_u(kk + i)] = f32_from_bits(vsc[_u(va + i * vscs[2])])
+            row[kk + i] = a + i * st[2]
+        a = sst[0] + blk * sst[1] + off * sst[2] + g * sst[3]
+        if not side.per_token_head:
+            for i in range(run):
+                scale[_u(kk + i)] = side.tensor_scale * unit
+        elif u4:
+            for i in range(run):
+                word = _i32(side.scales[_u(a + i * sst[2])])
+                scale[_u(kk + i)] = f32_from_bits(word & _SCALE_BITS) * unit
+                zp[_u(kk + i)] = _i32(word & _ZP_MASK)
+        else:
+            for i in range(run):
+                scale[_u(kk + i)] = f32_from_bits(side.scales[_u(a + i * sst[2])]) * unit
         kk += run
         off = 0
         bi += 1
@@ -1717,15 +1466,16 @@ def _u4_output_rows(acc, rows, n, l_sum, rotated, signs, t):
             t[_u(2 * j * rows + r)] = acc[_u(r * n + j)] * inv_l
             t[_u((2 * j + 1) * rows + r)] = acc[_u(r * n + half + j)] * inv_l
     if rotated:
-        _fwht_lanes(t, n, rows)
-        dsize = np.float32(n)
-        for d in range(n):
-            for r in range(rows):
-                t[_u(d * rows + r)] = (t[_u(d * rows + r)] * signs[_u(d)]) / dsize
+        _unrotate_lanes(t, n, rows, signs)
+
+
+# A uint4 side's pages arrive as int8 (see __init__._cache_kind): the two functions below run
+# the uint4 steps for such a side and are nothing for any other, so no other signature
+# compiles them.
 
 
 def _u4_rows_in(kc, q, rows, n, rotated, signs, t):
-    """_u4_query_rows where kc holds uint4 codes (see _fused_u4_scores)."""
+    """_u4_query_rows where the key side kc holds uint4 codes."""
 
 
 @overload(_u4_rows_in)
@@ -1736,7 +1486,7 @@ def _u4_rows_in_overload(kc, q, rows, n, rotated, signs, t):
 
 
 def _u4_rows_out(vc, acc, rows, n, l_sum, rotated, signs, t):
-    """_u4_output_rows where vc holds uint4 codes (see _fused_u4_scores)."""
+    """_u4_output_rows where the value side vc holds uint4 codes."""
 
 
 @overload(_u4_rows_out)
@@ -1777,7 +1527,7 @@ def _poison_rows(outputs, t0, nq, g, group, hd):
 
 
 @njit(cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-def _attention_item(it, query, cache, step, params, outputs):
+def _attention_item(it, query, keys, values, step, params, outputs):
     """One (query block, kv head) item of attention (see attention())."""
     num_kv_heads = params.num_kv_heads
     group = params.num_q_heads // num_kv_heads
@@ -1786,14 +1536,9 @@ def _attention_item(it, query, cache, step, params, outputs):
     window = params.sliding_window
     softcap = params.softcap
     q_kind, qs = query.kind, _strides4(query.strides)
-    kv_kind = cache.kind
-    kc, kcs, vc, vcs = cache.key, _strides5(cache.key_strides), cache.value, _strides5(cache.value_strides)
-    ksc, kscs = cache.key_scales, _strides4(cache.key_scale_strides)
-    vsc, vscs = cache.value_scales, _strides4(cache.value_scale_strides)
-    has_scales = cache.per_token_head
-    u4 = kv_kind == U4
-    rotated = cache.rotated
-    block_size = cache.block_size
+    kc, kcs, vc, vcs = keys.codes, _strides5(keys.strides), values.codes, _strides5(values.strides)
+    k_u4, v_u4 = keys.kind == U4, values.kind == U4
+    block_size = step.block_size
     block_tables, query_start_loc = step.block_tables, step.query_start_loc
     wi = it // num_kv_heads
     g = it - wi * num_kv_heads
@@ -1804,7 +1549,7 @@ def _attention_item(it, query, cache, step, params, outputs):
     seq_len = step.seq_lens[seq]
     first_pos = seq_len - q_len + (t0 - query_start_loc[seq])
     rows = nq * group
-    if not _well_formed(block_tables, seq, seq_len, q_len, block_size, cache.num_blocks):
+    if not _well_formed(block_tables, seq, seq_len, q_len, block_size, step.num_blocks):
         _poison_rows(outputs, t0, nq, g, group, hd)
         return
 
@@ -1813,9 +1558,9 @@ def _attention_item(it, query, cache, step, params, outputs):
     # are scaled to unit size by a power of two with softmax_scale folded in, and each row's
     # undo meets the key scale before the dot does (kscale * undo: the logit's own scale, in
     # range wherever the logit is). Mode none's q . k is the logit's size already: kept as is.
-    codes = is_code_kind(kv_kind)
+    codes = is_code_kind(keys.kind)
     key_unit = _ONE if codes else softmax_scale
-    if rotated:
+    if keys.rotated:
         # q . R^T y / D = (R q) . y / D (SPEC.md 8.4): the rows are rotated below and the
         # 1 / D, a power of two, rides with the key scale.
         key_unit = _ONE / np.float32(hd)
@@ -1823,8 +1568,9 @@ def _attention_item(it, query, cache, step, params, outputs):
     # The products take rows in fours, each K/V element loaded (and decoded) once for the four;
     # a remainder of three (a GQA group of 3, a decode) takes an idle fourth row rather than
     # three passes of one. The idle row's query is 0 and its weights 1: its scores and sums are
-    # never read. (uint4's products keep their own row order, so they take no idle row.)
-    padded = rows + 1 if rows % 4 == 3 and not u4 else rows
+    # never read. (uint4's products keep their own row order, so where a side is uint4's the
+    # item takes no idle row.)
+    padded = rows + 1 if rows % 4 == 3 and not (k_u4 or v_u4) else rows
     # Row r is query token t0 + r // group, head g * group + r % group; widened to fp32.
     q = np.zeros(padded * hd, dtype=np.float32)
     undo = np.empty(rows, dtype=np.float32)
@@ -1851,23 +1597,22 @@ def _attention_item(it, query, cache, step, params, outputs):
             m[r] = _NEG_INF
             l_sum[r] = _ZERO
 
-    # uint4: the query rows rotated (the rotated mode) and put in the products' order; the
-    # outputs come back through u4_rows too (_u4_rows_out).
-    u4_rows = np.empty(rows * hd if u4 else 0, dtype=np.float32)
-    if u4:
-        _u4_rows_in(kc, q, rows, hd, rotated, cache.signs, u4_rows)
+    # uint4 keys: the query rows rotated (a rotated key side) and put in the products' order;
+    # uint4 values: the outputs come back through u4_rows (_u4_rows_out).
+    u4_rows = np.empty(rows * hd if k_u4 or v_u4 else 0, dtype=np.float32)
+    if k_u4:
+        _u4_rows_in(kc, q, rows, hd, keys.rotated, keys.signs, u4_rows)
 
     hi = first_pos + nq  # exclusive end of the keys any row sees
     lo = 0
     if window > 0:
         lo = max(0, first_pos - window + 1)
 
-    factor = _tile_factor(kv_kind)
+    key_factor, value_factor = _tile_factor(keys.kind), _tile_factor(values.kind)
     kscale = np.empty(TILE, dtype=np.float32)
     vscale = np.empty(TILE, dtype=np.float32)
-    kzp = np.empty(TILE if u4 else 0, dtype=np.int32)
-    vzp = np.empty(TILE if u4 else 0, dtype=np.int32)
-    row_width = hd // 2 if u4 else hd  # elements of the cache's carrier in a row
+    kzp = np.empty(TILE if k_u4 else 0, dtype=np.int32)
+    vzp = np.empty(TILE if v_u4 else 0, dtype=np.int32)
     sc = np.empty(padded * TILE, dtype=np.float32)  # scores, then weights, row-major
     krow = np.empty(TILE, dtype=np.int64)
     vrow = np.empty(TILE, dtype=np.int64)
@@ -1888,67 +1633,19 @@ def _attention_item(it, query, cache, step, params, outputs):
         nxt = k0 + TILE
         if nxt < hi:
             pbi = nxt // block_size
-            _prefetch_tile(
-                kc,
-                kcs,
-                vc,
-                vcs,
-                ksc,
-                kscs,
-                vsc,
-                vscs,
-                has_scales,
-                block_tables,
-                seq,
-                pbi,
-                nxt - pbi * block_size,
-                g,
-                min(TILE, hi - nxt),
-                row_width,
-                block_size,
-            )
-        _tile_keys(
-            kcs,
-            vcs,
-            ksc,
-            kscs,
-            vsc,
-            vscs,
-            has_scales,
-            u4,
-            block_tables,
-            seq,
-            bi,
-            off,
-            g,
-            n,
-            block_size,
-            key_unit,
-            krow,
-            vrow,
-            kscale,
-            vscale,
-            kzp,
-            vzp,
-        )
-        if not has_scales and k0 == lo:
-            for kk in range(TILE):
-                kscale[kk] = cache.key_tensor_scale * key_unit
-                vscale[kk] = cache.value_tensor_scale
-        if fused and u4:
-            _fused_u4_scores(q, rows, kc, krow, kzp, n, hd, sc)
-        elif fused:
-            _fused_scores(q, padded, kc, krow, kv_kind, n, hd, sc, factor)
+            poff = nxt - pbi * block_size
+            pn = min(TILE, hi - nxt)
+            _prefetch_rows(keys, block_tables, seq, pbi, poff, g, pn, hd, block_size)
+            _prefetch_rows(values, block_tables, seq, pbi, poff, g, pn, hd, block_size)
+        _tile_rows(keys, block_tables, seq, bi, off, g, n, block_size, key_unit, krow, kscale, kzp)
+        _tile_rows(values, block_tables, seq, bi, off, g, n, block_size, _ONE, vrow, vscale, vzp)
+        if fused:
+            _side_scores(kc, q, padded, kc, krow, keys.kind, kzp, n, hd, sc, key_factor)
         else:
             # The tile's K and V rows decoded once for all the rows (codes, unscaled).
-            if u4:
-                _u4_decode_tile(kc, kcs, kzp, block_tables, seq, bi, off, g, n, kt, hd, block_size)
-                _u4_decode_tile(vc, vcs, vzp, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-                _u4_tile_scores(kc, q, rows, kt, tile_rows, kzp, n, hd, sc)
-            else:
-                _decode_tile(kc, kcs, kv_kind, block_tables, seq, bi, off, g, n, kt, hd, block_size)
-                _decode_tile(vc, vcs, kv_kind, block_tables, seq, bi, off, g, n, vt, hd, block_size)
-                _scores_tile(q, padded, kt, tile_rows, n, hd, sc, factor)
+            _decode_tile(kc, kcs, keys.kind, kzp, block_tables, seq, bi, off, g, n, kt, hd, block_size)
+            _decode_tile(vc, vcs, values.kind, vzp, block_tables, seq, bi, off, g, n, vt, hd, block_size)
+            _side_scores(kc, q, padded, kt, tile_rows, keys.kind, kzp, n, hd, sc, key_factor)
         for r in range(rows):
             p = pos[r]
             s0 = r * TILE
@@ -1984,28 +1681,26 @@ def _attention_item(it, query, cache, step, params, outputs):
                 _scale(acc, r * hd, alpha, hd)
         for kk in range(rows * TILE, padded * TILE):
             sc[kk] = _ONE  # the idle row's weights: nonzero, so its fours stay whole
-        if fused and u4:
-            _fused_u4_accumulate(acc, sc, vc, vrow, vzp, rows, n, hd)
-        elif fused:
-            _fused_accumulate(acc, sc, vc, vrow, kv_kind, padded, n, hd)
+        if fused:
+            _side_accumulate(vc, acc, sc, vc, vrow, values.kind, vzp, padded, n, hd)
         else:
-            _accumulate_tile(acc, sc, vt, tile_rows, padded, n, hd)
+            _side_accumulate(vc, acc, sc, vt, tile_rows, values.kind, vzp, padded, n, hd)
 
     out, os_ = outputs.out, _strides4(outputs.out_strides)
     lse, ls_ = outputs.lse, _strides3(outputs.lse_strides)
-    if u4:
-        _u4_rows_out(vc, acc, rows, hd, l_sum, rotated, cache.signs, u4_rows)
+    if v_u4:
+        _u4_rows_out(vc, acc, rows, hd, l_sum, values.rotated, values.signs, u4_rows)
     for r in range(rows):
         j = r // group
         h = g * group + (r - j * group)
         o0 = os_[0] + (t0 + j) * os_[1] + h * os_[2]
         inv_l = _ONE / l_sum[r]
-        if u4:
+        if v_u4:
             for d in range(hd):
                 out[_u(o0 + d * os_[3])] = u4_rows[_u(d * rows + r)]
         else:
             for d in range(hd):
-                out[_u(o0 + d * os_[3])] = (acc[_u(r * hd + d)] * factor) * inv_l
+                out[_u(o0 + d * os_[3])] = (acc[_u(r * hd + d)] * value_factor) * inv_l
         if outputs.has_lse:
             # m and l_sum are the running max and the denominator over it (the sink's term
             # included); the log in float64, rounded once. No term: -inf + log(0) = -inf.
@@ -2014,19 +1709,26 @@ def _attention_item(it, query, cache, step, params, outputs):
             )
 
 
-@njit(parallel=True, **_OPTS)
-def attention(query, cache, step, params, outputs):
+@njit(**_OPTS)
+def attention(query, keys, values, step, params, outputs):
     """Causal paged attention; one parallel item per (query block, kv head). The arguments are
-    the records of records.py.
+    the records of records.py (keys and values each a Side, in its own format), as plain
+    tuples of their fields, named here.
 
     A query block is up to a few query tokens of one sequence; the item processes all
     Hq/Hkv query heads of its KV head together, so each K/V row is decoded once per group.
     Online softmax over tiles of TILE keys. Per-token-head scales are applied per key: the K
     scale on the q.codes product, the V scale on the probability.
     """
+    _attention_items(Query(*query), Side(*keys), Side(*values), Step(*step), Params(*params), Outputs(*outputs))
+
+
+@njit(parallel=True, **_OPTS)
+def _attention_items(query, keys, values, step, params, outputs):
+    """attention's items in parallel."""
     # The per-item work is a compiled function: a small parfor body compiles much faster.
     for it in prange(step.item_seq.shape[0] * params.num_kv_heads):
-        _attention_item(np.int64(it), query, cache, step, params, outputs)
+        _attention_item(np.int64(it), query, keys, values, step, params, outputs)
 
 
 @njit(**_OPTS)
@@ -2080,9 +1782,6 @@ __all__ = [
     "attention",
     "decode_codes_array",
     "dequantize",
-    "dequantize_int4",
     "encode_codes_array",
-    "write_int4",
-    "write_plain",
-    "write_quantized",
+    "write",
 ]

@@ -1,5 +1,6 @@
-"""The records the attention kernel takes (the query, the paged cache, the step's metadata, the
-call's parameters and its outputs, each one argument), and the int4 write (the rows, the cache).
+"""The records the kernels take: the query, one side (keys or values) of a layer's pages, how
+the write encodes a side, the step's metadata, the call's parameters and its outputs, each one
+argument.
 
 Plain NamedTuples (a module importable without numba). numba types a namedtuple as a struct of
 its fields and reads a field at a constant offset, so a record compiles to the code its fields
@@ -9,6 +10,14 @@ numba's parallel loop hands a record to its threads field by field and cannot ha
 nested in one, so strides travel as int64 arrays (the kernel reads them into registers once
 per work item). Fields absent from a call (scales, sinks, lse) hold stand-ins of the same
 types, so one signature serves calls with and without them.
+
+Keys and values each come as their own Side, with its own element kind, scales and rotation:
+a mode that stores them in two formats (a split mode) is a pairing of two sides, which the
+kernels take as they take any other.
+
+The kernels' entry points (write, dequantize, attention) take each record as a plain tuple of
+its fields, tuple(record), and name it again on entry (Side(*side)): numba unboxes a tuple
+in about half a namedtuple's time, and the launches run per layer and call.
 """
 
 from __future__ import annotations
@@ -36,32 +45,40 @@ class Rows(NamedTuple):
     value_strides: np.ndarray
 
 
-class PagedCache(NamedTuple):
-    """K and V pages of one layer: codes (or model-dtype elements), their scales, and the
-    rotation their rows were stored under."""
+class Side(NamedTuple):
+    """One side of a layer's pages, its keys or its values: the stored rows, their scales, and
+    the format and rotation they were stored in."""
 
-    kind: np.int64  # the element kind of key and value (formats.py)
-    key: np.ndarray  # flat: uint8 codes, or the model dtype's bits
-    key_strides: np.ndarray  # (offset, block, slot, head, element)
-    value: np.ndarray
-    value_strides: np.ndarray
-    per_token_head: bool  # key_scales / value_scales hold one float32 per (block, slot, head)
-    key_scales: np.ndarray  # flat uint32 scale bits
-    key_scale_strides: np.ndarray  # (offset, block, slot, head)
-    value_scales: np.ndarray
-    value_scale_strides: np.ndarray
-    key_tensor_scale: np.float32  # the static scales of the per-tensor modes, else 1
-    value_tensor_scale: np.float32
-    block_size: np.int64
-    num_blocks: np.int64  # block ids outside [0, num_blocks) make a sequence ill-formed (SPEC.md 11.1)
+    kind: np.int64  # the element kind of codes (formats.py): a format's, or the model dtype's
+    codes: np.ndarray  # flat: uint8 8-bit codes, int8 uint4 bytes (two codes each), or the model dtype's bits
+    strides: np.ndarray  # (offset, block, slot, head, element)
+    per_token_head: bool  # scales holds one float32 word per (block, slot, head)
+    scales: np.ndarray  # flat uint32 scale words
+    scale_strides: np.ndarray  # (offset, block, slot, head)
+    tensor_scale: np.float32  # the static scale of a per-tensor side, else 1
     rotated: bool  # rows stored as R x (SPEC.md 3.4): signs holds the rotation's D signs
     signs: np.ndarray  # float32 +-1
+
+
+class Encoding(NamedTuple):
+    """How the write encodes one side's rows: the constants of its format's row (kvzoo.formats)
+    and the call's rounding. Mode none's side copies its rows: it reads none of them."""
+
+    trunc: bool
+    qmax: np.float32
+    qmin: np.float32
+    nan_code: np.int32
+    inf_pos: np.int32
+    inf_neg: np.int32
+    floor: np.float32
 
 
 class Step(NamedTuple):
     """Which keys each query token sees, and the parallel work items (see work_items)."""
 
     block_tables: np.ndarray  # int64 [num_seqs, max_blocks]
+    block_size: np.int64
+    num_blocks: np.int64  # block ids outside [0, num_blocks) make a sequence ill-formed (SPEC.md 11.1)
     seq_lens: np.ndarray  # int64 [num_seqs]
     query_start_loc: np.ndarray  # int64 [num_seqs + 1]
     item_seq: np.ndarray  # int64 per work item: its sequence,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ...capabilities import ALL_OPTIONS, Capabilities
-from ...modes import MODES, QuantMode
+from ...modes import QuantMode
 from ...problem import Attention, CacheWrite, Dequantize
-from ...registry import Implementation, Registry
+from ...registry import Implementation, Registry, modes_for_formats
 from . import kernels as vectorized
 
 NAME = "numpy"
@@ -47,14 +47,6 @@ def _mode(p: CacheWrite | Dequantize | Attention) -> QuantMode:
     return p.mode
 
 
-# Modes whose formats (both sides') kernels.py encodes (mode "none" has none).
-_MODES = frozenset(
-    m.name
-    for m in MODES.values()
-    if all(fmt is None or fmt.name in vectorized.ENCODERS for fmt in (m.key_format, m.value_format))
-)
-
-
 def register(registry: Registry) -> None:
     for op, run in (
         ("reshape_and_cache", _reshape_and_cache),
@@ -66,8 +58,8 @@ def register(registry: Registry) -> None:
                 name=NAME,
                 op=op,
                 platform="any",
-                # dequantize reads one cache, in one side's mode: never a split one.
-                modes=_MODES if op != "dequantize" else frozenset(m for m in _MODES if not MODES[m].split),
+                # The modes whose formats (each side's) kernels.py encodes.
+                modes=modes_for_formats(vectorized.ENCODERS, op),
                 run=run,
                 array_kind="numpy",
                 devices=frozenset({"cpu"}),
