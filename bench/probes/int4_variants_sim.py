@@ -129,9 +129,7 @@ def main() -> int:
             head_size // 2 + 8 * (head_size // 64),
         )
     )
-    for group in (head_size, 64, 32, 16):
-        if group > head_size or (group == 64 and head_size == 64):
-            continue
+    for group in sorted({g for g in (head_size, 64, 32, 16) if g <= head_size}, reverse=True):
         for rotate in (True, False):
             f = rounding(head_size, group, rotate)
             label = f"int4 g{group} {'rot' if rotate else 'norot'}"
