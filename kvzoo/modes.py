@@ -280,7 +280,7 @@ FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2
 # vLLM's int4 per-token-head (PR 40835): rows rotated, then asymmetric 4-bit codes with the
 # zero point in the scale word (SPEC.md section 2's int4 rows); the variant without rotation is kvzoo's.
 INT4_PER_TOKEN_HEAD = QuantMode(
-    "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=INT4_HEAD_SIZES, inline_page=False
+    "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=RHT_HEAD_SIZES, inline_page=False
 )
 INT4_PER_TOKEN_HEAD_NOROT = QuantMode(
     "int4_per_token_head_norot", "per_token_head", UINT4, head_sizes=INT4_HEAD_SIZES, inline_page=False
