@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .arrays import as_numpy, as_torch, numpy_dtype, torch_dtype
-from .modes import QuantMode, rht_signs
+from .modes import QuantMode, rht_block_sizes, rht_blocks, rht_signs
 
 SEED = int(os.environ.get("KVZOO_SEED", secrets.randbits(32)))
 
@@ -107,11 +107,14 @@ def _zero_point_midpoint_rows(mode, rng, rows, d):
     r[:, 1 % d] = (steps - zero_points[:, 0]) * power[:, 0]
     if mode.rotation is None:
         return r
-    # R^T r / D, exact in float32: sums of a few significant bits over a power of two.
-    h = np.array([[1.0]])
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return (r @ h.T) * rht_signs(d).astype(np.float64) / d
+    # R^-1 r = s * (H r) / B, exact in float32: sums of a few significant bits over a power of two.
+    h = np.zeros((d, d))
+    for offset, n in rht_blocks(d):
+        block = np.array([[1.0]])
+        while block.shape[0] < n:
+            block = np.block([[block, block], [block, -block]])
+        h[offset : offset + n, offset : offset + n] = block
+    return (r @ h.T) * rht_signs(d).astype(np.float64) / rht_block_sizes(d)
 
 
 def _special_rows(dtype, rng, rows, d):

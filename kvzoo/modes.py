@@ -7,6 +7,7 @@ holds the constants. This module names the modes and parses the strings engines 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,32 +47,60 @@ RHT_MAX_HEAD_SIZE = 512
 
 @functools.cache
 def rht_signs(head_size: int) -> np.ndarray:
-    """The rotation's signs for head_size (a power of two <= RHT_MAX_HEAD_SIZE), float32 +-1
-    (read-only: one array per head size, shared by every caller)."""
-    if not 1 <= head_size <= RHT_MAX_HEAD_SIZE or head_size & (head_size - 1):
-        raise ValueError(f"head_size: the rotation takes a power of two in [1, {RHT_MAX_HEAD_SIZE}], got {head_size}")
+    """The rotation's signs for head_size (<= RHT_MAX_HEAD_SIZE), float32 +-1 (read-only: one
+    array per head size, shared by every caller)."""
+    if not 1 <= head_size <= RHT_MAX_HEAD_SIZE:
+        raise ValueError(f"head_size: the rotation takes [1, {RHT_MAX_HEAD_SIZE}], got {head_size}")
     signs = np.array([-1.0 if RHT_SIGN_BITS >> i & 1 else 1.0 for i in range(head_size)], dtype=np.float32)
     signs.setflags(write=False)
     return signs
 
 
+def rht_blocks(head_size: int) -> tuple[tuple[int, int], ...]:
+    """(offset, size) of each Hadamard block of the rotation (SPEC.md 3.4): head_size's binary
+    digits, largest first, so each block starts at a multiple of its size; a power of two is one."""
+    blocks, offset = [], 0
+    for bit in reversed(range(head_size.bit_length())):
+        if head_size >> bit & 1:
+            blocks.append((offset, 1 << bit))
+            offset += 1 << bit
+    return tuple(blocks)
+
+
+@functools.cache
+def rht_block_sizes(head_size: int) -> np.ndarray:
+    """Each element's block size (float32 [head_size], read-only): what SPEC.md 3.4's inverse
+    divides it by, head_size itself for a power of two."""
+    sizes = np.concatenate([np.full(size, size, dtype=np.float32) for _, size in rht_blocks(head_size)])
+    sizes.setflags(write=False)
+    return sizes
+
+
 @dataclass(frozen=True)
 class HeadSizes:
-    """The head sizes a mode takes: lowest..highest (None: no bound), and only powers of two
-    where power_of_two. Asked by every layer that derives a cache's shape (QuantMode.cache_width)
-    and by the conformance cases, which pick their shapes from it."""
+    """The head sizes a mode takes: lowest..highest (None: no bound), only powers of two where
+    power_of_two, only multiples of `multiple` (int4's two codes a byte). Asked by every layer
+    that derives a cache's shape (QuantMode.cache_width) and by the conformance cases, which
+    pick their shapes from it."""
 
     lowest: int = 1
     highest: int | None = None
     power_of_two: bool = False
+    multiple: int = 1
 
     def takes(self, head_size: int) -> bool:
         if head_size < self.lowest or (self.highest is not None and head_size > self.highest):
             return False
+        if head_size % self.multiple:
+            return False
         return not self.power_of_two or head_size & (head_size - 1) == 0
 
     def __str__(self) -> str:
-        kind = "a power of two" if self.power_of_two else "an int"
+        kind = (
+            "a power of two"
+            if self.power_of_two
+            else {1: "an int", 2: "an even int"}.get(self.multiple, f"a multiple of {self.multiple}")
+        )
         return f"{kind} in [{self.lowest}, {self.highest}]" if self.highest is not None else f"{kind} >= {self.lowest}"
 
     def closest(self, head_size: int) -> int:
@@ -79,15 +108,19 @@ class HeadSizes:
         if self.takes(head_size):
             return head_size
         if not self.power_of_two:
-            return max(self.lowest, min(head_size, self.highest if self.highest is not None else head_size))
+            top = self.highest if self.highest is not None else max(head_size, self.lowest) + self.multiple
+            taken = [d for d in range(self.lowest, top + 1) if self.takes(d)]
+            return min(taken, key=lambda d: (abs(d - head_size), -d))
         top = self.highest if self.highest is not None else max(head_size, self.lowest) * 2
         taken = [d for d in (1 << k for k in range(top.bit_length())) if self.takes(d)]
         return min(taken, key=lambda d: (abs(d - head_size), -d))
 
 
 ANY_HEAD_SIZE = HeadSizes()
-# The rotation's butterfly needs a power of two (vLLM asserts one); its sign table bounds it at 512.
+# Powers of two, as vLLM asserts for its rotation, and its sign table's 512 at most.
 INT4_HEAD_SIZES = HeadSizes(2, RHT_MAX_HEAD_SIZE, power_of_two=True)
+# The rotation's blocks (SPEC.md 3.4) take any head size; the packing, two codes a byte, an even one.
+RHT_HEAD_SIZES = HeadSizes(2, RHT_MAX_HEAD_SIZE, multiple=2)
 
 
 @dataclass(frozen=True)
@@ -247,7 +280,7 @@ FP8_E5M2_PER_TENSOR = QuantMode("fp8_e5m2_per_tensor", "per_tensor", FLOAT8_E5M2
 # vLLM's int4 per-token-head (PR 40835): rows rotated, then asymmetric 4-bit codes with the
 # zero point in the scale word (SPEC.md section 2's int4 rows); the variant without rotation is kvzoo's.
 INT4_PER_TOKEN_HEAD = QuantMode(
-    "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=INT4_HEAD_SIZES, inline_page=False
+    "int4_per_token_head", "per_token_head", UINT4, rotation="rht", head_sizes=RHT_HEAD_SIZES, inline_page=False
 )
 INT4_PER_TOKEN_HEAD_NOROT = QuantMode(
     "int4_per_token_head_norot", "per_token_head", UINT4, head_sizes=INT4_HEAD_SIZES, inline_page=False
@@ -266,6 +299,7 @@ def split_mode(name: str, key: QuantMode, value: QuantMode) -> QuantMode:
         max(m.head_sizes.lowest for m in sides),
         min(highs) if highs else None,
         any(m.head_sizes.power_of_two for m in sides),
+        math.lcm(*(m.head_sizes.multiple for m in sides)),
     )
     return QuantMode(
         name,

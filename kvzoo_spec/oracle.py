@@ -714,8 +714,8 @@ SPLIT_MODES = {
 
 
 def _int4_check_head_size(D: int) -> None:
-    if D < 2 or D > INT4_MAX_HEAD_SIZE or D & (D - 1):
-        raise ValueError(f"head_size must be a power of two in [2, {INT4_MAX_HEAD_SIZE}], got {D}")
+    if D < 2 or D > INT4_MAX_HEAD_SIZE or D % 2:
+        raise ValueError(f"head_size must be even, in [2, {INT4_MAX_HEAD_SIZE}], got {D}")
 
 
 def int4_rht_signs(D: int) -> np.ndarray:
@@ -724,25 +724,44 @@ def int4_rht_signs(D: int) -> np.ndarray:
     return np.array([-1.0 if (INT4_RHT_SIGN_BITS_512 >> i) & 1 else 1.0 for i in range(D)], dtype=np.float32)
 
 
-def int4_fwht(x: np.ndarray) -> np.ndarray:
-    """Unnormalized Walsh-Hadamard transform along the last axis, as the butterfly of SPEC.md 3.4.
+def int4_rht_blocks(D: int) -> list[tuple[int, int]]:
+    """The rotation's Hadamard blocks (offset, size), SPEC.md 3.4: D's binary digits, largest
+    block first (D = 96: (0, 64), (64, 32)); a power of two is one block."""
+    blocks, offset = [], 0
+    for bit in reversed(range(D.bit_length())):
+        if (D >> bit) & 1:
+            blocks.append((offset, 1 << bit))
+            offset += 1 << bit
+    return blocks
 
-    Stage h = 1, 2, 4, ..., D/2: for every i with (i & h) == 0, (x[i], x[i+h]) becomes
-    (x[i] + x[i+h], x[i] - x[i+h]), one correctly rounded add / subtract each in the array's own
-    dtype (float32 or float64). The operations of one stage are independent of each other, so
-    only the stage order matters.
+
+def int4_rht_block_sizes(D: int) -> np.ndarray:
+    """The size of each element's block, float64 [D]: what the inverse divides element i by."""
+    return np.concatenate([np.full(size, float(size)) for _, size in int4_rht_blocks(D)])
+
+
+def int4_fwht(x: np.ndarray) -> np.ndarray:
+    """The rotation's Walsh-Hadamard butterflies along the last axis (SPEC.md 3.4): each block of
+    int4_rht_blocks transformed alone, unnormalized.
+
+    In a block of size B, stage h = 1, 2, 4, ..., B/2: for every i with (i & h) == 0, (x[i], x[i+h])
+    becomes (x[i] + x[i+h], x[i] - x[i+h]), one correctly rounded add / subtract each in the
+    array's own dtype (float32 or float64). The operations of one stage are independent of each
+    other, so only the stage order matters.
     """
     y = np.array(x, copy=True)
-    D = y.shape[-1]
-    h = 1
-    while h < D:
-        v = y.reshape(*y.shape[:-1], D // (2 * h), 2, h)
-        a = v[..., 0, :].copy()
-        b = v[..., 1, :].copy()
-        with np.errstate(all="ignore"):
-            v[..., 0, :] = a + b
-            v[..., 1, :] = a - b
-        h *= 2
+    for offset, size in int4_rht_blocks(y.shape[-1]):
+        block = y[..., offset : offset + size].copy()
+        h = 1
+        while h < size:
+            v = block.reshape(*block.shape[:-1], size // (2 * h), 2, h)
+            a = v[..., 0, :].copy()
+            b = v[..., 1, :].copy()
+            with np.errstate(all="ignore"):
+                v[..., 0, :] = a + b
+                v[..., 1, :] = a - b
+            h *= 2
+        y[..., offset : offset + size] = block
     return y
 
 
@@ -782,19 +801,21 @@ def int4_rotate(x: np.ndarray) -> np.ndarray:
 
 
 def int4_unrotate(y: np.ndarray) -> np.ndarray:
-    """Inverse rotation in float32: fl(fl(fwht(y) * signs) / D) (SPEC.md 3.4)."""
+    """Inverse rotation in float32: fl(fl(fwht(y) * signs) / B), B each element's block size
+    (D for a power of two; SPEC.md 3.4)."""
     y = np.asarray(y, dtype=np.float32)
     D = y.shape[-1]
     with np.errstate(all="ignore"):
-        return ((int4_fwht(y) * int4_rht_signs(D)).astype(np.float32) / np.float32(D)).astype(np.float32)
+        blocks = int4_rht_block_sizes(D).astype(np.float32)
+        return ((int4_fwht(y) * int4_rht_signs(D)).astype(np.float32) / blocks).astype(np.float32)
 
 
 def int4_unrotate_f64(y: np.ndarray) -> np.ndarray:
-    """Inverse rotation in float64, for references: signs * fwht(y) / D."""
+    """Inverse rotation in float64, for references: signs * fwht(y) / B."""
     y = np.asarray(y, dtype=np.float64)
     D = y.shape[-1]
     with np.errstate(all="ignore"):
-        return int4_fwht(y) * int4_rht_signs(D).astype(np.float64) / D
+        return int4_fwht(y) * int4_rht_signs(D).astype(np.float64) / int4_rht_block_sizes(D)
 
 
 def _int4_round(t: np.float32) -> int:
@@ -922,10 +943,10 @@ def int4_attention_f64(
 ):
     """Paged attention over int4 caches (SPEC.md 8.4), in float64, the way kernels compute it.
 
-    The query is rotated (float64 butterfly of its float32 value), the logits are taken on the
-    codes with the sum(q)*zp correction, softmax_scale / D and the key scale folded after the
-    dot; values are accumulated as p * v_scale * (code - zp); the output is un-rotated
-    (signs * fwht(o) / D). Masking, sinks and softcap are those of SPEC.md section 8.
+    The query is rotated (float64 butterfly of its float32 value, each element over its block's
+    size B), the logits are taken on the codes with the sum(q)*zp correction, softmax_scale and
+    the key scale folded after the dot; values are accumulated as p * v_scale * (code - zp); the
+    output is un-rotated (signs * fwht(o) / B). Masking, sinks and softcap are those of SPEC.md section 8.
     """
     rotate = mode_name == "int4_per_token_head"
     query = np.asarray(query)
@@ -933,9 +954,9 @@ def int4_attention_f64(
     T, Hq, D = q.shape
     _int4_check_head_size(D)
     signs = int4_rht_signs(D).astype(np.float64)
-    qr = int4_fwht(q * signs) if rotate else q
+    # q . R^-1 y = (B^-1 R q) . y: each rotated element over its block's size (SPEC.md 8.4).
+    qr = int4_fwht(q * signs) / int4_rht_block_sizes(D) if rotate else q
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    code_scale = scale / D if rotate else scale
     kcodes = int4_unpack(key_cache).astype(np.float64)
     vcodes = int4_unpack(value_cache).astype(np.float64)
     ks, kzp = int4_split_scale(k_scale_cache)
@@ -961,7 +982,7 @@ def int4_attention_f64(
                 zk = np.array([float(kzp[b, o, kvh]) for b, o in idx])
                 sk = np.array([float(ks[b, o, kvh]) for b, o in idx])
                 with np.errstate(all="ignore"):
-                    logits = (c @ qr[t, h] - qr[t, h].sum() * zk) * (code_scale * sk)
+                    logits = (c @ qr[t, h] - qr[t, h].sum() * zk) * (scale * sk)
                     if softcap is not None:
                         logits = softcap * np.tanh(logits / softcap)
                     m = logits.max()

@@ -237,7 +237,7 @@ FAULTS = ("none", "slot_range", "slot_repeat", "cache_dtype", "scale_shape", "to
 def test_random_calls(mode, num_tokens, heads, head_size, block_size, fault, seed):
     rng = np.random.default_rng(seed)
     m = kvzoo.get_kv_quant_mode(mode)
-    head_size = m.head_sizes.closest(head_size)  # int4 takes powers of two only
+    head_size = m.head_sizes.closest(head_size)  # int4: even sizes only, _norot powers of two
     num_blocks = num_tokens // block_size + 2
     key32 = (rng.standard_normal((num_tokens, heads, head_size)) * 3).astype(np.float32)
     val32 = (rng.standard_normal((num_tokens, heads, head_size)) * 3).astype(np.float32)

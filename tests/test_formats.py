@@ -157,9 +157,12 @@ def test_int4_head_sizes_and_rotation_signs_are_the_oracles(name):
             oracle_takes = True
         except ValueError:
             oracle_takes = False
-        assert mode.head_sizes.takes(d) == oracle_takes, d
-    for d in (2**k for k in range(1, 10)):
+        # The oracle's rotation takes every even size; _norot keeps the powers of two among them.
+        want = oracle_takes and (mode.rotation is not None or d & (d - 1) == 0)
+        assert mode.head_sizes.takes(d) == want, d
+    for d in [2**k for k in range(1, 10)] + [6, 80, 96, 192, 510]:
         assert np.array_equal(kvzoo_modes.rht_signs(d), oracle.int4_rht_signs(d))
+        assert np.array_equal(kvzoo_modes.rht_block_sizes(d), oracle.int4_rht_block_sizes(d))
     # A uint4 poisoned row stores code 0 everywhere under the canonical NaN word.
     codes, word = oracle.int4_quantize_row_f32(np.array([1.0, np.nan, 2.0, 3.0], np.float32))
     assert (codes == mode.nan_code).all() and int(word) == kvzoo_modes.CANONICAL_NAN_BITS

@@ -74,7 +74,7 @@ def test_signs_table():
     s512 = oracle.int4_rht_signs(512)
     for D in (2, 4, 16, 64, 128, 256):
         assert np.array_equal(oracle.int4_rht_signs(D), s512[:D])
-    for bad in (0, 1, 3, 96, 1024):
+    for bad in (0, 1, 3, 95, 514, 1024):
         with pytest.raises(ValueError):
             oracle.int4_rht_signs(bad)
 
@@ -91,6 +91,27 @@ def test_fwht_is_sylvester_hadamard_and_rotation_orthogonal(D):
     assert np.array_equal(oracle.int4_unrotate(R.T.astype(np.float32)), x)
 
 
+@pytest.mark.parametrize("D", [6, 80, 96, 192, 510])
+def test_fwht_of_any_head_size_is_block_diagonal(D):
+    # SPEC.md 3.4: D's binary digits, largest block first, each block a Sylvester matrix.
+    blocks = oracle.int4_rht_blocks(D)
+    assert [size for _, size in blocks] == [1 << b for b in reversed(range(D.bit_length())) if D >> b & 1]
+    H = np.zeros((D, D), dtype=np.int64)
+    for offset, size in blocks:
+        assert offset % size == 0
+        H[offset : offset + size, offset : offset + size] = _sylvester(size)
+    sizes = oracle.int4_rht_block_sizes(D)
+    # Element i's block is the largest power of two <= D ^ i.
+    assert sizes.tolist() == [float(1 << ((D ^ i).bit_length() - 1)) for i in range(D)]
+    assert np.array_equal(oracle.int4_fwht(np.eye(D)), H.astype(np.float64))
+    R = H * oracle.int4_rht_signs(D).astype(np.int64)[None, :]
+    assert np.array_equal(R @ R.T, np.diag(sizes).astype(np.int64))  # rows of R / sqrt(B) orthonormal
+    x = np.eye(D, dtype=np.float32)
+    assert np.array_equal(oracle.int4_rotate(x), R.T.astype(np.float32))
+    assert np.array_equal(oracle.int4_unrotate(R.T.astype(np.float32)), x)
+    assert np.array_equal(oracle.int4_unrotate_f64(R.T.astype(np.float64)), x)
+
+
 def test_fwht_stage_order_is_the_specified_butterfly():
     # float32 rounding makes the order visible: 1 + 2^-24 + 2^-24 depends on grouping.
     x = np.array([1.0, 2.0**-24, 2.0**-24, 2.0**-24], dtype=np.float32)
@@ -100,7 +121,7 @@ def test_fwht_stage_order_is_the_specified_butterfly():
     assert _bits(oracle.int4_fwht(x)).tolist() == _bits(np.array(want, dtype=np.float32)).tolist()
 
 
-@pytest.mark.parametrize("D", [16, 128, 512])
+@pytest.mark.parametrize("D", [16, 96, 128, 512])
 def test_inverse_exact_to_fp32_rounding(D):
     x = (_rng(D).standard_normal((64, D)) * 10.0 ** _rng(D + 1).uniform(-3, 3, (64, 1))).astype(np.float32)
     back = oracle.int4_unrotate(oracle.int4_rotate(x))

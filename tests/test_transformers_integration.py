@@ -537,7 +537,10 @@ def test_unstorable_mode_and_layout_pairs_are_refused_when_made(model):
     with pytest.raises(ValueError, match="layout"):
         KVZooCache(model.config, mode="int4_per_token_head", layout="inline")
     odd = tiny_config()
-    odd.head_dim = 24  # int4 takes power-of-two heads only
+    odd.head_dim = 24  # int4 without rotation takes power-of-two heads only
+    with pytest.raises(ValueError, match="head"):
+        KVZooCache(odd, mode="int4_per_token_head_norot")
+    odd.head_dim = 25  # the rotated one, even heads (two codes a byte)
     with pytest.raises(ValueError, match="head"):
         KVZooCache(odd, mode="int4_per_token_head")
     odd.head_dim = 18  # the inline page needs heads that are a multiple of 4
@@ -737,6 +740,20 @@ def test_static_cache_gives_the_paged_caches_numbers(model):
         generate(model, static(model, 6), ids, mask, **beams),
         generate(model, kvzoo(model, "int8_per_token_head"), ids, mask, **beams),
     )
+
+
+def test_int4_takes_a_head_that_is_no_power_of_two():
+    """head_dim 24 = 16 + 8, the rotation's two blocks (SPEC.md 3.4): both caches store and
+    attend it, with the same numbers."""
+    config = tiny_config()
+    config.head_dim = 24
+    torch.manual_seed(1234)
+    odd = LlamaForCausalLM(config).eval()
+    _, ids, mask = left_padded([4, 7], seed=14)
+    want = generate(odd, kvzoo(odd, "int4_per_token_head"), ids, mask)
+    got = generate(odd, static(odd, 2, mode="int4_per_token_head"), ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_logit_error(got.logits, want.logits) == 0.0
 
 
 def test_static_cache_decode_compiles_into_one_graph(model):

@@ -45,6 +45,9 @@ INT4 = list(oracle.INT4_MODES)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 HEAD_SIZES = [2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Head sizes that are no power of two, which the rotated mode takes (SPEC.md 3.4's blocks):
+# two blocks, the requested ones, and every block from 256 down to 2.
+BLOCK_HEAD_SIZES = [6, 80, 96, 192, 510]
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (not the interpreter)")
 
 
@@ -87,6 +90,36 @@ def test_butterfly_is_the_oracles_bit_for_bit(D):
         want = oracle.int4_fwht(x)
     same = (_bits(y.cpu().numpy()) == _bits(want)) | (np.isnan(y.cpu().numpy()) & np.isnan(want))
     assert same.all(), f"{int((~same).sum())} elements differ from oracle.int4_fwht"
+
+
+@triton.jit
+def _unrotate_kernel(x_ptr, y_ptr, ROWS: tl.constexpr, W: tl.constexpr, N: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None] * W + tl.arange(0, W)[None, :]
+    x = tl.load(x_ptr + r)
+    y = int4_rotation.over_blocks(int4_rotation.flip_signs(int4_rotation.fwht(x, ROWS, W, N), W), W, N)
+    tl.store(y_ptr + r, y)
+
+
+@pytest.mark.parametrize("D", BLOCK_HEAD_SIZES)
+def test_block_butterflies_of_any_head_size_are_the_oracles_bit_for_bit(D):
+    # A head that is no power of two: the masked butterfly in the tile padded to a power of
+    # two must give each block's transform (oracle.int4_fwht) and leave the padding zero; the
+    # inverse divides each element by its own block's size.
+    rng = rng_for("int4 fwht blocks", D)
+    W, rows = triton.next_power_of_2(D), 8
+    x = np.zeros((rows, W), np.float32)
+    x[:, :D] = (rng.standard_normal((rows, D)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))).astype(np.float32)
+    x[0, : D // 2] = np.float32(2.0**-149) * rng.integers(1, 9, D // 2)
+    y = torch.full((rows, W), float("nan"), device=DEVICE)
+    _fwht_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, rows, W, D, False)
+    with np.errstate(all="ignore"):
+        want = oracle.int4_fwht(x[:, :D])
+    assert np.array_equal(_bits(y.cpu().numpy()[:, :D]), _bits(want))
+    assert np.array_equal(y.cpu().numpy()[:, D:], np.zeros((rows, W - D), np.float32))
+    _unrotate_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, rows, W, D)
+    with np.errstate(all="ignore"):
+        want = oracle.int4_unrotate(x[:, :D])
+    assert np.array_equal(_bits(y.cpu().numpy()[:, :D]), _bits(want))
 
 
 @pytest.mark.parametrize("D", [2, 8, 16])
@@ -255,8 +288,10 @@ def test_write_of_a_few_rows_matches_the_oracle(mode, dtype, tokens, heads):
     _check_written(mode, key, value, slots, caches, before, NB, BS)
 
 
-@pytest.mark.parametrize("mode", INT4)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize(
+    "mode, head_size",
+    [(m, d) for m in INT4 for d in HEAD_SIZES] + [("int4_per_token_head", d) for d in BLOCK_HEAD_SIZES],
+)
 def test_write_every_head_size(mode, head_size):
     # Every head size the mode takes: the row tile's 16-byte chunks, the packed store's and the
     # lanes a long row is shared by all change with it.
@@ -391,8 +426,10 @@ def test_prepared_write_relaunches_with_other_tensors():
 # dequantize
 
 
-@pytest.mark.parametrize("mode", INT4)
-@pytest.mark.parametrize("head_size", [2, 16, 128, 512])
+@pytest.mark.parametrize(
+    "mode, head_size",
+    [(m, d) for m in INT4 for d in (2, 16, 128, 512)] + [("int4_per_token_head", d) for d in (6, 80, 192)],
+)
 def test_dequantize_every_byte_and_word(mode, head_size):
     rng = rng_for("int4 dequantize", mode, head_size)
     NB, BS, H = 5, 4, 2
@@ -526,8 +563,10 @@ def test_every_int4_head_size_class_has_tile_rows():
     assert max(int4_attention.TILES) == attention_ops.MAX_HEAD_SIZE
 
 
-@pytest.mark.parametrize("mode", INT4)
-@pytest.mark.parametrize("head_size", [2, 16, 64, 128, 256])
+@pytest.mark.parametrize(
+    "mode, head_size",
+    [(m, d) for m in INT4 for d in (2, 16, 64, 128, 256)] + [("int4_per_token_head", d) for d in (6, 80, 96, 192)],
+)
 def test_decode_matches_the_oracle(mode, head_size):
     p = _attention_problem(mode, [1, 1, 1], [37, 1, 9], head_size=head_size, seed=head_size)
     int4_attention.run(p, "cuda")
@@ -603,11 +642,12 @@ def test_prefill_and_options_match_the_oracle(mode, opts):
     _check_attention(p, f" {opts}")
 
 
-@pytest.mark.parametrize("mode", INT4)
-def test_staged_prefill_reads_only_what_it_gathered(mode):
-    # A workspace filled with NaN: any entry the gather missed would poison an output row.
+@pytest.mark.parametrize("mode, head_size", [(m, 32) for m in INT4] + [("int4_per_token_head", 48)])
+def test_staged_prefill_reads_only_what_it_gathered(mode, head_size):
+    # A workspace filled with NaN: any entry the gather missed would poison an output row
+    # (48 = 32 + 16: a head padded in the gather and the query's staging).
     q_len = 130  # at least staging.STAGE_MIN_QUERY_LEN
-    p = _attention_problem(mode, [q_len, 1], [q_len + 9, 23], head_size=32, dtype="float16", lse=True)
+    p = _attention_problem(mode, [q_len, 1], [q_len + 9, 23], head_size=head_size, dtype="float16", lse=True)
     options = attention_ops.TritonAttentionOptions(workspace_fill=float("nan"))
     launches, staged = int4_attention._launches(p, "cuda", options)
     assert staged is not None and [per_seq for _, per_seq, _ in launches] == [True]

@@ -6,6 +6,7 @@ registered implementation of that operation, so a new backend is covered by regi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,12 +19,27 @@ if TYPE_CHECKING:
 
 HEAD_SIZES = (64, 80, 96, 128, 256, 67)
 MODE_NAMES = tuple(MODES)
+# Head sizes that are no power of two for the modes whose int4 rows are rotated (SPEC.md 3.4's
+# blocks): the rotation's own cases (_block_rotation_*), at the sizes models use (80 = 64 + 16,
+# 96 = 64 + 32, 192 = 128 + 64), the smallest of two blocks (6) and the most blocks (510).
+BLOCK_HEAD_SIZES = (80, 96, 192, 6, 510)
 
 
 def head_size_for(mode: str, head_size: int) -> int:
     """The head size a case of `mode` uses where the others use head_size: the nearest one the
-    mode takes (int4: a power of two), so each mode meets the suite's shapes as far as it can."""
-    return MODES[mode].head_sizes.closest(head_size)
+    mode takes, a power of two for the int4 modes (vLLM's sizes; the rotation's other sizes
+    have cases of their own, BLOCK_HEAD_SIZES), so each mode meets the suite's shapes as far as
+    it can."""
+    rule = MODES[mode].head_sizes
+    if rule.multiple > 1:
+        rule = dataclasses.replace(rule, power_of_two=True)
+    return rule.closest(head_size)
+
+
+def _block_rotated(mode: str) -> bool:
+    """Whether a side of `mode` is rotated and takes head sizes that are no power of two."""
+    m = MODES[mode]
+    return not m.head_sizes.power_of_two and any(side.rotation for side in (m.key_side, m.value_side))
 
 
 # The fields of a case that are its sample's keywords (the rest are the call's, or the id's).
@@ -169,6 +185,19 @@ def write_cases() -> list[WriteCase]:
             for d, dtype in itertools.product((rule.lowest, rule.highest), ("bfloat16", "float16", "float32")):
                 dist = "specials" if d == rule.lowest else "normal"
                 cases.append(WriteCase(mode, dtype, dist, num_tokens=5, num_kv_heads=2, head_size=d, block_size=4))
+    # The rotation's blocks (SPEC.md 3.4), every distribution and input dtype among them.
+    for mode in filter(_block_rotated, MODE_NAMES):
+        for d, dtype, dist, heads in zip(
+            BLOCK_HEAD_SIZES,
+            ("bfloat16", "float16", "float32", "bfloat16", "float32"),
+            ("normal", "specials", "midpoints", "outliers", "tiny"),
+            (3, 2, 1, 4, 1),
+        ):
+            cases.append(
+                WriteCase(
+                    mode, dtype, dist, num_tokens=7, num_kv_heads=heads, head_size=d, block_size=4, strided=d == 96
+                )
+            )
     return cases
 
 
@@ -221,6 +250,9 @@ def dequant_cases() -> list[DequantCase]:
         if rule.highest is not None:
             cases.append(DequantCase(mode, head_size=rule.lowest, block_size=4))
             cases.append(DequantCase(mode, head_size=rule.highest, num_kv_heads=1, block_size=4, whole_cache=True))
+        if _block_rotated(mode):
+            cases.append(DequantCase(mode, head_size=80, num_kv_heads=3, block_size=4))
+            cases.append(DequantCase(mode, head_size=96, num_kv_heads=1, block_size=16, whole_cache=True))
     return cases
 
 
@@ -344,6 +376,14 @@ def attention_cases() -> list[AttentionCase]:
         if rule.highest is not None:
             cases.append(AttentionCase(mode, "decode", num_q_heads=4, head_size=rule.highest, query_dtype="float32"))
             cases.append(AttentionCase(mode, "prefill", num_q_heads=2, head_size=rule.lowest, block_size=4))
+        if _block_rotated(mode):
+            # The rotation's blocks at attention: the query's and the output's (SPEC.md 8.4).
+            cases.append(
+                AttentionCase(mode, "mixed", num_q_heads=2, num_kv_heads=2, head_size=80, query_dtype="float16")
+            )
+            cases.append(dataclasses.replace(_every_softmax_option_case(mode), head_size=96))
+            cases.append(AttentionCase(mode, "decode", num_q_heads=4, head_size=192, query_dtype="float32"))
+            cases.append(AttentionCase(mode, "prefill", num_q_heads=2, head_size=6, block_size=4))
     cases.append(AttentionCase("int8_per_token_head", "mixed", head_size=256, query_dtype="float32"))
     # The options that change what the dots take (SPEC.md 8.1, 8.3), each on its format's caches.
     for mode, option, batches in (

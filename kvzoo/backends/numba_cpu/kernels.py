@@ -463,27 +463,40 @@ _SCALE_BITS = _i32(-16)  # 0xFFFFFFF0
 
 
 @njit(inline="always")
+def _rht_block(n, d):
+    """The size of element d's rotation block (SPEC.md 3.4): the largest power of two <= n ^ d."""
+    b = n ^ d
+    while b & (b - 1):
+        b &= b - 1
+    return b
+
+
+@njit(inline="always")
 def _fwht_lanes(t, n, lanes):
-    """SPEC.md 3.4's butterfly on `lanes` rows of n elements (n a power of two) at once, in
-    place, in float32: for h = 1, 2, 4, ..., n/2 in that order, each pair (x[i], x[i+h]) of a
-    row with i & h == 0 becomes (x[i] + x[i+h], x[i] - x[i+h]), every add and subtract one
-    rounding of the previous stage's values (so only the stage order and the pairing fix the
-    result). The rows are held element-major, element d of row r at t[d*lanes + r], so the
-    innermost loop runs over rows and vectorizes at every stage; one row at a time, stages 1,
-    2 and 4 pair elements within a vector (D = 128: 27 ns a row over 64 rows, against 180 ns a
-    row alone, measured)."""
-    h = 1
-    while h < n:
-        for b in range(0, n, 2 * h):
-            for i in range(b, b + h):
-                a0 = i * lanes
-                c0 = (i + h) * lanes
-                for r in range(lanes):
-                    a = t[_u(a0 + r)]
-                    c = t[_u(c0 + r)]
-                    t[_u(a0 + r)] = a + c
-                    t[_u(c0 + r)] = a - c
-        h *= 2
+    """SPEC.md 3.4's butterflies on `lanes` rows of n elements at once, in place, in float32:
+    in each block (n's binary digits, largest first; a power of two is one block), for h = 1,
+    2, 4, ..., size/2 in that order, each pair (x[i], x[i+h]) of a row with i & h == 0 becomes
+    (x[i] + x[i+h], x[i] - x[i+h]), every add and subtract one rounding of the previous stage's
+    values (so only the stage order and the pairing fix the result). The rows are held
+    element-major, element d of row r at t[d*lanes + r], so the innermost loop runs over rows
+    and vectorizes at every stage; one row at a time, stages 1, 2 and 4 pair elements within a
+    vector (D = 128: 27 ns a row over 64 rows, against 180 ns a row alone, measured)."""
+    start = 0
+    while start < n:
+        size = _rht_block(n, start)
+        h = 1
+        while h < size:
+            for b in range(start, start + size, 2 * h):
+                for i in range(b, b + h):
+                    a0 = i * lanes
+                    c0 = (i + h) * lanes
+                    for r in range(lanes):
+                        a = t[_u(a0 + r)]
+                        c = t[_u(c0 + r)]
+                        t[_u(a0 + r)] = a + c
+                        t[_u(c0 + r)] = a - c
+            h *= 2
+        start += size
 
 
 @njit(inline="always")
@@ -587,10 +600,10 @@ def _quantize_rotated_u4(lanes, r, rows, kind, xf, dst, d0, dd, n, qmax, qmin, f
 @njit(inline="always")
 def _unrotate_lanes(t, n, lanes, signs):
     """SPEC.md 3.4's float32 inverse on `lanes` rows of n elements held element-major (see
-    _fwht_lanes), in place: fl(fl(fwht(y) * s) / D)."""
+    _fwht_lanes), in place: fl(fl(fwht(y) * s) / B), B each element's block size."""
     _fwht_lanes(t, n, lanes)
-    dsize = np.float32(n)
     for d in range(n):
+        dsize = np.float32(_rht_block(n, d))
         for r in range(lanes):
             t[_u(d * lanes + r)] = (t[_u(d * lanes + r)] * signs[_u(d)]) / dsize
 
@@ -793,7 +806,7 @@ def _lanes_out_overload(codes, rotated, signs, lanes, rows, n, out, os_, t_lo, t
 def _dequantize_tokens(t_lo, t_hi, lanes, side, block_tables, cu_seq_lens, out, os_, num_heads, n, block_size):
     """dequantize of the output rows t_lo..t_hi-1, every head, into the model's basis:
     float32(code) * scale, a uint4 row's fl((code - zp) * scale) then (rotated) SPEC.md 3.4's
-    float32 inverse fl(fl(fwht(y) * s) / D), its rows held in lanes."""
+    float32 inverse fl(fl(fwht(y) * s) / B), its rows held in lanes."""
     cs, ss = _strides5(side.strides), _strides4(side.scale_strides)
     rows = (t_hi - t_lo) * num_heads
     for t in range(t_lo, t_hi):
@@ -1441,13 +1454,22 @@ def _unit_row(q, q0, n, unit):
 
 @njit(**_LEAF)
 def _u4_query_rows(q, rows, n, rotated, signs, t):
-    """Each query row q[r*n:(r+1)*n] rotated (rotated: R q, SPEC.md 3.4 in float32) and put in
-    the uint4 products' even-then-odd order; t is scratch of rows * n."""
+    """Each query row q[r*n:(r+1)*n] rotated (rotated: R q, SPEC.md 3.4 in float32, a smaller
+    block's elements times B_max / B) and put in the uint4 products' even-then-odd order; t is
+    scratch of rows * n."""
     for r in range(rows):
         for d in range(n):
             t[_u(d * rows + r)] = q[_u(r * n + d)] * signs[_u(d)] if rotated else q[_u(r * n + d)]
     if rotated:
         _fwht_lanes(t, n, rows)
+        if n & (n - 1):
+            # (R q)_d / B_d with the largest block's 1 / B_max on the key scale (key_unit):
+            # the smaller blocks' elements times B_max / B_d, exact powers of two.
+            top = _rht_block(n, 0)
+            for d in range(top, n):
+                grow = np.float32(top // _rht_block(n, d))
+                for r in range(rows):
+                    t[_u(d * rows + r)] = t[_u(d * rows + r)] * grow
     half = n // 2
     for r in range(rows):
         for j in range(half):
@@ -1458,7 +1480,7 @@ def _u4_query_rows(q, rows, n, rotated, signs, t):
 @njit(**_LEAF)
 def _u4_output_rows(acc, rows, n, l_sum, rotated, signs, t):
     """t[d*rows + r] = element d of output row r: o' = acc * (1 / l_sum) back in element order,
-    then (rotated) SPEC.md 8.4 step 4, signs * fwht(o') / D, in float32."""
+    then (rotated) SPEC.md 8.4 step 4, signs * fwht(o') / B, in float32."""
     half = n // 2
     for r in range(rows):
         inv_l = _ONE / l_sum[_u(r)]
@@ -1561,9 +1583,9 @@ def _attention_item(it, query, keys, values, step, params, outputs):
     codes = is_code_kind(keys.kind)
     key_unit = _ONE if codes else softmax_scale
     if keys.rotated:
-        # q . R^T y / D = (R q) . y / D (SPEC.md 8.4): the rows are rotated below and the
-        # 1 / D, a power of two, rides with the key scale.
-        key_unit = _ONE / np.float32(hd)
+        # q . R^-1 y = (R q / B) . y (SPEC.md 8.4): the rows are rotated below and the
+        # largest block's 1 / B (1 / D for a power of two) rides with the key scale.
+        key_unit = _ONE / np.float32(_rht_block(hd, 0))
 
     # The products take rows in fours, each K/V element loaded (and decoded) once for the four;
     # a remainder of three (a GQA group of 3, a decode) takes an idle fourth row rather than

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...formats import CodeFormat
-from ...modes import FP8_DOTS_WEIGHT_FLOOR, FP8_DOTS_WEIGHT_UNIT, rht_signs
+from ...modes import FP8_DOTS_WEIGHT_FLOOR, FP8_DOTS_WEIGHT_UNIT, rht_block_sizes, rht_blocks, rht_signs
 
 _CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(np.float32)
 # Query rows per attention chunk: bounds the [heads, rows, keys] score matrix in memory.
@@ -99,18 +99,22 @@ ENCODERS = {
 
 
 def _fwht(u: np.ndarray) -> np.ndarray:
-    """The unnormalized Walsh-Hadamard butterfly of SPEC.md 3.4 along the last axis, in u's
-    dtype: stage h = 1, 2, ..., D/2 turns each pair (u[i], u[i + h]), i & h == 0, into their
-    sum and difference."""
-    d = u.shape[-1]
-    h = 1
+    """The unnormalized Walsh-Hadamard butterflies of SPEC.md 3.4 along the last axis, in u's
+    dtype: each block of rht_blocks alone, stage h = 1, 2, ..., n/2 turning each pair
+    (u[i], u[i + h]), i & h == 0 in the block, into their sum and difference."""
+    blocks = rht_blocks(u.shape[-1])
+    parts = []
     with np.errstate(over="ignore", invalid="ignore"):
-        while h < d:
-            pairs = u.reshape(*u.shape[:-1], d // (2 * h), 2, h)
-            low, high = pairs[..., 0, :], pairs[..., 1, :]
-            u = np.stack((low + high, low - high), axis=-2).reshape(u.shape)
-            h *= 2
-    return u
+        for offset, n in blocks:
+            v = u[..., offset : offset + n]
+            h = 1
+            while h < n:
+                pairs = v.reshape(*v.shape[:-1], n // (2 * h), 2, h)
+                low, high = pairs[..., 0, :], pairs[..., 1, :]
+                v = np.stack((low + high, low - high), axis=-2).reshape(v.shape)
+                h *= 2
+            parts.append(v)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
 
 def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
@@ -124,10 +128,11 @@ def rotate_rows(xf: np.ndarray, input_dtype: np.dtype) -> np.ndarray:
 
 
 def unrotate_rows(y: np.ndarray) -> np.ndarray:
-    """SPEC.md 3.4's inverse in float32: butterfly, signs, then / D (exact but for subnormals)."""
+    """SPEC.md 3.4's inverse in float32: butterfly, signs, then / B, each element's block size
+    (exact but for subnormals)."""
     d = y.shape[-1]
     with np.errstate(over="ignore", invalid="ignore"):
-        return _fwht(y) * rht_signs(d) / np.float32(d)
+        return _fwht(y) * rht_signs(d) / rht_block_sizes(d)
 
 
 def _scaled_rows(xf: np.ndarray, codec: Codec) -> tuple[np.ndarray, np.ndarray]:
@@ -294,9 +299,9 @@ def _logit_operands(q, k_scales, sm_scale, codec):
         return q, sm_scale
     q, undo = _unit_rows(q)
     if codec.rotation is not None:
-        # q . (R^T y / D) = (R q) . y / D (SPEC.md 8.4); D is a power of two, so / D is exact.
+        # q . R^-1 y = (R q / B) . y (SPEC.md 8.4); each B a power of two, so / B is exact.
         d = q.shape[-1]
-        return _fwht(q * rht_signs(d)) * (sm_scale / np.float32(d)), undo * k_scales
+        return _fwht(q * rht_signs(d)) * (sm_scale / rht_block_sizes(d)), undo * k_scales
     return q * sm_scale, undo * k_scales
 
 

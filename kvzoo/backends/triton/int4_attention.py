@@ -15,7 +15,7 @@ attention_tiles.py (rows, key range, masks, online softmax, stores) and its own 
    q'_even . lo + q'_odd . hi less sum(q') * (CODE_OFFSET + zp) per key, times the key's scale;
 3. P . V likewise, the probabilities scaled by the value's scale before the two dots, and
    sum_k p_k (CODE_OFFSET + zp_k) kept per row and taken off once after the last tile;
-4. the output is un-rotated (s * fwht(o') / D, float32) before it is normalised and stored,
+4. the output is un-rotated (s * fwht(o') / B, float32) before it is normalised and stored,
    or before a split's partial is stored (the merge, attention_kernels._merge_splits_kernel,
    is linear in the partials).
 
@@ -85,7 +85,7 @@ from .encode import (
     bf16_as_bits,
     load_f32,
 )
-from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2
+from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2, per_block, top_block
 from .int4_tiles import CODE_OFFSET, query_factors, split_words, unrotate_rows
 from .launch import launch_nothing
 from .options import TritonAttentionOptions
@@ -157,12 +157,17 @@ def rotated_query(
     q_ptrs, q_ok, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, ROTATE: tl.constexpr
 ):
     """The tile's query rows as the dots take them: (q'_even, q'_odd) fp16 [BLOCK_M, BLOCK_D / 2],
-    sum(q') [BLOCK_M] of those fp16 values, and undo, the factor that takes q' back to R q."""
+    sum(q') [BLOCK_M] of those fp16 values, and undo, the factor that takes q' back to R q (for a
+    head that is no power of two, to R q with each element times B_max / B)."""
     q = load_f32(q_ptrs, q_ok)
     factor, undo = query_factors(tl.max(tl.abs(q), axis=1), log2(HEAD_D) if ROTATE else 0)
     q = q * factor[:, None]
     if ROTATE:
         q = fwht(flip_signs(q, BLOCK_D), BLOCK_M, BLOCK_D, HEAD_D)
+        if (HEAD_D & (HEAD_D - 1)) != 0:
+            # (R q) / B (SPEC.md 8.4) with the largest block's 1 / B in undo: the smaller
+            # blocks' elements times B_max / B, exact, and no larger than the largest block's.
+            q = q * per_block(BLOCK_D, HEAD_D, top_block(HEAD_D))
     q16 = q.to(tl.float16)
     q_even, q_odd = deinterleave(q16, BLOCK_M, BLOCK_D)
     return q_even, q_odd, tl.sum(q16.to(tl.float32), axis=1), undo
@@ -344,7 +349,7 @@ def _int4_attention_kernel(
     q_ptrs = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1] + d[None, :] * q_strides[2]
     q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
     if ROTATE:
-        undo = undo * (1.0 / HEAD_D)  # R^T / D undoes R (SPEC.md 8.4): exact, a power of two
+        undo = undo * (1.0 / top_block(HEAD_D))  # R^-1 = S H / B (SPEC.md 8.4): exact, a power of two
     row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
 
     m_i, l_i, accs = attend(

@@ -32,6 +32,30 @@ def log2(n):
 
 
 @triton.constexpr_function
+def padded(n):
+    """The power of two a head of n elements is tiled in (n itself for a power of two)."""
+    return 1 << (n - 1).bit_length()
+
+
+@triton.constexpr_function
+def top_block(n):
+    """The largest of the rotation's blocks for a head of n (SPEC.md 3.4): n for a power of two."""
+    return 1 << (n.bit_length() - 1)
+
+
+@triton.constexpr_function
+def _masked(n, stage):
+    """Whether butterfly stage 2^stage leaves some of a head of n alone: the elements of
+    its blocks no larger than 2^stage (never for a power of two, one block)."""
+    return (1 << stage) >= (n & -n)
+
+
+@triton.constexpr_function
+def _has_block(n, k):
+    return (n >> k) & 1 == 1
+
+
+@triton.constexpr_function
 def _sign_word(w):
     return _SIGN_WORDS[w]
 
@@ -59,13 +83,44 @@ def _stage(x, ROWS: tl.constexpr, D: tl.constexpr, STAGE: tl.constexpr):
 
 @triton.jit
 def fwht(x, ROWS: tl.constexpr, W: tl.constexpr, N: tl.constexpr):
-    """The unnormalized Walsh-Hadamard transform of size N (a power of two) of each row of
-    x [ROWS, W], as the butterfly of SPEC.md 3.4 in x's dtype. W > N (a tile padded for the
-    dots) transforms each block of N elements alone: a row's first N stay its own, and zero
-    padding stays zero."""
+    """The unnormalized Walsh-Hadamard transforms of the rotation of a head of N elements (its
+    blocks, SPEC.md 3.4) on each row of x [ROWS, W], as the butterflies of SPEC.md 3.4 in x's
+    dtype. W > N (a tile padded to a power of two, or for the dots): a row's first N stay
+    their own (for a power of two N, each block of N elements of the tile is transformed
+    alone), and zero padding stays zero. A head that is no power of two runs the full-width
+    butterfly of its largest block, where a stage changes element d only where (N ^ d) >= 2h:
+    d's block is larger than the stage; a power of two is never masked, so its code is the
+    unmasked butterfly's."""
     for stage in tl.static_range(log2(N)):
-        x = _stage(x, ROWS, W, stage)
+        if _masked(N, stage):
+            d = tl.arange(0, W)[None, :]
+            x = tl.where((N ^ d) >= (2 << stage), _stage(x, ROWS, W, stage), x)
+        else:
+            x = _stage(x, ROWS, W, stage)
     return x
+
+
+@triton.jit
+def per_block(W: tl.constexpr, N: tl.constexpr, NUM: tl.constexpr):
+    """NUM / B as float32 [1, W], B the size of element d's rotation block for a head of N
+    elements (the largest power of two <= N ^ d; SPEC.md 3.4), for N no power of two (padding:
+    any of them). Exact wherever NUM is a power of two."""
+    d = tl.arange(0, W)[None, :]
+    f = tl.full([1, W], NUM, tl.float32)
+    for k in tl.static_range(log2(N) + 1):
+        if _has_block(N, k):
+            f = tl.where((N ^ d) >= (1 << k), NUM / (1 << k), f)
+    return f
+
+
+@triton.jit
+def over_blocks(x, W: tl.constexpr, N: tl.constexpr):
+    """x [ROWS, W] / B, each element over its rotation block's size (SPEC.md 3.4's inverse),
+    exactly: the multiply by 1 / B, a power of two, is the division's one rounding."""
+    if (N & (N - 1)) == 0:
+        return x * (1.0 / N)
+    else:
+        return x * per_block(W, N, 1.0)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from ...problem import Attention
 from . import staging
 from .attention_kernels import KernelCall, staged_kernel_call
 from .encode import SMALLEST_NORMAL, bf16_as_bits, load_f32
-from .int4_rotation import flip_signs, fwht, interleave, log2, unpack_nibbles
+from .int4_rotation import flip_signs, fwht, interleave, log2, padded, per_block, top_block, unpack_nibbles
 from .int4_tiles import ZP_MASK, query_factors, split_words
 from .scratch import Scratch
 
@@ -65,13 +65,20 @@ def _stage_rows(
     scale, _ = split_words(words)
     zp = (words & ZP_MASK)[:, None]
     ratio = (scale * (1.0 / page_max)).to(tl.float16)[:, None]
-    j = tl.arange(0, D // 2)
+    P: tl.constexpr = padded(D)
+    j = tl.arange(0, P // 2)
     row = block * strides[0] + offset * strides[1] + head * strides[2]
-    packed = tl.load(codes_ptr + row[:, None] + j[None, :] * strides[3], mask=t_ok[:, None])
+    ok = t_ok[:, None]
+    if P != D:
+        ok = ok & (j[None, :] < D // 2)
+    packed = tl.load(codes_ptr + row[:, None] + j[None, :] * strides[3], mask=ok)
     even, odd = unpack_nibbles(packed.to(tl.int32))
     # code - zp is an integer in [-15, 15]: exact in fp16.
-    x = interleave((even - zp).to(tl.float16) * ratio, (odd - zp).to(tl.float16) * ratio, ROWS, D)
-    tl.store(ws_ptr, x, mask=t_ok[:, None])
+    x = interleave((even - zp).to(tl.float16) * ratio, (odd - zp).to(tl.float16) * ratio, ROWS, P)
+    ok = t_ok[:, None]
+    if P != D:
+        ok = ok & (tl.arange(0, P)[None, :] < D)
+    tl.store(ws_ptr, x, mask=ok)
     if store_page_scale:
         tl.store(page_scale_ptr, page_max)
 
@@ -124,7 +131,7 @@ def _int4_stage_kernel(
     rows = (block, (pos % page).to(tl.int64), t_ok)
     page_rows = staging.page_places(bt_row, stage_page, seq_len, page, max_blocks, num_blocks, STAGE)
     ws_page = slot.to(tl.int64) * pages_per_slot + stage_page
-    d = tl.arange(0, D)
+    d = tl.arange(0, padded(D))
     ws = ((ws_page * STAGE + pos % STAGE) * s_wt + head * s_wh)[:, None] + d[None, :]
     first_of_page = chunk % (STAGE // ROWS) == 0
     # The same rows of K or V: the places they share (staging._stage_kernel).
@@ -153,17 +160,24 @@ def _int4_stage_query_kernel(
     """One token's query rows as the paged kernel makes them (int4_attention.rotated_query):
     scaled into fp16's range, rotated, rounded to fp16; undo takes them back to R q / D."""
     token = tl.program_id(0).to(tl.int64)
+    P: tl.constexpr = padded(D)
     h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
+    d = tl.arange(0, P)
     h_ok = h < num_heads
-    q = load_f32(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, h_ok[:, None])
+    ok = h_ok[:, None]
+    if P != D:
+        ok = ok & (d[None, :] < D)
+    q = load_f32(q_ptr + token * s_qt + h[:, None] * s_qh + d[None, :] * s_qd, ok)
     factor, undo = query_factors(tl.max(tl.abs(q), axis=1), log2(D) if ROTATE else 0)
     q = q * factor[:, None]
     if ROTATE:
-        q = fwht(flip_signs(q, D), BLOCK_H, D, D)
-        undo = undo * (1.0 / D)
+        q = fwht(flip_signs(q, P), BLOCK_H, P, D)
+        if P != D:
+            # As int4_attention.rotated_query: the smaller blocks times B_max / B.
+            q = q * per_block(P, D, top_block(D))
+        undo = undo * (1.0 / top_block(D))
     row = token * num_heads + h
-    tl.store(ws_ptr + row[:, None] * D + d[None, :], q.to(tl.float16), mask=h_ok[:, None])
+    tl.store(ws_ptr + row[:, None] * D + d[None, :], q.to(tl.float16), mask=ok)
     tl.store(undo_ptr + row, undo, mask=h_ok)
 
 

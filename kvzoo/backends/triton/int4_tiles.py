@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .encode import FP16_ROW_EXPONENT, MAX_FACTOR_EXPONENT, bits_float, float_bits
-from .int4_rotation import flip_signs, fwht
+from .int4_rotation import flip_signs, fwht, over_blocks
 
 # fp16 value of a code c under the nibble conversions, less c: 0x5400 | c << 4 is the fp16
 # 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it
@@ -43,7 +43,7 @@ def query_factors(amax, HEADROOM: tl.constexpr):
 
 @triton.jit
 def unrotate_rows(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, ROTATE: tl.constexpr):
-    """Output rows in the rotated basis -> the model's: s * fwht(x) / D (`_norot`: x)."""
+    """Output rows in the rotated basis -> the model's: s * fwht(x) / B (`_norot`: x)."""
     if ROTATE:
-        x = flip_signs(fwht(x, BLOCK_M, BLOCK_D, HEAD_D), BLOCK_D) * (1.0 / HEAD_D)
+        x = over_blocks(flip_signs(fwht(x, BLOCK_M, BLOCK_D, HEAD_D), BLOCK_D), BLOCK_D, HEAD_D)
     return x

@@ -31,7 +31,17 @@ import triton.language as tl
 
 from ...problem import CacheWrite, Dequantize
 from .encode import CANONICAL_NAN_BITS, bf16_as_bits, bits_float, float_bits, load_f32
-from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2, sign_bits, unpack_nibbles
+from .int4_rotation import (
+    deinterleave,
+    flip_signs,
+    fwht,
+    interleave,
+    log2,
+    over_blocks,
+    padded,
+    sign_bits,
+    unpack_nibbles,
+)
 from .launch import BoundLaunch, launch_nothing
 from .platform import build_target, interpreted
 
@@ -217,24 +227,32 @@ def pack_words(codes, ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _load_row_tile(src_ptr, row, row_ok, s_d, IN_KIND: tl.constexpr, PAIRS: tl.constexpr, D: tl.constexpr):
-    """The rows at element offsets row [ROWS], s_d apart along D, as float32 [ROWS, D], exactly.
+    """The rows at element offsets row [ROWS], s_d apart along D, as float32 [ROWS, P], exactly
+    (P = padded(D): a head that is no power of two padded with zeros).
 
     Loaded as [ROWS, chunks, 16 bytes]: the compiler spreads the lanes over the rows and keeps
     each thread's rows whole in its registers, so the butterfly, the max and min and the
     packing need no exchange between lanes. PAIRS: bf16 rows read as int32 words of two values
     (src_ptr an int32 view, row in its units, s_d 1), widened by one shift or mask each."""
     ROWS: tl.constexpr = row.shape[0]
+    P: tl.constexpr = padded(D)
     if PAIRS:
-        W: tl.constexpr = D // 2
+        W: tl.constexpr = P // 2
         V: tl.constexpr = min(4, W)
         j = (tl.arange(0, W // V)[:, None] * V + tl.arange(0, V)[None, :])[None, :, :]
-        words = tl.load(src_ptr + row[:, None, None] + j, mask=row_ok[:, None, None], other=0)
+        ok = row_ok[:, None, None]
+        if P != D:
+            ok = ok & (j < D // 2)
+        words = tl.load(src_ptr + row[:, None, None] + j, mask=ok, other=0)
         words = tl.reshape(words, [ROWS, W])
-        x = interleave(bits_float(words << 16), bits_float(words & -65536), ROWS, D)
+        x = interleave(bits_float(words << 16), bits_float(words & -65536), ROWS, P)
     else:
-        V: tl.constexpr = min(16 // (4 if IN_KIND == 0 else 2), D)
-        d = (tl.arange(0, D // V)[:, None] * V + tl.arange(0, V)[None, :])[None, :, :]
-        x = tl.reshape(load_f32(src_ptr + row[:, None, None] + d * s_d, row_ok[:, None, None]), [ROWS, D])
+        V: tl.constexpr = min(16 // (4 if IN_KIND == 0 else 2), P)
+        d = (tl.arange(0, P // V)[:, None] * V + tl.arange(0, V)[None, :])[None, :, :]
+        ok = row_ok[:, None, None]
+        if P != D:
+            ok = ok & (d < D)
+        x = tl.reshape(load_f32(src_ptr + row[:, None, None] + d * s_d, ok), [ROWS, P])
     return x
 
 
@@ -276,9 +294,12 @@ def _write_rows(
     head = (rows % BLOCK_H).to(tl.int64)
     row_ok = (token < num_tokens) & (head < num_heads)
     row = token.to(tl.int64) * s_t + head * s_h
+    # A head that is no power of two is a tile of P, its padding zeros: they stay zeros
+    # through the rotation (int4_rotation.fwht) and leave the row's range as it is (it holds 0).
+    P: tl.constexpr = padded(D)
     x = _load_row_tile(src_ptr, row, row_ok, s_d, IN_KIND, PAIRS, D)
     if ROTATE:
-        x = narrow(fwht(flip_signs_first(x, D, NARROW_HW), ROWS, D, D), IN_KIND, NARROW_HW)
+        x = narrow(fwht(flip_signs_first(x, P, NARROW_HW), ROWS, P, D), IN_KIND, NARROW_HW)
     codes, words = quantize_rows(x, SCALE_FLOOR, NARROW_HW, INTERPRETED)
 
     slot = tl.load(slot_ptr + token, mask=row_ok, other=-1).to(tl.int64)
@@ -291,19 +312,25 @@ def _write_rows(
     dst_row = block * s_cb + offset * s_cs + head * s_ch
     if PACK_WORDS:
         # cache_ptr an int32 view (s_cd 1): a row's D / 8 words, four to a 16-byte store.
-        W: tl.constexpr = D // 8
+        W: tl.constexpr = P // 8
         VW: tl.constexpr = min(4, W)
         j = (tl.arange(0, W // VW)[:, None] * VW + tl.arange(0, VW)[None, :])[None, :, :]
-        packed = tl.reshape(pack_words(codes, ROWS, D), [ROWS, W // VW, VW])
-        tl.store(cache_ptr + dst_row[:, None, None] + j, packed, mask=keep[:, None, None])
+        packed = tl.reshape(pack_words(codes, ROWS, P), [ROWS, W // VW, VW])
+        ok = keep[:, None, None]
+        if P != D:
+            ok = ok & (j < D // 8)
+        tl.store(cache_ptr + dst_row[:, None, None] + j, packed, mask=ok)
     else:
-        even, odd = deinterleave(codes, ROWS, D)
+        even, odd = deinterleave(codes, ROWS, P)
         packed = (even | (odd << 4)).to(tl.uint8)
-        BYTES: tl.constexpr = D // 2
+        BYTES: tl.constexpr = P // 2
         VB: tl.constexpr = min(16, BYTES)
         j = (tl.arange(0, BYTES // VB)[:, None] * VB + tl.arange(0, VB)[None, :])[None, :, :].to(tl.int64)
         dst = cache_ptr + dst_row[:, None, None] + j * s_cd
-        tl.store(dst, tl.reshape(packed, [ROWS, BYTES // VB, VB]), mask=keep[:, None, None])
+        ok = keep[:, None, None]
+        if P != D:
+            ok = ok & (j < D // 2)
+        tl.store(dst, tl.reshape(packed, [ROWS, BYTES // VB, VB]), mask=ok)
     # A column [ROWS, 1], not a vector: stored as a vector, the words took another layout than
     # the rows' max and min, and the compiler computed those twice to match it (sm_90a SASS).
     tl.store((words_ptr + block * s_wb + offset * s_ws + head * s_wh)[:, None], words[:, None], mask=keep[:, None])
@@ -432,10 +459,9 @@ def decode_rows(packed, words):
 
 
 @triton.jit
-def unrotate_exact(y, ROWS: tl.constexpr, D: tl.constexpr):
-    """SPEC.md 3.4's float32 inverse: fl(fl(fwht(y) * s) / D). The division by a power of two
-    is the multiply by its reciprocal, both one correct rounding of the same value."""
-    return flip_signs(fwht(y, ROWS, D, D), D) * (1.0 / D)
+def unrotate_exact(y, ROWS: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    """SPEC.md 3.4's float32 inverse on a tile of P: fl(fl(fwht(y) * s) / B) (int4_rotation.over_blocks)."""
+    return over_blocks(flip_signs(fwht(y, ROWS, P, D), P), P, D)
 
 
 @triton.jit
@@ -470,17 +496,24 @@ def _int4_dequantize_kernel(
     block = tl.load(block_tables_ptr + seq.to(tl.int64) * s_bt_s + (pos // block_size) * s_bt_b, mask=t_ok, other=0)
     block = block.to(tl.int64)
     offset = (pos % block_size).to(tl.int64)
-    j = tl.arange(0, D // 2).to(tl.int64)
+    P: tl.constexpr = padded(D)
+    j = tl.arange(0, P // 2).to(tl.int64)
     row = block * s_cb + offset * s_cs + head * s_ch
-    packed = tl.load(cache_ptr + row[:, None] + j[None, :] * s_cd, mask=t_ok[:, None], other=0).to(tl.int32)
+    ok = t_ok[:, None]
+    if P != D:
+        ok = ok & (j[None, :] < D // 2)
+    packed = tl.load(cache_ptr + row[:, None] + j[None, :] * s_cd, mask=ok, other=0).to(tl.int32)
     words = tl.load(words_ptr + block * s_wb + offset * s_ws + head * s_wh, mask=t_ok, other=0)
     even, odd = decode_rows(packed, words)
-    x = interleave(even, odd, BLOCK_T, D)
+    x = interleave(even, odd, BLOCK_T, P)
     if ROTATE:
-        x = unrotate_exact(x, BLOCK_T, D)
+        x = unrotate_exact(x, BLOCK_T, P, D)
     out_row = tl.load(cu_seq_lens_ptr + seq).to(tl.int64) + pos
-    d = tl.arange(0, D)
-    tl.store(out_ptr + (out_row * s_ot + head * s_oh)[:, None] + d[None, :] * s_od, x, mask=t_ok[:, None])
+    d = tl.arange(0, P)
+    ok = t_ok[:, None]
+    if P != D:
+        ok = ok & (d[None, :] < D)
+    tl.store(out_ptr + (out_row * s_ot + head * s_oh)[:, None] + d[None, :] * s_od, x, mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +537,7 @@ MIN_TILE_ROWS = 4
 
 def _write_tile(num_tokens: int, num_heads: int, head_size: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, warps): a token's heads in one program, and tokens up to a warp's rows."""
-    rows_per_warp = 32 * WRITE_THREAD_ELEMENTS // max(head_size, WRITE_THREAD_ELEMENTS)
+    rows_per_warp = 32 * WRITE_THREAD_ELEMENTS // max(triton.next_power_of_2(head_size), WRITE_THREAD_ELEMENTS)
     block_h = triton.next_power_of_2(num_heads)
     block_t = max(1, min(rows_per_warp // block_h, triton.next_power_of_2(num_tokens)))
     # At least MIN_TILE_ROWS rows, the rest masked: see its comment.
