@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvzoo_spec.oracle import int4_decode_rows, int4_quantize_rows, int4_unrotate
+
 from support import SEED
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "probes" / "int4_variants_sim.py"

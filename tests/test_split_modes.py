@@ -2,8 +2,8 @@
 
 The conformance suite holds every implementation that registers them to the oracle byte for
 byte (tests/test_conformance.py); here: what a split mode is made of, what each layer does with
-the two sides, the compiled CPU backend against the NumPy one on the same calls, and what is
-refused where they are not taken yet.
+the two sides, the Numba and Triton backends against the NumPy one on the same calls, and what is
+refused where they are not taken.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import kvzoo
 from kvzoo import KVZooInputError, registry, samples
-from kvzoo.arrays import numpy_dtype
+from kvzoo.arrays import as_torch, numpy_dtype
 from kvzoo.inputs import host_bytes, random_bytes, rng_for
 from kvzoo.modes import MODES
 from kvzoo.problem import OPS
@@ -121,67 +121,92 @@ def test_dequantize_takes_one_side_mode_and_refuses_the_split_one(mode):
         assert error < {"int8": 0.01, "float8_e4m3fn": 0.04, "uint4": 0.2}[side.code_format.name], (which, error)
 
 
-def test_numba_registers_the_split_modes_for_what_numpy_takes_them():
-    # Write and attention; dequantize reads one cache in one side's mode, so neither lists them.
+BACKENDS = ("numba", "triton-cuda", "triton-rocm")
+
+
+def test_every_backend_registers_the_split_modes_for_what_numpy_takes_them():
+    # Write and attention, where the backend's format table holds both sides' formats (ROCm's
+    # Triton has no e4m3fn); dequantize reads one cache in one side's mode, so none lists them.
     for op in OPS:
-        taken = {backend: {m for m in SPLIT if m in registry.get(op, backend).modes} for backend in ("numpy", "numba")}
-        assert taken["numba"] == taken["numpy"] == (set() if op == "dequantize" else set(SPLIT)), op
+        want = {m for m in SPLIT if m in registry.get(op, "numpy").modes}
+        assert want == (set() if op == "dequantize" else set(SPLIT)), op
+        for backend in BACKENDS:
+            impl = registry.get(op, backend)
+            sides = {
+                m
+                for m in want
+                if {MODES[m].key_format.name, MODES[m].value_format.name} <= impl.capabilities.formats.keys()
+            }
+            assert {m for m in SPLIT if m in impl.modes} == sides, (op, backend)
+    assert "k_fp8_v_int4" not in registry.get("paged_attention", "triton-rocm").modes
+
+
+def _arrays(impl: str, *arrays):
+    """The arrays as impl takes them: Triton's as torch views of the same memory."""
+    return [as_torch(a) if impl.startswith("triton") else a for a in arrays]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("mode", SPLIT)
-def test_numba_writes_a_split_mode_as_numpy_does_and_attends_to_it(mode, dtype):
-    """Fresh rows (a NaN and an Inf among them) into caches of random bytes: numba's bytes are
-    numpy's, each side in its own format, a skipped slot's poison kept; then numba's attention,
+@pytest.mark.parametrize("impl", ["numba", "triton-cuda"])
+def test_a_backend_writes_a_split_mode_as_numpy_does_and_attends_to_it(impl, mode, dtype):
+    """Fresh rows (a NaN and an Inf among them) into caches of random bytes: the backend's bytes
+    are numpy's, each side in its own format, a skipped slot's poison kept; then its attention,
     with every softmax option, over every slot it wrote, against the float64 reference (rows
     free of NaN: a prefill may read a poisoned later key masked, SPEC.md section 8; the
     conformance suite's poisoned decodes cover them)."""
-    pytest.importorskip("numba")
-    rng = rng_for("split", "numba", mode, dtype)
+    pytest.importorskip("numba" if impl == "numba" else "triton")
+    rng = rng_for("split", impl, mode, dtype)
     t, (key, value), slots = _write_call(mode, rng)
     key[1, 0, 3], value[2, 1, 5] = np.nan, np.inf  # rows whose scale words are the canonical NaN
     slots[0] = -1  # a padded token: no slot written
     key, value = (x.astype(numpy_dtype(dtype)) for x in (key, value))
     arrays = (t.key_cache, t.value_cache, t.k_scale_cache, t.v_scale_cache)
     written = {}
-    for impl in ("numpy", "numba"):
+    for writer in ("numpy", impl):
         kc, vc, ks, vs = (a.copy() for a in arrays)
-        kvzoo.reshape_and_cache(key, value, kc, vc, slots, mode=mode, k_scale_cache=ks, v_scale_cache=vs, impl=impl)
-        written[impl] = (kc, vc, ks, vs)
+        call = _arrays(writer, key, value, kc, vc, slots, ks, vs)
+        kvzoo.reshape_and_cache(*call[:5], mode=mode, k_scale_cache=call[5], v_scale_cache=call[6], impl=writer)
+        written[writer] = (kc, vc, ks, vs)
     for name, want, got in zip(("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"), *written.values()):
         assert host_bytes(got).tobytes() == host_bytes(want).tobytes(), name
-    kc, vc, ks, vs = written["numba"]
+    kc, vc, ks, vs = written[impl]
     rows = [rng.standard_normal((NB * BS, H, D)).astype(numpy_dtype(dtype)) for _ in range(2)]
     every = rng.permutation(NB * BS)
-    kvzoo.reshape_and_cache(*rows, kc, vc, every, mode=mode, k_scale_cache=ks, v_scale_cache=vs, impl="numba")
+    call = _arrays(impl, *rows, kc, vc, every, ks, vs)
+    kvzoo.reshape_and_cache(*call[:5], mode=mode, k_scale_cache=call[5], v_scale_cache=call[6], impl=impl)
     # A decode, a prefill and another decode, 4 query heads a KV head.
     tables = rng.permutation(NB).astype(np.int32).reshape(3, 2)
     lens, qsl = np.array([5, 8, 6], np.int32), np.array([0, 1, 6, 7], np.int32)
     query = rng.standard_normal((7, 4 * H, D)).astype(numpy_dtype(dtype))
     sinks = rng.standard_normal(4 * H).astype(np.float32)
-    options = dict(sliding_window=6, softcap=20.0, sinks=sinks)
-    impl = registry.get("paged_attention", "numba")
+    options = dict(sliding_window=6, softcap=20.0)
+    attention = registry.get("paged_attention", impl)
+    q, kc_, vc_, tables_, lens_, qsl_, ks_, vs_, sinks_ = _arrays(impl, query, kc, vc, tables, lens, qsl, ks, vs, sinks)
     got = kvzoo.paged_attention(
-        query, kc, vc, mode=mode, block_tables=tables, seq_lens=lens, query_start_loc=qsl,
-        k_scale_cache=ks, v_scale_cache=vs, impl=impl, **options,
+        q, kc_, vc_, mode=mode, block_tables=tables_, seq_lens=lens_, query_start_loc=qsl_,
+        k_scale_cache=ks_, v_scale_cache=vs_, impl=attention, **options, sinks=sinks_,
     )  # fmt: skip
+    got = got.float().numpy() if impl.startswith("triton") else got
     ref = samples.oracle_attention(
         mode, query, host_bytes(kc)[..., 0], host_bytes(vc)[..., 0], tables, lens, qsl, k_scales=ks, v_scales=vs,
-        **options,
+        **options, sinks=sinks,
     )  # fmt: skip
-    samples.assert_attention_close(impl, got, ref, qsl, dtype, f" {mode}")
+    samples.assert_attention_close(attention, got, ref, qsl, dtype, f" {mode}")
 
 
-@pytest.mark.parametrize("impl", ["triton-cuda"])
-def test_backends_without_split_kernels_say_so(impl):
+@pytest.mark.parametrize("impl", ["triton-rocm"])
+def test_backends_without_a_sides_format_say_so(impl):
+    # ROCm's Triton kernels have no e4m3fn: the fp8-key modes are refused before any launch.
+    pytest.importorskip("triton")
     rng = rng_for("split", "registry", impl)
-    t, (key, value), slots = _write_call("k_int8_v_int4", rng)
+    t, (key, value), slots = _write_call("k_fp8_v_int4", rng)
     chosen = kvzoo.registry.get("reshape_and_cache", impl)
-    assert "k_int8_v_int4" not in chosen.modes
-    with pytest.raises(NoImplementationError, match="k_int8_v_int4"):
+    assert "k_fp8_v_int4" not in chosen.modes
+    with pytest.raises(NoImplementationError, match="k_fp8_v_int4"):
         kvzoo.reshape_and_cache(
             torch.from_numpy(key), torch.from_numpy(value), torch.from_numpy(t.key_cache),
-            torch.from_numpy(t.value_cache), torch.from_numpy(slots), mode="k_int8_v_int4",
+            torch.from_numpy(t.value_cache), torch.from_numpy(slots), mode="k_fp8_v_int4",
             k_scale_cache=torch.from_numpy(t.k_scale_cache), v_scale_cache=torch.from_numpy(t.v_scale_cache), impl=impl,
         )  # fmt: skip
 

@@ -69,7 +69,7 @@ def register(registry: Registry) -> None:
                 name=f"triton-{name}",
                 op="paged_attention",
                 platform=name,
-                modes=platform.PLATFORM_MODES[name],
+                modes=platform.PLATFORM_MODES[name, "paged_attention"],
                 run=_runner(name),
                 prepare=_preparer(name),
                 workspace_bytes=_sizer(name),

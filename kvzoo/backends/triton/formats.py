@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from ...modes import MODES
+from ...registry import modes_for_formats
 
 CODE_COPY = 0  # mode "none": rows are copied as bits
 CODE_INT8 = 1
@@ -32,16 +33,19 @@ CODE_UINT4 = 6
 class Family(NamedTuple):
     """A kernel family: the modules of this package whose kernels take a format's caches, each
     with the entry points the registration calls. `attention`: run, prepare, workspace_bytes
-    (attention_ops.py); `write`: reshape_and_cache, prepare_write, dequantize (write_ops.py)."""
+    (attention_ops.py); `write`: reshape_and_cache, prepare_write, dequantize (write_ops.py).
+    byte_keys: whether its kernels also take keys of one byte a code beside their own values
+    (a split mode's pairing, its KEY_CODE), so that a split mode is data to them."""
 
     attention: str
     write: str
+    byte_keys: bool = False
 
 
 # Rows of one code or element a byte and mode "none": one set of kernels, dispatching on CODE.
 PAGED = Family("attention_kernels", "write_kernels")
 # Two codes a byte, rotated in the kernels, a zero point in the scale word: kernels of their own.
-INT4 = Family("int4_attention", "int4_write")
+INT4 = Family("int4_attention", "int4_write", byte_keys=True)
 
 
 class Format(NamedTuple):
@@ -77,8 +81,9 @@ def platform_formats(platform: str) -> dict[str, int]:
 
 
 def family_of(mode) -> Family:
-    """The kernel family that takes `mode`'s caches (PAGED for mode "none")."""
-    return PAGED if mode.format is None else FORMATS[mode.format.name].family
+    """The kernel family that takes `mode`'s caches (PAGED for mode "none"): its value side's, which
+    for a split mode is one whose kernels take byte keys (platform_modes registers no other)."""
+    return PAGED if mode.value_format is None else FORMATS[mode.value_format.name].family
 
 
 def kernels(mode, part: str) -> ModuleType:
@@ -92,7 +97,14 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def platform_modes(platform: str) -> frozenset[str]:
-    formats = PLATFORM_FORMATS[platform] & FORMATS.keys()
-    # Split modes (keys and values in two formats) wait for per-side kernels here.
-    return frozenset(m.name for m in MODES.values() if not m.split and (m.format is None or m.format.name in formats))
+def platform_modes(platform: str, op: str) -> frozenset[str]:
+    """The modes a platform's kernels register for op: those whose formats (each side's) its
+    table holds; a split mode where its value side's family takes the keys' bytes (no other
+    pairing has kernels: a declared refusal, not a failure inside a launch)."""
+    modes = modes_for_formats(PLATFORM_FORMATS[platform] & FORMATS.keys(), op)
+    return frozenset(name for name in modes if not MODES[name].split or _paired(MODES[name]))
+
+
+def _paired(mode) -> bool:
+    key = mode.key_format
+    return family_of(mode).byte_keys and key is not None and FORMATS[key.name].family is PAGED

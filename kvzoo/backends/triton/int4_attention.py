@@ -21,6 +21,12 @@ attention_tiles.py (rows, key range, masks, online softmax, stores) and its own 
 
 Prefill with long query runs stages the context instead (int4_staging.py).
 
+A split mode's keys (int8 or fp8 codes a byte, a float32 scale; values int4) are this kernel's
+too: KEY_CODE says which loader the key tile takes, and the byte rows meet q'_even and q'_odd as
+the nibbles do, so a pairing is a constexpr, not another kernel. The query is rotated only where
+the keys are, the output un-rotated only where the values are (SPEC.md section 2). Their prefills
+stay on this kernel (staging.stageable: the gathers stage one family's rows).
+
 Tolerance (ATTENTION_RTOL): the dots take fp16 operands with fp32 accumulation. The codes are
 exact in fp16; what rounds is q' (fp16, 2^-11 relative per element, against 2^-12 for an fp32
 query in the int8 kernel: q' is computed, so bf16 and fp16 queries round too), P (2^-11 per
@@ -40,10 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...modes import SCALE_FLOOR
 from ...problem import Attention
 from . import int4_staging, staging
 from . import platform as _platform
-from .attention_constants import SCALE_TOKEN_HEAD
+from .attention_constants import QUERY_CODE, QUERY_NAN_CODE, QUERY_QMAX, SCALE_TOKEN_HEAD
 
 # The split rule's bounds, the merge, the launch records and their runners are the paged
 # kernel's own: one definition each.
@@ -83,10 +90,17 @@ from .attention_tiles import (
 from .encode import (
     SMALLEST_NORMAL,
     bf16_as_bits,
+    bits_float,
+    decode_codes,
+    encode_row_codes,
     load_f32,
+    reciprocal,
+    row_absmax_bits,
+    row_scale,
 )
+from .formats import CODE_INT8, code_of
 from .int4_rotation import deinterleave, flip_signs, fwht, interleave, log2, per_block, top_block
-from .int4_tiles import CODE_OFFSET, query_factors, split_words, unrotate_rows
+from .int4_tiles import CODE_OFFSET, E4M3FN_CODE, INT8_CODE, UINT4_CODE, query_factors, split_words, unrotate_rows
 from .launch import launch_nothing
 from .options import TritonAttentionOptions
 from .scratch import Scratch, bytes_needed
@@ -148,6 +162,20 @@ def nibbles_to_dot(raw, CONVERT: tl.constexpr, PURE: tl.constexpr):
     return lo, hi
 
 
+@triton.jit
+def bytes_to_dot(raw, CODE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A split mode's key bytes (int8 codes, fp8 bits as uint8) -> their values in fp16, exact:
+    e4m3fn through the hardware's convert where compiled (staging._stage_rows' choice), the
+    integer decoder under the interpreter, whose fp8 casts are not trusted (encode.py)."""
+    if CODE == INT8_CODE:
+        x = raw.to(tl.float16)
+    elif CODE == E4M3FN_CODE and not INTERPRETED:
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        x = decode_codes(raw, CODE).to(tl.float16)
+    return x
+
+
 # ----------------------------------------------------------------------------------------
 # The query rows and the output rows.
 
@@ -171,6 +199,19 @@ def rotated_query(
     q16 = q.to(tl.float16)
     q_even, q_odd = deinterleave(q16, BLOCK_M, BLOCK_D)
     return q_even, q_odd, tl.sum(q16.to(tl.float32), axis=1), undo
+
+
+@triton.jit
+def int8_query(q_ptrs, q_ok, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """quantize_query's rows (SPEC.md 8.1, int8 keys only): rotated_query's values for the int8
+    codes of each row, which its scale undoes. Codes are exact in fp16 and their products
+    with int8 keys sum exactly in fp32 (under 2^24 for D <= 512), as the paged kernel's int8
+    dot does."""
+    q = load_f32(q_ptrs, q_ok)
+    q_scale, _ = row_scale(row_absmax_bits(q, 1), QUERY_QMAX, SCALE_FLOOR)
+    codes = encode_row_codes(q * reciprocal(q_scale)[:, None], QUERY_CODE, QUERY_NAN_CODE, False)
+    q_even, q_odd = deinterleave(codes.to(tl.int8).to(tl.float16), BLOCK_M, BLOCK_D)
+    return q_even, q_odd, tl.zeros([BLOCK_M], tl.float32), q_scale
 
 
 # ----------------------------------------------------------------------------------------
@@ -208,30 +249,51 @@ def _int4_tile(
     HEAD_D: tl.constexpr,
     HALF: tl.constexpr,
     PAGE: tl.constexpr,
+    KEY_CODE: tl.constexpr,
     CONVERT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    QK_INT8: tl.constexpr,
 ):
     """Keys [start, start + BLOCK_N) below kv_end: the online softmax's (m, l) and the two
     accumulators of P . (CODE_OFFSET + codes) (even and odd elements) after them, and v_off, the
-    sum of p * scale * (CODE_OFFSET + zp) they carry per row, counted as they are."""
+    sum of p * scale * (CODE_OFFSET + zp) they carry per row, counted as they are. The values
+    are int4 rows; the keys are in KEY_CODE's format: int4's, or a split mode's byte codes."""
     j = tl.arange(0, HALF)
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < kv_end
     page = load_keys(bt_row + keys // PAGE, key_ok, MASKED).to(tl.int64)
     in_page = keys % PAGE
     k_row = paged_rows(page, in_page, kv_head, k_strides[0], k_strides[1], k_strides[2], 1)
-    kc = load_rows(k_ptr + k_row[:, None] + j[None, :] * k_strides[3], key_ok, j, MASKED, HEAD_D // 2, HALF)
-    k_words = load_keys(
-        ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
-    )
-    k_scale, k_zp = split_words(k_words)
-    k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
-    s = tl.dot(q_e, tl.trans(k_lo))
-    s = tl.dot(q_o, tl.trans(k_hi), s)
-    # The row's undo and the key's scale meet first, as in attention_tiles.logits_key_scales.
-    s = (s - q_sum[:, None] * k_zp[None, :]) * (row_scale[:, None] * k_scale[None, :])
+    if KEY_CODE == UINT4_CODE:
+        kc = load_rows(k_ptr + k_row[:, None] + j[None, :] * k_strides[3], key_ok, j, MASKED, HEAD_D // 2, HALF)
+        k_words = load_keys(
+            ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED
+        )
+        k_scale, k_zp = split_words(k_words)
+        k_lo, k_hi = nibbles_to_dot(kc, CONVERT, True)
+        s = tl.dot(q_e, tl.trans(k_lo))
+        s = tl.dot(q_o, tl.trans(k_hi), s)
+        # The row's undo and the key's scale meet first, as in attention_tiles.logits_key_scales.
+        s = (s - q_sum[:, None] * k_zp[None, :]) * (row_scale[:, None] * k_scale[None, :])
+    else:
+        # A code a byte and a float32 scale (SPEC.md 3): the row's even and odd elements meet
+        # q'_even and q'_odd as an int4 key's low and high nibbles do, with no zero point.
+        d = tl.arange(0, 2 * HALF)
+        kc = load_rows(k_ptr + k_row[:, None] + d[None, :] * k_strides[3], key_ok, d, MASKED, HEAD_D, 2 * HALF)
+        k_even, k_odd = deinterleave(bytes_to_dot(kc, KEY_CODE, INTERPRETED), BLOCK_N, 2 * HALF)
+        k_scale = bits_float(
+            load_keys(ks_ptr + page * ks_strides[0] + in_page * ks_strides[1] + kv_head * ks_strides[2], key_ok, MASKED)
+        )
+        s = tl.dot(q_e, tl.trans(k_even))
+        s = tl.dot(q_o, tl.trans(k_odd), s)
+        if QK_INT8:
+            # An integer s meets the key's scale first (attention_tiles.paged_tile's QK_INT8 says why).
+            s = s * k_scale[None, :] * row_scale[:, None]
+        else:
+            s = s * (row_scale[:, None] * k_scale[None, :])
     if HAS_SOFTCAP:
         s = softcap_logits(s, softcap)
     visible = key_ok
@@ -319,7 +381,9 @@ def _int4_attention_kernel(
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
-    ROTATE: tl.constexpr,
+    KEY_CODE: tl.constexpr,
+    KEY_ROTATE: tl.constexpr,
+    VALUE_ROTATE: tl.constexpr,
     CONVERT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -331,9 +395,13 @@ def _int4_attention_kernel(
     LONGEST_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
 ):
     """Attention on an int4 paged cache: decode (PER_SEQ, optionally SPLIT into partials for
-    the merge) and direct prefill; attention_kernels._attention_kernel's grid and rows."""
+    the merge) and direct prefill; attention_kernels._attention_kernel's grid and rows. Keys in
+    KEY_CODE's format (_int4_tile), values int4; the query is rotated where the keys are
+    (KEY_ROTATE), the output un-rotated where the values are (VALUE_ROTATE): SPEC.md 8.4."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq, q_start, q_len, q_block, live = program_query(qsl_ptr, num_seqs, BLOCK_Q, PER_SEQ, SKIP_DECODE, LONGEST_FIRST)
@@ -347,8 +415,12 @@ def _int4_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     seq_ok = sequence_ok(bt_row, seq_len, q_len, split, split_keys, max_blocks, num_blocks, PAGE, SPLIT, INTERPRETED)
     q_ptrs = q_ptr + token[:, None] * q_strides[0] + head[:, None] * q_strides[1] + d[None, :] * q_strides[2]
-    q_e, q_o, q_sum, undo = rotated_query(q_ptrs, row_ok[:, None] & d_ok[None, :], BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
-    if ROTATE:
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    if QK_INT8:
+        q_e, q_o, q_sum, undo = int8_query(q_ptrs, q_ok, BLOCK_M, BLOCK_D, SCALE_FLOOR)
+    else:
+        q_e, q_o, q_sum, undo = rotated_query(q_ptrs, q_ok, BLOCK_M, BLOCK_D, HEAD_D, KEY_ROTATE)
+    if KEY_ROTATE:
         undo = undo * (1.0 / top_block(HEAD_D))  # R^-1 = S H / B (SPEC.md 8.4): exact, a power of two
     row_scale = logit_scale(undo, ks_ptr, softmax_scale, SCALE_TOKEN_HEAD, HAS_SOFTCAP)
 
@@ -388,10 +460,13 @@ def _int4_attention_kernel(
             HEAD_D,
             BLOCK_D // 2,
             PAGE,
+            KEY_CODE,
             CONVERT,
             HAS_SOFTCAP,
             HAS_WINDOW,
             SAME_KV_STRIDES,
+            INTERPRETED,
+            QK_INT8,
         ),
         _zero_accs(BLOCK_M, BLOCK_D // 2),
         BLOCK_Q,
@@ -409,7 +484,7 @@ def _int4_attention_kernel(
     l_i = poisoned_sum(l_i, seq_ok)
     # The rotation is linear, so un-rotating acc before the division by l (or before the
     # merge sums the partials) gives the same rows.
-    acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, ROTATE)
+    acc = unrotate_rows(acc, BLOCK_M, BLOCK_D, HEAD_D, VALUE_ROTATE)
     if SPLIT:
         at = (part_m_ptr, part_l_ptr, part_acc_ptr, seq, head, split, num_splits)
         store_partials(*at, acc, m_i, l_i, row_ok, NUM_Q_HEADS, BLOCK_D)
@@ -514,7 +589,9 @@ def kernel_call(
     num_seqs = p.num_seqs
     split = per_seq and cfg.split_keys > 0
     grid0 = num_seqs if per_seq else p.query.shape[0] // cfg.block_q + num_seqs
-    k, v = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
+    key_code = code_of(p.mode.key_side)
+    k = p.key_cache.view(torch.int8 if key_code == CODE_INT8 else torch.uint8)
+    v = p.value_cache.view(torch.uint8)
     ks, vs = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
     sinks, lse, lse_strides = sinks_and_lse(p)
     num_splits, (part_m, part_l, part_acc), merge = split_merge(p, cfg, split, width, scratch)
@@ -561,7 +638,9 @@ def kernel_call(
         HEAD_D=p.head_size,
         BLOCK_D=width,
         PAGE=p.block_size,
-        ROTATE=p.mode.rotation is not None,
+        KEY_CODE=key_code,
+        KEY_ROTATE=p.mode.key_side.rotation is not None,
+        VALUE_ROTATE=p.mode.value_side.rotation is not None,
         CONVERT=_convert(platform),
         HAS_SOFTCAP=p.softcap is not None,
         HAS_WINDOW=p.sliding_window is not None,
@@ -573,6 +652,8 @@ def kernel_call(
         LONGEST_FIRST=cfg.longest_first and not per_seq,
         INTERPRETED=_platform.interpreted(),
         HAS_LSE=p.lse is not None and not split,
+        QK_INT8=p.quantize_query,
+        SCALE_FLOOR=float(SCALE_FLOOR),
     )
     slots, merge_slots = kernel_slots(
         _int4_attention_kernel, split, True, False, p.sinks is not None, p.lse is not None

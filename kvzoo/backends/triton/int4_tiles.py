@@ -9,7 +9,14 @@ import triton
 import triton.language as tl
 
 from .encode import FP16_ROW_EXPONENT, MAX_FACTOR_EXPONENT, bits_float, float_bits
+from .formats import CODE_E4M3FN, CODE_INT8, CODE_UINT4
 from .int4_rotation import flip_signs, fwht, over_blocks
+
+# The family's KEY_CODEs (formats.py's codes), as constexprs a compiled kernel can read: its own
+# int4 rows, and the split modes' int8 and e4m3fn bytes.
+UINT4_CODE = tl.constexpr(CODE_UINT4)
+INT8_CODE = tl.constexpr(CODE_INT8)
+E4M3FN_CODE = tl.constexpr(CODE_E4M3FN)
 
 # fp16 value of a code c under the nibble conversions, less c: 0x5400 | c << 4 is the fp16
 # 64 + c (fp16 steps by 1/16 in [64, 128)), so each nibble becomes an fp16 with one OR once it

@@ -1,6 +1,7 @@
 """Triton kernels that write int4 per-token-head rows into the paged cache and read them back
 (SPEC.md section 2's int4 rows): modes int4_per_token_head (rows rotated first) and
-int4_per_token_head_norot.
+int4_per_token_head_norot, and the values of the split modes, whose keys the same launch writes
+in their own format (KEY_CODE: int8 or fp8 codes and a float32 scale, encode.py's row rule).
 
 reshape_and_cache: a program owns ROWS rows of K or of V (BLOCK_T tokens x BLOCK_H heads; the
 grid's second axis says which tensor), a memory path of its own beside write_kernels.py's: the
@@ -30,7 +31,19 @@ import triton
 import triton.language as tl
 
 from ...problem import CacheWrite, Dequantize
-from .encode import CANONICAL_NAN_BITS, bf16_as_bits, bits_float, float_bits, load_f32
+from .encode import (
+    CANONICAL_NAN_BITS,
+    bf16_as_bits,
+    bits_float,
+    encode_row_codes,
+    encoder_code,
+    float_bits,
+    load_f32,
+    reciprocal,
+    row_absmax_bits,
+    row_scale,
+)
+from .formats import CODE_INT8, CODE_UINT4, code_of
 from .int4_rotation import (
     deinterleave,
     flip_signs,
@@ -42,6 +55,7 @@ from .int4_rotation import (
     sign_bits,
     unpack_nibbles,
 )
+from .int4_tiles import UINT4_CODE
 from .launch import BoundLaunch, launch_nothing
 from .platform import build_target, interpreted
 
@@ -277,8 +291,11 @@ def _write_rows(
     s_wb,
     s_ws,
     s_wh,
-    IN_KIND: tl.constexpr,
+    CODE: tl.constexpr,
+    QMAX_BYTES: tl.constexpr,
+    NAN_CODE: tl.constexpr,
     ROTATE: tl.constexpr,
+    IN_KIND: tl.constexpr,
     NARROW_HW: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
@@ -288,6 +305,8 @@ def _write_rows(
     PAIRS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
 ):
+    """One side's rows in its own format: UINT4_CODE: packed rows (rotated where ROTATE), or a
+    code a byte (int8, fp8: a split mode's keys) with QMAX_BYTES and NAN_CODE, SPEC.md 3's row."""
     ROWS: tl.constexpr = BLOCK_T * BLOCK_H
     rows = tl.arange(0, ROWS)
     token = first_token + rows // BLOCK_H
@@ -298,9 +317,13 @@ def _write_rows(
     # through the rotation (int4_rotation.fwht) and leave the row's range as it is (it holds 0).
     P: tl.constexpr = padded(D)
     x = _load_row_tile(src_ptr, row, row_ok, s_d, IN_KIND, PAIRS, D)
-    if ROTATE:
-        x = narrow(fwht(flip_signs_first(x, P, NARROW_HW), ROWS, P, D), IN_KIND, NARROW_HW)
-    codes, words = quantize_rows(x, SCALE_FLOOR, NARROW_HW, INTERPRETED)
+    if CODE == UINT4_CODE:
+        if ROTATE:
+            x = narrow(fwht(flip_signs_first(x, P, NARROW_HW), ROWS, P, D), IN_KIND, NARROW_HW)
+        codes, words = quantize_rows(x, SCALE_FLOOR, NARROW_HW, INTERPRETED)
+    else:
+        scale, words = row_scale(row_absmax_bits(x, 1), QMAX_BYTES, SCALE_FLOOR)
+        codes = encode_row_codes(x * reciprocal(scale)[:, None], CODE, NAN_CODE, False)
 
     slot = tl.load(slot_ptr + token, mask=row_ok, other=-1).to(tl.int64)
     # Past-the-end slots reach here only with validation off: skipped like negative ones, so
@@ -310,7 +333,15 @@ def _write_rows(
     block = slot // block_size
     offset = slot % block_size
     dst_row = block * s_cb + offset * s_cs + head * s_ch
-    if PACK_WORDS:
+    if CODE != UINT4_CODE:
+        V: tl.constexpr = min(16, P)
+        j = (tl.arange(0, P // V)[:, None] * V + tl.arange(0, V)[None, :])[None, :, :].to(tl.int64)
+        dst = cache_ptr + dst_row[:, None, None] + j * s_cd
+        ok = keep[:, None, None]
+        if P != D:
+            ok = ok & (j < D)
+        tl.store(dst, tl.reshape(codes, [ROWS, P // V, V]).to(cache_ptr.dtype.element_ty), mask=ok)
+    elif PACK_WORDS:
         # cache_ptr an int32 view (s_cd 1): a row's D / 8 words, four to a 16-byte store.
         W: tl.constexpr = P // 8
         VW: tl.constexpr = min(4, W)
@@ -369,8 +400,12 @@ def _int4_write_kernel(
     s_vwb,
     s_vws,
     s_vwh,
+    KEY_CODE: tl.constexpr,
+    KEY_QMAX: tl.constexpr,
+    KEY_NAN_CODE: tl.constexpr,
+    KEY_ROTATE: tl.constexpr,
+    VALUE_ROTATE: tl.constexpr,
     IN_KIND: tl.constexpr,
-    ROTATE: tl.constexpr,
     NARROW_HW: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
@@ -380,7 +415,9 @@ def _int4_write_kernel(
     PAIRS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
 ):
-    """Program (i, 0) writes the K rows of tokens [i * BLOCK_T, (i + 1) * BLOCK_T), (i, 1) V's."""
+    """Program (i, 0) writes the K rows of tokens [i * BLOCK_T, (i + 1) * BLOCK_T), (i, 1) V's:
+    V's are the family's int4 rows, K's in KEY_CODE's format (UINT4_CODE, or a split mode's
+    byte codes, QMAX KEY_QMAX); each side rotated where its mode rotates."""
     first_token = tl.program_id(0) * BLOCK_T
     if tl.program_id(1) == 0:
         _write_rows(
@@ -403,8 +440,11 @@ def _int4_write_kernel(
             s_kwb,
             s_kws,
             s_kwh,
+            KEY_CODE,
+            KEY_QMAX,
+            KEY_NAN_CODE,
+            KEY_ROTATE,
             IN_KIND,
-            ROTATE,
             NARROW_HW,
             INTERPRETED,
             SCALE_FLOOR,
@@ -435,8 +475,11 @@ def _int4_write_kernel(
             s_vwb,
             s_vws,
             s_vwh,
+            UINT4_CODE,
+            0.0,
+            0,
+            VALUE_ROTATE,
             IN_KIND,
-            ROTATE,
             NARROW_HW,
             INTERPRETED,
             SCALE_FLOOR,
@@ -580,8 +623,14 @@ def _write_call(
     num_tokens, num_heads, head_size = p.key.shape
     block_t, block_h, warps = tile or _write_tile(num_tokens, num_heads, head_size)
     k_words, v_words = p.k_scale_cache.view(torch.int32), p.v_scale_cache.view(torch.int32)
-    key_cache, value_cache = p.key_cache.view(torch.uint8), p.value_cache.view(torch.uint8)
-    key_words, value_words = _as_words(key_cache), _as_words(value_cache)
+    key_side = p.mode.key_side
+    key_code = code_of(key_side)
+    # A split mode's byte keys: int8 codes signed, fp8 ones bytes (write_kernels._as_codes).
+    key_cache = p.key_cache.view(torch.int8 if key_code == CODE_INT8 else torch.uint8)
+    value_cache = p.value_cache.view(torch.uint8)
+    # Byte keys are stored a 16-byte vector at a time whatever PACK_WORDS says.
+    key_words = _as_words(key_cache) if key_code == CODE_UINT4 else key_cache
+    value_words = _as_words(value_cache)
     words = pack_words and key_words is not None and value_words is not None
     if words:
         key_cache, value_cache = key_words, value_words
@@ -609,8 +658,12 @@ def _write_call(
         *v_words.stride(),
     )
     kwargs = dict(
+        KEY_CODE=encoder_code(key_code, p.key),
+        KEY_QMAX=float(key_side.qmax),
+        KEY_NAN_CODE=int(key_side.nan_code),
+        KEY_ROTATE=key_side.rotation is not None,
+        VALUE_ROTATE=p.mode.value_side.rotation is not None,
         IN_KIND=_in_kind(p.key),
-        ROTATE=p.mode.rotation is not None,
         NARROW_HW=_narrow_hw(p.key),
         INTERPRETED=interpreted(),
         SCALE_FLOOR=float(scale_floor),

@@ -11,8 +11,11 @@ import sys
 from .formats import platform_modes
 
 PLATFORMS = ("cuda", "rocm")
-# Modes each platform's kernels register, from the backend's format table (formats.py).
-PLATFORM_MODES: dict[str, frozenset[str]] = {p: platform_modes(p) for p in PLATFORMS}
+OPS = ("reshape_and_cache", "dequantize", "paged_attention")
+# Modes each platform's kernels register for each op, from the backend's format table (formats.py).
+PLATFORM_MODES: dict[tuple[str, str], frozenset[str]] = {
+    (p, op): platform_modes(p, op) for p in PLATFORMS for op in OPS
+}
 
 PRIORITY_GPU = 100
 # Under the interpreter the kernels are checked, not used: any CPU backend is preferred.

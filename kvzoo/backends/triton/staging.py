@@ -266,7 +266,8 @@ def workspace_bytes(p: Attention) -> int:
 def stageable(p: Attention) -> bool:
     """Whether staging can take `p` with the direct kernel's semantics."""
     # batch_invariant: a sequence's path would depend on the batch (its bound decides staging).
-    return p.mode.code_dtype is not None and not p.quantizes_query and not p.batch_invariant
+    # A split mode's sides would stage through two families' gathers: its prefills stay direct.
+    return p.mode.code_dtype is not None and not p.quantizes_query and not p.batch_invariant and not p.mode.split
 
 
 def worth_staging(p: Attention, max_bytes: int = STAGE_MAX_BYTES) -> bool:

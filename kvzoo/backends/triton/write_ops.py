@@ -47,7 +47,7 @@ def register(registry: Registry) -> None:
                     name=name,
                     op=op,
                     platform=plat,
-                    modes=platform.PLATFORM_MODES[plat],
+                    modes=platform.PLATFORM_MODES[plat, op],
                     run=run,
                     prepare=prepare,
                     array_kind="torch",
