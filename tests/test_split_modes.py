@@ -9,6 +9,7 @@ refused where they are not taken.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import numpy as np
@@ -141,9 +142,20 @@ def test_every_backend_registers_the_split_modes_for_what_numpy_takes_them():
     assert "k_fp8_v_int4" not in registry.get("paged_attention", "triton-rocm").modes
 
 
+# Triton's kernels take CPU tensors only under the interpreter (CI); on a GPU, CUDA tensors.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
 def _arrays(impl: str, *arrays):
-    """The arrays as impl takes them: Triton's as torch views of the same memory."""
-    return [as_torch(a) if impl.startswith("triton") else a for a in arrays]
+    """The arrays as impl takes them: Triton's as torch views of the same memory (copies on
+    the GPU: _copy_back brings what a write changed home)."""
+    return [as_torch(a).to(TRITON_DEVICE) if impl.startswith("triton") else a for a in arrays]
+
+
+def _copy_back(arrays, taken) -> None:
+    for a, t in zip(arrays, taken):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            as_torch(a).copy_(t.cpu())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -167,6 +179,7 @@ def test_a_backend_writes_a_split_mode_as_numpy_does_and_attends_to_it(impl, mod
         kc, vc, ks, vs = (a.copy() for a in arrays)
         call = _arrays(writer, key, value, kc, vc, slots, ks, vs)
         kvzoo.reshape_and_cache(*call[:5], mode=mode, k_scale_cache=call[5], v_scale_cache=call[6], impl=writer)
+        _copy_back((kc, vc, ks, vs), (call[2], call[3], call[5], call[6]))
         written[writer] = (kc, vc, ks, vs)
     for name, want, got in zip(("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"), *written.values()):
         assert host_bytes(got).tobytes() == host_bytes(want).tobytes(), name
@@ -175,6 +188,7 @@ def test_a_backend_writes_a_split_mode_as_numpy_does_and_attends_to_it(impl, mod
     every = rng.permutation(NB * BS)
     call = _arrays(impl, *rows, kc, vc, every, ks, vs)
     kvzoo.reshape_and_cache(*call[:5], mode=mode, k_scale_cache=call[5], v_scale_cache=call[6], impl=impl)
+    _copy_back((kc, vc, ks, vs), (call[2], call[3], call[5], call[6]))
     # A decode, a prefill and another decode, 4 query heads a KV head.
     tables = rng.permutation(NB).astype(np.int32).reshape(3, 2)
     lens, qsl = np.array([5, 8, 6], np.int32), np.array([0, 1, 6, 7], np.int32)
@@ -187,7 +201,7 @@ def test_a_backend_writes_a_split_mode_as_numpy_does_and_attends_to_it(impl, mod
         q, kc_, vc_, mode=mode, block_tables=tables_, seq_lens=lens_, query_start_loc=qsl_,
         k_scale_cache=ks_, v_scale_cache=vs_, impl=attention, **options, sinks=sinks_,
     )  # fmt: skip
-    got = got.float().numpy() if impl.startswith("triton") else got
+    got = got.float().cpu().numpy() if impl.startswith("triton") else got
     ref = samples.oracle_attention(
         mode, query, host_bytes(kc)[..., 0], host_bytes(vc)[..., 0], tables, lens, qsl, k_scales=ks, v_scales=vs,
         **options, sinks=sinks,
