@@ -618,6 +618,14 @@ class KVZooCache(Cache):
         stores = [layer.store for layer in self._layers if layer.store is not None and layer.store.tensors is not None]
         if not stores or self.pages.tables is None:
             raise ValueError("audit: the cache holds nothing yet (no forward step has written to it)")
+        if any(layer.is_sliding for layer in self._layers):
+            # A window's layers index pages by their own table, and release blocks their window
+            # left (the table keeps the ids): a dump has one table for every layer.
+            raise KVZooIntegrationError(
+                "audit: this cache has sliding-window layers, whose pages have their own block tables "
+                "(blocks outside the window released); kvzoo.audit reads one table for every layer and "
+                "does not take such a cache yet"
+            )
         rows = self.pages.tables
         tables = np.full((len(rows), max(1, max(map(len, rows)))), -1, np.int32)
         for b, row in enumerate(rows):
