@@ -8,8 +8,9 @@ sequences; direct prefill: BLOCK_Q tokens x the group), with the shared pieces o
 attention_tiles.py (rows, key range, masks, online softmax, stores) and its own key tile:
 
 1. once per program, the query rows are scaled by a power of two into fp16's range, rotated
-   (q' = R q, the butterfly in float32; `_norot`: q' = q) and rounded to fp16, and split into
-   their even and odd elements, which meet the low and the high nibbles of each key byte;
+   (q' = R q, the butterfly in float32, times B_max / B for a head that is no power of two;
+   `_norot`: q' = q) and rounded to fp16, and split into their even and odd elements, which
+   meet the low and the high nibbles of each key byte;
 2. per key tile, the bytes are turned into two fp16 tiles in registers, CODE_OFFSET + code
    (an OR with an fp16 exponent: no integer-to-float conversion), and the logits are
    q'_even . lo + q'_odd . hi less sum(q') * (CODE_OFFSET + zp) per key, times the key's scale;

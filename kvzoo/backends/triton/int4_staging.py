@@ -6,8 +6,9 @@ tiles and key loop; what is int4's own is on either side of them:
 
 - the gather decodes each row in the stored (rotated) basis, (code - zp) x (scale / the page's
   largest scale) in fp16, with that largest scale kept per page (staging._stage_rows' rule);
-- the query rows are rotated once (q' = R q in float32, as the paged kernel does it) and
-  rescaled into fp16, their undo factors carrying the 1 / D of R^T / D;
+- the query rows are rotated once (q' = R q in float32, as the paged kernel does it; a head that
+  is no power of two with each element times B_max / B) and rescaled into fp16, their undo
+  factors carrying the largest block's 1 / B_max of R^-1 (SPEC.md 8.4: 1 / D for a power of two);
 - the attention is attention_kernels._staged_attention_kernel itself, which un-rotates the
   rows before it stores them where the mode rotates (ROTATE).
 
@@ -158,7 +159,7 @@ def _int4_stage_query_kernel(
     ROTATE: tl.constexpr,
 ):
     """One token's query rows as the paged kernel makes them (int4_attention.rotated_query):
-    scaled into fp16's range, rotated, rounded to fp16; undo takes them back to R q / D."""
+    scaled into fp16's range, rotated, rounded to fp16; undo takes them back to R q / B."""
     token = tl.program_id(0).to(tl.int64)
     P: tl.constexpr = padded(D)
     h = tl.arange(0, BLOCK_H)
