@@ -685,7 +685,8 @@ def test_sliding_window_layers_hold_their_window(model):  # (model: for its one-
     _check_memory(cache, "after generate")
     with pytest.raises(ValueError, match="released"):
         cache.crop(-10)  # past the slack: the window's released keys would be needed
-    # Not read yet, and said so: one table a dump (a mixed cache once failed inside the reader).
+    # A dump holds one block table for every layer; the window's layers keep their own: refused
+    # by name before the dump reader meets tables that disagree.
     with pytest.raises(KVZooIntegrationError, match="audit: this cache has sliding-window layers"):
         cache.audit()
 
@@ -747,7 +748,7 @@ def test_static_cache_gives_the_paged_caches_numbers(model):
 
 def test_int4_takes_a_head_that_is_no_power_of_two():
     """head_dim 24 = 16 + 8, the rotation's two blocks (SPEC.md 3.4): both caches store and
-    attend it, with the same numbers."""
+    attend it, with the same numbers, and those are the model's to int4's rounding."""
     config = tiny_config()
     config.head_dim = 24
     torch.manual_seed(1234)
@@ -757,6 +758,12 @@ def test_int4_takes_a_head_that_is_no_power_of_two():
     got = generate(odd, static(odd, 2, mode="int4_per_token_head"), ids, mask)
     assert torch.equal(got.sequences, want.sequences)
     assert max_logit_error(got.logits, want.logits) == 0.0
+    # The two caches share their kernels, so a wrong rotation would pass the above: the first
+    # step's logits (the prompt's attention on the int4 cache) against the unquantized model's.
+    # int4's rounding moves them by 0.03 here (logits up to 0.59); one butterfly over the tile
+    # padded to 32 instead of the blocks, by 0.33.
+    exact = generate(odd, DynamicCache(), ids, mask)
+    assert max_logit_error(want.logits[:1], exact.logits[:1]) < 0.1
 
 
 def test_static_cache_decode_compiles_into_one_graph(model):
