@@ -52,6 +52,9 @@ def int4_groups(r: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def rounding(head_size: int, group: int, rotate: bool):
+    if rotate and head_size & (head_size - 1):
+        # SPEC.md 3.4 rotates such a head in blocks; this probe builds one Sylvester matrix.
+        raise ValueError(f"head_size: the simulated rotation takes a power of two, got {head_size}")
     signs, h = torch.from_numpy(rht_signs(head_size).copy()), sylvester(head_size)
 
     def round_rows(x: torch.Tensor, layer: int) -> torch.Tensor:
