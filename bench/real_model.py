@@ -1143,7 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     fmts, skipped = formats(model, static_scales)
     only = [p for p in args.only.split(",") if p]
     if only and not args.ablate:
-        fmts = [f for f in fmts if f.kind == "dynamic" or any(p in f.label for p in only)]
+        # The unquantized rows stay: every later section compares against them.
+        fmts = [f for f in fmts if f.kind == "dynamic" or f.mode == "none" or any(p in f.label for p in only)]
     report: dict[str, Any] = {
         "command": " ".join(["python", "bench/real_model.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch/Numba thread(s), "
