@@ -479,7 +479,9 @@ def test_plan_refuses_bad_metadata_naming_the_argument(case):
         (dict(mode="fp8_inc"), "mode"),
         (dict(device="meta"), "device"),
         (dict(rounding="trunc", mode="fp8_per_token_head"), "rounding"),
-        (dict(mode="int4_per_token_head", head_size=96), "head_size"),
+        (dict(mode="int4_per_token_head", head_size=95), "head_size"),  # two codes a byte: even sizes
+        (dict(mode="int4_per_token_head_norot", head_size=96), "head_size"),  # powers of two only
+        (dict(mode="int4_per_token_head", head_size=514), "head_size"),  # past the sign table
         (dict(mode="int4_per_token_head_norot", layout="inline"), "layout"),
     ],
 )
