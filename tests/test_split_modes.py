@@ -9,7 +9,6 @@ refused where they are not taken.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 import kvzoo
 from kvzoo import KVZooInputError, registry, samples
 from kvzoo.arrays import as_torch, numpy_dtype
+from kvzoo.backends.triton import platform as triton_platform
 from kvzoo.inputs import host_bytes, random_bytes, rng_for
 from kvzoo.modes import MODES
 from kvzoo.problem import OPS
@@ -143,7 +143,7 @@ def test_every_backend_registers_the_split_modes_for_what_numpy_takes_them():
 
 
 # Triton's kernels take CPU tensors only under the interpreter (CI); on a GPU, CUDA tensors.
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not triton_platform.interpreted() else "cpu"
 
 
 def _arrays(impl: str, *arrays):
